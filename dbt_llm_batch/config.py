@@ -1,0 +1,207 @@
+"""A model's `llm_*` configuration: parsed, validated (every problem reported at once), fingerprinted.
+
+Validation happens before the ledger or any provider is touched, so a bad config never pays for a
+request. The fingerprint covers exactly what can change an answer; see `answer_defining_fields`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from dbt_llm_batch.errors import ConfigError
+
+# Output type names a user may write in `llm_output`, and the DuckDB / JSON-schema types they become.
+OUTPUT_TYPES = {
+    "text": ("VARCHAR", {"type": "string"}),
+    "integer": ("BIGINT", {"type": "integer"}),
+    "number": ("DOUBLE", {"type": "number"}),
+    "boolean": ("BOOLEAN", {"type": "boolean"}),
+}
+
+# Columns the plugin appends to every model table, in this order (later issues append after these).
+STATUS_COLUMNS = [
+    ("llm_status", "VARCHAR"),
+    ("llm_error", "VARCHAR"),
+    ("llm_finish_reason", "VARCHAR"),
+    ("llm_input_tokens", "BIGINT"),
+    ("llm_output_tokens", "BIGINT"),
+    ("llm_model", "VARCHAR"),
+    ("llm_batch_id", "VARCHAR"),
+    ("llm_fingerprint", "VARCHAR"),
+    ("llm_completed_at", "TIMESTAMPTZ"),
+]
+
+# Every key the plugin understands, with its default. Keys starting with `llm_` that are not here are
+# reported as errors (with a did-you-mean), because a typo would otherwise silently change nothing.
+DEFAULTS: dict[str, Any] = {
+    "llm_provider": "openai",
+    "llm_model": None,  # required
+    "llm_prompt_column": "prompt",
+    "llm_system": None,
+    "llm_output": None,
+    "llm_max_tokens": None,
+    "llm_temperature": None,
+    "llm_params": {},
+    "llm_max_attempts": 3,
+    "llm_wait_seconds": 0,
+    "llm_ledger_schema": None,
+}
+
+KNOWN_PROVIDERS = ("openai",)
+
+# Request parameters the plugin sets itself: `llm_params` may not override them silently.
+RESERVED_PARAMS = ("model", "messages", "max_tokens", "temperature", "response_format", "stream")
+
+
+@dataclass(frozen=True)
+class OutputColumn:
+    name: str
+    duckdb_type: str
+    json_schema: dict
+    enum: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    unique_key: tuple[str, ...]
+    provider: str
+    model: str
+    prompt_column: str
+    system: str | None
+    output: dict | None  # the user's llm_output as written, or None for one text column
+    output_columns: tuple[OutputColumn, ...]
+    max_tokens: int | None
+    temperature: float | None
+    params: dict = field(default_factory=dict)
+    max_attempts: int = 3
+    wait_seconds: float = 0
+    ledger_schema: str | None = None
+
+    @property
+    def structured(self) -> bool:
+        return self.output is not None
+
+    def output_json_schema(self) -> dict | None:
+        """The JSON schema sent as structured output; None for free text."""
+        if not self.structured:
+            return None
+        return {
+            "type": "object",
+            "properties": {c.name: c.json_schema for c in self.output_columns},
+            "required": [c.name for c in self.output_columns],
+            "additionalProperties": False,
+        }
+
+    def answer_defining_fields(self) -> dict:
+        """Everything except the prompt that can change an answer (the fingerprint's constant part)."""
+        return {
+            "provider": self.provider,
+            "model": self.model,
+            "system": self.system,
+            "output_schema": self.output_json_schema(),
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "params": self.params,
+        }
+
+    def fingerprint_prefix(self) -> str:
+        """Hash of the constant part; a row's fingerprint is sha256(prefix || prompt), computed in SQL."""
+        canonical = json.dumps(self.answer_defining_fields(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def parse_config(raw: dict) -> ModelConfig:
+    """Validate a model's raw config dict; raise one ConfigError listing every problem."""
+    errors: list[str] = []
+    for name in sorted(k for k in raw if k.startswith("llm_") and k not in DEFAULTS):
+        hint = difflib.get_close_matches(name, DEFAULTS, n=1)
+        errors.append(f"unknown config key '{name}'" + (f" (did you mean '{hint[0]}'?)" if hint else ""))
+    cfg = {k: (raw.get(k) if raw.get(k) is not None else d) for k, d in DEFAULTS.items()}
+
+    unique_key = raw.get("unique_key")
+    keys: tuple[str, ...] = ()
+    if isinstance(unique_key, str) and unique_key.strip():
+        keys = (unique_key,)
+    elif isinstance(unique_key, (list, tuple)) and unique_key and all(isinstance(k, str) for k in unique_key):
+        keys = tuple(unique_key)
+    else:
+        errors.append("unique_key is required: a column name or a list of column names")
+
+    if cfg["llm_provider"] not in KNOWN_PROVIDERS:
+        errors.append(f"llm_provider must be one of {list(KNOWN_PROVIDERS)}, got {cfg['llm_provider']!r}")
+    if not isinstance(cfg["llm_model"], str) or not cfg["llm_model"]:
+        errors.append("llm_model is required (for example llm_model='gpt-4o-mini')")
+    if not isinstance(cfg["llm_prompt_column"], str) or not cfg["llm_prompt_column"]:
+        errors.append("llm_prompt_column must be a column name")
+    if cfg["llm_system"] is not None and not isinstance(cfg["llm_system"], str):
+        errors.append("llm_system must be a string")
+    _check_number(errors, cfg, "llm_max_tokens", int, minimum=1)
+    _check_number(errors, cfg, "llm_temperature", (int, float), minimum=0, maximum=2)
+    _check_number(errors, cfg, "llm_max_attempts", int, minimum=1)
+    _check_number(errors, cfg, "llm_wait_seconds", (int, float), minimum=0)
+    params = cfg["llm_params"]
+    if not isinstance(params, dict):
+        errors.append("llm_params must be a dict of extra request parameters")
+        params = {}
+    for reserved in RESERVED_PARAMS:
+        if reserved in params:
+            errors.append(f"llm_params may not set '{reserved}': use the llm_* key for it instead")
+    output_columns = _parse_output(cfg["llm_output"], errors)
+
+    if errors:
+        raise ConfigError("invalid llm_batch config:\n  - " + "\n  - ".join(errors))
+    return ModelConfig(
+        unique_key=keys,
+        provider=cfg["llm_provider"],
+        model=cfg["llm_model"],
+        prompt_column=cfg["llm_prompt_column"],
+        system=cfg["llm_system"],
+        output=cfg["llm_output"],
+        output_columns=output_columns,
+        max_tokens=cfg["llm_max_tokens"],
+        temperature=None if cfg["llm_temperature"] is None else float(cfg["llm_temperature"]),
+        params=params,
+        max_attempts=cfg["llm_max_attempts"],
+        wait_seconds=float(cfg["llm_wait_seconds"]),
+        ledger_schema=cfg["llm_ledger_schema"],
+    )
+
+
+def _check_number(errors, cfg, name, types, minimum=None, maximum=None):
+    value = cfg[name]
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, types):
+        errors.append(f"{name} must be a number, got {value!r}")
+    elif (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+        errors.append(f"{name} must be {bounds}, got {value!r}")
+
+
+def _parse_output(output, errors) -> tuple[OutputColumn, ...]:
+    if output is None:
+        return (OutputColumn("llm_output", "VARCHAR", {"type": "string"}),)
+    if not isinstance(output, dict) or not output:
+        errors.append("llm_output must be a dict from column name to a type ('text', 'integer', "
+                      "'number', 'boolean' or a list of allowed strings)")
+        return ()
+    columns = []
+    for name, spec in output.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            errors.append(f"llm_output column name {name!r} must be a plain identifier")
+        elif isinstance(spec, list):
+            if not spec or not all(isinstance(v, str) for v in spec) or len(set(spec)) != len(spec):
+                errors.append(f"llm_output['{name}'] enum must be a non-empty list of distinct strings")
+            else:
+                columns.append(OutputColumn(name, "VARCHAR", {"type": "string", "enum": list(spec)}, tuple(spec)))
+        elif spec in OUTPUT_TYPES:
+            duckdb_type, schema = OUTPUT_TYPES[spec]
+            columns.append(OutputColumn(name, duckdb_type, schema))
+        else:
+            errors.append(f"llm_output['{name}'] has unknown type {spec!r}: use 'text', 'integer', "
+                          "'number', 'boolean' or a list of allowed strings")
+    return tuple(columns)

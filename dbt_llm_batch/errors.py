@@ -1,0 +1,17 @@
+"""Errors that reach the user. Each message says what is wrong and how to fix it."""
+
+
+class LlmBatchError(Exception):
+    """Base class: dbt shows the message as the model's failure reason."""
+
+
+class ConfigError(LlmBatchError):
+    """The model's llm_* config is invalid. Raised before any request is paid for."""
+
+
+class InputError(LlmBatchError):
+    """The rows the model selected cannot be sent (NULL or duplicate keys, missing columns)."""
+
+
+class ProviderError(LlmBatchError):
+    """A provider call failed in a way the run cannot recover from on its own."""

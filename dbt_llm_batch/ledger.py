@@ -1,0 +1,170 @@
+"""The ledger: state tables in the warehouse that record every batch, request and result.
+
+Invariants (see DESIGN.md):
+- a request row exists (status 'queued', with its job's intent row) before any call that could bill it;
+- a result line is stored in `llm_batch_results` before the request's status changes or the row is
+  merged into the model table;
+- the model table is a pure function of these tables.
+Schema changes are numbered migrations below; `llm_batch_meta` records the applied version. New
+columns go at the end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import duckdb
+
+# Request statuses. 'queued' and 'submitted' are in flight; 'voided' means the request never produced
+# an outcome of its own (batch-level failure, expiry, intent that never reached the provider): it
+# does not use up an attempt and is planned again.
+IN_FLIGHT = ("queued", "submitted")
+# Provider batch statuses after which nothing more will happen to a job.
+JOB_TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+MIGRATIONS: list[tuple[int, list[str]]] = [
+    (1, [
+        """create table if not exists {s}.llm_batch_meta (
+               schema_version integer, applied_at timestamptz)""",
+        """create table if not exists {s}.llm_batch_jobs (
+               job_id varchar, model varchar, provider varchar, llm_model varchar,
+               batch_id varchar, status varchar, request_count bigint,
+               input_file_id varchar, output_file_id varchar, error_file_id varchar, error varchar,
+               created_at timestamptz, submitted_at timestamptz, ended_at timestamptz,
+               harvested_at timestamptz, updated_at timestamptz)""",
+        """create table if not exists {s}.llm_batch_requests (
+               custom_id varchar, model varchar, key varchar, fingerprint varchar, seq integer,
+               job_id varchar, status varchar, is_final boolean, error varchar, finish_reason varchar,
+               input_tokens bigint, output_tokens bigint, cached_tokens bigint, row_json varchar,
+               queued_at timestamptz, completed_at timestamptz, emitted varchar, answer varchar)""",
+        """create table if not exists {s}.llm_batch_results (
+               custom_id varchar, model varchar, job_id varchar, source varchar, raw varchar,
+               stored_at timestamptz)""",
+    ]),
+]
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+# dbt runs models in threads of one process; DuckDB rejects concurrent DDL on one catalog
+# ("Catalog write-write conflict"), so migrations are serialised here and retried across processes.
+_MIGRATION_LOCK = threading.Lock()
+
+
+def retry_on_conflict(fn, attempts: int = 20):
+    """Run fn(), retrying DuckDB transaction conflicts between concurrent model threads."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except duckdb.TransactionException as exc:
+            if "conflict" not in str(exc).lower() or i == attempts - 1:
+                raise
+            time.sleep(0.05 * (i + 1))
+
+
+class Ledger:
+    """The state tables of one schema, seen from one dbt model."""
+
+    def __init__(self, con, schema: str, model: str):
+        self.con = con
+        self.schema = schema
+        self.model = model
+
+    def table(self, name: str) -> str:
+        return f'"{self.schema}".{name}'
+
+    def migrate(self) -> None:
+        """Create or upgrade the state tables to SCHEMA_VERSION (idempotent)."""
+        with _MIGRATION_LOCK:
+            retry_on_conflict(self._migrate_once)
+
+    def _migrate_once(self) -> None:
+        s = f'"{self.schema}"'
+        self.con.execute(f"create schema if not exists {s}")
+        self.con.execute(MIGRATIONS[0][1][0].format(s=s))
+        current = self.con.execute(f"select coalesce(max(schema_version), 0) from {s}.llm_batch_meta").fetchone()[0]
+        if current > SCHEMA_VERSION:
+            raise RuntimeError(f"ledger in schema {self.schema} has version {current}, newer than this "
+                               f"dbt-llm-batch ({SCHEMA_VERSION}): upgrade the package")
+        for version, statements in MIGRATIONS:
+            if version <= current:
+                continue
+            self.con.execute("begin transaction")
+            try:
+                for sql in statements:
+                    self.con.execute(sql.format(s=s))
+                self.con.execute(f"insert into {s}.llm_batch_meta values (?, now())", [version])
+                self.con.execute("commit")
+            except Exception:
+                self.con.execute("rollback")
+                raise
+
+    def execute(self, sql: str, params=None):
+        """Execute one statement (autocommit), retrying write conflicts with other model threads."""
+        return retry_on_conflict(lambda: self.con.execute(sql, params or []))
+
+    # --- jobs -------------------------------------------------------------------------------
+
+    def open_jobs(self) -> list[dict]:
+        """Jobs of this model that may still yield results: intents and unharvested batches."""
+        rows = self.con.execute(
+            f"""select job_id, batch_id, status, provider, created_at from {self.table('llm_batch_jobs')}
+                where model = ? and harvested_at is null and status <> 'voided'
+                order by created_at""", [self.model]).fetchall()
+        return [dict(zip(("job_id", "batch_id", "status", "provider", "created_at"), r)) for r in rows]
+
+    def write_intent(self, provider: str, llm_model: str, plan_table: str, chunk: int) -> str:
+        """Record a job intent and its requests ('queued') in one transaction; returns the job id.
+
+        Called before the provider is contacted, so a crash after this point leaves a trace that
+        reconciliation can follow, and nothing is ever sent that the ledger does not know about.
+        """
+        job_id = "job_" + uuid.uuid4().hex
+        def write():
+            self.con.execute("begin transaction")
+            try:
+                self.con.execute(
+                    f"""insert into {self.table('llm_batch_jobs')} (job_id, model, provider, llm_model,
+                          status, request_count, created_at, updated_at)
+                        select ?, ?, ?, ?, 'intent', count(*), now(), now() from {plan_table} where chunk = ?""",
+                    [job_id, self.model, provider, llm_model, chunk])
+                self.con.execute(
+                    f"""insert into {self.table('llm_batch_requests')} (custom_id, model, key, fingerprint,
+                          seq, job_id, status, row_json, queued_at)
+                        select custom_id, ?, key, fingerprint, seq, ?, 'queued', row_json, now()
+                        from {plan_table} where chunk = ?""",
+                    [self.model, job_id, chunk])
+                self.con.execute("commit")
+            except Exception:
+                self.con.execute("rollback")
+                raise
+        retry_on_conflict(write)
+        return job_id
+
+    def record_submission(self, job_id: str, batch_id: str, input_file_id: str | None, status: str) -> None:
+        self.execute(
+            f"""update {self.table('llm_batch_jobs')} set batch_id = ?, input_file_id = ?, status = ?,
+                  submitted_at = now(), updated_at = now() where job_id = ?""",
+            [batch_id, input_file_id, status, job_id])
+        self.execute(
+            f"update {self.table('llm_batch_requests')} set status = 'submitted' where job_id = ? and status = 'queued'",
+            [job_id])
+
+    def update_job(self, job_id: str, **fields) -> None:
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        self.execute(f"update {self.table('llm_batch_jobs')} set {sets}, updated_at = now() where job_id = ?",
+                     [*fields.values(), job_id])
+
+    def void_job(self, job_id: str, reason: str) -> None:
+        """The job produced no per-request outcome: its unresolved requests go back to the queue
+        without using up an attempt."""
+        self.execute(
+            f"""update {self.table('llm_batch_requests')} set status = 'voided', error = ?, completed_at = now()
+                where job_id = ? and status in ('queued', 'submitted')""", [reason, job_id])
+
+    # --- summary ----------------------------------------------------------------------------
+
+    def pending_count(self) -> int:
+        return self.con.execute(
+            f"select count(*) from {self.table('llm_batch_requests')} where model = ? and status in ('queued', 'submitted')",
+            [self.model]).fetchone()[0]

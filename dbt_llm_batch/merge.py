@@ -1,0 +1,109 @@
+"""Merge: write final outcomes from the ledger into the model table.
+
+The table holds, per key, the ledger's *winner*: among the key's final requests (succeeded, or failed
+with attempts used up), the one queued last. Selected columns come from the row as it was when that
+request was planned (stored as JSON in the ledger), so the table is a pure function of the ledger:
+an incremental run and a full refresh on the same ledger give the same rows for the selected keys.
+"""
+
+from __future__ import annotations
+
+import json
+
+from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
+from dbt_llm_batch.errors import ConfigError
+from dbt_llm_batch.ledger import Ledger, retry_on_conflict
+from dbt_llm_batch.planner import DESIRED, describe, key_sql, q
+
+EMIT = "__llm_emit"
+
+
+def table_columns(input_columns, config: ModelConfig) -> list[tuple[str, str]]:
+    """The model table's columns: selected, then outputs, then status columns."""
+    outputs = [(c.name, c.duckdb_type) for c in config.output_columns]
+    return list(input_columns) + outputs + STATUS_COLUMNS
+
+
+def relation_exists(con, schema: str, name: str) -> bool:
+    return con.execute("select count(*) from information_schema.tables where table_schema = ? and table_name = ?",
+                       [schema, name]).fetchone()[0] > 0
+
+
+def check_existing_table(con, target: str, expected) -> None:
+    """An incremental run appends rows of the same shape; a changed shape needs a full refresh."""
+    actual = describe(con, target)
+    if [(n.lower(), t) for n, t in actual] != [(n.lower(), t) for n, t in expected]:
+        raise ConfigError(
+            f"the columns of {target} changed (the model's SELECT, unique_key or llm_output changed):\n"
+            f"  table has: {', '.join(f'{n} {t}' for n, t in actual)}\n"
+            f"  model now: {', '.join(f'{n} {t}' for n, t in expected)}\n"
+            f"Run `dbt run --full-refresh -s <model>`: it rebuilds the table from the ledger and sends nothing.")
+
+
+def _row_select(ledger: Ledger, config: ModelConfig, input_columns, source: str) -> str:
+    structure = json.dumps({name: typ for name, typ in input_columns})
+    outputs = []
+    for col in config.output_columns:
+        if config.structured:
+            value = f"try_cast(json_extract_string(w.answer, '$.{col.name}') as {col.duckdb_type})"
+        else:
+            value = "w.answer"
+        outputs.append(f"case when w.status = 'succeeded' then {value} end as {q(col.name)}")
+    model_literal = "'" + config.model.replace("'", "''") + "'"
+    return f"""
+        select unnest(json_transform(w.row_json, '{structure.replace("'", "''")}')),
+               {', '.join(outputs)},
+               w.status, w.error, w.finish_reason, w.input_tokens, w.output_tokens,
+               coalesce(w.job_model, {model_literal}), w.batch_id, w.fingerprint, w.completed_at
+        from {source} w"""
+
+
+def _winners(ledger: Ledger, keys_sql: str) -> str:
+    """Per key in `keys_sql`, the final request queued last, with its job's batch id and model."""
+    return f"""
+        select r.*, j.batch_id, j.llm_model as job_model
+        from {ledger.table('llm_batch_requests')} r left join {ledger.table('llm_batch_jobs')} j using (job_id)
+        where r.model = '{ledger.model.replace("'", "''")}' and r.is_final and r.key in ({keys_sql})
+        qualify row_number() over (partition by r.key order by r.queued_at desc, r.seq desc) = 1"""
+
+
+def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, full_refresh: bool) -> tuple[int, int]:
+    """Bring the model table up to date with the ledger; returns (rows written, of which failed)."""
+    con = ledger.con
+    columns = table_columns(input_columns, config)
+    requests = ledger.table("llm_batch_requests")
+    unconsidered = f"select key from {requests} where model = ? and is_final and emitted is null"
+    if full_refresh:
+        con.execute(f"create or replace temp table {EMIT} as {_winners(ledger, f'select key from {DESIRED}')}")
+    else:
+        con.execute(
+            f"create or replace temp table {EMIT} as select * from ({_winners(ledger, unconsidered)}) where emitted is null",
+            [ledger.model])
+    ddl = ", ".join(f"{q(n)} {t}" for n, t in columns)
+    target_key = key_sql(config)
+    # A full refresh speaks only for the keys selected now; other keys keep their pending merges.
+    scope = f"and key in (select key from {DESIRED})" if full_refresh else ""
+
+    def write():
+        con.execute("begin transaction")
+        try:
+            if full_refresh:
+                con.execute(f"create or replace table {target} ({ddl})")
+            else:
+                con.execute(f"create table if not exists {target} ({ddl})")
+                con.execute(f"delete from {target} where {target_key} in (select key from {EMIT})")
+            con.execute(f"insert into {target} {_row_select(ledger, config, input_columns, EMIT)}")
+            # Every final request seen here is now considered: the winner merged, the rest superseded,
+            # so the next run only looks at requests that became final after this one.
+            con.execute(
+                f"""update {requests} set emitted = case when custom_id in (select custom_id from {EMIT})
+                                                         then 'merged' else 'superseded' end
+                    where model = ? and is_final and emitted is null {scope}""", [ledger.model])
+            con.execute("commit")
+        except Exception:
+            con.execute("rollback")
+            raise
+    retry_on_conflict(write)
+    written, failed = con.execute(f"select count(*), count(*) filter (where status = 'failed') from {EMIT}").fetchone()
+    con.execute(f"drop table if exists {EMIT}")
+    return written, failed

@@ -1,0 +1,165 @@
+"""Planning: from the model's selected rows to the requests this run must send.
+
+Everything here is set-based SQL in DuckDB: keys, fingerprints and custom_ids are computed for all
+rows at once, and the set difference against the ledger is a join, not a Python loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
+from dbt_llm_batch.errors import ConfigError, InputError
+from dbt_llm_batch.ledger import Ledger
+
+# Temp tables (connection-local) this module creates.
+DESIRED = "__llm_desired"
+PLAN = "__llm_plan"
+
+
+def q(name: str) -> str:
+    """Quote an identifier for DuckDB."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def describe(con, relation: str) -> list[tuple[str, str]]:
+    """(name, type) of each column of a relation, in order."""
+    return [(r[0], r[1]) for r in con.execute(f"describe {relation}").fetchall()]
+
+
+def check_input(con, input_rel: str, config: ModelConfig) -> list[tuple[str, str]]:
+    """Validate the selected rows before anything is sent; returns the selected columns.
+
+    Raises ConfigError for a missing or clashing column and InputError for NULL or duplicate keys,
+    naming a few offending keys so the user can find them.
+    """
+    columns = describe(con, input_rel)
+    names = [c[0] for c in columns]
+    lowered = {n.lower() for n in names}
+    problems = []
+    for key in config.unique_key:
+        if key not in names:
+            problems.append(f"unique_key column '{key}' is not selected by the model (columns: {', '.join(names)})")
+    if config.prompt_column not in names:
+        problems.append(f"prompt column '{config.prompt_column}' is not selected by the model; select a "
+                        f"column named '{config.prompt_column}' or set llm_prompt_column")
+    added = [c.name for c in config.output_columns] + [c[0] for c in STATUS_COLUMNS]
+    for clash in [a for a in added if a.lower() in lowered]:
+        problems.append(f"selected column '{clash}' clashes with a column dbt-llm-batch adds; rename it in "
+                        f"the model's SQL{' or in llm_output' if clash in dict(config.output or {}) else ''}")
+    if problems:
+        raise ConfigError("invalid llm_batch model:\n  - " + "\n  - ".join(problems))
+
+    keys = ", ".join(q(k) for k in config.unique_key)
+    null_filter = " or ".join(f"{q(k)} is null" for k in config.unique_key)
+    nulls = con.execute(f"select count(*) from {input_rel} where {null_filter}").fetchone()[0]
+    if nulls:
+        sample = con.execute(f"select {keys} from {input_rel} where {null_filter} limit 5").fetchall()
+        raise InputError(f"{nulls} selected row(s) have a NULL in unique_key ({', '.join(config.unique_key)}), "
+                         f"for example {_fmt(sample)}; nothing was sent. Filter them out in the model's SQL.")
+    dupes = con.execute(
+        f"select {keys}, count(*) from {input_rel} group by all having count(*) > 1 order by count(*) desc limit 5"
+    ).fetchall()
+    if dupes:
+        total = con.execute(
+            f"select count(*) from (select 1 from {input_rel} group by all having count(*) > 1)".replace(
+                "group by all", f"group by {keys}")).fetchone()[0]
+        examples = ", ".join(f"{_fmt([d[:-1]])} ({d[-1]} rows)" for d in dupes)
+        raise InputError(f"{total} unique_key value(s) are duplicated, for example {examples}; nothing was "
+                         f"sent. Make ({', '.join(config.unique_key)}) unique in the model's SQL.")
+    return columns
+
+
+def _fmt(rows) -> str:
+    return ", ".join("(" + ", ".join(repr(v) for v in r) + ")" if len(r) > 1 else repr(r[0]) for r in rows)
+
+
+def key_sql(config: ModelConfig) -> str:
+    """The ledger's key: a JSON list of the key columns as text (composite keys stay unambiguous)."""
+    return "to_json([" + ", ".join(f"cast({q(k)} as varchar)" for k in config.unique_key) + "])"
+
+
+def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
+    """One row per selected key: key, fingerprint, prompt, and the selected row as JSON."""
+    row = "to_json(struct_pack(" + ", ".join(f"{q(c)} := {q(c)}" for c, _ in columns) + "))"
+    con.execute(
+        f"""create or replace temp table {DESIRED} as
+            select {key_sql(config)} as key,
+                   sha256(? || coalesce(cast({q(config.prompt_column)} as varchar), '')) as fingerprint,
+                   cast({q(config.prompt_column)} as varchar) as prompt,
+                   {row} as row_json
+            from {input_rel}""",
+        [config.fingerprint_prefix()])
+
+
+def reject_empty_prompts(ledger: Ledger) -> int:
+    """Rows with a NULL or empty prompt fail alone, without a request: record them as final failures."""
+    return ledger.execute(
+        f"""insert into {ledger.table('llm_batch_requests')} (custom_id, model, key, fingerprint, seq, status,
+              is_final, error, row_json, queued_at, completed_at)
+            select 'x_' || substr(sha256(? || d.key || d.fingerprint), 1, 40), ?, d.key, d.fingerprint, 0,
+                   'failed', true, 'prompt is NULL or empty: nothing was sent', d.row_json, now(), now()
+            from {DESIRED} d
+            where coalesce(d.prompt, '') = ''
+              and not exists (select 1 from {ledger.table('llm_batch_requests')} r
+                              where r.model = ? and r.key = d.key and r.fingerprint = d.fingerprint)""",
+        [ledger.model, ledger.model, ledger.model]).fetchone()[0]
+
+
+def build_plan(ledger: Ledger, config: ModelConfig) -> int:
+    """Requests to send now: desired rows minus those succeeded or in flight for the same key and
+    fingerprint, and minus those whose failures reached llm_max_attempts. Returns the count."""
+    con = ledger.con
+    con.execute(
+        f"""create or replace temp table {PLAN} as
+            with history as (
+                select key, fingerprint, count(*) as n_requests,
+                       count(*) filter (where status in ('queued', 'submitted')) as in_flight,
+                       count(*) filter (where status = 'succeeded') as succeeded,
+                       count(*) filter (where status = 'failed') as failed
+                from {ledger.table('llm_batch_requests')}
+                where model = ?
+                group by key, fingerprint)
+            select d.key, d.fingerprint, d.prompt, d.row_json,
+                   coalesce(h.n_requests, 0) as seq,
+                   'r_' || substr(sha256(? || d.key || d.fingerprint || coalesce(h.n_requests, 0)), 1, 40)
+                       as custom_id,
+                   0 as chunk
+            from {DESIRED} d left join history h using (key, fingerprint)
+            where coalesce(d.prompt, '') <> ''
+              and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0
+              and coalesce(h.failed, 0) < ?""",
+        [ledger.model, ledger.model, config.max_attempts])
+    return con.execute(f"select count(*) from {PLAN}").fetchone()[0]
+
+
+def assign_chunks(con, line_sql: str, max_requests: int, max_bytes: int) -> int:
+    """Split the plan into provider-sized chunks (count and byte limits); returns the chunk count.
+
+    Lines are assigned greedily in custom_id order: a chunk ends before the line that would push it
+    over either limit. The loop runs once per chunk, not once per row.
+    """
+    con.execute(f"alter table {PLAN} add column line_bytes bigint")
+    con.execute(f"update {PLAN} set line_bytes = octet_length({line_sql}) + 1")
+    fetched = con.execute(f"select custom_id, line_bytes from {PLAN} order by custom_id").fetchnumpy()
+    ids, sizes = fetched["custom_id"], np.asarray(fetched["line_bytes"])
+    sizes = sizes.astype(np.int64)
+    too_big = int((sizes > max_bytes).sum())
+    if too_big:
+        raise InputError(f"{too_big} request(s) are larger than the provider's batch file limit "
+                         f"({max_bytes} bytes) on their own; shorten those prompts")
+    cumulative = np.cumsum(sizes)
+    chunks = np.zeros(len(sizes), dtype=np.int64)
+    start, chunk = 0, 0
+    while start < len(sizes):
+        base = cumulative[start - 1] if start else 0
+        end = int(np.searchsorted(cumulative, base + max_bytes, side="right"))
+        end = min(end, start + max_requests, len(sizes))
+        chunks[start:end] = chunk
+        start, chunk = end, chunk + 1
+    if chunk > 1:
+        con.register("__llm_chunks", pa.table({"custom_id": pa.array(ids, pa.string()), "chunk": chunks}))
+        con.execute(f"update {PLAN} set chunk = c.chunk from __llm_chunks c where {PLAN}.custom_id = c.custom_id")
+        con.unregister("__llm_chunks")
+    return chunk

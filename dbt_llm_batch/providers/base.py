@@ -1,0 +1,81 @@
+"""The provider boundary: what the core needs from a batch API, and nothing provider-specific.
+
+A provider turns planned rows into request lines (as a SQL expression, so lines are built in bulk),
+submits a file of lines as one batch, polls it, downloads its result lines, and says how to read
+those lines into the normalised outcome columns the core understands.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.errors import ConfigError
+
+# Columns every provider's `outcomes_sql` must produce, one row per result line:
+#   custom_id, outcome ('ok' | 'error' | 'void'), answer, finish_reason, error,
+#   input_tokens (all input, cached included), output_tokens, cached_tokens
+# 'void' is an outcome that says nothing about the request itself (expired, cancelled before it
+# ran): the request is sent again without using up an attempt.
+OUTCOME_COLUMNS = ("custom_id", "outcome", "answer", "finish_reason", "error",
+                   "input_tokens", "output_tokens", "cached_tokens")
+
+
+@dataclass
+class Submission:
+    batch_id: str
+    status: str
+    input_file_id: str | None = None
+
+
+@dataclass
+class BatchState:
+    status: str  # the provider's own status word, recorded in the ledger as is
+    ended: bool  # nothing more will happen; results (if any) can be downloaded
+    error: str | None = None  # batch-level failure text (the batch produced no per-request outcome)
+    counts: dict = field(default_factory=dict)
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+
+
+class BatchProvider(ABC):
+    name: ClassVar[str]
+    key_env_var: ClassVar[str]
+    max_requests_per_batch: ClassVar[int]
+    max_bytes_per_batch: ClassVar[int]
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+
+    def check_credentials(self) -> None:
+        """Raise a ConfigError naming the variable to set when the API key is missing."""
+        if not os.environ.get(self.key_env_var):
+            raise ConfigError(f"{self.key_env_var} is not set: export it in the shell that runs dbt "
+                              f"(never put the key in dbt config; dbt writes config into target/)")
+
+    @abstractmethod
+    def request_line_sql(self) -> str:
+        """A DuckDB expression over columns `custom_id` and `prompt` giving one JSONL request line."""
+
+    @abstractmethod
+    def submit(self, jsonl_path: str, token: str, model_name: str) -> Submission:
+        """Upload the request file and create one batch tagged with `token`."""
+
+    @abstractmethod
+    def find_submission(self, token: str, since_epoch: float) -> Submission | None:
+        """Find a batch created with `token` (after a crash between create and the ledger write)."""
+
+    @abstractmethod
+    def poll(self, batch_id: str) -> BatchState:
+        """The batch's current state (one provider call)."""
+
+    @abstractmethod
+    def download_results(self, state: BatchState, batch_id: str, directory: str) -> list[tuple[str, str]]:
+        """Write the batch's result lines to files in `directory`; returns [(source, path)]."""
+
+    @abstractmethod
+    def outcomes_sql(self, raw_column: str) -> str:
+        """SELECT-list expressions (aliased as OUTCOME_COLUMNS) reading one stored raw result line."""

@@ -1,0 +1,116 @@
+"""OpenAI Files + Batch API, through the official `openai` SDK.
+
+The SDK reads OPENAI_API_KEY and OPENAI_BASE_URL from the environment at run time, which is also how
+tests point it at the local emulator. Contract: ../shared/reference/provider-contracts.md section 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from dbt_llm_batch.providers.base import BatchProvider, BatchState, Submission
+
+ENDPOINT = "/v1/chat/completions"
+TOKEN_KEY = "dbt_llm_batch_token"  # batch metadata key carrying the ledger's job id
+PROMPT_MARK = "\u0000__dbt_llm_batch_prompt__\u0000"
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+class OpenAIBatchProvider(BatchProvider):
+    name = "openai"
+    key_env_var = "OPENAI_API_KEY"
+    max_requests_per_batch = 50_000
+    max_bytes_per_batch = 200 * 1024 * 1024
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._client = None
+
+    @property
+    def client(self):
+        if self._client is None:
+            import openai
+            self._client = openai.OpenAI(max_retries=4, timeout=120)
+        return self._client
+
+    def request_body(self) -> dict:
+        cfg = self.config
+        messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + \
+                   [{"role": "user", "content": PROMPT_MARK}]
+        body: dict = {"model": cfg.model, "messages": messages}
+        if cfg.max_tokens is not None:
+            body["max_completion_tokens"] = cfg.max_tokens
+        if cfg.temperature is not None:
+            body["temperature"] = cfg.temperature
+        schema = cfg.output_json_schema()
+        if schema is not None:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "llm_output", "strict": True, "schema": schema}}
+        body.update(cfg.params)
+        return body
+
+    def request_line_sql(self) -> str:
+        # The body is the same for every row but the prompt: render it once, splice the prompt in SQL.
+        line = json.dumps({"custom_id": "\u0001", "method": "POST", "url": ENDPOINT, "body": self.request_body()},
+                          ensure_ascii=False, separators=(",", ":"))
+        head, rest = line.split('"\\u0001"')
+        middle, tail = rest.split(json.dumps(PROMPT_MARK))
+        lit = lambda s: "'" + s.replace("'", "''") + "'"  # noqa: E731
+        return f"{lit(head)} || to_json(custom_id) || {lit(middle)} || to_json(prompt) || {lit(tail)}"
+
+    def submit(self, jsonl_path, token, model_name):
+        with open(jsonl_path, "rb") as f:
+            uploaded = self.client.files.create(file=(os.path.basename(jsonl_path), f), purpose="batch")
+        batch = self.client.batches.create(
+            input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h",
+            metadata={TOKEN_KEY: token, "dbt_model": model_name[:512]})
+        return Submission(batch_id=batch.id, status=batch.status, input_file_id=uploaded.id)
+
+    def find_submission(self, token, since_epoch):
+        for batch in self.client.batches.list(limit=100):  # newest first; the SDK pages on
+            if (batch.metadata or {}).get(TOKEN_KEY) == token:
+                return Submission(batch_id=batch.id, status=batch.status, input_file_id=batch.input_file_id)
+            if batch.created_at < since_epoch - 3600:
+                return None
+        return None
+
+    def poll(self, batch_id):
+        b = self.client.batches.retrieve(batch_id)
+        error = None
+        if b.errors and b.errors.data:
+            error = "; ".join(f"{e.code}: {e.message}" + (f" (line {e.line})" if e.line else "")
+                              for e in b.errors.data)
+        counts = b.request_counts.model_dump() if b.request_counts else {}
+        return BatchState(status=b.status, ended=b.status in ENDED, error=error, counts=counts,
+                          output_file_id=b.output_file_id, error_file_id=b.error_file_id)
+
+    def download_results(self, state, batch_id, directory):
+        files = []
+        for source, file_id in (("output", state.output_file_id), ("error", state.error_file_id)):
+            if file_id:  # a batch whose requests all failed has no output file, one with none failed no error file
+                path = os.path.join(directory, f"{batch_id}-{source}.jsonl")
+                self.client.files.content(file_id).write_to_file(path)
+                files.append((source, path))
+        return files
+
+    def outcomes_sql(self, raw):
+        body = f"({raw}->'response'->'body')"
+        choice = f"({body}->'choices'->0)"
+        error_code = f"coalesce({raw}->'error'->>'code', {body}->'error'->>'code')"
+        return f"""
+            {raw}->>'custom_id' as custom_id,
+            case when {error_code} = 'batch_expired' then 'void'
+                 when cast({raw}->'response'->>'status_code' as integer) = 200
+                      and {choice}->'message'->>'content' is not null then 'ok'
+                 else 'error' end as outcome,
+            {choice}->'message'->>'content' as answer,
+            {choice}->>'finish_reason' as finish_reason,
+            coalesce({body}->'error'->>'message', {raw}->'error'->>'message',
+                     case when {choice}->'message'->>'refusal' is not null
+                          then 'model refused: ' || ({choice}->'message'->>'refusal') end,
+                     case when cast({raw}->'response'->>'status_code' as integer) <> 200
+                          then 'HTTP ' || ({raw}->'response'->>'status_code') end) as error,
+            cast({body}->'usage'->>'prompt_tokens' as bigint) as input_tokens,
+            cast({body}->'usage'->>'completion_tokens' as bigint) as output_tokens,
+            cast({body}->'usage'->'prompt_tokens_details'->>'cached_tokens' as bigint) as cached_tokens"""

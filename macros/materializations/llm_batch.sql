@@ -1,0 +1,60 @@
+{#-
+  The llm_batch materialization. All the work happens in Python (dbt_llm_batch.runner), inside
+  dbt-duckdb's Python job, because it talks to a provider API and writes the ledger with its own
+  autocommit connection: ledger rows must survive a model that fails later in the run.
+  For a SQL model the compiled SELECT is handed to Python as a string; for a Python model, the
+  relation its `model()` returns is.
+-#}
+{% materialization llm_batch, adapter='duckdb', supported_languages=['sql', 'python'] %}
+  {%- set target_relation = this.incorporate(type='table') -%}
+  {%- set payload = {
+      'schema': this.schema,
+      'identifier': this.identifier,
+      'target': target_relation.render(),
+      'raw_config': dbt_llm_batch._llm_config(),
+      'sql': compiled_code if model.language == 'sql' else none,
+      'full_refresh': should_full_refresh(),
+  } -%}
+
+  {{ run_hooks(pre_hooks) }}
+  {% call statement('main', language='python') -%}
+{% if model.language == 'python' %}
+{{ compiled_code }}
+
+# dbt's own is_incremental() is always False inside a custom materialization: use ours.
+_dbt_llm_batch_base_dbtObj = dbtObj
+class dbtObj(_dbt_llm_batch_base_dbtObj):
+    def __init__(self, load_df_function):
+        super().__init__(load_df_function)
+        self.is_incremental = {{ 'True' if dbt_llm_batch.is_incremental() else 'False' }}
+{% else %}
+class dbtObj:
+    def __init__(self, load_df_function):
+        pass
+
+def model(dbt, session):
+    return None
+{% endif %}
+
+def materialize(df, con):
+    import json
+    from dbt_llm_batch.runner import run_model
+    payload = json.loads({{ tojson(tojson(payload)) }})
+    run_model(con, df=df, **payload)
+  {%- endcall %}
+  {{ run_hooks(post_hooks) }}
+
+  {% do persist_docs(target_relation, model) %}
+  {{ return({'relations': [target_relation]}) }}
+{% endmaterialization %}
+
+
+{#- Every llm_* key set on the model (in SQL, YAML or dbt_project.yml), plus unique_key. Unknown
+    llm_* keys are passed on too, so that Python can report them all at once. -#}
+{% macro _llm_config() %}
+  {%- set picked = {'unique_key': config.get('unique_key')} -%}
+  {%- for key, value in model.config.items() if key.startswith('llm_') -%}
+    {%- do picked.update({key: value}) -%}
+  {%- endfor -%}
+  {{ return(picked) }}
+{% endmacro %}
