@@ -32,7 +32,7 @@ STATUS_COLUMNS = [
     ("llm_model", "VARCHAR"),
     ("llm_batch_id", "VARCHAR"),
     ("llm_fingerprint", "VARCHAR"),
-    ("llm_completed_at", "TIMESTAMPTZ"),
+    ("llm_completed_at", "TIMESTAMP WITH TIME ZONE"),
 ]
 
 # Every key the plugin understands, with its default. Keys starting with `llm_` that are not here are

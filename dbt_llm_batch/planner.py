@@ -141,7 +141,7 @@ def assign_chunks(con, line_sql: str, max_requests: int, max_bytes: int) -> int:
     over either limit. The loop runs once per chunk, not once per row.
     """
     con.execute(f"alter table {PLAN} add column line_bytes bigint")
-    con.execute(f"update {PLAN} set line_bytes = octet_length({line_sql}) + 1")
+    con.execute(f"update {PLAN} set line_bytes = strlen({line_sql}) + 1")
     fetched = con.execute(f"select custom_id, line_bytes from {PLAN} order by custom_id").fetchnumpy()
     ids, sizes = fetched["custom_id"], np.asarray(fetched["line_bytes"])
     sizes = sizes.astype(np.int64)

@@ -29,7 +29,7 @@ class RunSummary:
     rejected_prompts: int = 0
 
     def line(self) -> str:
-        return (f"llm_batch {self.model}: submitted {self.submitted} request(s) in {self.batches} batch(es); "
+        return (f"{self.model}: submitted {self.submitted} request(s) in {self.batches} batch(es); "
                 f"harvested {self.harvested_batches} batch(es); merged {self.merged} row(s) "
                 f"({self.failed} failed); pending {self.pending}")
 

@@ -20,9 +20,9 @@ WRITE_BATCH_ROWS = 10_000
 
 def write_jsonl(con, line_sql: str, chunk: int, path: str) -> int:
     """Write one chunk's request lines to `path`, streaming; returns the number of lines."""
-    reader = con.execute(
-        f"select {line_sql} as line from {PLAN} where chunk = ? order by custom_id", [chunk]
-    ).fetch_record_batch(WRITE_BATCH_ROWS)
+    reader = con.sql(
+        f"select {line_sql} as line from {PLAN} where chunk = ? order by custom_id", params=[chunk]
+    ).to_arrow_reader(WRITE_BATCH_ROWS)
     n = 0
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for batch in reader:

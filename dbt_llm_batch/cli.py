@@ -1,0 +1,59 @@
+"""`dbt-llm-batch` command line: the local sandbox, and the ledger's status."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import duckdb
+
+
+def status(database: str, schema: str) -> int:
+    """Print in-flight batches (with age) and, per model, requests by status."""
+    try:
+        con = duckdb.connect(database, read_only=True)
+    except duckdb.IOException as exc:
+        print(f"cannot open {database}: {exc}\n(is a dbt run holding it? DuckDB allows one writer process)",
+              file=sys.stderr)
+        return 2
+    s = f'"{schema}"'
+    exists = con.execute("select count(*) from information_schema.tables where table_schema = ? "
+                         "and table_name = 'llm_batch_jobs'", [schema]).fetchone()[0]
+    if not exists:
+        print(f"no dbt-llm-batch ledger in schema {schema} of {database}")
+        return 1
+    print("In-flight batches:")
+    con.sql(f"""select model, provider, batch_id, status, request_count as requests,
+                       date_trunc('second', now() - submitted_at) as age
+                from {s}.llm_batch_jobs where harvested_at is null and status <> 'voided'
+                order by submitted_at""").show(max_width=200)
+    print("Requests per model:")
+    con.sql(f"""select model,
+                       count(*) filter (where status = 'succeeded') as succeeded,
+                       count(*) filter (where status = 'failed' and is_final) as failed_final,
+                       count(*) filter (where status = 'failed' and not is_final) as failed_will_retry,
+                       count(*) filter (where status in ('queued', 'submitted')) as pending,
+                       date_trunc('second', now() - min(queued_at) filter (where status in ('queued', 'submitted')))
+                           as oldest_pending_age
+                from {s}.llm_batch_requests group by model order by model""").show(max_width=200)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dbt-llm-batch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sandbox = sub.add_parser("sandbox", help="run the local provider emulator (answers are not a model's)",
+                             add_help=False)
+    sandbox.add_argument("args", nargs=argparse.REMAINDER)
+    st = sub.add_parser("status", help="show in-flight batches and per-model progress from the ledger")
+    st.add_argument("--database", required=True, help="path of the DuckDB file")
+    st.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
+    args = parser.parse_args(argv)
+    if args.command == "sandbox":
+        from dbt_llm_batch.sandbox.server import main as sandbox_main
+        return sandbox_main(args.args)
+    return status(args.database, args.schema)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

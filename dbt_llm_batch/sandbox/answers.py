@@ -1,0 +1,292 @@
+"""Per-request rules of the sandbox: what one request line gets back.
+
+- `expected_answer`: the sandbox never calls a model. Each answer is a pure
+  function of (system text, user prompt, JSON schema), so tests and dry runs
+  can predict every result. The formula is a package contract: other code
+  recomputes it, so do not change it.
+- `chat_inputs` / `simulate` / `answer_chat_request`: read a chat request,
+  bill the answer (about 4 characters per token), cut it at max_tokens, and
+  build the chat.completion body. `simulate` is provider-neutral so a later
+  Anthropic face bills the same way.
+- `check_lines`: which batch input lines the provider accepts.
+- `Faults`: injected failures that replace the normal outcome (an HTTP error
+  for a call, an errored or altered answer, a batch failing validation).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+
+def expected_answer(system: str | None, prompt: str, schema: dict | None) -> str:
+    """The sandbox's answer for one request: a hash-derived placeholder.
+
+    Without a schema: "[sandbox] <16 hex>". With a JSON schema: a compact JSON
+    object with one value per top-level property, typed after the property.
+    """
+    h = hashlib.sha256(
+        json.dumps([system or "", prompt, schema], sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    ).hexdigest()
+    if schema is None:
+        return f"[sandbox] {h[:16]}"
+    out = {}
+    for i, (name, prop) in enumerate(schema.get("properties", {}).items()):
+        n = int(h[(4 * i) % 60:(4 * i) % 60 + 4], 16)
+        if "enum" in prop:
+            out[name] = prop["enum"][n % len(prop["enum"])]
+        elif prop.get("type") == "integer":
+            out[name] = n % 1000
+        elif prop.get("type") == "number":
+            out[name] = (n % 10000) / 100
+        elif prop.get("type") == "boolean":
+            out[name] = n % 2 == 1
+        else:
+            out[name] = f"sandbox-{h[:8]}-{name}"
+    return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+
+
+def count_tokens(chars: int) -> int:
+    """Rough tokenizer stand-in: 4 characters per token, rounded up."""
+    return math.ceil(chars / 4)
+
+
+class InvalidBody(ValueError):
+    """A request body the provider would reject with a 400 (becomes an error line)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ChatInputs:
+    system: str | None
+    prompt: str
+    schema: dict | None
+    prompt_chars: int  # all message text, for prompt_tokens
+    max_tokens: int | None
+
+
+def _text(content: object, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text parts carry text
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    raise InvalidBody(param, f"Invalid type for '{param}': expected a string or an array of content parts.")
+
+
+def chat_inputs(body: dict) -> ChatInputs:
+    """Read what the answer depends on from a /v1/chat/completions body."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidBody("messages", "Invalid 'messages': expected a non-empty array of messages.")
+    texts, system, prompt = [], [], ""
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise InvalidBody(f"messages.[{i}].role", f"Missing required parameter: 'messages.[{i}].role'.")
+        text = _text(msg.get("content"), f"messages.[{i}].content")
+        texts.append(text)
+        if msg["role"] in ("system", "developer"):
+            system.append(text)
+        elif msg["role"] == "user":
+            prompt = text  # the last user message wins
+    schema = None
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise InvalidBody("response_format.json_schema",
+                              "Invalid 'response_format.json_schema': expected an object.")
+        schema = spec.get("schema")
+    limit = body.get("max_completion_tokens")
+    name = "max_completion_tokens"
+    if limit is None:
+        limit, name = body.get("max_tokens"), "max_tokens"
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InvalidBody(name, f"Invalid '{name}': expected an integer of at least 1.")
+    return ChatInputs("\n".join(system) if system else None, prompt, schema, sum(map(len, texts)), limit)
+
+
+@dataclass
+class Completion:
+    content: str
+    prompt_tokens: int
+    completion_tokens: int
+    truncated: bool  # True when max_tokens cut the answer (finish_reason "length")
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def simulate(answer: str, prompt_chars: int, max_tokens: int | None) -> Completion:
+    """Bill an answer like a model would and cut it off at max_tokens.
+
+    `answer` is normally `expected_answer(...)` but may be replaced by a fault.
+    `prompt_chars` is the length of all message text sent in the request.
+    """
+    completion_tokens = count_tokens(len(answer))
+    truncated = max_tokens is not None and completion_tokens > max_tokens
+    if truncated:
+        # A real model stops mid-answer; a cut JSON answer is deliberately
+        # left unparseable so clients exercise their "length" handling.
+        answer = answer[: max_tokens * 4]
+        completion_tokens = max_tokens
+    return Completion(answer, max(1, count_tokens(prompt_chars)), completion_tokens, truncated)
+
+
+def answer_chat_request(body: dict, faults: "Faults", new_id: Callable[..., str],
+                        created: int) -> tuple[int, dict, Completion | None]:
+    """Run one /v1/chat/completions request as the sandbox "model" would.
+
+    Returns (status code, response body, completion or None on error); error
+    bodies use the OpenAI envelope. A fault matching the prompt wins over the
+    normal answer: it either fails the request or replaces the content.
+    """
+    try:
+        ask = chat_inputs(body)
+    except InvalidBody as exc:
+        return 400, _error_body(str(exc), "invalid_request_error", exc.param, None), None
+    fault = faults.take_request(ask.prompt)
+    if fault and fault["kind"] == "http_error":
+        status = fault["status_code"]
+        return status, _error_body(fault["message"] or "Sandbox fault injected for this request.",
+                                   fault["type"] or ("server_error" if status >= 500 else "invalid_request_error"),
+                                   fault["param"], fault["code"]), None
+    answer = fault["content"] if fault else expected_answer(ask.system, ask.prompt, ask.schema)
+    done = simulate(answer, ask.prompt_chars, ask.max_tokens)
+    return 200, {
+        "id": new_id("chatcmpl-", 29), "object": "chat.completion", "created": created, "model": body.get("model"),
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": done.content, "refusal": None,
+                                             "annotations": []},
+                     "logprobs": None, "finish_reason": "length" if done.truncated else "stop"}],
+        "usage": {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                  "total_tokens": done.total_tokens, "prompt_tokens_details": {"cached_tokens": 0},
+                  "completion_tokens_details": {"reasoning_tokens": 0}},
+        "system_fingerprint": "fp_sandbox", "service_tier": "default"}, done
+
+
+def _error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# -- batch input lines --------------------------------------------------------------
+MAX_REPORTED_LINE_ERRORS = 100  # keep a garbage 50k-line file from producing a 50k-entry batch object
+
+
+def batch_error(code: str, line: int | None, message: str, param: str | None = None) -> dict:
+    """One entry of Batch.errors.data."""
+    return {"code": code, "line": line, "message": message, "param": param}
+
+
+def check_lines(data: bytes, endpoint: str, limit: int) -> tuple[list[dict], list[dict], str | None]:
+    """Validate a batch input file -> (errors for Batch.errors.data, good request lines, the model)."""
+    numbered = [(n, raw) for n, raw in enumerate(data.split(b"\n"), 1) if raw.strip()]
+    if not numbered:
+        return [batch_error("empty_file", None, "The batch input file is empty.")], [], None
+    if len(numbered) > limit:
+        message = f"The batch input file contains {len(numbered):,} requests; a batch may contain at most {limit:,}."
+        return [batch_error("too_many_requests_in_batch", None, message)], [], None
+    errors, requests, seen, model = [], [], set(), None
+    for n, raw in numbered:
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            line = None
+        if not isinstance(line, dict):
+            errors.append(batch_error("invalid_json_line", n, "This line is not parseable as valid JSON."))
+            continue
+        body = line.get("body") if isinstance(line.get("body"), dict) else {}
+        model = model or (body["model"] if isinstance(body.get("model"), str) else None)  # first model wins
+        problem = _line_problem(line, endpoint, seen, model)
+        if isinstance(line.get("custom_id"), str):
+            seen.add(line["custom_id"])
+        if problem:
+            errors.append(batch_error(problem[0], n, problem[1], problem[2]))
+        else:
+            requests.append(line)
+    return errors[:MAX_REPORTED_LINE_ERRORS], requests, model
+
+
+def _line_problem(line: dict, endpoint: str, seen: set[str], model: str | None) -> tuple[str, str, str] | None:
+    """The first reason the provider would reject this line: (code, message, param)."""
+    custom_id, body = line.get("custom_id"), line.get("body")
+    if not isinstance(custom_id, str) or not custom_id:
+        return "missing_required_parameter", "Missing required parameter: 'custom_id'.", "custom_id"
+    if line.get("method") != "POST":
+        return "invalid_method", "The method for this request must be POST.", "method"
+    if line.get("url") != endpoint:
+        return "invalid_url", f"The URL for this request does not match the batch endpoint {endpoint}.", "url"
+    if not isinstance(body, dict):
+        return "invalid_body", "The body of this request must be a JSON object.", "body"
+    if not isinstance(body.get("model"), str):
+        return "missing_required_parameter", "Missing required parameter: 'body.model'.", "body.model"
+    if custom_id in seen:
+        return "duplicate_custom_id", "The custom_id for this request is a duplicate of another request.", "custom_id"
+    if body["model"] != model:
+        return ("mismatched_model", "The provided model does not match the model of the other requests in the "
+                "batch; a batch can only include requests to a single model.", "body.model")
+    return None
+
+
+class Faults:
+    """Injected failures. `times` counts uses left; None means forever."""
+
+    REQUEST_KINDS = ("http_error", "content")
+
+    def __init__(self) -> None:
+        self._items: list[dict] = []
+        self._next_id = 1
+
+    def add(self, *, kind: str = "http_error", prompt_contains: str | None = None, endpoint: str | None = None,
+            times: int | None = 1, status_code: int | None = None, type: str | None = None,
+            message: str | None = None, code: str | None = None, param: str | None = None,
+            content: str | None = None, retry_after: float | None = None) -> dict:
+        if kind not in self.REQUEST_KINDS + ("token_limit",):
+            raise ValueError(f"unknown fault kind {kind!r}")
+        if endpoint is not None and kind != "http_error":
+            raise ValueError("endpoint faults must be kind 'http_error'")
+        if kind == "content" and not isinstance(content, str):
+            raise ValueError("a 'content' fault needs a string 'content'")
+        if times is not None and (not isinstance(times, int) or times < 1):
+            raise ValueError("'times' must be a positive integer or null")
+        if status_code is not None and not 400 <= status_code <= 599:
+            raise ValueError("'status_code' must be an HTTP error status (400-599)")
+        scope = "endpoint" if endpoint else ("batch" if kind == "token_limit" else "request")
+        fault = {"id": self._next_id, "scope": scope, "kind": kind, "endpoint": endpoint,
+                 "prompt_contains": prompt_contains, "times": times,
+                 "status_code": status_code or (500 if endpoint else 400), "type": type, "message": message,
+                 "code": code, "param": param, "content": content, "retry_after": retry_after}
+        self._next_id += 1
+        self._items.append(fault)
+        return dict(fault)
+
+    def _take(self, match: Callable[[dict], bool]) -> dict | None:
+        for fault in self._items:
+            if match(fault):
+                if fault["times"] is not None:
+                    fault["times"] -= 1
+                    if fault["times"] == 0:
+                        self._items.remove(fault)
+                return fault
+        return None
+
+    def take_endpoint(self, route_key: str) -> dict | None:
+        return self._take(lambda f: f["scope"] == "endpoint" and f["endpoint"] in (route_key, "*"))
+
+    def take_request(self, prompt: str) -> dict | None:
+        return self._take(lambda f: f["scope"] == "request" and (f["prompt_contains"] or "") in prompt)
+
+    def take_token_limit(self) -> dict | None:
+        return self._take(lambda f: f["scope"] == "batch")
+
+    def list(self) -> list[dict]:
+        return [dict(f) for f in self._items]
+
+    def clear(self) -> None:
+        self._items.clear()

@@ -1,0 +1,389 @@
+"""OpenAI Files + Batches face of the sandbox: state, validation, results.
+
+Follows the provider contract (shared/reference/provider-contracts.md section 1):
+create answers `validating`, validation happens later and can end `failed`
+with `errors.data`; results go to an output file (successes) and an error file
+(failures), each in shuffled order; expiry and cancellation keep partial output.
+Per-request results are computed only when a batch is processed, from the
+deterministic answer function unless a fault applies.
+"""
+from __future__ import annotations
+
+import copy
+import email.parser
+import email.policy
+import json
+import math
+import string
+from dataclasses import dataclass, field
+
+from .answers import answer_chat_request, batch_error, check_lines
+from .server import ApiError, Reply, Request
+
+DAY = 86400
+HEX = "0123456789abcdef"
+ENDPOINTS = ("/v1/responses", "/v1/chat/completions", "/v1/embeddings", "/v1/completions", "/v1/moderations",
+             "/v1/images/generations", "/v1/images/edits", "/v1/videos")
+EMULATED_ENDPOINTS = ("/v1/chat/completions",)
+UPLOAD_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
+OPEN = ("validating", "in_progress", "finalizing", "cancelling")
+EXPIRED = {"code": "batch_expired",
+           "message": "This request could not be executed before the completion window expired."}
+TOKEN_LIMIT = ("Enqueued token limit reached for {model} in organization org-sandbox. Limit: 2,000,000 enqueued "
+               "tokens. Please try again once some in_progress batches have been completed.")
+ENDPOINT_FAULTS = {  # status -> (message, type, code) as the real API words them
+    429: ("Rate limit reached for requests", "requests", "rate_limit_exceeded"),
+    500: ("The server had an error while processing your request. Sorry about that!", "server_error", None),
+    503: ("The engine is currently overloaded, please try again later.", "server_error", None),
+}
+
+
+def parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
+    """multipart/form-data -> {field name: (filename or None, raw bytes)}."""
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise ApiError(400, "Expected a multipart/form-data request body.")
+    msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body)
+    fields = {}
+    for part in msg.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if name:
+            fields[name] = (part.get_filename(), part.get_payload(decode=True) or b"")
+    return fields
+
+
+@dataclass
+class Run:
+    """One batch: the served Batch object plus what the provider keeps behind it."""
+    obj: dict
+    data: bytes  # input snapshot taken at create, so deleting the file later changes nothing
+    output_ttl: int
+    stage_started: float  # when the current status began (drives auto-advance)
+    requests: list[dict] | None = None  # set once validation passed
+    todo: list[int] = field(default_factory=list)  # requests not yet run, in (random) processing order
+    out_lines: list[dict] = field(default_factory=list)
+    err_lines: list[dict] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=lambda: [0, 0])  # prompt, completion over successes
+
+
+class Face:
+    prefixes = ("/v1",)
+    request_id_header = "x-request-id"
+
+    def __init__(self, emu) -> None:
+        self.emu = emu  # shared machinery: rng, fault_book, counters, now(), limits
+        self.routes = [
+            ("POST", "/v1/files", self.upload_file), ("GET", "/v1/files", self.list_files),
+            ("GET", "/v1/files/{id}", self.get_file), ("DELETE", "/v1/files/{id}", self.delete_file),
+            ("GET", "/v1/files/{id}/content", self.file_content),
+            ("POST", "/v1/batches", self.create_batch), ("GET", "/v1/batches", self.list_batches),
+            ("GET", "/v1/batches/{id}", self.get_batch), ("POST", "/v1/batches/{id}/cancel", self.cancel_batch),
+        ]
+        self.reset()
+
+    def reset(self) -> None:
+        self.files: dict[str, dict] = {}  # FileObjects as served
+        self.contents: dict[str, bytes] = {}
+        self.runs: dict[str, Run] = {}  # insertion order = creation order
+
+    # -- auth and error envelopes ----------------------------------------------------
+    def api_key_from(self, headers: dict[str, str]) -> str | None:
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        return key.strip() if scheme.lower() == "bearer" else None
+
+    def auth_error(self, presented: str | None) -> ApiError:
+        if not presented:
+            return ApiError(401, "You didn't provide an API key. You need to provide your API key in an "
+                                 "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+        shown = f"{presented[:3]}***{presented[-4:]}" if len(presented) >= 12 else "***"
+        return ApiError(401, f"Incorrect API key provided: {shown}. You can find your API key at "
+                             "https://platform.openai.com/account/api-keys.", code="invalid_api_key")
+
+    def route_not_found(self, method: str, path: str) -> ApiError:
+        return ApiError(404, f"Invalid URL ({method} {path})")
+
+    def endpoint_fault_error(self, fault: dict) -> ApiError:
+        status = fault["status_code"]
+        message, type_, code = ENDPOINT_FAULTS.get(status, (
+            "Sandbox fault injected.", "server_error" if status >= 500 else "invalid_request_error", None))
+        return ApiError(status, fault["message"] or message, fault["type"] or type_, fault["code"] or code,
+                        fault["param"])
+
+    def error_payload(self, err: ApiError, request_id: str) -> dict:
+        return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+
+    # -- Files -------------------------------------------------------------------------
+    def upload_file(self, req: Request) -> dict:
+        fields = parse_multipart(req.headers.get("content-type", ""), req.body)
+        for name in ("purpose", "file"):
+            _require(name in fields, f"Missing required parameter: '{name}'.", name, "missing_required_parameter")
+        purpose = fields["purpose"][1].decode(errors="replace")
+        _require(purpose in UPLOAD_PURPOSES, f"'{purpose}' is not one of {list(UPLOAD_PURPOSES)} - 'purpose'",
+                 "purpose")
+        filename, data = fields["file"][0] or "file", fields["file"][1]
+        _require(len(data) <= (self.emu.max_file_bytes if purpose == "batch" else 512 * 1024 * 1024),
+                 "File is too large.")
+        _require(purpose != "batch" or filename.endswith(".jsonl"),
+                 "Invalid file format for Batch API. Must be .jsonl", "file")
+        ttl = 30 * DAY if purpose == "batch" else None  # batch inputs expire after 30 days by default
+        if "expires_after[seconds]" in fields:
+            ttl = _ttl(fields["expires_after[seconds]"][1].decode(), "expires_after.seconds")
+        self.emu.counters.files_uploaded += 1
+        return dict(self._store(filename, purpose, data, self.emu.now(), ttl))
+
+    def list_files(self, req: Request) -> dict:
+        items = [dict(f) for f in self.files.values() if req.query.get("purpose") in (None, "", f["purpose"])]
+        if req.query.get("order", "desc") != "asc":
+            items.reverse()
+        return _page(items, req.query, default=10000, maximum=10000)
+
+    def get_file(self, req: Request) -> dict:
+        return dict(self._file(req.params["id"]))
+
+    def delete_file(self, req: Request) -> dict:
+        file_id = self._file(req.params["id"])["id"]
+        del self.files[file_id], self.contents[file_id]
+        return {"id": req.params["id"], "object": "file", "deleted": True}
+
+    def file_content(self, req: Request) -> Reply:
+        return Reply(200, self.contents[self._file(req.params["id"])["id"]], "application/octet-stream")
+
+    def _file(self, file_id: str, param: str = "id") -> dict:
+        _require(file_id in self.files, f"No such File object: {file_id}", param, status=404)
+        return self.files[file_id]
+
+    def _store(self, filename: str, purpose: str, data: bytes, at: float, ttl: int | None) -> dict:
+        f = {"id": self._id("file-", 22), "object": "file", "bytes": len(data), "created_at": int(at),
+             "expires_at": None if ttl is None else int(at) + ttl, "filename": filename, "purpose": purpose,
+             "status": "processed", "status_details": None}
+        self.files[f["id"]], self.contents[f["id"]] = f, data
+        return f
+
+    # -- Batches: HTTP -------------------------------------------------------------------
+    def create_batch(self, req: Request) -> dict:
+        p = req.json()
+        _require(isinstance(p, dict), "The request body must be a JSON object.")
+        for name in ("input_file_id", "endpoint", "completion_window"):
+            _require(p.get(name) is not None, f"Missing required parameter: '{name}'.", name,
+                     "missing_required_parameter")
+        _require(p["endpoint"] in ENDPOINTS, f"Invalid value: '{p['endpoint']}'. Supported values are: "
+                 f"{', '.join(ENDPOINTS)}.", "endpoint", "invalid_value")
+        # A sandbox limit, said plainly rather than faked with wrong-shaped results.
+        _require(p["endpoint"] in EMULATED_ENDPOINTS, "The sandbox emulator only emulates "
+                 f"{', '.join(EMULATED_ENDPOINTS)} batches.", "endpoint")
+        _require(p["completion_window"] == "24h", f"Invalid value: '{p['completion_window']}'. Supported values "
+                 "are: '24h'.", "completion_window", "invalid_value")
+        metadata = _metadata(p.get("metadata"))
+        expiry = p.get("output_expires_after") or {"anchor": "created_at", "seconds": 30 * DAY}
+        _require(isinstance(expiry, dict) and expiry.get("anchor") == "created_at",
+                 "Invalid 'output_expires_after.anchor': expected 'created_at'.", "output_expires_after.anchor")
+        output_ttl = _ttl(expiry.get("seconds"), "output_expires_after.seconds")
+        source = self._file(p["input_file_id"], "input_file_id")
+        _require(source["purpose"] == "batch", f"Invalid 'input_file_id': file {source['id']} has purpose "
+                 f"'{source['purpose']}', but batches need purpose 'batch'.", "input_file_id")
+        data = self.contents[source["id"]]
+        now = self.emu.now()
+        obj = {"id": self._id("batch_", 32, HEX), "object": "batch", "endpoint": p["endpoint"], "model": None,
+               "errors": None, "input_file_id": source["id"], "completion_window": "24h", "status": "validating",
+               "output_file_id": None, "error_file_id": None, "created_at": int(now), "in_progress_at": None,
+               "expires_at": int(now) + DAY, "finalizing_at": None, "completed_at": None, "failed_at": None,
+               "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+               "request_counts": {"total": 0, "completed": 0, "failed": 0}, "usage": None, "metadata": metadata}
+        self.runs[obj["id"]] = Run(obj, data, output_ttl, now)
+        self.emu.counters.batches_created += 1
+        self.emu.counters.request_lines += sum(1 for raw in data.split(b"\n") if raw.strip())
+        return copy.deepcopy(obj)
+
+    def get_batch(self, req: Request) -> dict:
+        return copy.deepcopy(self._run(req.params["id"]).obj)
+
+    def cancel_batch(self, req: Request) -> dict:
+        run = self._run(req.params["id"])
+        status = run.obj["status"]
+        _require(status in OPEN, f"Cannot cancel a batch with status '{status}'.", status=409)
+        if status != "cancelling":  # cancelling twice is harmless
+            self._set_status(run, "cancelling", self.emu.now())
+        return copy.deepcopy(run.obj)
+
+    def list_batches(self, req: Request) -> dict:
+        return _page(self.batch_list(), req.query, default=20, maximum=100)
+
+    def _run(self, batch_id: str) -> Run:
+        _require(batch_id in self.runs, f"No batch found with id '{batch_id}'.", "batch_id", status=404)
+        return self.runs[batch_id]
+
+    # -- hooks for the Emulator ----------------------------------------------------------
+    def owns(self, batch_id: str) -> bool:
+        return batch_id in self.runs
+
+    def batch_list(self) -> list[dict]:
+        return [copy.deepcopy(run.obj) for run in reversed(self.runs.values())]  # newest first
+
+    def complete_all(self) -> list[dict]:
+        open_ids = [bid for bid, run in self.runs.items() if run.obj["status"] in OPEN]
+        return [self.advance(bid, "cancelled" if self.runs[bid].obj["status"] == "cancelling" else "completed", 0.0)
+                for bid in open_ids]
+
+    def advance(self, batch_id: str, to: str, done_fraction: float) -> dict:
+        """Move a batch to `to` through the provider's own path (tests drive this)."""
+        run, now = self.runs[batch_id], self.emu.now()
+        status = run.obj["status"]
+        path = ("validating", "in_progress", "finalizing", "completed")
+        if to == status and to != "in_progress":
+            pass
+        elif to in path[1:] and status in path[:path.index(to) + 1]:
+            if status == "validating" and not self._leave_validating(run, now):
+                return copy.deepcopy(run.obj)  # a bad file ends `failed`, whatever was asked
+            self._run_until(run, 1.0 if to != "in_progress" else done_fraction, now)
+            if to != "in_progress" and run.obj["status"] == "in_progress":
+                self._set_status(run, "finalizing", now)
+            if to == "completed":
+                self._finish(run, "completed", now)
+        elif to == "failed" and status == "validating":
+            self._leave_validating(run, now, force_fail=True)
+        elif to == "expired" and status in ("validating", "in_progress"):
+            if status == "in_progress" or self._leave_validating(run, now):
+                self._run_until(run, done_fraction, now)
+                self._finish(run, "expired", now)
+        elif to in ("cancelling", "cancelled") and status in OPEN:
+            # Only a validated batch can have run anything before the cancel lands.
+            if status == "validating" and to == "cancelled" and done_fraction > 0:
+                if not self._leave_validating(run, now):
+                    return copy.deepcopy(run.obj)
+            if run.obj["status"] != "cancelling":
+                self._set_status(run, "cancelling", now)
+            if to == "cancelled":
+                self._run_until(run, done_fraction, now)
+                self._finish(run, "cancelled", now)
+        else:
+            raise ValueError(f"cannot advance batch {batch_id} from '{status}' to {to!r}")
+        return copy.deepcopy(run.obj)
+
+    def tick(self, now: float) -> None:
+        """Auto-advance: each stage lasts `auto_advance_seconds`; catch up on any lag."""
+        stage = self.emu.auto_advance_seconds
+        for run in self.runs.values():
+            while run.obj["status"] in OPEN:
+                status, due = run.obj["status"], run.stage_started + stage
+                if status == "in_progress":  # requests complete steadily through the stage
+                    self._run_until(run, 1.0 if stage <= 0 else min(1.0, (now - run.stage_started) / stage), due)
+                if now < due:
+                    break
+                if status == "validating":
+                    self._leave_validating(run, due)
+                elif status == "in_progress":
+                    self._set_status(run, "finalizing", due)
+                else:  # finalizing or cancelling
+                    self._finish(run, "completed" if status == "finalizing" else "cancelled", due)
+
+    # -- Batches: lifecycle ------------------------------------------------------------
+    def _set_status(self, run: Run, status: str, at: float) -> None:
+        run.obj["status"] = status
+        run.obj[f"{status}_at"] = int(at)
+        run.stage_started = at
+
+    def _leave_validating(self, run: Run, at: float, force_fail: bool = False) -> bool:
+        errors, requests, model = check_lines(run.data, run.obj["endpoint"], self.emu.max_requests_per_batch)
+        if not errors and force_fail:
+            errors = [batch_error("sandbox_forced_failure", None, "Batch failed on request of the sandbox controller.")]
+        elif not errors and self.emu.fault_book.take_token_limit():
+            errors = [batch_error("token_limit_exceeded", None, TOKEN_LIMIT.format(model=model))]
+        if errors:
+            run.obj["errors"] = {"object": "list", "data": errors}
+            self._set_status(run, "failed", at)
+            return False
+        run.requests, run.obj["model"] = requests, model
+        run.obj["request_counts"]["total"] = len(requests)
+        run.todo = list(range(len(requests)))
+        self.emu.rng.shuffle(run.todo)  # the provider does not run requests in file order
+        self._set_status(run, "in_progress", at)
+        return True
+
+    def _run_until(self, run: Run, fraction: float, at: float) -> None:
+        """Run requests until `fraction` of the batch is done (never undoes work)."""
+        if run.requests is None:
+            return
+        target = math.floor(len(run.requests) * fraction + 1e-9)
+        while run.todo and len(run.requests) - len(run.todo) < target:
+            self._execute(run, run.requests[run.todo.pop()], at)  # todo is shuffled; pop() is O(1)
+
+    def _execute(self, run: Run, line: dict, at: float) -> None:
+        status, body, done = answer_chat_request(line["body"], self.emu.fault_book, self._id, int(at))
+        result = self._line(line, {"status_code": status, "request_id": self._id("req_", 32, HEX), "body": body})
+        counts = run.obj["request_counts"]
+        if done is None:
+            counts["failed"] += 1
+            run.err_lines.append(result)
+            return
+        counts["completed"] += 1
+        run.out_lines.append(result)
+        run.tokens[0] += done.prompt_tokens
+        run.tokens[1] += done.completion_tokens
+        self.emu.counters.add_usage(done.prompt_tokens, done.completion_tokens)
+
+    def _line(self, line: dict, response: dict | None, error: dict | None = None) -> dict:
+        return {"id": self._id("batch_req_", 32, HEX), "custom_id": line["custom_id"], "response": response,
+                "error": error}
+
+    def _finish(self, run: Run, status: str, at: float) -> None:
+        """Enter a terminal status: write result files and the batch's usage."""
+        if status == "expired":  # unfinished requests are reported, not silently dropped
+            for index in run.todo:
+                run.err_lines.append(self._line(run.requests[index], None, dict(EXPIRED)))
+            run.obj["request_counts"]["failed"] += len(run.todo)
+        run.todo = []  # a cancelled batch simply never runs the rest
+        for kind, lines in (("output", run.out_lines), ("error", run.err_lines)):
+            if lines:
+                shuffled = lines[:]
+                self.emu.rng.shuffle(shuffled)  # result order is not input order; clients join on custom_id
+                data = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in shuffled).encode()
+                f = self._store(f"{run.obj['id']}_{kind}.jsonl", "batch_output", data, at, run.output_ttl)
+                run.obj[f"{kind}_file_id"] = f["id"]
+        if run.requests is not None:
+            p, c = run.tokens
+            run.obj["usage"] = {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": c,
+                                "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
+        self._set_status(run, status, at)
+
+    def _id(self, prefix: str, length: int, alphabet: str = string.ascii_letters + string.digits) -> str:
+        return prefix + "".join(self.emu.rng.choices(alphabet, k=length))
+
+
+def _require(ok: object, message: str, param: str | None = None, code: str | None = None, status: int = 400) -> None:
+    if not ok:
+        raise ApiError(status, message, code=code, param=param)
+
+
+def _page(items: list[dict], query: dict[str, str], default: int, maximum: int) -> dict:
+    try:
+        limit = int(query.get("limit", default))
+    except ValueError:
+        limit = -1
+    _require(1 <= limit <= maximum, f"Invalid 'limit': expected an integer between 1 and {maximum}.", "limit")
+    if query.get("after"):
+        ids = [item["id"] for item in items]
+        _require(query["after"] in ids, f"Invalid 'after': no object with id '{query['after']}'.", "after")
+        items = items[ids.index(query["after"]) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+def _metadata(metadata: object) -> dict | None:
+    if metadata is None:
+        return None
+    _require(isinstance(metadata, dict) and len(metadata) <= 16,
+             "Invalid 'metadata': expected an object with at most 16 pairs.", "metadata")
+    for key, value in metadata.items():
+        _require(len(key) <= 64 and isinstance(value, str) and len(value) <= 512, "Invalid 'metadata': keys must be "
+                 f"at most 64 characters and values strings of at most 512 characters (key '{key[:64]}').", "metadata")
+    return dict(metadata)
+
+
+def _ttl(seconds: object, param: str) -> int:
+    try:
+        value = int(seconds)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        value = 0
+    _require(3600 <= value <= 30 * DAY, f"Invalid '{param}': expected an integer between 3600 and 2592000.", param)
+    return value

@@ -1,0 +1,391 @@
+"""Loopback HTTP server for the sandbox: routing, auth, faults, stats, control.
+
+Provider behaviour lives in "face" modules listed in FACE_MODULES (OpenAI
+Files+Batches today; an Anthropic Message Batches face can be added the same
+way). A face is built as `Face(emulator)` and provides: `routes` (list of
+METHOD, "/v1/path/{id}", handler), `prefixes`, `request_id_header`,
+`api_key_from(headers)`, `auth_error(presented_key)`, `route_not_found(method, path)`,
+`endpoint_fault_error(fault)` (these three return ApiError),
+`error_payload(err, request_id)`, and the batch hooks `reset()`, `tick(now)`,
+`owns(id)`, `advance(id, to, done_fraction)`, `complete_all()`, `batch_list()`.
+Handlers take a `Request` and return a dict (200 JSON), bytes (200 raw) or a
+`Reply`, raising `ApiError` for provider errors. This module holds what all
+faces share: auth, endpoint faults, call statistics, one lock, the CLI.
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import importlib
+import json
+import os
+import random
+import re
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from .answers import Faults
+
+# Faces are imported by name when an Emulator is built: they import the shared
+# helpers below, so a top-level import here would be circular.
+FACE_MODULES = ("dbt_llm_batch.sandbox.openai_batch",)
+
+
+class ApiError(Exception):
+    """A provider error reply; the owning face renders it in its own envelope."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.code, self.param, self.headers = code, param, headers or {}
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: dict = field(default_factory=dict)
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]  # lower-cased names
+    body: bytes
+    params: dict[str, str] = field(default_factory=dict)  # from the route pattern
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body or b"null")
+        except ValueError:
+            raise ApiError(400, "We could not parse the JSON body of your request.") from None
+
+
+class Counters:
+    """What clients did, for tests and for people watching the sandbox."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.files_uploaded = self.batches_created = self.request_lines = 0
+        self.prompt_tokens = self.completion_tokens = 0
+
+    def add_usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+
+    def snapshot(self) -> dict:
+        return {"calls": dict(self.calls), "files_uploaded": self.files_uploaded,
+                "batches_created": self.batches_created, "request_lines": self.request_lines,
+                "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                          "total_tokens": self.prompt_tokens + self.completion_tokens}}
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(pattern)) + "$")
+
+
+class Emulator:
+    """In-process sandbox of the provider batch APIs, served on loopback."""
+
+    def __init__(self, api_key: str, auto_advance_seconds: float | None = None, host: str = "127.0.0.1",
+                 port: int = 0, max_file_bytes: int = 200 * 1024 * 1024, max_requests_per_batch: int = 50000,
+                 seed: int | None = None):
+        if not api_key:
+            raise ValueError("api_key must be a non-empty string")
+        self._api_key = api_key
+        self.auto_advance_seconds = auto_advance_seconds
+        self.host, self.port = host, port
+        self.max_file_bytes, self.max_requests_per_batch = max_file_bytes, max_requests_per_batch
+        self.seed = seed
+        self.log_requests = False  # the CLI turns this on; never logs headers
+        self._lock = threading.RLock()  # one lock: handlers are short and state is shared
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self.fault_book, self.counters, self.rng = Faults(), Counters(), random.Random(seed)
+        self.faces = [importlib.import_module(m).Face(self) for m in FACE_MODULES]
+        self._routes = [(face, method, _compile(pattern), f"{method} {pattern}", handler)
+                        for face in self.faces for method, pattern, handler in face.routes]
+
+    # -- lifecycle of the server ------------------------------------------------
+    def start(self) -> "Emulator":
+        if self._server is None:
+            self._server = ThreadingHTTPServer((self.host, self.port), _Handler)
+            self._server.daemon_threads = True
+            self._server.emulator = self  # type: ignore[attr-defined]
+            self.port = self._server.server_address[1]
+            # A short poll interval makes stop() quick (serve_forever checks for shutdown at that pace).
+            self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(timeout=5)
+            self._server = self._thread = None
+
+    def __enter__(self) -> "Emulator":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def base_url(self) -> str:
+        if self._server is None:
+            raise RuntimeError("Emulator not started; call .start() first")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def openai_base_url(self) -> str:
+        return self.base_url + "/v1"
+
+    def now(self) -> float:
+        return time.time()
+
+    # -- Python control API (the /_emulator endpoints call these) ----------------
+    def advance(self, batch_id: str, to: str, done_fraction: float = 0.0) -> dict:
+        if not 0.0 <= float(done_fraction) <= 1.0:
+            raise ValueError("done_fraction must be between 0 and 1")
+        with self._lock:
+            self._tick()
+            for face in self.faces:
+                if face.owns(batch_id):
+                    return face.advance(batch_id, to, float(done_fraction))
+            raise KeyError(batch_id)
+
+    def complete_all(self) -> list[dict]:
+        with self._lock:
+            self._tick()
+            return [b for face in self.faces for b in face.complete_all()]
+
+    def add_fault(self, **kw: Any) -> dict:
+        """See answers.Faults.add. An `endpoint` is a route key as in stats(), e.g. "POST /v1/batches"."""
+        routes = {key for _, _, _, key, _ in self._routes}
+        if kw.get("endpoint") not in (None, "*", *routes):  # a typo would otherwise never fire
+            raise ValueError(f"unknown endpoint {kw['endpoint']!r}; use one of {sorted(routes)} or '*'")
+        with self._lock:
+            return self.fault_book.add(**kw)
+
+    def faults(self) -> list[dict]:
+        with self._lock:
+            return self.fault_book.list()
+
+    def clear_faults(self) -> None:
+        with self._lock:
+            self.fault_book.clear()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self.counters.snapshot()
+
+    def batches(self) -> list[dict]:
+        with self._lock:
+            self._tick()
+            return [b for face in self.faces for b in face.batch_list()]
+
+    def reset(self) -> None:
+        """Forget all files, batches, faults and stats; re-seed the randomness."""
+        with self._lock:
+            self.fault_book, self.counters, self.rng = Faults(), Counters(), random.Random(self.seed)
+            for face in self.faces:
+                face.reset()
+
+    def _tick(self) -> None:
+        # Auto-advance is lazy: time only moves batches along when someone looks.
+        if self.auto_advance_seconds is not None:
+            now = self.now()
+            for face in self.faces:
+                face.tick(now)
+
+    # -- HTTP dispatch ------------------------------------------------------------
+    def handle(self, method: str, raw_path: str, headers: dict[str, str], body: bytes) -> Reply:
+        """Answer one HTTP request (socket-free, so it is easy to reason about)."""
+        url = urlsplit(raw_path)
+        if url.path.startswith("/_emulator/"):
+            return self._control(method, url.path, body)
+        req = Request(method, url.path, dict(parse_qsl(url.query)), headers, body)
+        with self._lock:
+            self._tick()
+            for face, route_method, regex, key, handler in self._routes:
+                m = regex.match(url.path)
+                if m and route_method == method:
+                    self.counters.calls[key] += 1
+                    req.params = m.groupdict()
+                    return self._call(face, handler, req, key)
+            self.counters.calls[f"{method} <unmatched>"] += 1
+            # The face owning the longest matching prefix words the 404 (/v1/messages vs /v1).
+            owners = [(len(p), i) for i, f in enumerate(self.faces) for p in f.prefixes if url.path.startswith(p)]
+            face = self.faces[max(owners)[1] if owners else 0]
+            return self._render_error(face, face.route_not_found(method, url.path))
+
+    def _call(self, face, handler, req: Request, key: str) -> Reply:
+        presented = face.api_key_from(req.headers) or ""
+        if not hmac.compare_digest(presented.encode(), self._api_key.encode()):
+            return self._render_error(face, face.auth_error(presented))
+        fault = self.fault_book.take_endpoint(key)
+        if fault:
+            err = face.endpoint_fault_error(fault)
+            if fault["retry_after"] is not None:
+                err.headers["retry-after"] = f"{fault['retry_after']:g}"
+            return self._render_error(face, err)
+        try:
+            result = handler(req)
+        except ApiError as err:
+            return self._render_error(face, err)
+        request_id = self._request_id()
+        if isinstance(result, Reply):
+            result.headers.setdefault(face.request_id_header, request_id)
+            return result
+        if isinstance(result, bytes):
+            return Reply(200, result, "application/octet-stream", {face.request_id_header: request_id})
+        return Reply(200, _json_bytes(result), headers={face.request_id_header: request_id})
+
+    def _render_error(self, face, err: ApiError) -> Reply:
+        request_id = self._request_id()
+        return Reply(err.status, _json_bytes(face.error_payload(err, request_id)),
+                     headers={face.request_id_header: request_id, **err.headers})
+
+    def _request_id(self) -> str:
+        return "req_" + "".join(self.rng.choices("0123456789abcdef", k=32))
+
+    def _control(self, method: str, path: str, body: bytes) -> Reply:
+        try:
+            data = json.loads(body) if body.strip() else {}
+            if not isinstance(data, dict):
+                raise ValueError("control request body must be a JSON object")
+            route = f"{method} {path.rstrip('/')}"
+            m = re.fullmatch(r"POST /_emulator/batches/([^/]+)/advance", route)
+            simple = {
+                "POST /_emulator/complete_all": lambda: {"batches": self.complete_all()},
+                "POST /_emulator/faults": lambda: self.add_fault(**data),
+                "GET /_emulator/faults": lambda: {"faults": self.faults()},
+                "DELETE /_emulator/faults": lambda: {"faults": self.clear_faults() or []},
+                "GET /_emulator/stats": self.stats,
+                "GET /_emulator/batches": lambda: {"batches": self.batches()},
+                "POST /_emulator/reset": lambda: {"reset": self.reset() or True},
+            }
+            if m:
+                result = self.advance(m.group(1), data.get("to"), data.get("done_fraction") or 0.0)
+            elif route in simple:
+                result = simple[route]()
+            else:
+                return Reply(404, _json_bytes({"error": {"message": f"No control endpoint {route}"}}))
+        except KeyError as exc:
+            return Reply(404, _json_bytes({"error": {"message": f"No batch with id {exc.args[0]!r}"}}))
+        except (TypeError, ValueError) as exc:  # bad arguments or an impossible transition
+            return Reply(400, _json_bytes({"error": {"message": str(exc)}}))
+        return Reply(200, _json_bytes(result))
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as the SDK's connection pool expects
+    disable_nagle_algorithm = True  # headers and body go out in two writes; avoid a 40 ms stall
+    server_version = "dbt-llm-batch-sandbox"
+
+    def _handle(self) -> None:
+        emulator: Emulator = self.server.emulator  # type: ignore[attr-defined]
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        try:
+            reply = emulator.handle(self.command, self.path, headers, self._read_body(headers))
+        except Exception as exc:  # a sandbox bug must not look like a hung provider
+            reply = Reply(500, _json_bytes({"error": {"message": f"sandbox internal error: {exc!r}",
+                                                      "type": "server_error", "param": None, "code": None}}))
+        self.send_response(reply.status)
+        self.send_header("Content-Type", reply.content_type)
+        self.send_header("Content-Length", str(len(reply.body)))
+        for name, value in reply.headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(reply.body)
+
+    def _read_body(self, headers: dict[str, str]) -> bytes:
+        if "chunked" not in headers.get("transfer-encoding", "").lower():
+            return self.rfile.read(int(headers.get("content-length") or 0))
+        chunks = []  # chunked upload (curl -T, streaming clients)
+        while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+            chunks.append(self.rfile.read(size))
+            self.rfile.readline()
+        while self.rfile.readline().strip():  # skip trailers up to the blank line
+            pass
+        return b"".join(chunks)
+
+    do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = _handle
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # The request line never carries the API key, so it is safe to print.
+        if self.server.emulator.log_requests:  # type: ignore[attr-defined]
+            sys.stderr.write("[sandbox] %s\n" % (format % args))
+
+
+BANNER = """\
+=====================================================================
+ SANDBOX emulator of the OpenAI Batch API (Files + Batches).
+ Its answers are deterministic placeholders computed from the prompt,
+ NOT a model's answers. Nothing is sent to OpenAI; nothing is billed.
+=====================================================================
+ Base URL: {base}
+ Batches advance {mode}.
+ Use it from another shell with:
+   export OPENAI_BASE_URL={base}/v1
+   export OPENAI_API_KEY={key}
+ Control endpoints: {base}/_emulator/ (stats, batches, faults, reset, ...)
+ Press Ctrl-C to stop.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dbt_llm_batch.sandbox",
+                                     description="Local SANDBOX emulator of the OpenAI Batch API.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8787)
+    parser.add_argument("--api-key", default=None, help="key clients must send (default: $OPENAI_API_KEY)")
+    parser.add_argument("--auto-advance", type=float, default=None, metavar="SECONDS",
+                        help="seconds each batch stage lasts (default: wait for /_emulator/ advance calls)")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--quiet", action="store_true", help="do not log requests")
+    args = parser.parse_args(argv)
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    if not api_key:
+        api_key = "sk-sandbox"
+        print("No --api-key or OPENAI_API_KEY given; the sandbox accepts the key 'sk-sandbox'.")
+    emu = Emulator(api_key, auto_advance_seconds=args.auto_advance, host=args.host, port=args.port, seed=args.seed)
+    emu.log_requests = not args.quiet
+    emu.start()
+    mode = (f"automatically, {args.auto_advance:g}s per stage" if args.auto_advance is not None
+            else "only when told to (POST /_emulator/batches/{id}/advance or /_emulator/complete_all)")
+    # Never print a key the user supplied; only the sandbox's own default.
+    shown_key = (api_key if api_key == "sk-sandbox" and not args.api_key
+                 else "<the --api-key value>" if args.api_key else '"$OPENAI_API_KEY"  # as in this shell')
+    print(BANNER.format(base=emu.base_url, mode=mode, key=shown_key), flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\nStopping sandbox emulator.")
+    finally:
+        emu.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    # Run main() from the importable module, not from __main__: the faces import
+    # ApiError from dbt_llm_batch.sandbox.server and must see the same class.
+    from dbt_llm_batch.sandbox.server import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,84 @@
+"""Shared fixtures: a local provider emulator, and a throwaway copy of integration_project that runs
+real dbt (in-process, through dbtRunner) on a real DuckDB file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import duckdb
+import pytest
+
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+INTEGRATION = REPO / "integration_project"
+
+
+@pytest.fixture
+def api_key() -> str:
+    # Distinctive, so a test can search every file for it.
+    return "sk-test-" + uuid.uuid4().hex
+
+
+@pytest.fixture
+def emulator(monkeypatch, api_key):
+    from dbt_llm_batch.sandbox import Emulator
+
+    emu = Emulator(api_key=api_key).start()
+    monkeypatch.setenv("OPENAI_BASE_URL", emu.openai_base_url)
+    monkeypatch.setenv("OPENAI_API_KEY", api_key)
+    yield emu
+    emu.stop()
+
+
+class Project:
+    """A copy of integration_project in a temp dir, with its own DuckDB file, target/ and logs/."""
+
+    def __init__(self, root: Path, monkeypatch):
+        self.root = root
+        self.db_path = root / "warehouse.duckdb"
+        monkeypatch.setenv("DBT_LLM_BATCH_DUCKDB", str(self.db_path))
+
+    def write(self, relpath: str, text: str) -> None:
+        path = self.root / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    def dbt(self, *args: str, expect_ok: bool = True):
+        from dbt.cli.main import dbtRunner
+
+        argv = [*args, "--project-dir", str(self.root), "--profiles-dir", str(self.root)]
+        result = dbtRunner().invoke(argv)
+        if expect_ok and not result.success:
+            raise AssertionError(f"dbt {' '.join(args)} failed: {result.exception or _failures(result)}")
+        return result
+
+    def query(self, sql: str, params=None) -> list[tuple]:
+        with duckdb.connect(str(self.db_path)) as con:
+            return con.execute(sql, params or []).fetchall()
+
+
+def _failures(result) -> str:
+    res = getattr(result, "result", None)
+    try:
+        return "\n".join(f"{r.node.name}: {r.status}: {r.message}" for r in res.results if r.status not in ("success", "pass"))
+    except Exception:
+        return repr(res)
+
+
+def failure_messages(result) -> str:
+    """All messages of failed nodes of a dbt invocation, joined (for asserting on error text)."""
+    return "\n".join(str(r.message) for r in result.result.results if r.status in ("error", "fail"))
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch) -> Project:
+    root = tmp_path / "project"
+    shutil.copytree(INTEGRATION, root, ignore=shutil.ignore_patterns("target", "logs", "dbt_packages", "*.duckdb*"))
+    (root / "packages.yml").write_text(f"packages:\n  - local: {REPO}\n")
+    proj = Project(root, monkeypatch)
+    proj.dbt("deps")
+    return proj

@@ -1,0 +1,60 @@
+"""Helpers for tests that check the model table against the emulator's answer function."""
+
+from __future__ import annotations
+
+import json
+
+from dbt_llm_batch.sandbox import expected_answer
+
+TRIAGE_SYSTEM = ("You triage customer support tickets. Answer with the category, whether it is urgent, "
+                 "and a one-line summary.")
+TRIAGE_OUTPUT = {"category": ["billing", "bug", "how_to", "feature_request", "other"],
+                 "urgent": "boolean", "summary": "text"}
+TRIAGE_SCHEMA = {
+    "type": "object",
+    "properties": {"category": {"type": "string", "enum": TRIAGE_OUTPUT["category"]},
+                   "urgent": {"type": "boolean"}, "summary": {"type": "string"}},
+    "required": ["category", "urgent", "summary"],
+    "additionalProperties": False,
+}
+
+
+def triage_model(system: str = TRIAGE_SYSTEM, extra_config: str = "", where: str = "") -> str:
+    return f"""
+{{{{ config(
+    materialized = 'llm_batch',
+    unique_key = 'ticket_id',
+    llm_system = {json.dumps(system)},
+    llm_output = {json.dumps(TRIAGE_OUTPUT)},
+    llm_max_tokens = 200,
+    {extra_config}
+) }}}}
+select ticket_id, subject, priority, 'Subject: ' || subject || chr(10) || chr(10) || body as prompt
+from {{{{ ref('support_tickets') }}}}
+{where}
+"""
+
+
+def expected_triage(system: str, prompt: str) -> tuple:
+    answer = json.loads(expected_answer(system, prompt, TRIAGE_SCHEMA))
+    return answer["category"], answer["urgent"], answer["summary"]
+
+
+def batch_input_lines(emu, batch: dict) -> list[dict]:
+    """The request lines the batch was created with, read back through the provider's Files API."""
+    import os
+
+    import openai
+
+    client = openai.OpenAI(base_url=emu.openai_base_url, api_key=os.environ["OPENAI_API_KEY"], max_retries=0)
+    data = client.files.content(batch["input_file_id"]).read()
+    return [json.loads(line) for line in data.decode().splitlines() if line]
+
+
+def sorted_batches(emu) -> list[dict]:
+    return list(reversed(emu.batches()))  # the emulator lists newest first, like the provider
+
+
+def batch_counts(emu) -> list[int]:
+    """Number of request lines in each batch the emulator received, in creation order."""
+    return [len(batch_input_lines(emu, b)) for b in sorted_batches(emu)]
