@@ -63,10 +63,10 @@ def run_model(con, *, schema: str, identifier: str, target: str, raw_config: dic
     config = parse_config(raw_config)  # first: a bad config fails before anything is touched
     provider_cls = get_provider(config.provider)
     summary = RunSummary(model=f"{schema}.{identifier}")
+    # The input first: a Python model's relation cannot be read once other results are pending here.
+    load_input(con, sql, df)
     ledger = Ledger(con, config.ledger_schema or schema, summary.model)
     ledger.migrate()
-
-    load_input(con, sql, df)
     input_columns = planner.check_input(con, INPUT, config)
     if not full_refresh and merge.relation_exists(con, schema, identifier):
         merge.check_existing_table(con, target, merge.table_columns(input_columns, config))

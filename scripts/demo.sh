@@ -10,7 +10,7 @@ export DO_NOT_TRACK=1
 PORT="${SANDBOX_PORT:-8787}"
 export OPENAI_API_KEY="sk-sandbox-demo"          # the sandbox's key; no real key is needed or used
 export OPENAI_BASE_URL="http://127.0.0.1:${PORT}/v1"
-.venv/bin/python -m dbt_llm_batch.sandbox --port "$PORT" --api-key "$OPENAI_API_KEY" --auto-advance 1 &
+.venv/bin/python -m dbt_llm_batch.sandbox --port "$PORT" --api-key "$OPENAI_API_KEY" --auto-advance 1 --quiet &
 SANDBOX_PID=$!
 trap 'kill $SANDBOX_PID 2>/dev/null || true' EXIT
 for _ in $(seq 50); do curl -fs "http://127.0.0.1:${PORT}/_emulator/stats" >/dev/null && break; sleep 0.2; done

@@ -67,6 +67,7 @@ class Run:
 
 
 class Face:
+    """The OpenAI face: routes, envelopes and batch lifecycle (protocol in server.py)."""
     prefixes = ("/v1",)
     request_id_header = "x-request-id"
 
