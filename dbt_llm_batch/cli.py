@@ -18,7 +18,7 @@ def status(database: str, schema: str) -> int:
         return 2
     s = f'"{schema}"'
     exists = con.execute("select count(*) from information_schema.tables where table_schema = ? "
-                         "and table_name = 'llm_batch_jobs'", [schema]).fetchone()[0]
+                         "and table_name = 'llm_batch_jobs'", [schema]).fetchall()[0][0]
     if not exists:
         print(f"no dbt-llm-batch ledger in schema {schema} of {database}")
         return 1

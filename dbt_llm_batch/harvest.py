@@ -60,7 +60,7 @@ def harvest_job(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jo
     """Store and settle one ended job. Returns the number of result lines for unknown custom_ids."""
     job_id = job["job_id"]
     stored = ledger.con.execute(f"select count(*) from {ledger.table('llm_batch_results')} where job_id = ?",
-                                [job_id]).fetchone()[0]
+                                [job_id]).fetchall()[0][0]
     if not stored:
         with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
             files = provider.download_results(state, job["batch_id"], directory)
@@ -113,7 +113,7 @@ def _settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, job_id
     unknown = con.execute(
         f"""select count(distinct custom_id) from {ledger.table('llm_batch_results')} l
             where job_id = ? and not exists (select 1 from {requests} r where r.custom_id = l.custom_id
-                                             and r.job_id = l.job_id)""", [job_id]).fetchone()[0]
+                                             and r.job_id = l.job_id)""", [job_id]).fetchall()[0][0]
     con.execute("begin transaction")
     try:
         con.execute(

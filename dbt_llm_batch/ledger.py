@@ -82,7 +82,7 @@ class Ledger:
         s = f'"{self.schema}"'
         self.con.execute(f"create schema if not exists {s}")
         self.con.execute(MIGRATIONS[0][1][0].format(s=s))
-        current = self.con.execute(f"select coalesce(max(schema_version), 0) from {s}.llm_batch_meta").fetchone()[0]
+        current = self.con.execute(f"select coalesce(max(schema_version), 0) from {s}.llm_batch_meta").fetchall()[0][0]
         if current > SCHEMA_VERSION:
             raise RuntimeError(f"ledger in schema {self.schema} has version {current}, newer than this "
                                f"dbt-llm-batch ({SCHEMA_VERSION}): upgrade the package")
@@ -167,4 +167,4 @@ class Ledger:
     def pending_count(self) -> int:
         return self.con.execute(
             f"select count(*) from {self.table('llm_batch_requests')} where model = ? and status in ('queued', 'submitted')",
-            [self.model]).fetchone()[0]
+            [self.model]).fetchall()[0][0]

@@ -26,7 +26,7 @@ def table_columns(input_columns, config: ModelConfig) -> list[tuple[str, str]]:
 
 def relation_exists(con, schema: str, name: str) -> bool:
     return con.execute("select count(*) from information_schema.tables where table_schema = ? and table_name = ?",
-                       [schema, name]).fetchone()[0] > 0
+                       [schema, name]).fetchall()[0][0] > 0
 
 
 def check_existing_table(con, target: str, expected) -> None:
@@ -104,6 +104,6 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, full_
             con.execute("rollback")
             raise
     retry_on_conflict(write)
-    written, failed = con.execute(f"select count(*), count(*) filter (where status = 'failed') from {EMIT}").fetchone()
+    written, failed = con.execute(f"select count(*), count(*) filter (where status = 'failed') from {EMIT}").fetchall()[0]
     con.execute(f"drop table if exists {EMIT}")
     return written, failed

@@ -53,7 +53,7 @@ def check_input(con, input_rel: str, config: ModelConfig) -> list[tuple[str, str
 
     keys = ", ".join(q(k) for k in config.unique_key)
     null_filter = " or ".join(f"{q(k)} is null" for k in config.unique_key)
-    nulls = con.execute(f"select count(*) from {input_rel} where {null_filter}").fetchone()[0]
+    nulls = con.execute(f"select count(*) from {input_rel} where {null_filter}").fetchall()[0][0]
     if nulls:
         sample = con.execute(f"select {keys} from {input_rel} where {null_filter} limit 5").fetchall()
         raise InputError(f"{nulls} selected row(s) have a NULL in unique_key ({', '.join(config.unique_key)}), "
@@ -64,7 +64,7 @@ def check_input(con, input_rel: str, config: ModelConfig) -> list[tuple[str, str
     if dupes:
         total = con.execute(
             f"select count(*) from (select 1 from {input_rel} group by all having count(*) > 1)".replace(
-                "group by all", f"group by {keys}")).fetchone()[0]
+                "group by all", f"group by {keys}")).fetchall()[0][0]
         examples = ", ".join(f"{_fmt([d[:-1]])} ({d[-1]} rows)" for d in dupes)
         raise InputError(f"{total} unique_key value(s) are duplicated, for example {examples}; nothing was "
                          f"sent. Make ({', '.join(config.unique_key)}) unique in the model's SQL.")
@@ -104,7 +104,7 @@ def reject_empty_prompts(ledger: Ledger) -> int:
             where coalesce(d.prompt, '') = ''
               and not exists (select 1 from {ledger.table('llm_batch_requests')} r
                               where r.model = ? and r.key = d.key and r.fingerprint = d.fingerprint)""",
-        [ledger.model, ledger.model, ledger.model]).fetchone()[0]
+        [ledger.model, ledger.model, ledger.model]).fetchall()[0][0]
 
 
 def build_plan(ledger: Ledger, config: ModelConfig) -> int:
@@ -131,7 +131,7 @@ def build_plan(ledger: Ledger, config: ModelConfig) -> int:
               and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0
               and coalesce(h.failed, 0) < ?""",
         [ledger.model, ledger.model, config.max_attempts])
-    return con.execute(f"select count(*) from {PLAN}").fetchone()[0]
+    return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
 
 
 def assign_chunks(con, line_sql: str, max_requests: int, max_bytes: int) -> int:

@@ -23,7 +23,10 @@ $DBT deps --profiles-dir .
 echo "== run 1: select rows, submit one batch per model (the tables exist, empty)"
 $DBT build --profiles-dir .
 echo "== waiting for the sandbox to finish the batches"
-sleep 5
+for _ in $(seq 60); do
+  curl -fs "http://127.0.0.1:${PORT}/_emulator/batches" | grep -qE '"status": ?"(validating|in_progress|finalizing)"' || break
+  sleep 0.5
+done
 echo "== run 2: harvest the finished batches and merge the results"
 $DBT build --profiles-dir .
 ../.venv/bin/dbt-llm-batch status --database "$DBT_LLM_BATCH_DUCKDB"
