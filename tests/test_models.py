@@ -52,8 +52,10 @@ def emulator_output_lines(emu) -> list[str]:
 def test_two_models_with_threads_wait_and_dbt_tests(project, emulator):
     """`dbt build --threads 4`: both models submit, wait for the sandbox, merge, then dbt tests run."""
     emulator.auto_advance_seconds = 0.2
-    project.write("dbt_project.yml", (project.root / "dbt_project.yml").read_text()
-                  + "    +llm_wait_seconds: 60\n")
+    config = (project.root / "dbt_project.yml").read_text()
+    assert "    +llm_model: gpt-4o-mini\n" in config
+    project.write("dbt_project.yml", config.replace("    +llm_model: gpt-4o-mini\n",
+                                                    "    +llm_model: gpt-4o-mini\n    +llm_wait_seconds: 60\n"))
     result = project.dbt("build", "--threads", "4")
     tests = [r for r in result.result.results if r.node.resource_type == "test"]
     assert len(tests) == 5 and all(r.status == "pass" for r in tests)
