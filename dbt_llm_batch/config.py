@@ -33,6 +33,8 @@ STATUS_COLUMNS = [
     ("llm_batch_id", "VARCHAR"),
     ("llm_fingerprint", "VARCHAR"),
     ("llm_completed_at", "TIMESTAMP WITH TIME ZONE"),
+    ("llm_cache_read_tokens", "BIGINT"),
+    ("llm_cache_write_tokens", "BIGINT"),
 ]
 
 # Every key the plugin understands, with its default. Keys starting with `llm_` that are not here are
@@ -42,6 +44,8 @@ DEFAULTS: dict[str, Any] = {
     "llm_model": None,  # required
     "llm_prompt_column": "prompt",
     "llm_system": None,
+    "llm_examples": [],
+    "llm_cache_prefix": False,
     "llm_output": None,
     "llm_max_tokens": None,
     "llm_temperature": None,
@@ -51,7 +55,8 @@ DEFAULTS: dict[str, Any] = {
     "llm_ledger_schema": None,
 }
 
-KNOWN_PROVIDERS = ("openai",)
+KNOWN_PROVIDERS = ("openai", "anthropic")
+CACHE_TTLS = ("5m", "1h")
 
 # Request parameters the plugin sets itself: `llm_params` may not override them silently.
 RESERVED_PARAMS = ("model", "messages", "max_tokens", "temperature", "response_format", "stream")
@@ -72,6 +77,8 @@ class ModelConfig:
     model: str
     prompt_column: str
     system: str | None
+    examples: tuple[tuple[str, str], ...]  # few-shot (input, output) pairs, rendered before the prompt
+    cache_prefix: str | None  # None, or the cache TTL ('5m' | '1h') of the system + examples prefix
     output: dict | None  # the user's llm_output as written, or None for one text column
     output_columns: tuple[OutputColumn, ...]
     max_tokens: int | None
@@ -102,6 +109,7 @@ class ModelConfig:
             "provider": self.provider,
             "model": self.model,
             "system": self.system,
+            "examples": [list(e) for e in self.examples],
             "output_schema": self.output_json_schema(),
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -151,6 +159,14 @@ def parse_config(raw: dict) -> ModelConfig:
         if reserved in params:
             errors.append(f"llm_params may not set '{reserved}': use the llm_* key for it instead")
     output_columns = _parse_output(cfg["llm_output"], errors)
+    examples = _parse_examples(cfg["llm_examples"], errors)
+    cache_prefix = cfg["llm_cache_prefix"]
+    if cache_prefix is True:
+        cache_prefix = "5m"
+    elif cache_prefix is False:
+        cache_prefix = None
+    elif cache_prefix not in CACHE_TTLS:
+        errors.append(f"llm_cache_prefix must be true, false, '5m' or '1h', got {cache_prefix!r}")
 
     if errors:
         raise ConfigError("invalid llm_batch config:\n  - " + "\n  - ".join(errors))
@@ -160,6 +176,8 @@ def parse_config(raw: dict) -> ModelConfig:
         model=cfg["llm_model"],
         prompt_column=cfg["llm_prompt_column"],
         system=cfg["llm_system"],
+        examples=examples,
+        cache_prefix=cache_prefix,
         output=cfg["llm_output"],
         output_columns=output_columns,
         max_tokens=cfg["llm_max_tokens"],
@@ -205,3 +223,20 @@ def _parse_output(output, errors) -> tuple[OutputColumn, ...]:
             errors.append(f"llm_output['{name}'] has unknown type {spec!r}: use 'text', 'integer', "
                           "'number', 'boolean' or a list of allowed strings")
     return tuple(columns)
+
+
+def _parse_examples(examples, errors) -> tuple[tuple[str, str], ...]:
+    """llm_examples: a list of {'input': str, 'output': str or dict} pairs (a dict is sent as JSON)."""
+    if not isinstance(examples, list):
+        errors.append("llm_examples must be a list of {'input': ..., 'output': ...} pairs")
+        return ()
+    pairs = []
+    for i, example in enumerate(examples):
+        if not isinstance(example, dict) or set(example) != {"input", "output"} or not isinstance(example["input"], str):
+            errors.append(f"llm_examples[{i}] must be a dict with exactly 'input' (a string) and 'output'")
+            continue
+        output = example["output"]
+        if not isinstance(output, str):
+            output = json.dumps(output, ensure_ascii=False, separators=(",", ":"))
+        pairs.append((example["input"], output))
+    return tuple(pairs)

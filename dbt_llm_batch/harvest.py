@@ -20,8 +20,8 @@ log = logging.getLogger("dbt_llm_batch")
 
 def answer_problem_sql(config: ModelConfig) -> str:
     """SQL giving why an 'ok' answer is unusable (or NULL): cut off, not JSON, wrong field types."""
-    checks = [(f"finish_reason = 'length'",
-               f"'answer was cut off at llm_max_tokens={config.max_tokens} (finish_reason length)'")]
+    checks = [("truncated",
+               f"'answer was cut off at llm_max_tokens={config.max_tokens} (finish reason ' || finish_reason || ')'")]
     if config.structured:
         checks += [("not coalesce(json_valid(answer), false)", "'answer is not valid JSON'"),
                    ("json_type(answer) <> 'OBJECT'", "'answer is not a JSON object'")]
@@ -126,6 +126,7 @@ def _settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, job_id
                   error = case when o.outcome = 'ok' then o.problem else o.error end,
                   finish_reason = o.finish_reason, answer = o.answer,
                   input_tokens = o.input_tokens, output_tokens = o.output_tokens, cached_tokens = o.cached_tokens,
+                  cache_write_tokens = o.cache_write_tokens,
                   completed_at = now()
                 from __llm_outcomes o where r.custom_id = o.custom_id and r.job_id = ?""",
             [config.max_attempts, job_id])

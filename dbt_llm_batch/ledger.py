@@ -43,6 +43,9 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                custom_id varchar, model varchar, job_id varchar, source varchar, raw varchar,
                stored_at timestamptz)""",
     ]),
+    # Usage is normalised across providers: input_tokens counts all input (cached included),
+    # cached_tokens the cache reads, cache_write_tokens the cache writes.
+    (2, ["alter table {s}.llm_batch_requests add column cache_write_tokens bigint"]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -30,8 +30,17 @@ def relation_exists(con, schema: str, name: str) -> bool:
 
 
 def check_existing_table(con, target: str, expected) -> None:
-    """An incremental run appends rows of the same shape; a changed shape needs a full refresh."""
+    """An incremental run appends rows of the same shape; a changed shape needs a full refresh.
+
+    Status columns added by a newer dbt-llm-batch are appended to an existing table (NULL for old rows).
+    """
     actual = describe(con, target)
+    missing = expected[len(actual):]
+    if [c.lower() for c, _ in actual] == [c.lower() for c, _ in expected[:len(actual)]] and \
+            all(col in STATUS_COLUMNS for col in missing):
+        for name, typ in missing:
+            con.execute(f"alter table {target} add column {q(name)} {typ}")
+        actual = describe(con, target)
     if [(n.lower(), t) for n, t in actual] != [(n.lower(), t) for n, t in expected]:
         raise ConfigError(
             f"the columns of {target} changed (the model's SELECT, unique_key or llm_output changed):\n"
@@ -54,7 +63,8 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns, source: str)
         select unnest(json_transform(w.row_json, '{structure.replace("'", "''")}')),
                {', '.join(outputs)},
                w.status, w.error, w.finish_reason, w.input_tokens, w.output_tokens,
-               coalesce(w.job_model, {model_literal}), w.batch_id, w.fingerprint, w.completed_at
+               coalesce(w.job_model, {model_literal}), w.batch_id, w.fingerprint, w.completed_at,
+               w.cached_tokens, w.cache_write_tokens
         from {source} w"""
 
 

@@ -13,6 +13,7 @@ from dbt_llm_batch import harvest, merge, planner, submit
 from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.providers import get_provider
+from dbt_llm_batch.providers.base import UNRESOLVED
 
 INPUT = "__llm_input"
 
@@ -115,9 +116,15 @@ def _harvest_open(ledger: Ledger, get_provider, config: ModelConfig, summary: Ru
 
 
 def _reconcile(ledger: Ledger, provider, job: dict) -> None:
-    """An intent without a batch id: the run died around `create`. Adopt the batch or void the intent."""
-    found = provider.find_submission(job["job_id"], job["created_at"].timestamp())
-    if found:
+    """An intent without a batch id: the run died around `create`. Adopt the batch, void the intent
+    if it never reached the provider, or leave it (and its requests) alone until that can be told."""
+    custom_ids = {r[0] for r in ledger.con.execute(
+        f"select custom_id from {ledger.table('llm_batch_requests')} where job_id = ?", [job["job_id"]]).fetchall()}
+    found = provider.find_submission(job["job_id"], job["created_at"].timestamp(), custom_ids)
+    if found == UNRESOLVED:
+        logger().warning(f"{ledger.model}: submission {job['job_id']} was interrupted and cannot be matched to a "
+                         f"provider batch yet; its {len(custom_ids)} request(s) are held, not resent")
+    elif found:
         ledger.record_submission(job["job_id"], found.batch_id, found.input_file_id, found.status)
         logger().info(f"llm_batch {ledger.model}: adopted batch {found.batch_id} submitted by an interrupted run")
     else:
@@ -130,11 +137,24 @@ def _plan_and_submit(ledger: Ledger, get_provider, config: ModelConfig, summary:
     if n == 0:
         return
     provider = get_provider()
+    _warn_if_prefix_too_short(ledger, provider, config)
     n_chunks = planner.assign_chunks(ledger.con, provider.request_line_sql(),
                                      provider.max_requests_per_batch, provider.max_bytes_per_batch)
     batch_ids = submit.submit_plan(ledger, provider, n_chunks)
     summary.submitted += n
     summary.batches += len(batch_ids)
+
+
+def _warn_if_prefix_too_short(ledger: Ledger, provider, config: ModelConfig) -> None:
+    """Say plainly when llm_cache_prefix cannot save anything, instead of promising a saving."""
+    if not config.cache_prefix:
+        return
+    estimate = provider.prefix_tokens_estimate()
+    if estimate < provider.min_cacheable_tokens:
+        logger().warning(
+            f"{ledger.model}: llm_cache_prefix is on, but the system prompt and examples are about {estimate} "
+            f"tokens, below the {provider.min_cacheable_tokens}-token minimum {provider.name} caches for "
+            f"{config.model}: no cache reads will happen")
 
 
 def _wait(ledger: Ledger, get_provider, config: ModelConfig, summary: RunSummary, deadline: float) -> None:

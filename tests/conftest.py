@@ -10,6 +10,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from helpers import PROVIDER_MODELS
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
@@ -30,8 +31,16 @@ def emulator(monkeypatch, api_key):
     emu = Emulator(api_key=api_key).start()
     monkeypatch.setenv("OPENAI_BASE_URL", emu.openai_base_url)
     monkeypatch.setenv("OPENAI_API_KEY", api_key)
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", emu.base_url)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", api_key)
     yield emu
     emu.stop()
+
+
+@pytest.fixture(params=sorted(PROVIDER_MODELS))
+def provider(request) -> str:
+    """Run a test once per batch provider: the same story must hold for each."""
+    return request.param
 
 
 class Project:

@@ -19,10 +19,15 @@ TRIAGE_SCHEMA = {
 }
 
 
-def triage_model(system: str = TRIAGE_SYSTEM, extra_config: str = "", where: str = "") -> str:
+PROVIDER_MODELS = {"openai": "gpt-4o-mini", "anthropic": "claude-sonnet-4-5"}
+
+
+def triage_model(system: str = TRIAGE_SYSTEM, extra_config: str = "", where: str = "", provider: str = "openai") -> str:
     return f"""
 {{{{ config(
     materialized = 'llm_batch',
+    llm_provider = '{provider}',
+    llm_model = '{PROVIDER_MODELS[provider]}',
     unique_key = 'ticket_id',
     llm_system = {json.dumps(system)},
     llm_output = {json.dumps(TRIAGE_OUTPUT)},
@@ -55,6 +60,11 @@ def sorted_batches(emu) -> list[dict]:
     return list(reversed(emu.batches()))  # the emulator lists newest first, like the provider
 
 
+def is_anthropic(batch: dict) -> bool:
+    return batch.get("type") == "message_batch"
+
+
 def batch_counts(emu) -> list[int]:
-    """Number of request lines in each batch the emulator received, in creation order."""
-    return [len(batch_input_lines(emu, b)) for b in sorted_batches(emu)]
+    """Number of requests in each batch the emulator received, in creation order."""
+    return [sum(b["request_counts"].values()) if is_anthropic(b) else len(batch_input_lines(emu, b))
+            for b in sorted_batches(emu)]

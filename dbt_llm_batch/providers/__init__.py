@@ -9,6 +9,7 @@ from dbt_llm_batch.providers.base import BatchProvider
 # config name -> "module:Class"; modules are imported only when a model uses them.
 PROVIDERS = {
     "openai": "dbt_llm_batch.providers.openai_batch:OpenAIBatchProvider",
+    "anthropic": "dbt_llm_batch.providers.anthropic_batch:AnthropicBatchProvider",
 }
 
 

@@ -16,12 +16,17 @@ from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.errors import ConfigError
 
 # Columns every provider's `outcomes_sql` must produce, one row per result line:
-#   custom_id, outcome ('ok' | 'error' | 'void'), answer, finish_reason, error,
-#   input_tokens (all input, cached included), output_tokens, cached_tokens
+#   custom_id, outcome ('ok' | 'error' | 'void'), answer (text, or the JSON of a structured answer),
+#   finish_reason (the provider's word), truncated (the answer was cut off at the token limit), error,
+#   input_tokens (ALL input tokens, cache reads and writes included), output_tokens,
+#   cached_tokens (cache reads), cache_write_tokens (cache writes)
 # 'void' is an outcome that says nothing about the request itself (expired, cancelled before it
 # ran): the request is sent again without using up an attempt.
-OUTCOME_COLUMNS = ("custom_id", "outcome", "answer", "finish_reason", "error",
-                   "input_tokens", "output_tokens", "cached_tokens")
+OUTCOME_COLUMNS = ("custom_id", "outcome", "answer", "finish_reason", "truncated", "error",
+                   "input_tokens", "output_tokens", "cached_tokens", "cache_write_tokens")
+
+# find_submission's answer when it cannot yet tell whether a submission reached the provider.
+UNRESOLVED = "unresolved"
 
 
 @dataclass
@@ -46,6 +51,7 @@ class BatchProvider(ABC):
     key_env_var: ClassVar[str]
     max_requests_per_batch: ClassVar[int]
     max_bytes_per_batch: ClassVar[int]
+    min_cacheable_tokens: ClassVar[int] = 1024  # shorter prefixes are not cached by the provider
 
     def __init__(self, config: ModelConfig):
         self.config = config
@@ -65,8 +71,10 @@ class BatchProvider(ABC):
         """Upload the request file and create one batch tagged with `token`."""
 
     @abstractmethod
-    def find_submission(self, token: str, since_epoch: float) -> Submission | None:
-        """Find a batch created with `token` (after a crash between create and the ledger write)."""
+    def find_submission(self, token: str, since_epoch: float, custom_ids: set[str]) -> Submission | str | None:
+        """After a crash between `create` and the ledger write: the batch created for this job
+        (tagged with `token`, or holding exactly `custom_ids`), None if it provably never reached
+        the provider, or UNRESOLVED if that cannot be told yet (then nothing is resent)."""
 
     @abstractmethod
     def poll(self, batch_id: str) -> BatchState:
@@ -75,6 +83,18 @@ class BatchProvider(ABC):
     @abstractmethod
     def download_results(self, state: BatchState, batch_id: str, directory: str) -> list[tuple[str, str]]:
         """Write the batch's result lines to files in `directory`; returns [(source, path)]."""
+
+    def render_messages(self) -> list[dict]:
+        """The few-shot examples as alternating user/assistant turns (the prompt follows them)."""
+        turns = []
+        for example_input, example_output in self.config.examples:
+            turns += [{"role": "user", "content": example_input}, {"role": "assistant", "content": example_output}]
+        return turns
+
+    def prefix_tokens_estimate(self) -> int:
+        """Rough size of the system + examples prefix (4 characters a token), for the cache warning."""
+        text = (self.config.system or "") + "".join(a + b for a, b in self.config.examples)
+        return len(text) // 4
 
     @abstractmethod
     def outcomes_sql(self, raw_column: str) -> str:

@@ -36,9 +36,13 @@ class OpenAIBatchProvider(BatchProvider):
 
     def request_body(self) -> dict:
         cfg = self.config
+        # System and examples first and identical in every request: OpenAI caches such a prefix
+        # automatically; prompt_cache_key keeps the batch's requests on the same cache.
         messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + \
-                   [{"role": "user", "content": PROMPT_MARK}]
+            self.render_messages() + [{"role": "user", "content": PROMPT_MARK}]
         body: dict = {"model": cfg.model, "messages": messages}
+        if cfg.cache_prefix:
+            body["prompt_cache_key"] = "dbt-llm-batch-" + cfg.fingerprint_prefix()[:32]
         if cfg.max_tokens is not None:
             body["max_completion_tokens"] = cfg.max_tokens
         if cfg.temperature is not None:
@@ -67,7 +71,7 @@ class OpenAIBatchProvider(BatchProvider):
             metadata={TOKEN_KEY: token, "dbt_model": model_name[:512]})
         return Submission(batch_id=batch.id, status=batch.status, input_file_id=uploaded.id)
 
-    def find_submission(self, token, since_epoch):
+    def find_submission(self, token, since_epoch, custom_ids):
         for batch in self.client.batches.list(limit=100):  # newest first; the SDK pages on
             if (batch.metadata or {}).get(TOKEN_KEY) == token:
                 return Submission(batch_id=batch.id, status=batch.status, input_file_id=batch.input_file_id)
@@ -106,6 +110,7 @@ class OpenAIBatchProvider(BatchProvider):
                  else 'error' end as outcome,
             {choice}->'message'->>'content' as answer,
             {choice}->>'finish_reason' as finish_reason,
+            coalesce({choice}->>'finish_reason' = 'length', false) as truncated,
             coalesce({body}->'error'->>'message', {raw}->'error'->>'message',
                      case when {choice}->'message'->>'refusal' is not null
                           then 'model refused: ' || ({choice}->'message'->>'refusal') end,
@@ -113,4 +118,5 @@ class OpenAIBatchProvider(BatchProvider):
                           then 'HTTP ' || ({raw}->'response'->>'status_code') end) as error,
             cast({body}->'usage'->>'prompt_tokens' as bigint) as input_tokens,
             cast({body}->'usage'->>'completion_tokens' as bigint) as output_tokens,
-            cast({body}->'usage'->'prompt_tokens_details'->>'cached_tokens' as bigint) as cached_tokens"""
+            cast({body}->'usage'->'prompt_tokens_details'->>'cached_tokens' as bigint) as cached_tokens,
+            cast({body}->'usage'->'prompt_tokens_details'->>'cache_write_tokens' as bigint) as cache_write_tokens"""

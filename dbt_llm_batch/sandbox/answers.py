@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 
@@ -53,6 +53,11 @@ def count_tokens(chars: int) -> int:
     return math.ceil(chars / 4)
 
 
+def estimate_input_tokens(chars: int) -> int:
+    """Input tokens of a request whose text totals `chars` characters; both faces bill with this."""
+    return max(1, count_tokens(chars))
+
+
 class InvalidBody(ValueError):
     """A request body the provider would reject with a 400 (becomes an error line)."""
 
@@ -68,6 +73,7 @@ class ChatInputs:
     schema: dict | None
     prompt_chars: int  # all message text, for prompt_tokens
     max_tokens: int | None
+    prefix: list[list[str]] = field(default_factory=list)  # [role, text] of the messages before the last user one
 
 
 def _text(content: object, param: str) -> str:
@@ -85,7 +91,7 @@ def chat_inputs(body: dict) -> ChatInputs:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidBody("messages", "Invalid 'messages': expected a non-empty array of messages.")
-    texts, system, prompt = [], [], ""
+    texts, system, prompt, last_user = [], [], "", len(messages)
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise InvalidBody(f"messages.[{i}].role", f"Missing required parameter: 'messages.[{i}].role'.")
@@ -94,7 +100,7 @@ def chat_inputs(body: dict) -> ChatInputs:
         if msg["role"] in ("system", "developer"):
             system.append(text)
         elif msg["role"] == "user":
-            prompt = text  # the last user message wins
+            prompt, last_user = text, i  # the last user message wins
     schema = None
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
@@ -109,7 +115,8 @@ def chat_inputs(body: dict) -> ChatInputs:
         limit, name = body.get("max_tokens"), "max_tokens"
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise InvalidBody(name, f"Invalid '{name}': expected an integer of at least 1.")
-    return ChatInputs("\n".join(system) if system else None, prompt, schema, sum(map(len, texts)), limit)
+    prefix = [[m["role"], t] for m, t in zip(messages[:last_user], texts)]  # what OpenAI can cache
+    return ChatInputs("\n".join(system) if system else None, prompt, schema, sum(map(len, texts)), limit, prefix)
 
 
 @dataclass
@@ -118,6 +125,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     truncated: bool  # True when max_tokens cut the answer (finish_reason "length")
+    cached_tokens: int = 0  # part of prompt_tokens served from the prompt cache
 
     @property
     def total_tokens(self) -> int:
@@ -137,16 +145,17 @@ def simulate(answer: str, prompt_chars: int, max_tokens: int | None) -> Completi
         # left unparseable so clients exercise their "length" handling.
         answer = answer[: max_tokens * 4]
         completion_tokens = max_tokens
-    return Completion(answer, max(1, count_tokens(prompt_chars)), completion_tokens, truncated)
+    return Completion(answer, estimate_input_tokens(prompt_chars), completion_tokens, truncated)
 
 
-def answer_chat_request(body: dict, faults: "Faults", new_id: Callable[..., str],
-                        created: int) -> tuple[int, dict, Completion | None]:
+def answer_chat_request(body: dict, faults: "Faults", new_id: Callable[..., str], created: int,
+                        cached_tokens: Callable[[ChatInputs], int] | None = None) -> tuple[int, dict, Completion | None]:
     """Run one /v1/chat/completions request as the sandbox "model" would.
 
     Returns (status code, response body, completion or None on error); error
     bodies use the OpenAI envelope. A fault matching the prompt wins over the
     normal answer: it either fails the request or replaces the content.
+    `cached_tokens(inputs)` (the face's prompt cache) is asked only for requests that succeed.
     """
     try:
         ask = chat_inputs(body)
@@ -160,13 +169,14 @@ def answer_chat_request(body: dict, faults: "Faults", new_id: Callable[..., str]
                                    fault["param"], fault["code"]), None
     answer = fault["content"] if fault else expected_answer(ask.system, ask.prompt, ask.schema)
     done = simulate(answer, ask.prompt_chars, ask.max_tokens)
+    done.cached_tokens = cached_tokens(ask) if cached_tokens else 0
     return 200, {
         "id": new_id("chatcmpl-", 29), "object": "chat.completion", "created": created, "model": body.get("model"),
         "choices": [{"index": 0, "message": {"role": "assistant", "content": done.content, "refusal": None,
                                              "annotations": []},
                      "logprobs": None, "finish_reason": "length" if done.truncated else "stop"}],
         "usage": {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                  "total_tokens": done.total_tokens, "prompt_tokens_details": {"cached_tokens": 0},
+                  "total_tokens": done.total_tokens, "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
                   "completion_tokens_details": {"reasoning_tokens": 0}},
         "system_fingerprint": "fp_sandbox", "service_tier": "default"}, done
 

@@ -5,27 +5,27 @@ create answers `validating`, validation happens later and can end `failed`
 with `errors.data`; results go to an output file (successes) and an error file
 (failures), each in shuffled order; expiry and cancellation keep partial output.
 Per-request results are computed only when a batch is processed, from the
-deterministic answer function unless a fault applies.
+deterministic answer function unless a fault applies. Prompt caching is
+automatic, as at OpenAI (caching.openai_cached_tokens). The Files API is in
+openai_files.py.
 """
 from __future__ import annotations
 
 import copy
-import email.parser
-import email.policy
 import json
 import math
 import string
 from dataclasses import dataclass, field
 
 from .answers import answer_chat_request, batch_error, check_lines
-from .server import ApiError, Reply, Request
+from .caching import openai_cached_tokens
+from .openai_files import DAY, FilesMixin, list_page, require, ttl_seconds
+from .server import ApiError, Request
 
-DAY = 86400
 HEX = "0123456789abcdef"
 ENDPOINTS = ("/v1/responses", "/v1/chat/completions", "/v1/embeddings", "/v1/completions", "/v1/moderations",
              "/v1/images/generations", "/v1/images/edits", "/v1/videos")
 EMULATED_ENDPOINTS = ("/v1/chat/completions",)
-UPLOAD_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 EXPIRED = {"code": "batch_expired",
            "message": "This request could not be executed before the completion window expired."}
@@ -36,20 +36,6 @@ ENDPOINT_FAULTS = {  # status -> (message, type, code) as the real API words the
     500: ("The server had an error while processing your request. Sorry about that!", "server_error", None),
     503: ("The engine is currently overloaded, please try again later.", "server_error", None),
 }
-
-
-def parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
-    """multipart/form-data -> {field name: (filename or None, raw bytes)}."""
-    if not content_type.lower().startswith("multipart/form-data"):
-        raise ApiError(400, "Expected a multipart/form-data request body.")
-    msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
-        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body)
-    fields = {}
-    for part in msg.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        if name:
-            fields[name] = (part.get_filename(), part.get_payload(decode=True) or b"")
-    return fields
 
 
 @dataclass
@@ -63,10 +49,10 @@ class Run:
     todo: list[int] = field(default_factory=list)  # requests not yet run, in (random) processing order
     out_lines: list[dict] = field(default_factory=list)
     err_lines: list[dict] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=lambda: [0, 0])  # prompt, completion over successes
+    tokens: list[int] = field(default_factory=lambda: [0, 0, 0])  # prompt, completion, cached over successes
 
 
-class Face:
+class Face(FilesMixin):
     """The OpenAI face: routes, envelopes and batch lifecycle (protocol in server.py)."""
     prefixes = ("/v1",)
     request_id_header = "x-request-id"
@@ -113,75 +99,28 @@ class Face:
     def error_payload(self, err: ApiError, request_id: str) -> dict:
         return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
 
-    # -- Files -------------------------------------------------------------------------
-    def upload_file(self, req: Request) -> dict:
-        fields = parse_multipart(req.headers.get("content-type", ""), req.body)
-        for name in ("purpose", "file"):
-            _require(name in fields, f"Missing required parameter: '{name}'.", name, "missing_required_parameter")
-        purpose = fields["purpose"][1].decode(errors="replace")
-        _require(purpose in UPLOAD_PURPOSES, f"'{purpose}' is not one of {list(UPLOAD_PURPOSES)} - 'purpose'",
-                 "purpose")
-        filename, data = fields["file"][0] or "file", fields["file"][1]
-        _require(len(data) <= (self.emu.max_file_bytes if purpose == "batch" else 512 * 1024 * 1024),
-                 "File is too large.")
-        _require(purpose != "batch" or filename.endswith(".jsonl"),
-                 "Invalid file format for Batch API. Must be .jsonl", "file")
-        ttl = 30 * DAY if purpose == "batch" else None  # batch inputs expire after 30 days by default
-        if "expires_after[seconds]" in fields:
-            ttl = _ttl(fields["expires_after[seconds]"][1].decode(), "expires_after.seconds")
-        self.emu.counters.files_uploaded += 1
-        return dict(self._store(filename, purpose, data, self.emu.now(), ttl))
-
-    def list_files(self, req: Request) -> dict:
-        items = [dict(f) for f in self.files.values() if req.query.get("purpose") in (None, "", f["purpose"])]
-        if req.query.get("order", "desc") != "asc":
-            items.reverse()
-        return _page(items, req.query, default=10000, maximum=10000)
-
-    def get_file(self, req: Request) -> dict:
-        return dict(self._file(req.params["id"]))
-
-    def delete_file(self, req: Request) -> dict:
-        file_id = self._file(req.params["id"])["id"]
-        del self.files[file_id], self.contents[file_id]
-        return {"id": req.params["id"], "object": "file", "deleted": True}
-
-    def file_content(self, req: Request) -> Reply:
-        return Reply(200, self.contents[self._file(req.params["id"])["id"]], "application/octet-stream")
-
-    def _file(self, file_id: str, param: str = "id") -> dict:
-        _require(file_id in self.files, f"No such File object: {file_id}", param, status=404)
-        return self.files[file_id]
-
-    def _store(self, filename: str, purpose: str, data: bytes, at: float, ttl: int | None) -> dict:
-        f = {"id": self._id("file-", 22), "object": "file", "bytes": len(data), "created_at": int(at),
-             "expires_at": None if ttl is None else int(at) + ttl, "filename": filename, "purpose": purpose,
-             "status": "processed", "status_details": None}
-        self.files[f["id"]], self.contents[f["id"]] = f, data
-        return f
-
     # -- Batches: HTTP -------------------------------------------------------------------
     def create_batch(self, req: Request) -> dict:
         p = req.json()
-        _require(isinstance(p, dict), "The request body must be a JSON object.")
+        require(isinstance(p, dict), "The request body must be a JSON object.")
         for name in ("input_file_id", "endpoint", "completion_window"):
-            _require(p.get(name) is not None, f"Missing required parameter: '{name}'.", name,
-                     "missing_required_parameter")
-        _require(p["endpoint"] in ENDPOINTS, f"Invalid value: '{p['endpoint']}'. Supported values are: "
-                 f"{', '.join(ENDPOINTS)}.", "endpoint", "invalid_value")
+            require(p.get(name) is not None, f"Missing required parameter: '{name}'.", name,
+                    "missing_required_parameter")
+        require(p["endpoint"] in ENDPOINTS, f"Invalid value: '{p['endpoint']}'. Supported values are: "
+                f"{', '.join(ENDPOINTS)}.", "endpoint", "invalid_value")
         # A sandbox limit, said plainly rather than faked with wrong-shaped results.
-        _require(p["endpoint"] in EMULATED_ENDPOINTS, "The sandbox emulator only emulates "
-                 f"{', '.join(EMULATED_ENDPOINTS)} batches.", "endpoint")
-        _require(p["completion_window"] == "24h", f"Invalid value: '{p['completion_window']}'. Supported values "
-                 "are: '24h'.", "completion_window", "invalid_value")
+        require(p["endpoint"] in EMULATED_ENDPOINTS, "The sandbox emulator only emulates "
+                f"{', '.join(EMULATED_ENDPOINTS)} batches.", "endpoint")
+        require(p["completion_window"] == "24h", f"Invalid value: '{p['completion_window']}'. Supported values "
+                "are: '24h'.", "completion_window", "invalid_value")
         metadata = _metadata(p.get("metadata"))
         expiry = p.get("output_expires_after") or {"anchor": "created_at", "seconds": 30 * DAY}
-        _require(isinstance(expiry, dict) and expiry.get("anchor") == "created_at",
-                 "Invalid 'output_expires_after.anchor': expected 'created_at'.", "output_expires_after.anchor")
-        output_ttl = _ttl(expiry.get("seconds"), "output_expires_after.seconds")
+        require(isinstance(expiry, dict) and expiry.get("anchor") == "created_at",
+                "Invalid 'output_expires_after.anchor': expected 'created_at'.", "output_expires_after.anchor")
+        output_ttl = ttl_seconds(expiry.get("seconds"), "output_expires_after.seconds")
         source = self._file(p["input_file_id"], "input_file_id")
-        _require(source["purpose"] == "batch", f"Invalid 'input_file_id': file {source['id']} has purpose "
-                 f"'{source['purpose']}', but batches need purpose 'batch'.", "input_file_id")
+        require(source["purpose"] == "batch", f"Invalid 'input_file_id': file {source['id']} has purpose "
+                f"'{source['purpose']}', but batches need purpose 'batch'.", "input_file_id")
         data = self.contents[source["id"]]
         now = self.emu.now()
         obj = {"id": self._id("batch_", 32, HEX), "object": "batch", "endpoint": p["endpoint"], "model": None,
@@ -191,8 +130,7 @@ class Face:
                "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                "request_counts": {"total": 0, "completed": 0, "failed": 0}, "usage": None, "metadata": metadata}
         self.runs[obj["id"]] = Run(obj, data, output_ttl, now)
-        self.emu.counters.batches_created += 1
-        self.emu.counters.request_lines += sum(1 for raw in data.split(b"\n") if raw.strip())
+        self.emu.counters.new_batch("openai", obj["id"], sum(1 for raw in data.split(b"\n") if raw.strip()))
         return copy.deepcopy(obj)
 
     def get_batch(self, req: Request) -> dict:
@@ -201,16 +139,16 @@ class Face:
     def cancel_batch(self, req: Request) -> dict:
         run = self._run(req.params["id"])
         status = run.obj["status"]
-        _require(status in OPEN, f"Cannot cancel a batch with status '{status}'.", status=409)
+        require(status in OPEN, f"Cannot cancel a batch with status '{status}'.", status=409)
         if status != "cancelling":  # cancelling twice is harmless
             self._set_status(run, "cancelling", self.emu.now())
         return copy.deepcopy(run.obj)
 
     def list_batches(self, req: Request) -> dict:
-        return _page(self.batch_list(), req.query, default=20, maximum=100)
+        return list_page(self.batch_list(), req.query, default=20, maximum=100)
 
     def _run(self, batch_id: str) -> Run:
-        _require(batch_id in self.runs, f"No batch found with id '{batch_id}'.", "batch_id", status=404)
+        require(batch_id in self.runs, f"No batch found with id '{batch_id}'.", "batch_id", status=404)
         return self.runs[batch_id]
 
     # -- hooks for the Emulator ----------------------------------------------------------
@@ -263,6 +201,8 @@ class Face:
     def tick(self, now: float) -> None:
         """Auto-advance: each stage lasts `auto_advance_seconds`; catch up on any lag."""
         stage = self.emu.auto_advance_seconds
+        if stage is None:  # batches move only when told to
+            return
         for run in self.runs.values():
             while run.obj["status"] in OPEN:
                 status, due = run.obj["status"], run.stage_started + stage
@@ -309,7 +249,10 @@ class Face:
             self._execute(run, run.requests[run.todo.pop()], at)  # todo is shuffled; pop() is O(1)
 
     def _execute(self, run: Run, line: dict, at: float) -> None:
-        status, body, done = answer_chat_request(line["body"], self.emu.fault_book, self._id, int(at))
+        model, emu = line["body"].get("model"), self.emu
+        status, body, done = answer_chat_request(
+            line["body"], emu.fault_book, self._id, int(at),
+            lambda ask: openai_cached_tokens(emu.prompt_cache, model, ask, emu.min_cache_tokens, at))
         result = self._line(line, {"status_code": status, "request_id": self._id("req_", 32, HEX), "body": body})
         counts = run.obj["request_counts"]
         if done is None:
@@ -320,7 +263,9 @@ class Face:
         run.out_lines.append(result)
         run.tokens[0] += done.prompt_tokens
         run.tokens[1] += done.completion_tokens
-        self.emu.counters.add_usage(done.prompt_tokens, done.completion_tokens)
+        run.tokens[2] += done.cached_tokens
+        self.emu.counters.add_usage("openai", prompt_tokens=done.prompt_tokens,
+                                    completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens)
 
     def _line(self, line: dict, response: dict | None, error: dict | None = None) -> dict:
         return {"id": self._id("batch_req_", 32, HEX), "custom_id": line["custom_id"], "response": response,
@@ -341,8 +286,8 @@ class Face:
                 f = self._store(f"{run.obj['id']}_{kind}.jsonl", "batch_output", data, at, run.output_ttl)
                 run.obj[f"{kind}_file_id"] = f["id"]
         if run.requests is not None:
-            p, c = run.tokens
-            run.obj["usage"] = {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": c,
+            p, c, cached = run.tokens
+            run.obj["usage"] = {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": c,
                                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
         self._set_status(run, status, at)
 
@@ -350,41 +295,12 @@ class Face:
         return prefix + "".join(self.emu.rng.choices(alphabet, k=length))
 
 
-def _require(ok: object, message: str, param: str | None = None, code: str | None = None, status: int = 400) -> None:
-    if not ok:
-        raise ApiError(status, message, code=code, param=param)
-
-
-def _page(items: list[dict], query: dict[str, str], default: int, maximum: int) -> dict:
-    try:
-        limit = int(query.get("limit", default))
-    except ValueError:
-        limit = -1
-    _require(1 <= limit <= maximum, f"Invalid 'limit': expected an integer between 1 and {maximum}.", "limit")
-    if query.get("after"):
-        ids = [item["id"] for item in items]
-        _require(query["after"] in ids, f"Invalid 'after': no object with id '{query['after']}'.", "after")
-        items = items[ids.index(query["after"]) + 1:]
-    page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
-
-
 def _metadata(metadata: object) -> dict | None:
     if metadata is None:
         return None
-    _require(isinstance(metadata, dict) and len(metadata) <= 16,
-             "Invalid 'metadata': expected an object with at most 16 pairs.", "metadata")
+    require(isinstance(metadata, dict) and len(metadata) <= 16,
+            "Invalid 'metadata': expected an object with at most 16 pairs.", "metadata")
     for key, value in metadata.items():
-        _require(len(key) <= 64 and isinstance(value, str) and len(value) <= 512, "Invalid 'metadata': keys must be "
-                 f"at most 64 characters and values strings of at most 512 characters (key '{key[:64]}').", "metadata")
+        require(len(key) <= 64 and isinstance(value, str) and len(value) <= 512, "Invalid 'metadata': keys must be "
+                f"at most 64 characters and values strings of at most 512 characters (key '{key[:64]}').", "metadata")
     return dict(metadata)
-
-
-def _ttl(seconds: object, param: str) -> int:
-    try:
-        value = int(seconds)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        value = 0
-    _require(3600 <= value <= 30 * DAY, f"Invalid '{param}': expected an integer between 3600 and 2592000.", param)
-    return value

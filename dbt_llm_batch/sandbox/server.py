@@ -1,40 +1,43 @@
 """Loopback HTTP server for the sandbox: routing, auth, faults, stats, control.
 
 Provider behaviour lives in "face" modules listed in FACE_MODULES (OpenAI
-Files+Batches today; an Anthropic Message Batches face can be added the same
-way). A face is built as `Face(emulator)` and provides: `routes` (list of
-METHOD, "/v1/path/{id}", handler), `prefixes`, `request_id_header`,
+Files+Batches at `<base>/v1`, Anthropic Message Batches at `<base>`). A face is
+built as `Face(emulator)` and provides: `name` (its key in stats), `routes`
+(list of METHOD, "/v1/path/{id}", handler), `prefixes`, `request_id_header`,
 `api_key_from(headers)`, `auth_error(presented_key)`, `route_not_found(method, path)`,
 `endpoint_fault_error(fault)` (these three return ApiError),
-`error_payload(err, request_id)`, and the batch hooks `reset()`, `tick(now)`,
+`error_payload(err, request_id)`, and the batch hooks `reset()`, `tick(now)`
+(called before every request and control call, with or without auto-advance),
 `owns(id)`, `advance(id, to, done_fraction)`, `complete_all()`, `batch_list()`.
+Optional: `edge_check(req)` -> ApiError or None, run before auth (what a CDN in
+front of the provider rejects, e.g. Anthropic's 413).
 Handlers take a `Request` and return a dict (200 JSON), bytes (200 raw) or a
 `Reply`, raising `ApiError` for provider errors. This module holds what all
-faces share: auth, endpoint faults, call statistics, one lock, the CLI.
+faces share: auth, endpoint faults, call statistics, the prompt cache, one
+lock. The CLI is in cli.py.
 """
 from __future__ import annotations
 
-import argparse
 import hmac
 import importlib
 import json
-import os
 import random
 import re
 import sys
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from .answers import Faults
+from .caching import PromptCache
+from .stats import Counters
 
 # Faces are imported by name when an Emulator is built: they import the shared
 # helpers below, so a top-level import here would be circular.
-FACE_MODULES = ("dbt_llm_batch.sandbox.openai_batch",)
+FACE_MODULES = ("dbt_llm_batch.sandbox.openai_batch", "dbt_llm_batch.sandbox.anthropic_batch")
 
 
 class ApiError(Exception):
@@ -71,25 +74,6 @@ class Request:
             raise ApiError(400, "We could not parse the JSON body of your request.") from None
 
 
-class Counters:
-    """What clients did, for tests and for people watching the sandbox."""
-
-    def __init__(self) -> None:
-        self.calls: Counter[str] = Counter()
-        self.files_uploaded = self.batches_created = self.request_lines = 0
-        self.prompt_tokens = self.completion_tokens = 0
-
-    def add_usage(self, prompt_tokens: int, completion_tokens: int) -> None:
-        self.prompt_tokens += prompt_tokens
-        self.completion_tokens += completion_tokens
-
-    def snapshot(self) -> dict:
-        return {"calls": dict(self.calls), "files_uploaded": self.files_uploaded,
-                "batches_created": self.batches_created, "request_lines": self.request_lines,
-                "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                          "total_tokens": self.prompt_tokens + self.completion_tokens}}
-
-
 def _compile(pattern: str) -> re.Pattern:
     return re.compile("^" + re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(pattern)) + "$")
 
@@ -99,14 +83,21 @@ class Emulator:
 
     def __init__(self, api_key: str, auto_advance_seconds: float | None = None, host: str = "127.0.0.1",
                  port: int = 0, max_file_bytes: int = 200 * 1024 * 1024, max_requests_per_batch: int = 50000,
-                 seed: int | None = None):
+                 seed: int | None = None, max_message_batch_requests: int = 100_000,
+                 max_batch_bytes: int = 256 * 1024 * 1024, min_cache_tokens: int = 1024):
+        """One key serves both faces. OpenAI limits: `max_file_bytes`, `max_requests_per_batch`;
+        Anthropic limits: `max_message_batch_requests`, `max_batch_bytes`; both: `min_cache_tokens`
+        (the shortest prefix, in sandbox tokens, that the prompt cache stores)."""
         if not api_key:
             raise ValueError("api_key must be a non-empty string")
         self._api_key = api_key
         self.auto_advance_seconds = auto_advance_seconds
         self.host, self.port = host, port
         self.max_file_bytes, self.max_requests_per_batch = max_file_bytes, max_requests_per_batch
+        self.max_message_batch_requests, self.max_batch_bytes = max_message_batch_requests, max_batch_bytes
+        self.min_cache_tokens = min_cache_tokens
         self.seed = seed
+        self.prompt_cache = PromptCache()
         self.log_requests = False  # the CLI turns this on; never logs headers
         self._lock = threading.RLock()  # one lock: handlers are short and state is shared
         self._server: ThreadingHTTPServer | None = None
@@ -151,6 +142,10 @@ class Emulator:
     def openai_base_url(self) -> str:
         return self.base_url + "/v1"
 
+    @property
+    def anthropic_base_url(self) -> str:
+        return self.base_url  # the Anthropic SDK adds /v1 itself
+
     def now(self) -> float:
         return time.time()
 
@@ -191,23 +186,27 @@ class Emulator:
             return self.counters.snapshot()
 
     def batches(self) -> list[dict]:
+        """Every batch of both faces as the provider serves it, newest first. OpenAI batches have
+        "object": "batch", Anthropic ones "type": "message_batch"."""
         with self._lock:
             self._tick()
-            return [b for face in self.faces for b in face.batch_list()]
+            merged = [b for face in self.faces for b in face.batch_list()]
+            order = self.counters.creation_order
+            return sorted(merged, key=lambda b: order.get(b["id"], -1), reverse=True)
 
     def reset(self) -> None:
-        """Forget all files, batches, faults and stats; re-seed the randomness."""
+        """Forget all files, batches, cached prompts, faults and stats; re-seed the randomness."""
         with self._lock:
             self.fault_book, self.counters, self.rng = Faults(), Counters(), random.Random(self.seed)
+            self.prompt_cache = PromptCache()
             for face in self.faces:
                 face.reset()
 
     def _tick(self) -> None:
-        # Auto-advance is lazy: time only moves batches along when someone looks.
-        if self.auto_advance_seconds is not None:
-            now = self.now()
-            for face in self.faces:
-                face.tick(now)
+        # Time is lazy: batches only move along (auto-advance, expiry) when someone looks.
+        now = self.now()
+        for face in self.faces:
+            face.tick(now)
 
     # -- HTTP dispatch ------------------------------------------------------------
     def handle(self, method: str, raw_path: str, headers: dict[str, str], body: bytes) -> Reply:
@@ -231,6 +230,10 @@ class Emulator:
             return self._render_error(face, face.route_not_found(method, url.path))
 
     def _call(self, face, handler, req: Request, key: str) -> Reply:
+        edge = getattr(face, "edge_check", None)
+        rejected = edge(req) if edge else None
+        if rejected is not None:
+            return self._render_error(face, rejected)
         presented = face.api_key_from(req.headers) or ""
         if not hmac.compare_digest(presented.encode(), self._api_key.encode()):
             return self._render_error(face, face.auth_error(presented))
@@ -333,59 +336,16 @@ class _Handler(BaseHTTPRequestHandler):
             sys.stderr.write("[sandbox] %s\n" % (format % args))
 
 
-BANNER = """\
-=====================================================================
- SANDBOX emulator of the OpenAI Batch API (Files + Batches).
- Its answers are deterministic placeholders computed from the prompt,
- NOT a model's answers. Nothing is sent to OpenAI; nothing is billed.
-=====================================================================
- Base URL: {base}
- Batches advance {mode}.
- Use it from another shell with:
-   export OPENAI_BASE_URL={base}/v1
-   export OPENAI_API_KEY={key}
- Control endpoints: {base}/_emulator/ (stats, batches, faults, reset, ...)
- Press Ctrl-C to stop.
-"""
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dbt_llm_batch.sandbox",
-                                     description="Local SANDBOX emulator of the OpenAI Batch API.")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8787)
-    parser.add_argument("--api-key", default=None, help="key clients must send (default: $OPENAI_API_KEY)")
-    parser.add_argument("--auto-advance", type=float, default=None, metavar="SECONDS",
-                        help="seconds each batch stage lasts (default: wait for /_emulator/ advance calls)")
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--quiet", action="store_true", help="do not log requests")
-    args = parser.parse_args(argv)
-    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    if not api_key:
-        api_key = "sk-sandbox"
-        print("No --api-key or OPENAI_API_KEY given; the sandbox accepts the key 'sk-sandbox'.")
-    emu = Emulator(api_key, auto_advance_seconds=args.auto_advance, host=args.host, port=args.port, seed=args.seed)
-    emu.log_requests = not args.quiet
-    emu.start()
-    mode = (f"automatically, {args.auto_advance:g}s per stage" if args.auto_advance is not None
-            else "only when told to (POST /_emulator/batches/{id}/advance or /_emulator/complete_all)")
-    # Never print a key the user supplied; only the sandbox's own default.
-    shown_key = (api_key if api_key == "sk-sandbox" and not args.api_key
-                 else "<the --api-key value>" if args.api_key else '"$OPENAI_API_KEY"  # as in this shell')
-    print(BANNER.format(base=emu.base_url, mode=mode, key=shown_key), flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("\nStopping sandbox emulator.")
-    finally:
-        emu.stop()
-    return 0
+    """The sandbox CLI (kept importable from here; it lives in cli.py)."""
+    from .cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":
     # Run main() from the importable module, not from __main__: the faces import
     # ApiError from dbt_llm_batch.sandbox.server and must see the same class.
-    from dbt_llm_batch.sandbox.server import main as _main
+    from dbt_llm_batch.sandbox.cli import main as _main
 
     sys.exit(_main())

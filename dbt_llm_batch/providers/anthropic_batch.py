@@ -1,0 +1,140 @@
+"""Anthropic Message Batches, through the official `anthropic` SDK (`client.messages.batches`).
+
+The SDK reads ANTHROPIC_API_KEY and ANTHROPIC_BASE_URL at run time. Contract:
+../shared/reference/provider-contracts.md section 2. Differences from OpenAI that shape this module:
+requests go inline in the create call (no file upload); results appear only once the whole batch
+ended; a batch carries no metadata, so an interrupted submission is recognised by its custom_ids.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+from dbt_llm_batch.providers.base import UNRESOLVED, BatchProvider, BatchState, Submission
+
+PROMPT_MARK = "\u0000__dbt_llm_batch_prompt__\u0000"
+TOOL_NAME = "llm_output"
+# Anthropic requires max_tokens; used when llm_max_tokens is not set.
+DEFAULT_MAX_TOKENS = 1024
+
+
+class AnthropicBatchProvider(BatchProvider):
+    name = "anthropic"
+    key_env_var = "ANTHROPIC_API_KEY"
+    max_requests_per_batch = 100_000
+    # 256 MB for the whole create body: keep room for the JSON wrapper around the lines.
+    max_bytes_per_batch = 256 * 1024 * 1024 - 64 * 1024
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._client = None
+        # Haiku models need a longer prefix before they cache anything.
+        self.min_cacheable_tokens = 2048 if "haiku" in config.model else 1024
+
+    @property
+    def client(self):
+        if self._client is None:
+            import anthropic
+            self._client = anthropic.Anthropic(max_retries=4, timeout=120)
+        return self._client
+
+    def params(self) -> dict:
+        cfg = self.config
+        cache = {"type": "ephemeral", "ttl": cfg.cache_prefix} if cfg.cache_prefix else None
+        messages = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+                    for m in self.render_messages()]
+        params: dict = {"model": cfg.model, "max_tokens": cfg.max_tokens or DEFAULT_MAX_TOKENS}
+        if cfg.system:
+            params["system"] = [{"type": "text", "text": cfg.system}]
+        if cache:
+            # One breakpoint at the end of the shared prefix (system, then examples), identical in
+            # every request of the batch, so every request after the first can read it.
+            last = messages[-1]["content"][-1] if messages else params.get("system", [{}])[-1]
+            if last:
+                last["cache_control"] = cache
+        params["messages"] = messages + [{"role": "user", "content": PROMPT_MARK}]
+        if cfg.temperature is not None:
+            params["temperature"] = cfg.temperature
+        schema = cfg.output_json_schema()
+        if schema is not None:
+            # Structured output as a forced tool call: the tool's input is the answer.
+            params["tools"] = [{"name": TOOL_NAME, "description": "Record the answer.", "input_schema": schema}]
+            params["tool_choice"] = {"type": "tool", "name": TOOL_NAME}
+        params.update(cfg.params)
+        return params
+
+    def request_line_sql(self) -> str:
+        line = json.dumps({"custom_id": "\u0001", "params": self.params()}, ensure_ascii=False, separators=(",", ":"))
+        head, rest = line.split('"\\u0001"')
+        middle, tail = rest.split(json.dumps(PROMPT_MARK))
+        lit = lambda s: "'" + s.replace("'", "''") + "'"  # noqa: E731
+        return f"{lit(head)} || to_json(custom_id) || {lit(middle)} || to_json(prompt) || {lit(tail)}"
+
+    def submit(self, jsonl_path, token, model_name):
+        # The network edge: the SDK takes the requests as a list.
+        with open(jsonl_path, encoding="utf-8") as f:
+            requests = [json.loads(line) for line in f if line.strip()]
+        batch = self.client.messages.batches.create(requests=requests)
+        return Submission(batch_id=batch.id, status=batch.processing_status)
+
+    def find_submission(self, token, since_epoch, custom_ids):
+        """No metadata on Anthropic batches: a candidate is a batch created since the intent with the
+        same request count; once it ended, its result custom_ids confirm (or rule out) it."""
+        undecided = False
+        for batch in self.client.messages.batches.list(limit=100):  # newest first
+            if _epoch(batch.created_at) < since_epoch - 60:
+                break
+            counts = batch.request_counts
+            total = counts.processing + counts.succeeded + counts.errored + counts.canceled + counts.expired
+            if total != len(custom_ids):
+                continue
+            if batch.processing_status != "ended":
+                undecided = True
+                continue
+            seen = {r.custom_id for r in self.client.messages.batches.results(batch.id)}
+            if seen == custom_ids:
+                return Submission(batch_id=batch.id, status=batch.processing_status)
+        return UNRESOLVED if undecided else None
+
+    def poll(self, batch_id):
+        b = self.client.messages.batches.retrieve(batch_id)
+        return BatchState(status=b.processing_status, ended=b.processing_status == "ended",
+                          counts=b.request_counts.model_dump())
+
+    def download_results(self, state, batch_id, directory):
+        path = f"{directory}/{batch_id}-results.jsonl"
+        decoder = self.client.messages.batches.results(batch_id)
+        try:  # the raw lines, as the provider sent them, are what the ledger stores
+            with open(path, "wb") as f:
+                for chunk in decoder.http_response.iter_bytes():
+                    f.write(chunk)
+        finally:
+            decoder.close()
+        return [("results", path)]
+
+    def outcomes_sql(self, raw):
+        result = f"({raw}->'result')"
+        message = f"({result}->'message')"
+        blocks = f"cast({message}->'content' as json[])"
+        usage = f"({message}->'usage')"
+        tokens = lambda field: f"coalesce(cast({usage}->>'{field}' as bigint), 0)"  # noqa: E731
+        tool_input = f"list_filter({blocks}, b -> b->>'type' = 'tool_use')[1]->'input'"
+        text = f"array_to_string(list_transform(list_filter({blocks}, b -> b->>'type' = 'text'), b -> b->>'text'), '')"
+        answer = f"cast({tool_input} as varchar)" if self.config.structured else text
+        return f"""
+            {raw}->>'custom_id' as custom_id,
+            case {result}->>'type' when 'succeeded' then 'ok' when 'errored' then 'error' else 'void' end as outcome,
+            case when {result}->>'type' = 'succeeded' then {answer} end as answer,
+            {message}->>'stop_reason' as finish_reason,
+            coalesce({message}->>'stop_reason' = 'max_tokens', false) as truncated,
+            coalesce({result}->'error'->'error'->>'message', {result}->'error'->>'message') as error,
+            case when {usage} is not null then {tokens('input_tokens')} + {tokens('cache_creation_input_tokens')}
+                 + {tokens('cache_read_input_tokens')} end as input_tokens,
+            cast({usage}->>'output_tokens' as bigint) as output_tokens,
+            cast({usage}->>'cache_read_input_tokens' as bigint) as cached_tokens,
+            cast({usage}->>'cache_creation_input_tokens' as bigint) as cache_write_tokens"""
+
+
+def _epoch(value) -> float:
+    return value.timestamp() if isinstance(value, datetime) else datetime.fromisoformat(str(value)).timestamp()

@@ -1,0 +1,41 @@
+"""Call and usage statistics of the sandbox (Emulator.stats() and GET /_emulator/stats)."""
+from __future__ import annotations
+
+from collections import Counter
+
+USAGE_KEYS = {"openai": ("prompt_tokens", "completion_tokens", "cached_tokens"),
+              "anthropic": ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")}
+
+
+class Counters:
+    """What clients did, for tests and for people watching the sandbox.
+
+    Billed usage only (succeeded requests); `usage` keeps the OpenAI totals it
+    always had, `usage_by_face` has each face's own fields.
+    """
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.files_uploaded = self.batches_created = self.request_lines = 0
+        self.batches_by_face: Counter[str] = Counter()
+        self.usage = {face: dict.fromkeys(keys, 0) for face, keys in USAGE_KEYS.items()}
+        self.creation_order: dict[str, int] = {}  # batch id -> sequence, to list both faces newest first
+
+    def new_batch(self, face: str, batch_id: str, request_lines: int) -> None:
+        self.batches_created += 1
+        self.batches_by_face[face] += 1
+        self.request_lines += request_lines
+        self.creation_order[batch_id] = len(self.creation_order)
+
+    def add_usage(self, face: str, **tokens: int) -> None:
+        for key, value in tokens.items():
+            self.usage[face][key] += value
+
+    def snapshot(self) -> dict:
+        oai = self.usage["openai"]
+        return {"calls": dict(self.calls), "files_uploaded": self.files_uploaded,
+                "batches_created": self.batches_created, "request_lines": self.request_lines,
+                "batches_by_face": {face: self.batches_by_face[face] for face in USAGE_KEYS},
+                "usage": {"prompt_tokens": oai["prompt_tokens"], "completion_tokens": oai["completion_tokens"],
+                          "total_tokens": oai["prompt_tokens"] + oai["completion_tokens"]},
+                "usage_by_face": {face: dict(usage) for face, usage in self.usage.items()}}
