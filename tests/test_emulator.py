@@ -6,10 +6,6 @@ test lets the SDK retry.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -326,7 +322,7 @@ def test_500_fault_surfaces_without_retries(emu, client):
     assert client.batches.retrieve(batch.id).id == batch.id
 
 
-# -- listing, control endpoints, auto-advance, CLI --------------------------------------
+# -- listing, control endpoints, auto-advance -----------------------------------------
 
 def test_list_pagination_iterates_all_batches_newest_first(emu, client):
     f = client.files.create(file=("in.jsonl", json.dumps(line("a", "x")).encode()), purpose="batch")
@@ -366,23 +362,3 @@ def test_auto_advance_moves_batches_on_their_own():
         assert batch.status == "completed" and batch.request_counts.completed == 2
         assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
         assert {"validating", "completed"} <= seen
-
-
-def test_cli_prints_sandbox_banner_and_stops_on_ctrl_c():
-    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
-    proc = subprocess.Popen([sys.executable, "-m", "dbt_llm_batch.sandbox", "--port", "0", "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        banner = ""
-        while "Press Ctrl-C" not in banner:
-            out = proc.stdout.readline()
-            assert out, proc.stderr.read()
-            banner += out
-        assert "SANDBOX" in banner and "NOT a model's answers" in banner and "sk-sandbox" in banner
-        base = next(x.split()[-1] for x in banner.splitlines() if x.strip().startswith("Base URL:"))
-        assert f"export OPENAI_BASE_URL={base}/v1" in banner
-        sandbox = openai.OpenAI(base_url=base + "/v1", api_key="sk-sandbox", max_retries=0)
-        assert list(sandbox.batches.list()) == []
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 0

@@ -119,8 +119,8 @@ class AnthropicBatchProvider(BatchProvider):
         blocks = f"cast({message}->'content' as json[])"
         usage = f"({message}->'usage')"
         tokens = lambda field: f"coalesce(cast({usage}->>'{field}' as bigint), 0)"  # noqa: E731
-        tool_input = f"list_filter({blocks}, b -> b->>'type' = 'tool_use')[1]->'input'"
-        text = f"array_to_string(list_transform(list_filter({blocks}, b -> b->>'type' = 'text'), b -> b->>'text'), '')"
+        tool_input = f"list_filter({blocks}, lambda b: b->>'type' = 'tool_use')[1]->'input'"
+        text = f"array_to_string(list_transform(list_filter({blocks}, lambda b: b->>'type' = 'text'), lambda b: b->>'text'), '')"
         answer = f"cast({tool_input} as varchar)" if self.config.structured else text
         return f"""
             {raw}->>'custom_id' as custom_id,

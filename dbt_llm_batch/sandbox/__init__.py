@@ -1,4 +1,5 @@
-"""Local SANDBOX emulator of provider batch APIs (OpenAI Files + Batches).
+"""Local SANDBOX emulator of provider batch APIs: OpenAI Files + Batches and
+Anthropic Message Batches.
 
 For tests and dry runs without a provider account. Its answers are
 deterministic placeholders computed from the prompt (`expected_answer`),

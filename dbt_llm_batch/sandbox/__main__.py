@@ -1,6 +1,6 @@
-"""`python -m dbt_llm_batch.sandbox` runs the sandbox server (same flags as `.server`)."""
+"""`python -m dbt_llm_batch.sandbox` runs the sandbox server (see cli.py for the flags)."""
 import sys
 
-from .server import main
+from .cli import main
 
 sys.exit(main())

@@ -6,8 +6,8 @@
   recomputes it, so do not change it.
 - `chat_inputs` / `simulate` / `answer_chat_request`: read a chat request,
   bill the answer (about 4 characters per token), cut it at max_tokens, and
-  build the chat.completion body. `simulate` is provider-neutral so a later
-  Anthropic face bills the same way.
+  build the chat.completion body. `simulate` and `estimate_input_tokens` are
+  provider-neutral: the Anthropic face (anthropic_messages.py) bills with them too.
 - `check_lines`: which batch input lines the provider accepts.
 - `Faults`: injected failures that replace the normal outcome (an HTTP error
   for a call, an errored or altered answer, a batch failing validation).

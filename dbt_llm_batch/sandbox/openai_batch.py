@@ -54,6 +54,7 @@ class Run:
 
 class Face(FilesMixin):
     """The OpenAI face: routes, envelopes and batch lifecycle (protocol in server.py)."""
+    name = "openai"
     prefixes = ("/v1",)
     request_id_header = "x-request-id"
 
