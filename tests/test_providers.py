@@ -135,3 +135,35 @@ def test_short_cache_prefix_is_reported_not_promised(project, emulator, provider
     minimum = 1024
     assert (f"llm_cache_prefix is on, but the system prompt and examples are about 2 tokens, below the "
             f"{minimum}-token minimum {provider} caches") in log
+
+
+def test_batch_created_but_not_recorded_is_adopted_not_resent(project, emulator, provider, monkeypatch):
+    """The run dies between the provider's `create` and the ledger write: the next runs find that
+    batch (OpenAI: by its metadata token; Anthropic: by its custom_ids once it ended) and never pay
+    for those rows twice."""
+    from dbt_llm_batch.ledger import Ledger
+
+    values = ", ".join(f"({i}, 'row {i}')" for i in range(5))
+    project.write("models/things.sql", f"select * from (values {values}) t(a, prompt)")
+    project.write("models/adopt.sql", summary_model(provider, key="'a'"))
+    project.dbt("run", "-s", "things")
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated crash after create")
+    with monkeypatch.context() as patch:
+        patch.setattr(Ledger, "record_submission", crash)
+        project.dbt("run", "-s", "adopt", expect_ok=False)
+    assert batch_counts(emulator) == [5]
+    assert project.query("select status, batch_id from main.llm_batch_jobs") == [("intent", None)]
+
+    project.dbt("run", "-s", "adopt")
+    if provider == "anthropic":  # still running: nothing can confirm it yet, so nothing is resent
+        assert project.query("select status from main.llm_batch_jobs") == [("intent",)]
+        emulator.complete_all()
+        project.dbt("run", "-s", "adopt")
+    else:
+        emulator.complete_all()
+        project.dbt("run", "-s", "adopt")
+    assert batch_counts(emulator) == [5], "the interrupted submission must not be sent again"
+    assert project.query("select count(*) from main.adopt where llm_status = 'succeeded'") == [(5,)]
+    assert project.query("select batch_id from main.llm_batch_jobs") == [(sorted_batches(emulator)[0]["id"],)]
