@@ -35,6 +35,8 @@ STATUS_COLUMNS = [
     ("llm_completed_at", "TIMESTAMP WITH TIME ZONE"),
     ("llm_cache_read_tokens", "BIGINT"),
     ("llm_cache_write_tokens", "BIGINT"),
+    ("llm_cost_usd", "DECIMAL(18,9)"),
+    ("llm_realtime_cost_usd", "DECIMAL(18,9)"),
 ]
 
 # Every key the plugin understands, with its default. Keys starting with `llm_` that are not here are
@@ -53,6 +55,9 @@ DEFAULTS: dict[str, Any] = {
     "llm_max_attempts": 3,
     "llm_wait_seconds": 0,
     "llm_ledger_schema": None,
+    "llm_max_cost_usd": None,
+    "llm_dry_run": False,
+    "llm_price_table": None,
 }
 
 KNOWN_PROVIDERS = ("openai", "anthropic")
@@ -87,6 +92,9 @@ class ModelConfig:
     max_attempts: int = 3
     wait_seconds: float = 0
     ledger_schema: str | None = None
+    max_cost_usd: float | None = None  # per model per run, counting what is already in flight
+    dry_run: bool = False
+    price_table: str | None = None  # the user's price rows (a relation), overriding the shipped table
 
     @property
     def structured(self) -> bool:
@@ -151,6 +159,11 @@ def parse_config(raw: dict) -> ModelConfig:
     _check_number(errors, cfg, "llm_temperature", (int, float), minimum=0, maximum=2)
     _check_number(errors, cfg, "llm_max_attempts", int, minimum=1)
     _check_number(errors, cfg, "llm_wait_seconds", (int, float), minimum=0)
+    _check_number(errors, cfg, "llm_max_cost_usd", (int, float), minimum=0)
+    if not isinstance(cfg["llm_dry_run"], bool):
+        errors.append(f"llm_dry_run must be true or false, got {cfg['llm_dry_run']!r}")
+    if cfg["llm_price_table"] is not None and not isinstance(cfg["llm_price_table"], str):
+        errors.append("llm_price_table must be the name of a relation, e.g. 'main.llm_prices'")
     params = cfg["llm_params"]
     if not isinstance(params, dict):
         errors.append("llm_params must be a dict of extra request parameters")
@@ -186,6 +199,9 @@ def parse_config(raw: dict) -> ModelConfig:
         max_attempts=cfg["llm_max_attempts"],
         wait_seconds=float(cfg["llm_wait_seconds"]),
         ledger_schema=cfg["llm_ledger_schema"],
+        max_cost_usd=None if cfg["llm_max_cost_usd"] is None else float(cfg["llm_max_cost_usd"]),
+        dry_run=cfg["llm_dry_run"],
+        price_table=cfg["llm_price_table"],
     )
 
 

@@ -15,3 +15,7 @@ class InputError(LlmBatchError):
 
 class ProviderError(LlmBatchError):
     """A provider call failed in a way the run cannot recover from on its own."""
+
+
+class BudgetError(LlmBatchError):
+    """A submission would exceed a cost budget. Raised before anything is uploaded."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import tempfile
 
+from dbt_llm_batch import costs
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
@@ -42,7 +43,8 @@ def answer_problem_sql(config: ModelConfig) -> str:
     return f"case {cases} end"
 
 
-def poll_and_harvest(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: list[dict]) -> dict:
+def poll_and_harvest(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: list[dict],
+                     price: dict | None) -> dict:
     """Poll each open job once; harvest those that ended. Returns counts for the run summary."""
     stats = {"harvested_jobs": 0, "still_pending_jobs": 0, "unknown_results": 0}
     for job in jobs:
@@ -51,12 +53,13 @@ def poll_and_harvest(ledger: Ledger, provider: BatchProvider, config: ModelConfi
             ledger.update_job(job["job_id"], status=state.status)
             stats["still_pending_jobs"] += 1
             continue
-        stats["unknown_results"] += harvest_job(ledger, provider, config, job, state)
+        stats["unknown_results"] += harvest_job(ledger, provider, config, job, state, price)
         stats["harvested_jobs"] += 1
     return stats
 
 
-def harvest_job(ledger: Ledger, provider: BatchProvider, config: ModelConfig, job: dict, state: BatchState) -> int:
+def harvest_job(ledger: Ledger, provider: BatchProvider, config: ModelConfig, job: dict, state: BatchState,
+                price: dict | None) -> int:
     """Store and settle one ended job. Returns the number of result lines for unknown custom_ids."""
     job_id = job["job_id"]
     stored = ledger.con.execute(f"select count(*) from {ledger.table('llm_batch_results')} where job_id = ?",
@@ -65,7 +68,7 @@ def harvest_job(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jo
         with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
             files = provider.download_results(state, job["batch_id"], directory)
             _store_lines(ledger, job_id, files)
-    unknown = _settle(ledger, provider, config, job_id, state)
+    unknown = _settle(ledger, provider, config, job_id, state, price)
     if unknown:
         log.warning("batch %s returned %d result line(s) for custom_ids this job never sent; ignored",
                     job["batch_id"], unknown)
@@ -89,7 +92,8 @@ def _store_lines(ledger: Ledger, job_id: str, files: list[tuple[str, str]]) -> N
         raise
 
 
-def _settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, job_id: str, state: BatchState) -> int:
+def _settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, job_id: str, state: BatchState,
+            price: dict | None) -> int:
     """Turn a job's stored lines into request statuses, atomically with marking the job harvested."""
     con = ledger.con
     requests = ledger.table("llm_batch_requests")
@@ -136,6 +140,10 @@ def _settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, job_id
         con.execute(
             f"""update {requests} set status = 'voided', error = ?, completed_at = now()
                 where job_id = ? and status in ('queued', 'submitted')""", [reason, job_id])
+        if price is not None:  # without a price, cost stays NULL: unknown, never $0
+            con.execute(f"""update {requests} set cost_usd = {costs.batch_cost_sql(price)},
+                                   realtime_cost_usd = {costs.realtime_cost_sql(price)}
+                            where job_id = ? and status in ('succeeded', 'failed', 'voided')""", [job_id])
         con.execute(
             f"""update {ledger.table('llm_batch_jobs')} set status = ?, error = ?, output_file_id = ?,
                   error_file_id = ?, ended_at = coalesce(ended_at, now()), harvested_at = now(), updated_at = now()

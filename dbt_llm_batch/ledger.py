@@ -46,6 +46,27 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     # Usage is normalised across providers: input_tokens counts all input (cached included),
     # cached_tokens the cache reads, cache_write_tokens the cache writes.
     (2, ["alter table {s}.llm_batch_requests add column cache_write_tokens bigint"]),
+    # Money, as exact decimals: the estimate made before submission (what is committed while the
+    # request is in flight), and at harvest the cost at batch prices and the realtime counterfactual.
+    (3, ["alter table {s}.llm_batch_requests add column estimated_cost_usd decimal(18, 9)",
+         "alter table {s}.llm_batch_requests add column cost_usd decimal(18, 9)",
+         "alter table {s}.llm_batch_requests add column realtime_cost_usd decimal(18, 9)",
+         """create or replace view {s}.llm_batch_costs as
+            select r.model, j.provider, coalesce(j.llm_model, '') as llm_model,
+                   cast(coalesce(r.completed_at, r.queued_at) as date) as day,
+                   count(*) filter (where r.status = 'succeeded') as rows_succeeded,
+                   count(*) filter (where r.status = 'failed') as rows_failed,
+                   count(*) filter (where r.status in ('queued', 'submitted')) as rows_pending,
+                   sum(r.input_tokens) as input_tokens, sum(r.output_tokens) as output_tokens,
+                   sum(r.cached_tokens) as cache_read_tokens, sum(r.cache_write_tokens) as cache_write_tokens,
+                   sum(r.cost_usd) as cost_usd, sum(r.realtime_cost_usd) as realtime_cost_usd,
+                   sum(r.realtime_cost_usd) - sum(r.cost_usd) as savings_usd,
+                   coalesce(sum(r.estimated_cost_usd) filter (where r.status in ('queued', 'submitted')), 0)
+                       as committed_not_billed_usd,
+                   count(*) filter (where r.status in ('succeeded', 'failed') and r.job_id is not null
+                                    and r.cost_usd is null) as rows_without_price
+            from {s}.llm_batch_requests r left join {s}.llm_batch_jobs j using (job_id)
+            group by all"""]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -133,8 +154,8 @@ class Ledger:
                     [job_id, self.model, provider, llm_model, chunk])
                 self.con.execute(
                     f"""insert into {self.table('llm_batch_requests')} (custom_id, model, key, fingerprint,
-                          seq, job_id, status, row_json, queued_at)
-                        select custom_id, ?, key, fingerprint, seq, ?, 'queued', row_json, now()
+                          seq, job_id, status, row_json, queued_at, estimated_cost_usd)
+                        select custom_id, ?, key, fingerprint, seq, ?, 'queued', row_json, now(), estimated_cost_usd
                         from {plan_table} where chunk = ?""",
                     [self.model, job_id, chunk])
                 self.con.execute("commit")
@@ -166,6 +187,13 @@ class Ledger:
                 where job_id = ? and status in ('queued', 'submitted')""", [reason, job_id])
 
     # --- summary ----------------------------------------------------------------------------
+
+    def committed_usd(self, all_models: bool = False):
+        """Estimated cost of requests in flight (submitted, not yet billed): this model's, or all."""
+        scope = "" if all_models else "and model = ?"
+        return self.con.execute(
+            f"""select coalesce(sum(estimated_cost_usd), 0) from {self.table('llm_batch_requests')}
+                where status in ('queued', 'submitted') {scope}""", [] if all_models else [self.model]).fetchall()[0][0]
 
     def pending_count(self) -> int:
         return self.con.execute(

@@ -64,7 +64,7 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns, source: str)
                {', '.join(outputs)},
                w.status, w.error, w.finish_reason, w.input_tokens, w.output_tokens,
                coalesce(w.job_model, {model_literal}), w.batch_id, w.fingerprint, w.completed_at,
-               w.cached_tokens, w.cache_write_tokens
+               w.cached_tokens, w.cache_write_tokens, w.cost_usd, w.realtime_cost_usd
         from {source} w"""
 
 

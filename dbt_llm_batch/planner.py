@@ -125,7 +125,8 @@ def build_plan(ledger: Ledger, config: ModelConfig) -> int:
                    coalesce(h.n_requests, 0) as seq,
                    'r_' || substr(sha256(? || d.key || d.fingerprint || coalesce(h.n_requests, 0)), 1, 40)
                        as custom_id,
-                   0 as chunk
+                   0 as chunk,
+                   cast(null as decimal(18, 9)) as estimated_cost_usd
             from {DESIRED} d left join history h using (key, fingerprint)
             where coalesce(d.prompt, '') <> ''
               and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0

@@ -7,10 +7,12 @@ with the job's DuckDB connection. Returns a summary dict; the run log gets one l
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from decimal import Decimal
 
-from dbt_llm_batch import harvest, merge, planner, submit
+from dbt_llm_batch import costs, harvest, merge, planner, submit
 from dbt_llm_batch.config import ModelConfig, parse_config
+from dbt_llm_batch.errors import BudgetError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.providers.base import UNRESOLVED
@@ -28,11 +30,17 @@ class RunSummary:
     failed: int = 0
     harvested_batches: int = 0
     rejected_prompts: int = 0
+    estimated_usd: object = None  # estimate of what this run submitted (Decimal), None without a price
+    cost_usd: object = None  # actual cost of what this run harvested, at batch prices
+    realtime_usd: object = None  # the same tokens at realtime prices
 
     def line(self) -> str:
-        return (f"{self.model}: submitted {self.submitted} request(s) in {self.batches} batch(es); "
-                f"harvested {self.harvested_batches} batch(es); merged {self.merged} row(s) "
-                f"({self.failed} failed); pending {self.pending}")
+        saved = (f", saved {costs.fmt_usd(self.realtime_usd - self.cost_usd)} vs realtime"
+                 if self.cost_usd is not None and self.realtime_usd is not None else "")
+        return (f"{self.model}: submitted {self.submitted} request(s) in {self.batches} batch(es) "
+                f"(estimated {costs.fmt_usd(self.estimated_usd)}); harvested {self.harvested_batches} batch(es) "
+                f"(cost {costs.fmt_usd(self.cost_usd)}{saved}); merged {self.merged} row(s) ({self.failed} failed); "
+                f"pending {self.pending}")
 
 
 def logger():
@@ -59,114 +67,185 @@ def load_input(con, sql: str | None, df) -> None:
 
 
 def run_model(con, *, schema: str, identifier: str, target: str, raw_config: dict,
-              sql: str | None = None, df=None, full_refresh: bool = False) -> RunSummary:
-    """Run one model: validate, harvest, plan, submit, (optionally wait), merge. See module doc."""
+              sql: str | None = None, df=None, full_refresh: bool = False, project: dict | None = None) -> RunSummary:
+    """Run one model: validate, harvest, plan, (budget-check,) submit, (optionally wait), merge.
+
+    `project` carries project-wide vars: `max_cost_usd` (all models' in-flight estimate plus this
+    plan) and `dry_run` (plan, estimate and report; send nothing, change nothing).
+    """
+    project = project or {}
     config = parse_config(raw_config)  # first: a bad config fails before anything is touched
-    provider_cls = get_provider(config.provider)
-    summary = RunSummary(model=f"{schema}.{identifier}")
     # The input first: a Python model's relation cannot be read once other results are pending here.
     load_input(con, sql, df)
-    ledger = Ledger(con, config.ledger_schema or schema, summary.model)
-    ledger.migrate()
+    run = ModelRun(con, config, schema, f"{schema}.{identifier}", project)
     input_columns = planner.check_input(con, INPUT, config)
     if not full_refresh and merge.relation_exists(con, schema, identifier):
         merge.check_existing_table(con, target, merge.table_columns(input_columns, config))
     planner.build_desired(con, INPUT, input_columns, config)
 
-    provider = None
-
-    def get_provider_checked():
-        nonlocal provider
-        if provider is None:
-            provider = provider_cls(config)
-            provider.check_credentials()
-        return provider
-
-    deadline = time.monotonic() + config.wait_seconds
-    _harvest_open(ledger, get_provider_checked, config, summary)
-    summary.rejected_prompts = planner.reject_empty_prompts(ledger)
-    while True:
-        if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing
-            _plan_and_submit(ledger, get_provider_checked, config, summary)
-        if config.wait_seconds <= 0 or not ledger.open_jobs():
-            break
-        _wait(ledger, get_provider_checked, config, summary, deadline)
-        if time.monotonic() >= deadline:
-            break
-
-    written, failed = merge.merge(ledger, config, target, input_columns, full_refresh)
-    summary.merged, summary.failed = written, failed
-    summary.pending = ledger.pending_count()
+    if run.dry_run:
+        run.dry_run_report()
+    else:
+        run.execute(full_refresh)
+        run.summary.merged, run.summary.failed = merge.merge(run.ledger, config, target, input_columns, full_refresh)
+        run.finish_summary()
+        logger().info(run.summary.line())
     for name in (INPUT, planner.DESIRED, planner.PLAN):
         con.execute(f"drop table if exists {name}")
-    logger().info(summary.line())
-    return summary
+    return run.summary
 
 
-def _harvest_open(ledger: Ledger, get_provider, config: ModelConfig, summary: RunSummary) -> None:
-    jobs = ledger.open_jobs()
-    if not jobs:
-        return
-    provider = get_provider()
-    for job in [j for j in jobs if j["status"] == "intent"]:
-        _reconcile(ledger, provider, job)
-    submitted = [j for j in ledger.open_jobs() if j["batch_id"]]
-    stats = harvest.poll_and_harvest(ledger, provider, config, submitted)
-    summary.harvested_batches += stats["harvested_jobs"]
+class ModelRun:
+    """The provider-facing steps of one model's run, sharing its ledger, provider and prices."""
 
+    def __init__(self, con, config: ModelConfig, schema: str, model: str, project: dict):
+        self.con, self.config = con, config
+        self.summary = RunSummary(model=model)
+        self.ledger = Ledger(con, config.ledger_schema or schema, model)
+        self.ledger.migrate()
+        self.started = con.execute("select now()").fetchall()[0][0]
+        self.project_max_cost = project.get("max_cost_usd")
+        self.dry_run = config.dry_run or bool(project.get("dry_run"))
+        costs.load_prices(con, config.price_table)
+        self.price = costs.price_of(con, config.provider, config.model)
+        self._provider = None
 
-def _reconcile(ledger: Ledger, provider, job: dict) -> None:
-    """An intent without a batch id: the run died around `create`. Adopt the batch, void the intent
-    if it never reached the provider, or leave it (and its requests) alone until that can be told."""
-    custom_ids = {r[0] for r in ledger.con.execute(
-        f"select custom_id from {ledger.table('llm_batch_requests')} where job_id = ?", [job["job_id"]]).fetchall()}
-    found = provider.find_submission(job["job_id"], job["created_at"].timestamp(), custom_ids)
-    if found == UNRESOLVED:
-        logger().warning(f"{ledger.model}: submission {job['job_id']} was interrupted and cannot be matched to a "
-                         f"provider batch yet; its {len(custom_ids)} request(s) are held, not resent")
-    elif found:
-        ledger.record_submission(job["job_id"], found.batch_id, found.input_file_id, found.status)
-        logger().info(f"llm_batch {ledger.model}: adopted batch {found.batch_id} submitted by an interrupted run")
-    else:
-        ledger.void_job(job["job_id"], "submission interrupted before reaching the provider")
-        ledger.update_job(job["job_id"], status="voided")
+    @property
+    def provider(self):
+        """Created on first use, so a run with nothing to do needs no key and makes no call."""
+        if self._provider is None:
+            self._provider = get_provider(self.config.provider)(self.config)
+            self._provider.check_credentials()
+        return self._provider
 
+    def execute(self, full_refresh: bool) -> None:
+        deadline = time.monotonic() + self.config.wait_seconds
+        self.harvest_open()
+        self.summary.rejected_prompts = planner.reject_empty_prompts(self.ledger)
+        while True:
+            if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing
+                self.plan_and_submit()
+            if self.config.wait_seconds <= 0 or not self.ledger.open_jobs():
+                return
+            self.wait(deadline)
+            if time.monotonic() >= deadline:
+                return
 
-def _plan_and_submit(ledger: Ledger, get_provider, config: ModelConfig, summary: RunSummary) -> None:
-    n = planner.build_plan(ledger, config)
-    if n == 0:
-        return
-    provider = get_provider()
-    _warn_if_prefix_too_short(ledger, provider, config)
-    n_chunks = planner.assign_chunks(ledger.con, provider.request_line_sql(),
-                                     provider.max_requests_per_batch, provider.max_bytes_per_batch)
-    batch_ids = submit.submit_plan(ledger, provider, n_chunks)
-    summary.submitted += n
-    summary.batches += len(batch_ids)
-
-
-def _warn_if_prefix_too_short(ledger: Ledger, provider, config: ModelConfig) -> None:
-    """Say plainly when llm_cache_prefix cannot save anything, instead of promising a saving."""
-    if not config.cache_prefix:
-        return
-    estimate = provider.prefix_tokens_estimate()
-    if estimate < provider.min_cacheable_tokens:
-        logger().warning(
-            f"{ledger.model}: llm_cache_prefix is on, but the system prompt and examples are about {estimate} "
-            f"tokens, below the {provider.min_cacheable_tokens}-token minimum {provider.name} caches for "
-            f"{config.model}: no cache reads will happen")
-
-
-def _wait(ledger: Ledger, get_provider, config: ModelConfig, summary: RunSummary, deadline: float) -> None:
-    """Poll with back-off until every open job ended or the deadline passed (llm_wait_seconds)."""
-    delay = 0.5
-    while time.monotonic() < deadline:
-        _harvest_open(ledger, get_provider, config, summary)
-        if not ledger.open_jobs():
+    def harvest_open(self) -> None:
+        jobs = self.ledger.open_jobs()
+        if not jobs:
             return
-        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 2, 30.0)
+        for job in [j for j in jobs if j["status"] == "intent"]:
+            self.reconcile(job)
+        submitted = [j for j in self.ledger.open_jobs() if j["batch_id"]]
+        stats = harvest.poll_and_harvest(self.ledger, self.provider, self.config, submitted, self.price)
+        self.summary.harvested_batches += stats["harvested_jobs"]
+        if stats["harvested_jobs"] and self.price is None:
+            logger().warning(f"{self.ledger.model}: no price known for {self.config.provider} model "
+                             f"'{self.config.model}': cost is recorded as unknown (NULL). Add it with llm_price_table.")
 
+    def reconcile(self, job: dict) -> None:
+        """An intent without a batch id: the run died around `create`. Adopt the batch, void the intent
+        if it never reached the provider, or leave it (and its requests) alone until that can be told."""
+        ledger = self.ledger
+        custom_ids = {r[0] for r in self.con.execute(
+            f"select custom_id from {ledger.table('llm_batch_requests')} where job_id = ?", [job["job_id"]]).fetchall()}
+        found = self.provider.find_submission(job["job_id"], job["created_at"].timestamp(), custom_ids)
+        if found == UNRESOLVED:
+            logger().warning(f"{ledger.model}: submission {job['job_id']} was interrupted and cannot be matched to "
+                             f"a provider batch yet; its {len(custom_ids)} request(s) are held, not resent")
+        elif found:
+            ledger.record_submission(job["job_id"], found.batch_id, found.input_file_id, found.status)
+            logger().info(f"{ledger.model}: adopted batch {found.batch_id} submitted by an interrupted run")
+        else:
+            ledger.void_job(job["job_id"], "submission interrupted before reaching the provider")
+            ledger.update_job(job["job_id"], status="voided")
 
-def summary_dict(summary: RunSummary) -> dict:
-    return asdict(summary)
+    def plan(self) -> tuple[int, object]:
+        """Build the plan; returns (requests, estimated cost at batch prices or None without a price)."""
+        n = planner.build_plan(self.ledger, self.config)
+        if n == 0 or self.price is None:
+            return n, None
+        self.con.execute(f"update {planner.PLAN} set estimated_cost_usd = "
+                         f"{costs.estimated_cost_sql(self.config, self.price)}")
+        return n, self.con.execute(f"select sum(estimated_cost_usd) from {planner.PLAN}").fetchall()[0][0]
+
+    def check_budget(self, n: int, estimate) -> None:
+        """Refuse, before any upload, a plan that would take committed spend over a budget."""
+        limits = [(self.config.max_cost_usd, self.ledger.committed_usd(), "llm_max_cost_usd (this model)"),
+                  (self.project_max_cost, self.ledger.committed_usd(all_models=True), "var llm_batch_max_cost_usd")]
+        for limit, committed, name in limits:
+            if limit is None:
+                continue
+            if estimate is None:
+                raise BudgetError(f"{self.ledger.model}: {name} is set to {costs.fmt_usd(limit)} but there is no price "
+                                  f"for {self.config.provider} model '{self.config.model}', so the cost of {n} "
+                                  f"request(s) cannot be estimated; nothing was sent. Add a price with llm_price_table.")
+            if committed + estimate > Decimal(str(limit)):
+                raise BudgetError(
+                    f"{self.ledger.model}: refusing to submit {n} request(s): estimated {costs.fmt_usd(estimate)} "
+                    f"plus {costs.fmt_usd(committed)} already in flight exceeds {name} = {costs.fmt_usd(limit)}; "
+                    f"nothing was sent. Raise the limit, or select fewer rows.")
+
+    def plan_and_submit(self) -> None:
+        n, estimate = self.plan()
+        if n == 0:
+            return
+        self.check_budget(n, estimate)
+        provider = self.provider
+        self.warn_if_prefix_too_short(provider)
+        n_chunks = planner.assign_chunks(self.con, provider.request_line_sql(),
+                                         provider.max_requests_per_batch, provider.max_bytes_per_batch)
+        batch_ids = submit.submit_plan(self.ledger, provider, n_chunks)
+        self.summary.submitted += n
+        self.summary.batches += len(batch_ids)
+        if estimate is not None:
+            self.summary.estimated_usd = (self.summary.estimated_usd or 0) + estimate
+
+    def dry_run_report(self) -> None:
+        """Plan and estimate only: no provider call, no ledger row, no table change."""
+        n, estimate = self.plan()
+        committed = self.ledger.committed_usd()
+        chunks = 0
+        if n:
+            provider_cls = get_provider(self.config.provider)
+            line_sql = provider_cls(self.config).request_line_sql()
+            chunks = planner.assign_chunks(self.con, line_sql, provider_cls.max_requests_per_batch,
+                                           provider_cls.max_bytes_per_batch)
+        self.summary.estimated_usd = estimate
+        logger().info(f"{self.ledger.model}: DRY RUN: would submit {n} request(s) in {chunks} batch(es), "
+                      f"estimated {costs.fmt_usd(estimate) if n else '$0'} at batch prices; "
+                      f"{costs.fmt_usd(committed)} already committed in flight; nothing was sent")
+
+    def warn_if_prefix_too_short(self, provider) -> None:
+        """Say plainly when llm_cache_prefix cannot save anything, instead of promising a saving."""
+        if not self.config.cache_prefix:
+            return
+        estimate = provider.prefix_tokens_estimate()
+        if estimate < provider.min_cacheable_tokens:
+            logger().warning(
+                f"{self.ledger.model}: llm_cache_prefix is on, but the system prompt and examples are about "
+                f"{estimate} tokens, below the {provider.min_cacheable_tokens}-token minimum {provider.name} "
+                f"caches for {self.config.model}: no cache reads will happen")
+
+    def wait(self, deadline: float) -> None:
+        """Poll with back-off until every open job ended or the deadline passed (llm_wait_seconds)."""
+        delay = 0.5
+        while time.monotonic() < deadline:
+            self.harvest_open()
+            open_jobs = self.ledger.open_jobs()
+            if not open_jobs:
+                return
+            logger().info(f"{self.ledger.model}: waiting for {len(open_jobs)} batch(es), "
+                          f"{self.ledger.pending_count()} request(s) pending, "
+                          f"{max(0, int(deadline - time.monotonic()))} s left of llm_wait_seconds")
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 30.0)
+
+    def finish_summary(self) -> None:
+        s = self.summary
+        s.pending = self.ledger.pending_count()
+        cost, realtime = self.con.execute(
+            f"""select sum(cost_usd), sum(realtime_cost_usd) from {self.ledger.table('llm_batch_requests')}
+                where model = ? and completed_at >= ?""", [self.ledger.model, self.started]).fetchall()[0]
+        s.cost_usd, s.realtime_usd = cost, realtime

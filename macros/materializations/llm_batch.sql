@@ -14,6 +14,8 @@
       'raw_config': dbt_llm_batch._llm_config(),
       'sql': compiled_code if model.language == 'sql' else none,
       'full_refresh': should_full_refresh(),
+      'project': {'max_cost_usd': var('llm_batch_max_cost_usd', none),
+                  'dry_run': var('llm_batch_dry_run', false)},
   } -%}
 
   {{ run_hooks(pre_hooks) }}

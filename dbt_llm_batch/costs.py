@@ -1,0 +1,81 @@
+"""Money: the price table, per-request cost at harvest, and the estimate that gates a submission.
+
+Prices are per million tokens (unit 'token'); `batch_discount` is the share taken off for batch
+processing (0.5 = half price). A request's realtime cost is its tokens at list price; its cost is
+that times (1 - batch_discount). Cached tokens are priced at the cache rates, and each token counts
+once: input_tokens includes cache reads and writes, so only the rest is priced at the input rate.
+Amounts are DECIMAL(18, 9) dollars: exact to well below a millionth of a dollar.
+A model without a price has NULL cost (and a warning), never $0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dbt_llm_batch.config import ModelConfig
+
+PRICES_CSV = Path(__file__).with_name("prices.csv")
+PRICES = "__llm_prices"
+MONEY = "decimal(18, 9)"
+# Estimated output tokens when llm_max_tokens is not set (the estimate is then a guess, not a bound).
+DEFAULT_OUTPUT_ESTIMATE = 1000
+# Per-request overhead of chat formatting, added to the character-based estimate.
+MESSAGE_OVERHEAD_TOKENS = 8
+
+
+def load_prices(con, user_table: str | None) -> None:
+    """The shipped price table, with the user's rows (same columns) replacing or extending it."""
+    columns = ("provider, model, unit, cast(input_per_mtok as decimal(18,6)) as input_per_mtok, "
+               "cast(output_per_mtok as decimal(18,6)) as output_per_mtok, "
+               "cast(coalesce(cache_write_per_mtok, input_per_mtok) as decimal(18,6)) as cache_write_per_mtok, "
+               "cast(coalesce(cache_read_per_mtok, input_per_mtok) as decimal(18,6)) as cache_read_per_mtok, "
+               "cast(batch_discount as decimal(6,4)) as batch_discount")
+    shipped = f"select {columns}, 1 as priority from read_csv('{PRICES_CSV.as_posix()}', header = true, all_varchar = true)"
+    user = f" union all by name select {columns}, 0 as priority from {user_table}" if user_table else ""
+    con.execute(f"""create or replace temp table {PRICES} as
+                    select * exclude (priority) from ({shipped}{user})
+                    qualify row_number() over (partition by provider, model order by priority) = 1""")
+
+
+def price_of(con, provider: str, model: str) -> dict | None:
+    """The price row for a model: an exact name, else the longest listed prefix (dated snapshots
+    such as 'gpt-4o-mini-2024-07-18' take the price of 'gpt-4o-mini')."""
+    rows = con.execute(f"""select input_per_mtok, output_per_mtok, cache_write_per_mtok, cache_read_per_mtok,
+                                  batch_discount from {PRICES}
+                           where provider = ? and unit = 'token' and starts_with(?, model)
+                           order by length(model) desc limit 1""", [provider, model]).fetchall()
+    if not rows:
+        return None
+    return dict(zip(("input", "output", "cache_write", "cache_read", "batch_discount"), rows[0]))
+
+
+def realtime_cost_sql(price: dict, alias: str = "") -> str:
+    """SQL: a request's cost at list (realtime) prices, from its normalised usage columns."""
+    t = lambda c: f"coalesce({alias}{c}, 0)"  # noqa: E731
+    uncached = f"({t('input_tokens')} - {t('cached_tokens')} - {t('cache_write_tokens')})"
+    total = (f"{uncached} * {price['input']} + {t('cached_tokens')} * {price['cache_read']} + "
+             f"{t('cache_write_tokens')} * {price['cache_write']} + {t('output_tokens')} * {price['output']}")
+    return f"cast(({total}) / 1000000 as {MONEY})"
+
+
+def batch_cost_sql(price: dict, alias: str = "") -> str:
+    return f"cast({realtime_cost_sql(price, alias)} * (1 - {price['batch_discount']}) as {MONEY})"
+
+
+def estimated_input_tokens_sql(config: ModelConfig, prompt_sql: str = "prompt") -> str:
+    """Approximate input tokens of a request: 4 characters a token over system, examples and prompt,
+    plus a small per-message overhead. (No tokenizer download is needed; documented in the README.)"""
+    fixed_chars = len(config.system or "") + sum(len(a) + len(b) for a, b in config.examples)
+    messages = 1 + (1 if config.system else 0) + 2 * len(config.examples)
+    return f"(ceil(({fixed_chars} + length({prompt_sql})) / 4.0) + {MESSAGE_OVERHEAD_TOKENS * messages})"
+
+
+def estimated_cost_sql(config: ModelConfig, price: dict, prompt_sql: str = "prompt") -> str:
+    """SQL: the most a request is expected to cost at batch prices (input estimate, output = max tokens)."""
+    output = config.max_tokens or DEFAULT_OUTPUT_ESTIMATE
+    total = f"{estimated_input_tokens_sql(config, prompt_sql)} * {price['input']} + {output} * {price['output']}"
+    return f"cast(({total}) / 1000000 * (1 - {price['batch_discount']}) as {MONEY})"
+
+
+def fmt_usd(value) -> str:
+    return "unknown (no price)" if value is None else f"${float(value):,.6f}"
