@@ -10,6 +10,7 @@ A model without a price has NULL cost (and a warning), never $0.
 
 from __future__ import annotations
 
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 from dbt_llm_batch.config import ModelConfig
@@ -78,4 +79,6 @@ def estimated_cost_sql(config: ModelConfig, price: dict, prompt_sql: str = "prom
 
 
 def fmt_usd(value) -> str:
-    return "unknown (no price)" if value is None else f"${float(value):,.6f}"
+    if value is None:
+        return "unknown (no price)"
+    return f"${Decimal(str(value)).quantize(Decimal('0.000001'), rounding=ROUND_HALF_UP):,}"

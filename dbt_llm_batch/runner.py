@@ -248,4 +248,6 @@ class ModelRun:
         cost, realtime = self.con.execute(
             f"""select sum(cost_usd), sum(realtime_cost_usd) from {self.ledger.table('llm_batch_requests')}
                 where model = ? and completed_at >= ?""", [self.ledger.model, self.started]).fetchall()[0]
+        if cost is None and self.price is not None:
+            cost = realtime = Decimal(0)  # nothing harvested this run
         s.cost_usd, s.realtime_usd = cost, realtime

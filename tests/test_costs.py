@@ -1,0 +1,155 @@
+"""Money, checked against figures computed by hand: per-row cost and the realtime counterfactual,
+aggregates in the llm_batch_costs view, the budget gate and the dry run.
+
+The workload (both providers): a 512-character system prompt (the cacheable prefix: 128 tokens at the
+emulator's 4 characters a token), and three prompts of 20, 40 and 60 characters, whose sandbox answers
+are 26 characters (7 output tokens). Row 1 runs alone first; rows 2 and 3 then read the cached prefix.
+Input tokens per row: ceil((512 + 20) / 4) = 133, ceil(552 / 4) = 138, ceil(572 / 4) = 143.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+from conftest import failure_messages
+
+SYSTEM = "Be concise. " * 42 + "Be brief"  # 512 characters
+PROMPTS = {1: "Where is my invoice?", 2: "My card was charged twice this month ok.",
+           3: "The export button does nothing when I click it on Safari 17."}
+PRICES = """provider,model,unit,input_per_mtok,output_per_mtok,cache_write_per_mtok,cache_read_per_mtok,per_hour,batch_discount,as_of,source
+openai,gpt-test,token,2.00,8.00,0,1.00,,0.5,2026-11-29,test prices
+anthropic,claude-test,token,3.00,15.00,3.75,0.30,,0.5,2026-11-29,test prices
+"""
+MODEL = {"openai": "gpt-test", "anthropic": "claude-test"}
+
+# Per row: (input, output, cache read, cache write, cost at batch prices, realtime cost), by hand.
+EXPECTED = {
+    "openai": {
+        # 133 * $2 + 7 * $8 = $322 per million tokens -> $0.000322 realtime, half in batch
+        1: (133, 7, 0, None, Decimal("0.000161"), Decimal("0.000322")),
+        # (138 - 128) * $2 + 128 * $1 (cache read) + 7 * $8 = $204 per million
+        2: (138, 7, 128, None, Decimal("0.000102"), Decimal("0.000204")),
+        # (143 - 128) * $2 + 128 * $1 + 7 * $8 = $214 per million
+        3: (143, 7, 128, None, Decimal("0.000107"), Decimal("0.000214")),
+    },
+    "anthropic": {
+        # 5 * $3 + 128 * $3.75 (cache write) + 7 * $15 = $600 per million
+        1: (133, 7, 0, 128, Decimal("0.000300"), Decimal("0.000600")),
+        # 10 * $3 + 128 * $0.30 (cache read) + 7 * $15 = $173.4 per million
+        2: (138, 7, 128, 0, Decimal("0.0000867"), Decimal("0.0001734")),
+        # 15 * $3 + 128 * $0.30 + 7 * $15 = $188.4 per million
+        3: (143, 7, 128, 0, Decimal("0.0000942"), Decimal("0.0001884")),
+    },
+}
+# Aggregates: (cost, realtime, savings) over the three rows.
+EXPECTED_TOTALS = {
+    "openai": (Decimal("0.000370"), Decimal("0.000740"), Decimal("0.000370")),
+    "anthropic": (Decimal("0.0004809"), Decimal("0.0009618"), Decimal("0.0004809")),
+}
+
+
+def costed_model(provider: str, extra: str = "") -> str:
+    return f"""
+{{{{ config(materialized='llm_batch', unique_key='id', llm_provider='{provider}', llm_model='{MODEL[provider]}',
+            llm_system={SYSTEM!r}, llm_max_tokens=50, llm_cache_prefix=true,
+            llm_price_table='main.llm_prices', {extra}) }}}}
+select * from {{{{ ref('questions') }}}}
+"""
+
+
+def write_questions(project, ids) -> None:
+    project.write("seeds/questions.csv", "id,prompt\n" + "".join(f'{i},"{PROMPTS[i]}"\n' for i in ids))
+
+
+@pytest.fixture
+def costed(project, emulator, provider):
+    emulator.min_cache_tokens = 128  # the 128-token prefix is cacheable (real minimums are higher)
+    project.write("seeds/llm_prices.csv", PRICES)
+    project.write("models/costed.sql", costed_model(provider))
+    return project
+
+
+def test_costs_per_row_and_aggregated_equal_hand_computed_figures(costed, emulator, provider):
+    project = costed
+    write_questions(project, [1])
+    project.dbt("seed")
+    project.dbt("run", "-s", "costed")
+    emulator.complete_all()
+    project.dbt("run", "-s", "costed")  # row 1 merged; it wrote the prefix to the cache
+    write_questions(project, [1, 2, 3])
+    project.dbt("seed")
+    project.dbt("run", "-s", "costed")
+    emulator.complete_all()
+    project.dbt("run", "-s", "costed")
+
+    rows = project.query("""select id, llm_input_tokens, llm_output_tokens, llm_cache_read_tokens,
+                                   llm_cache_write_tokens, llm_cost_usd, llm_realtime_cost_usd
+                            from main.costed order by id""")
+    assert {r[0]: r[1:] for r in rows} == EXPECTED[provider]
+
+    view = project.query("""select sum(rows_succeeded), sum(input_tokens), sum(output_tokens), sum(cache_read_tokens),
+                                   sum(cost_usd), sum(realtime_cost_usd), sum(savings_usd),
+                                   sum(committed_not_billed_usd), sum(rows_without_price)
+                            from main.llm_batch_costs where model = 'main.costed'""")[0]
+    cost, realtime, savings = EXPECTED_TOTALS[provider]
+    assert view == (3, 414, 21, 256, cost, realtime, savings, 0, 0)
+
+    # The provider's own usage totals equal the ledger's.
+    usage = emulator.stats()["usage_by_face"][provider]
+    if provider == "openai":
+        reported = (usage["prompt_tokens"], usage["completion_tokens"], usage["cached_tokens"])
+    else:
+        reported = (usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"],
+                    usage["output_tokens"], usage["cache_read_input_tokens"])
+    assert reported == (414, 21, 256)
+
+
+def test_budget_below_estimate_refuses_before_upload(costed, emulator, provider):
+    # Estimate per row: ceil((512 + n) / 4) + 16 overhead input tokens and 50 (llm_max_tokens) output.
+    # openai: (149 + 154 + 159) * $2 + 150 * $8 = $2,124 per million, half in batch = $0.001062
+    # anthropic: 462 * $3 + 150 * $15 = $3,636 per million, half = $0.001818
+    estimate = {"openai": "$0.001062", "anthropic": "$0.001818"}[provider]
+    write_questions(costed, [1, 2, 3])
+    costed.dbt("seed")
+    costed.write("models/costed.sql", costed_model(provider, "llm_max_cost_usd=0.001"))
+    message = failure_messages(costed.dbt("run", "-s", "costed", expect_ok=False))
+    assert (f"refusing to submit 3 request(s): estimated {estimate} plus $0.000000 already in flight exceeds "
+            f"llm_max_cost_usd (this model) = $0.001000; nothing was sent") in message
+    assert emulator.stats()["calls"] == {}
+
+    # The project-wide var counts what every model already has in flight.
+    costed.write("models/costed.sql", costed_model(provider))
+    costed.dbt("run", "-s", "costed", "--vars", "{llm_batch_max_cost_usd: 0.01}")
+    assert len(emulator.batches()) == 1
+    write_questions(costed, [1, 2, 3])
+    costed.write("models/other.sql", costed_model(provider).replace("{{ ref('questions') }}", "{{ ref('questions') }} where id = 1"))
+    message = failure_messages(costed.dbt("run", "-s", "other", "--vars", "{llm_batch_max_cost_usd: 0.0013}",
+                                          expect_ok=False))
+    assert f"plus {estimate} already in flight exceeds var llm_batch_max_cost_usd = $0.001300" in message
+    assert len(emulator.batches()) == 1
+
+
+def test_dry_run_sends_nothing_and_reports_the_estimate(costed, emulator, provider):
+    estimate = {"openai": "$0.001062", "anthropic": "$0.001818"}[provider]
+    write_questions(costed, [1, 2, 3])
+    costed.dbt("seed")
+    costed.dbt("run", "-s", "costed", "--vars", "{llm_batch_dry_run: true}")
+    assert emulator.stats()["calls"] == {}
+    log = (costed.root / "logs" / "dbt.log").read_text()
+    assert f"DRY RUN: would submit 3 request(s) in 1 batch(es), estimated {estimate} at batch prices" in log
+    assert costed.query("select count(*) from main.llm_batch_requests") == [(0,)]
+
+
+def test_unknown_price_is_null_and_warned_never_zero(project, emulator):
+    project.write("models/things.sql", "select 1 as id, 'hello' as prompt")
+    project.write("models/unpriced.sql", """
+{{ config(materialized='llm_batch', unique_key='id', llm_model='gpt-from-the-future') }}
+select * from {{ ref('things') }}""")
+    project.dbt("run", "-s", "things", "unpriced")
+    emulator.complete_all()
+    project.dbt("run", "-s", "unpriced")
+    assert project.query("select llm_status, llm_cost_usd, llm_realtime_cost_usd from main.unpriced") == [
+        ("succeeded", None, None)]
+    assert "no price known for openai model 'gpt-from-the-future'" in (project.root / "logs" / "dbt.log").read_text()
+    assert project.query("select rows_without_price from main.llm_batch_costs") == [(1,)]
