@@ -12,30 +12,26 @@ def status(database: str, schema: str) -> int:
     """Print in-flight batches (with age) and, per model, requests by status."""
     try:
         con = duckdb.connect(database, read_only=True)
+    except duckdb.ConnectionException:
+        # This process already has the file open read-write (a notebook, or dbt in-process): share it.
+        con = duckdb.connect(database)
     except duckdb.IOException as exc:
         print(f"cannot open {database}: {exc}\n(is a dbt run holding it? DuckDB allows one writer process)",
               file=sys.stderr)
         return 2
     s = f'"{schema}"'
     exists = con.execute("select count(*) from information_schema.tables where table_schema = ? "
-                         "and table_name = 'llm_batch_jobs'", [schema]).fetchall()[0][0]
+                         "and table_name = 'llm_batch_progress'", [schema]).fetchall()[0][0]
     if not exists:
         print(f"no dbt-llm-batch ledger in schema {schema} of {database}")
         return 1
     print("In-flight batches:")
-    con.sql(f"""select model, provider, batch_id, status, request_count as requests,
-                       date_trunc('second', now() - submitted_at) as age
-                from {s}.llm_batch_jobs where harvested_at is null and status <> 'voided'
-                order by submitted_at""").show(max_width=200)
-    print("Requests per model:")
-    con.sql(f"""select model,
-                       count(*) filter (where status = 'succeeded') as succeeded,
-                       count(*) filter (where status = 'failed' and is_final) as failed_final,
-                       count(*) filter (where status = 'failed' and not is_final) as failed_will_retry,
-                       count(*) filter (where status in ('queued', 'submitted')) as pending,
-                       date_trunc('second', now() - min(queued_at) filter (where status in ('queued', 'submitted')))
-                           as oldest_pending_age
-                from {s}.llm_batch_requests group by model order by model""").show(max_width=200)
+    con.sql(f"select * exclude (submitted_at) from {s}.llm_batch_in_flight order by submitted_at").show(max_width=200)
+    print("Progress per model:")
+    con.sql(f"select * from {s}.llm_batch_progress order by model").show(max_width=200)
+    print("Cost per model and day (savings = realtime cost - batch cost):")
+    con.sql(f"""select model, provider, day, rows_succeeded, rows_failed, cost_usd, realtime_cost_usd, savings_usd,
+                       committed_not_billed_usd from {s}.llm_batch_costs order by model, day""").show(max_width=200)
     return 0
 
 

@@ -67,6 +67,23 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                                     and r.cost_usd is null) as rows_without_price
             from {s}.llm_batch_requests r left join {s}.llm_batch_jobs j using (job_id)
             group by all"""]),
+    # What `dbt-llm-batch status` and `dbt run-operation dbt_llm_batch.status` show.
+    (4, ["""create or replace view {s}.llm_batch_in_flight as
+            select model, provider, llm_model, batch_id, status, request_count, submitted_at,
+                   date_trunc('second', now() - coalesce(submitted_at, created_at)) as age
+            from {s}.llm_batch_jobs where harvested_at is null and status <> 'voided'""",
+         """create or replace view {s}.llm_batch_progress as
+            select model,
+                   count(distinct key) filter (where is_final and status = 'succeeded') as keys_succeeded,
+                   count(distinct key) filter (where is_final and status = 'failed') as keys_failed,
+                   count(*) filter (where status in ('queued', 'submitted')) as requests_pending,
+                   count(*) filter (where status = 'failed' and not is_final) as failed_will_retry,
+                   date_trunc('second', now() - min(queued_at) filter (where status in ('queued', 'submitted')))
+                       as oldest_pending_age,
+                   coalesce(sum(estimated_cost_usd) filter (where status in ('queued', 'submitted')), 0)
+                       as committed_not_billed_usd,
+                   sum(cost_usd) as cost_usd, sum(realtime_cost_usd) as realtime_cost_usd
+            from {s}.llm_batch_requests group by model"""]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -36,4 +36,7 @@ con = duckdb.connect(sys.argv[1], read_only=True)
 for table in ("ticket_triage", "review_summary"):
     print(f"\n== main.{table}")
     con.sql(f"select * exclude (llm_fingerprint) from main.{table} order by all").show(max_width=200)
+print("\n== cost at the shipped gpt-4o-mini batch price vs realtime (main.llm_batch_costs)")
+con.sql("select model, rows_succeeded, input_tokens, output_tokens, cost_usd, realtime_cost_usd, savings_usd "
+        "from main.llm_batch_costs order by model").show(max_width=200)
 PY
