@@ -38,7 +38,7 @@ class RunSummary:
         saved = (f", saved {costs.fmt_usd(self.realtime_usd - self.cost_usd)} vs realtime"
                  if self.cost_usd is not None and self.realtime_usd is not None else "")
         return (f"{self.model}: submitted {self.submitted} request(s) in {self.batches} batch(es) "
-                f"(estimated {costs.fmt_usd(self.estimated_usd)}); harvested {self.harvested_batches} batch(es) "
+                f"(estimated {costs.fmt_usd(self.estimated_usd) if self.submitted else '$0'}); harvested {self.harvested_batches} batch(es) "
                 f"(cost {costs.fmt_usd(self.cost_usd)}{saved}); merged {self.merged} row(s) ({self.failed} failed); "
                 f"pending {self.pending}")
 

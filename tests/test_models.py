@@ -62,6 +62,8 @@ def test_two_models_with_threads_wait_and_dbt_tests(project, emulator):
     assert project.query("select count(*), count(*) filter (where llm_status = 'succeeded') from main.ticket_triage") == [(6, 6)]
     assert project.query("select count(*) from main.review_summary where llm_output like '[sandbox]%'") == [(3,)]
     assert sorted(batch_counts(emulator)) == [3, 6]
+    log = (project.root / "logs" / "dbt.log").read_text()
+    assert "main.ticket_triage: waiting for 1 batch(es), 6 request(s) pending" in log  # a long wait shows progress
 
 
 def test_python_model(project, emulator):
