@@ -58,6 +58,8 @@ DEFAULTS: dict[str, Any] = {
     "llm_max_cost_usd": None,
     "llm_dry_run": False,
     "llm_price_table": None,
+    "llm_max_batches_in_flight": 20,
+    "llm_max_tokens_in_flight": None,  # provider default (OpenAI: 2,000,000 enqueued tokens)
 }
 
 KNOWN_PROVIDERS = ("openai", "anthropic")
@@ -95,6 +97,8 @@ class ModelConfig:
     max_cost_usd: float | None = None  # per model per run, counting what is already in flight
     dry_run: bool = False
     price_table: str | None = None  # the user's price rows (a relation), overriding the shipped table
+    max_batches_in_flight: int = 20
+    max_tokens_in_flight: int | None = None  # estimated input tokens; None: the provider's default
 
     @property
     def structured(self) -> bool:
@@ -160,6 +164,8 @@ def parse_config(raw: dict) -> ModelConfig:
     _check_number(errors, cfg, "llm_max_attempts", int, minimum=1)
     _check_number(errors, cfg, "llm_wait_seconds", (int, float), minimum=0)
     _check_number(errors, cfg, "llm_max_cost_usd", (int, float), minimum=0)
+    _check_number(errors, cfg, "llm_max_batches_in_flight", int, minimum=1)
+    _check_number(errors, cfg, "llm_max_tokens_in_flight", int, minimum=1)
     if not isinstance(cfg["llm_dry_run"], bool):
         errors.append(f"llm_dry_run must be true or false, got {cfg['llm_dry_run']!r}")
     if cfg["llm_price_table"] is not None and not isinstance(cfg["llm_price_table"], str):
@@ -202,6 +208,8 @@ def parse_config(raw: dict) -> ModelConfig:
         max_cost_usd=None if cfg["llm_max_cost_usd"] is None else float(cfg["llm_max_cost_usd"]),
         dry_run=cfg["llm_dry_run"],
         price_table=cfg["llm_price_table"],
+        max_batches_in_flight=cfg["llm_max_batches_in_flight"],
+        max_tokens_in_flight=cfg["llm_max_tokens_in_flight"],
     )
 
 

@@ -84,6 +84,8 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                        as committed_not_billed_usd,
                    sum(cost_usd) as cost_usd, sum(realtime_cost_usd) as realtime_cost_usd
             from {s}.llm_batch_requests group by model"""]),
+    # In-flight caps count estimated input tokens; 'deferred' requests (over a cap) wait here, unsent.
+    (5, ["alter table {s}.llm_batch_requests add column estimated_input_tokens bigint"]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -169,10 +171,14 @@ class Ledger:
                           status, request_count, created_at, updated_at)
                         select ?, ?, ?, ?, 'intent', count(*), now(), now() from {plan_table} where chunk = ?""",
                     [job_id, self.model, provider, llm_model, chunk])
+                self.con.execute(  # a deferred request being sent now becomes this queued one
+                    f"""delete from {self.table('llm_batch_requests')} where model = ? and status = 'deferred'
+                        and custom_id in (select custom_id from {plan_table} where chunk = ?)""", [self.model, chunk])
                 self.con.execute(
                     f"""insert into {self.table('llm_batch_requests')} (custom_id, model, key, fingerprint,
-                          seq, job_id, status, row_json, queued_at, estimated_cost_usd)
-                        select custom_id, ?, key, fingerprint, seq, ?, 'queued', row_json, now(), estimated_cost_usd
+                          seq, job_id, status, row_json, queued_at, estimated_cost_usd, estimated_input_tokens)
+                        select custom_id, ?, key, fingerprint, seq, ?, 'queued', row_json, now(), estimated_cost_usd,
+                               estimated_input_tokens
                         from {plan_table} where chunk = ?""",
                     [self.model, job_id, chunk])
                 self.con.execute("commit")
@@ -204,6 +210,35 @@ class Ledger:
                 where job_id = ? and status in ('queued', 'submitted')""", [reason, job_id])
 
     # --- summary ----------------------------------------------------------------------------
+
+    def defer(self, plan_table: str, first_chunk: int) -> None:
+        """Replace this model's deferred requests with the plan's chunks from `first_chunk` on: over an
+        in-flight cap, they wait here (with their row) for a later run, which sends them even if it no
+        longer selects them. Deferred requests superseded by this run's plan are dropped."""
+        def write():
+            self.con.execute("begin transaction")
+            try:
+                self.con.execute(f"delete from {self.table('llm_batch_requests')} where model = ? and status = 'deferred'",
+                                 [self.model])
+                self.con.execute(
+                    f"""insert into {self.table('llm_batch_requests')} (custom_id, model, key, fingerprint, seq,
+                          status, row_json, queued_at, estimated_cost_usd, estimated_input_tokens)
+                        select custom_id, ?, key, fingerprint, seq, 'deferred', row_json, now(), estimated_cost_usd,
+                               estimated_input_tokens
+                        from {plan_table} where chunk >= ?""", [self.model, first_chunk])
+                self.con.execute("commit")
+            except Exception:
+                self.con.execute("rollback")
+                raise
+        retry_on_conflict(write)
+
+    def in_flight(self) -> tuple[int, int, int]:
+        """(open batches, requests in flight, estimated input tokens in flight) of this model."""
+        jobs = len(self.open_jobs())
+        requests, tokens = self.con.execute(
+            f"""select count(*), coalesce(sum(estimated_input_tokens), 0) from {self.table('llm_batch_requests')}
+                where model = ? and status in ('queued', 'submitted')""", [self.model]).fetchall()[0]
+        return jobs, requests, int(tokens)
 
     def committed_usd(self, all_models: bool = False):
         """Estimated cost of requests in flight (submitted, not yet billed): this model's, or all."""

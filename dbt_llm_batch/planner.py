@@ -6,6 +6,8 @@ rows at once, and the set difference against the ledger is a join, not a Python 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 
@@ -80,37 +82,52 @@ def key_sql(config: ModelConfig) -> str:
     return "to_json([" + ", ".join(f"cast({q(k)} as varchar)" for k in config.unique_key) + "])"
 
 
+def row_json_sql(columns, alias: str = "") -> str:
+    """The selected row as JSON: stored with each request, so the table can be rebuilt from the ledger."""
+    return "to_json(struct_pack(" + ", ".join(f"{q(c)} := {alias}{q(c)}" for c, _ in columns) + "))"
+
+
 def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
-    """One row per selected key: key, fingerprint, prompt, and the selected row as JSON."""
-    row = "to_json(struct_pack(" + ", ".join(f"{q(c)} := {q(c)}" for c, _ in columns) + "))"
+    """One row per selected key: its input row id, key, fingerprint and prompt (set-based, no row JSON:
+    that is built only for the rows a run actually sends)."""
     con.execute(
         f"""create or replace temp table {DESIRED} as
-            select {key_sql(config)} as key,
+            select rowid as row_id, {key_sql(config)} as key,
                    sha256(? || coalesce(cast({q(config.prompt_column)} as varchar), '')) as fingerprint,
-                   cast({q(config.prompt_column)} as varchar) as prompt,
-                   {row} as row_json
+                   cast({q(config.prompt_column)} as varchar) as prompt
             from {input_rel}""",
         [config.fingerprint_prefix()])
 
 
-def reject_empty_prompts(ledger: Ledger) -> int:
+def reject_empty_prompts(ledger: Ledger, input_rel: str, columns) -> int:
     """Rows with a NULL or empty prompt fail alone, without a request: record them as final failures."""
     return ledger.execute(
         f"""insert into {ledger.table('llm_batch_requests')} (custom_id, model, key, fingerprint, seq, status,
               is_final, error, row_json, queued_at, completed_at)
             select 'x_' || substr(sha256(? || d.key || d.fingerprint), 1, 40), ?, d.key, d.fingerprint, 0,
-                   'failed', true, 'prompt is NULL or empty: nothing was sent', d.row_json, now(), now()
-            from {DESIRED} d
+                   'failed', true, 'prompt is NULL or empty: nothing was sent', {row_json_sql(columns, 'i.')},
+                   now(), now()
+            from {DESIRED} d join {input_rel} i on i.rowid = d.row_id
             where coalesce(d.prompt, '') = ''
               and not exists (select 1 from {ledger.table('llm_batch_requests')} r
                               where r.model = ? and r.key = d.key and r.fingerprint = d.fingerprint)""",
         [ledger.model, ledger.model, ledger.model]).fetchall()[0][0]
 
 
-def build_plan(ledger: Ledger, config: ModelConfig) -> int:
+def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> int:
     """Requests to send now: desired rows minus those succeeded or in flight for the same key and
-    fingerprint, and minus those whose failures reached llm_max_attempts. Returns the count."""
+    fingerprint, and minus those whose failures reached llm_max_attempts; plus requests deferred by an
+    earlier run (in-flight caps) for keys this run does not select. Returns the count."""
     con = ledger.con
+    requests = ledger.table("llm_batch_requests")
+    # Deferred requests of keys selected now are planned afresh from the current rows; the others keep
+    # their stored prompt and row. They stay in the ledger until sent (write_intent) or re-deferred (defer).
+    con.execute(
+        f"""create or replace temp table __llm_deferred as
+            select key, fingerprint, seq, custom_id, row_json,
+                   json_extract_string(row_json, ?) as prompt from {requests}
+            where model = ? and status = 'deferred' and key not in (select key from {DESIRED})""",
+        ["$." + json.dumps(config.prompt_column), ledger.model])
     con.execute(
         f"""create or replace temp table {PLAN} as
             with history as (
@@ -118,49 +135,72 @@ def build_plan(ledger: Ledger, config: ModelConfig) -> int:
                        count(*) filter (where status in ('queued', 'submitted')) as in_flight,
                        count(*) filter (where status = 'succeeded') as succeeded,
                        count(*) filter (where status = 'failed') as failed
-                from {ledger.table('llm_batch_requests')}
-                where model = ?
-                group by key, fingerprint)
-            select d.key, d.fingerprint, d.prompt, d.row_json,
-                   coalesce(h.n_requests, 0) as seq,
-                   'r_' || substr(sha256(? || d.key || d.fingerprint || coalesce(h.n_requests, 0)), 1, 40)
-                       as custom_id,
-                   0 as chunk,
-                   cast(null as decimal(18, 9)) as estimated_cost_usd
-            from {DESIRED} d left join history h using (key, fingerprint)
-            where coalesce(d.prompt, '') <> ''
-              and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0
-              and coalesce(h.failed, 0) < ?""",
-        [ledger.model, ledger.model, config.max_attempts])
-    return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
+                from {requests}
+                where model = ? and status <> 'deferred'
+                group by key, fingerprint),
+            fresh as (
+                select d.row_id, d.key, d.fingerprint, d.prompt, coalesce(h.n_requests, 0) as seq
+                from {DESIRED} d left join history h using (key, fingerprint)
+                where coalesce(d.prompt, '') <> ''
+                  and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0
+                  and coalesce(h.failed, 0) < ?)
+            select f.key, f.fingerprint, f.prompt, {row_json_sql(columns, 'i.')} as row_json, f.seq,
+                   'r_' || substr(sha256(? || f.key || f.fingerprint || f.seq), 1, 40) as custom_id
+            from fresh f join {input_rel} i on i.rowid = f.row_id
+            union all
+            select key, fingerprint, prompt, row_json, seq, custom_id from __llm_deferred""",
+        [ledger.model, config.max_attempts, ledger.model])
+    con.execute("drop table __llm_deferred")
+    n = con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
+    con.execute(f"""alter table {PLAN} add column chunk integer default 0;
+                    alter table {PLAN} add column estimated_cost_usd decimal(18, 9);
+                    alter table {PLAN} add column estimated_input_tokens bigint;
+                    alter table {PLAN} add column line_bytes bigint;""")
+    return n
 
 
-def assign_chunks(con, line_sql: str, max_requests: int, max_bytes: int) -> int:
-    """Split the plan into provider-sized chunks (count and byte limits); returns the chunk count.
+def assign_chunks(con, line_sql: str, max_requests: int, max_bytes: int, max_tokens: int | None = None) -> int:
+    """Split the plan into provider-sized chunks; returns the chunk count.
 
-    Lines are assigned greedily in custom_id order: a chunk ends before the line that would push it
-    over either limit. The loop runs once per chunk, not once per row.
+    A chunk holds at most `max_requests` lines, `max_bytes` bytes (each line plus its newline) and,
+    if given, `max_tokens` estimated input tokens. Lines are taken greedily in custom_id order: a chunk
+    ends before the line that would push it over a limit. Only integers cross into Python (numpy
+    arrays), and the loop runs once per chunk, not once per row.
     """
-    con.execute(f"alter table {PLAN} add column line_bytes bigint")
-    con.execute(f"update {PLAN} set line_bytes = strlen({line_sql}) + 1")
-    fetched = con.execute(f"select custom_id, line_bytes from {PLAN} order by custom_id").fetchnumpy()
-    ids, sizes = fetched["custom_id"], np.asarray(fetched["line_bytes"])
-    sizes = sizes.astype(np.int64)
+    con.execute(f"""update {PLAN} set line_bytes = strlen({line_sql}) + 1""")
+    fetched = con.execute(f"""select line_bytes, coalesce(estimated_input_tokens, 0) as tokens
+                              from {PLAN} order by custom_id""").fetchnumpy()
+    sizes = np.asarray(fetched["line_bytes"], dtype=np.int64)
+    tokens = np.asarray(fetched["tokens"], dtype=np.int64)
     too_big = int((sizes > max_bytes).sum())
     if too_big:
-        raise InputError(f"{too_big} request(s) are larger than the provider's batch file limit "
+        raise InputError(f"{too_big} request(s) are larger than the provider's batch limit "
                          f"({max_bytes} bytes) on their own; shorten those prompts")
-    cumulative = np.cumsum(sizes)
+    chunks = greedy_chunks(sizes, max_bytes, max_requests, tokens, max_tokens)
+    n_chunks = int(chunks[-1]) + 1 if len(chunks) else 0
+    if n_chunks > 1:
+        con.register("__llm_chunks", pa.table({"ord": np.arange(len(chunks), dtype=np.int64), "chunk": chunks}))
+        con.execute(f"""update {PLAN} set chunk = c.chunk
+                        from (select custom_id, row_number() over (order by custom_id) - 1 as ord from {PLAN}) o
+                        join __llm_chunks c using (ord)
+                        where {PLAN}.custom_id = o.custom_id""")
+        con.unregister("__llm_chunks")
+    return n_chunks
+
+
+def greedy_chunks(sizes, max_bytes: int, max_count: int, tokens=None, max_tokens: int | None = None):
+    """Chunk number of each line: greedy, never over max_bytes, max_count or max_tokens per chunk."""
     chunks = np.zeros(len(sizes), dtype=np.int64)
+    cum_bytes = np.cumsum(sizes)
+    cum_tokens = np.cumsum(tokens) if max_tokens else None
     start, chunk = 0, 0
     while start < len(sizes):
-        base = cumulative[start - 1] if start else 0
-        end = int(np.searchsorted(cumulative, base + max_bytes, side="right"))
-        end = min(end, start + max_requests, len(sizes))
+        base = cum_bytes[start - 1] if start else 0
+        end = int(np.searchsorted(cum_bytes, base + max_bytes, side="right"))
+        if cum_tokens is not None:
+            token_base = cum_tokens[start - 1] if start else 0
+            end = min(end, int(np.searchsorted(cum_tokens, token_base + max_tokens, side="right")))
+        end = max(min(end, start + max_count, len(sizes)), start + 1)  # a chunk holds at least one line
         chunks[start:end] = chunk
         start, chunk = end, chunk + 1
-    if chunk > 1:
-        con.register("__llm_chunks", pa.table({"custom_id": pa.array(ids, pa.string()), "chunk": chunks}))
-        con.execute(f"update {PLAN} set chunk = c.chunk from __llm_chunks c where {PLAN}.custom_id = c.custom_id")
-        con.unregister("__llm_chunks")
-    return chunk
+    return chunks

@@ -30,6 +30,7 @@ class RunSummary:
     failed: int = 0
     harvested_batches: int = 0
     rejected_prompts: int = 0
+    deferred: int = 0  # over an in-flight cap: waiting in the ledger for a later run
     estimated_usd: object = None  # estimate of what this run submitted (Decimal), None without a price
     cost_usd: object = None  # actual cost of what this run harvested, at batch prices
     realtime_usd: object = None  # the same tokens at realtime prices
@@ -40,7 +41,7 @@ class RunSummary:
         return (f"{self.model}: submitted {self.submitted} request(s) in {self.batches} batch(es) "
                 f"(estimated {costs.fmt_usd(self.estimated_usd) if self.submitted else '$0'}); harvested {self.harvested_batches} batch(es) "
                 f"(cost {costs.fmt_usd(self.cost_usd)}{saved}); merged {self.merged} row(s) ({self.failed} failed); "
-                f"pending {self.pending}")
+                f"pending {self.pending}" + (f"; deferred {self.deferred} (in-flight cap)" if self.deferred else ""))
 
 
 def logger():
@@ -78,7 +79,7 @@ def run_model(con, *, schema: str, identifier: str, target: str, raw_config: dic
     # The input first: a Python model's relation cannot be read once other results are pending here.
     load_input(con, sql, df)
     run = ModelRun(con, config, schema, f"{schema}.{identifier}", project)
-    input_columns = planner.check_input(con, INPUT, config)
+    input_columns = run.input_columns = planner.check_input(con, INPUT, config)
     if not full_refresh and merge.relation_exists(con, schema, identifier):
         merge.check_existing_table(con, target, merge.table_columns(input_columns, config))
     planner.build_desired(con, INPUT, input_columns, config)
@@ -109,6 +110,7 @@ class ModelRun:
         costs.load_prices(con, config.price_table)
         self.price = costs.price_of(con, config.provider, config.model)
         self._provider = None
+        self.input_columns: list[tuple[str, str]] = []  # the model's selected columns, set by run_model
 
     @property
     def provider(self):
@@ -121,7 +123,7 @@ class ModelRun:
     def execute(self, full_refresh: bool) -> None:
         deadline = time.monotonic() + self.config.wait_seconds
         self.harvest_open()
-        self.summary.rejected_prompts = planner.reject_empty_prompts(self.ledger)
+        self.summary.rejected_prompts = planner.reject_empty_prompts(self.ledger, INPUT, self.input_columns)
         while True:
             if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing
                 self.plan_and_submit()
@@ -161,14 +163,42 @@ class ModelRun:
             ledger.void_job(job["job_id"], "submission interrupted before reaching the provider")
             ledger.update_job(job["job_id"], status="voided")
 
-    def plan(self) -> tuple[int, object]:
-        """Build the plan; returns (requests, estimated cost at batch prices or None without a price)."""
-        n = planner.build_plan(self.ledger, self.config)
-        if n == 0 or self.price is None:
-            return n, None
-        self.con.execute(f"update {planner.PLAN} set estimated_cost_usd = "
-                         f"{costs.estimated_cost_sql(self.config, self.price)}")
-        return n, self.con.execute(f"select sum(estimated_cost_usd) from {planner.PLAN}").fetchall()[0][0]
+    def plan(self) -> int:
+        """Build the plan with each request's estimated input tokens (and cost, when priced)."""
+        n = planner.build_plan(self.ledger, self.config, INPUT, self.input_columns)
+        if n:
+            cost = f", estimated_cost_usd = {costs.estimated_cost_sql(self.config, self.price)}" if self.price else ""
+            self.con.execute(f"update {planner.PLAN} set estimated_input_tokens = "
+                             f"{costs.estimated_input_tokens_sql(self.config)}{cost}")
+        return n
+
+    def chunk_plan(self) -> list[tuple]:
+        """Chunk the plan under the provider's per-batch limits and the token cap; returns per chunk
+        (chunk, requests, estimated input tokens, estimated cost)."""
+        provider_cls = get_provider(self.config.provider)
+        tokens_cap = self.config.max_tokens_in_flight or provider_cls.default_max_tokens_in_flight
+        max_count = min(provider_cls.max_requests_per_batch,
+                        provider_cls.max_requests_in_flight or provider_cls.max_requests_per_batch)
+        planner.assign_chunks(self.con, provider_cls(self.config).request_line_sql(), max_count,
+                              provider_cls.max_bytes_per_batch, tokens_cap)
+        return self.con.execute(
+            f"""select chunk, count(*), sum(estimated_input_tokens), sum(estimated_cost_usd)
+                from {planner.PLAN} group by chunk order by chunk""").fetchall()
+
+    def chunks_that_fit(self, chunks: list[tuple]) -> int:
+        """How many leading chunks fit under the in-flight caps, given what is already in flight."""
+        provider_cls = get_provider(self.config.provider)
+        tokens_cap = self.config.max_tokens_in_flight or provider_cls.default_max_tokens_in_flight
+        requests_cap = provider_cls.max_requests_in_flight
+        batches, requests, tokens = self.ledger.in_flight()
+        fit = 0
+        for _, count, chunk_tokens, _ in chunks:
+            if (batches + 1 > self.config.max_batches_in_flight
+                    or (tokens_cap and tokens + chunk_tokens > tokens_cap)
+                    or (requests_cap and requests + count > requests_cap)):
+                break
+            batches, requests, tokens, fit = batches + 1, requests + count, tokens + chunk_tokens, fit + 1
+        return fit
 
     def check_budget(self, n: int, estimate) -> None:
         """Refuse, before any upload, a plan that would take committed spend over a budget."""
@@ -188,34 +218,39 @@ class ModelRun:
                     f"nothing was sent. Raise the limit, or select fewer rows.")
 
     def plan_and_submit(self) -> None:
-        n, estimate = self.plan()
-        if n == 0:
+        if self.plan() == 0:
             return
-        self.check_budget(n, estimate)
-        provider = self.provider
-        self.warn_if_prefix_too_short(provider)
-        n_chunks = planner.assign_chunks(self.con, provider.request_line_sql(),
-                                         provider.max_requests_per_batch, provider.max_bytes_per_batch)
-        batch_ids = submit.submit_plan(self.ledger, provider, n_chunks)
-        self.summary.submitted += n
-        self.summary.batches += len(batch_ids)
-        if estimate is not None:
-            self.summary.estimated_usd = (self.summary.estimated_usd or 0) + estimate
+        chunks = self.chunk_plan()
+        fit = self.chunks_that_fit(chunks)
+        sending = chunks[:fit]
+        n = sum(c[1] for c in sending)
+        estimate = sum(c[3] for c in sending) if self.price is not None and sending else None
+        if n:
+            self.check_budget(n, estimate)
+            provider = self.provider
+            self.warn_if_prefix_too_short(provider)
+            batch_ids = submit.submit_chunks(self.ledger, provider, [c[0] for c in sending])
+            self.summary.submitted += n
+            self.summary.batches += len(batch_ids)
+            if estimate is not None:
+                self.summary.estimated_usd = (self.summary.estimated_usd or 0) + estimate
+        self.ledger.defer(planner.PLAN, fit)
+        waiting = sum(c[1] for c in chunks[fit:])
+        self.summary.deferred = waiting
+        if waiting:
+            logger().info(f"{self.ledger.model}: {waiting} request(s) in {len(chunks) - fit} batch(es) wait in the "
+                          f"ledger for a later run: the in-flight cap (llm_max_batches_in_flight="
+                          f"{self.config.max_batches_in_flight}, llm_max_tokens_in_flight) is reached")
 
     def dry_run_report(self) -> None:
         """Plan and estimate only: no provider call, no ledger row, no table change."""
-        n, estimate = self.plan()
-        committed = self.ledger.committed_usd()
-        chunks = 0
-        if n:
-            provider_cls = get_provider(self.config.provider)
-            line_sql = provider_cls(self.config).request_line_sql()
-            chunks = planner.assign_chunks(self.con, line_sql, provider_cls.max_requests_per_batch,
-                                           provider_cls.max_bytes_per_batch)
+        n = self.plan()
+        chunks = self.chunk_plan() if n else []
+        estimate = (sum(c[3] for c in chunks) if self.price is not None else None) if n else 0
         self.summary.estimated_usd = estimate
-        logger().info(f"{self.ledger.model}: DRY RUN: would submit {n} request(s) in {chunks} batch(es), "
-                      f"estimated {costs.fmt_usd(estimate) if n else '$0'} at batch prices; "
-                      f"{costs.fmt_usd(committed)} already committed in flight; nothing was sent")
+        logger().info(f"{self.ledger.model}: DRY RUN: would submit {n} request(s) in {len(chunks)} batch(es), "
+                      f"estimated {costs.fmt_usd(estimate)} at batch prices; "
+                      f"{costs.fmt_usd(self.ledger.committed_usd())} already committed in flight; nothing was sent")
 
     def warn_if_prefix_too_short(self, provider) -> None:
         """Say plainly when llm_cache_prefix cannot save anything, instead of promising a saving."""

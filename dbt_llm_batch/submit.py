@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 import tempfile
 
+import numpy as np
+import pyarrow as pa
+
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.planner import PLAN
 from dbt_llm_batch.providers.base import BatchProvider
@@ -19,26 +22,32 @@ WRITE_BATCH_ROWS = 10_000
 
 
 def write_jsonl(con, line_sql: str, chunk: int, path: str) -> int:
-    """Write one chunk's request lines to `path`, streaming; returns the number of lines."""
+    """Write one chunk's request lines to `path`, streaming; returns the number of lines.
+
+    Each line is built in SQL with its newline, so an Arrow batch of lines is already the file's
+    bytes: its value buffer is written as is, without a Python object per line.
+    """
     reader = con.sql(
-        f"select {line_sql} as line from {PLAN} where chunk = ? order by custom_id", params=[chunk]
+        f"select {line_sql} || chr(10) as line from {PLAN} where chunk = {int(chunk)} order by custom_id"
     ).to_arrow_reader(WRITE_BATCH_ROWS)
     n = 0
-    with open(path, "w", encoding="utf-8", newline="\n") as f:
+    with open(path, "wb") as f:
         for batch in reader:
-            lines = batch.column(0).to_pylist()
-            f.write("\n".join(lines))
-            f.write("\n")
+            lines = batch.column(0)
+            if lines.type != pa.large_string():
+                lines = lines.cast(pa.large_string())
+            offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64)[lines.offset:lines.offset + len(lines) + 1]
+            f.write(memoryview(lines.buffers()[2])[offsets[0]:offsets[-1]])
             n += len(lines)
     return n
 
 
-def submit_plan(ledger: Ledger, provider: BatchProvider, n_chunks: int) -> list[str]:
-    """Submit every chunk of the plan as one batch each; returns the provider batch ids."""
+def submit_chunks(ledger: Ledger, provider: BatchProvider, chunks: list[int]) -> list[str]:
+    """Submit each given chunk of the plan as one batch; returns the provider batch ids."""
     line_sql = provider.request_line_sql()
     batch_ids = []
     with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
-        for chunk in range(n_chunks):
+        for chunk in chunks:
             path = os.path.join(directory, f"requests-{chunk}.jsonl")
             write_jsonl(ledger.con, line_sql, chunk, path)
             job_id = ledger.write_intent(provider.name, provider.config.model, PLAN, chunk)

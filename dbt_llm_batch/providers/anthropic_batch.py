@@ -25,6 +25,8 @@ class AnthropicBatchProvider(BatchProvider):
     max_requests_per_batch = 100_000
     # 256 MB for the whole create body: keep room for the JSON wrapper around the lines.
     max_bytes_per_batch = 256 * 1024 * 1024 - 64 * 1024
+    # Batch requests in the processing queue: 100,000 at the lowest published tier.
+    max_requests_in_flight = 100_000
 
     def __init__(self, config):
         super().__init__(config)

@@ -52,6 +52,9 @@ class BatchProvider(ABC):
     max_requests_per_batch: ClassVar[int]
     max_bytes_per_batch: ClassVar[int]
     min_cacheable_tokens: ClassVar[int] = 1024  # shorter prefixes are not cached by the provider
+    # Defaults for what a model may have in flight, under the provider's published queue limits.
+    default_max_tokens_in_flight: ClassVar[int | None] = None
+    max_requests_in_flight: ClassVar[int | None] = None
 
     def __init__(self, config: ModelConfig):
         self.config = config

@@ -22,6 +22,9 @@ class OpenAIBatchProvider(BatchProvider):
     key_env_var = "OPENAI_API_KEY"
     max_requests_per_batch = 50_000
     max_bytes_per_batch = 200 * 1024 * 1024
+    # Enqueued prompt tokens per model: 2,000,000 at usage tier 1 for gpt-4o-mini; going over fails
+    # the batch with token_limit_exceeded. Raise llm_max_tokens_in_flight on a higher tier.
+    default_max_tokens_in_flight = 2_000_000
 
     def __init__(self, config):
         super().__init__(config)
