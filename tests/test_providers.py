@@ -71,7 +71,7 @@ def cached_model(provider: str, cache: str) -> str:
     return f"""
 {{{{ config(materialized='llm_batch', unique_key='a', llm_provider='{provider}',
             llm_model='{PROVIDER_MODELS[provider]}', llm_system={LONG_SYSTEM!r}, llm_max_tokens=100,
-            llm_cache_prefix={cache}) }}}}
+            llm_cache_prefix={cache}, llm_max_tokens_in_flight=5000000) }}}}
 select * from {{{{ ref('many') }}}}
 """
 
