@@ -66,7 +66,8 @@ KNOWN_PROVIDERS = ("openai", "anthropic")
 CACHE_TTLS = ("5m", "1h")
 
 # Request parameters the plugin sets itself: `llm_params` may not override them silently.
-RESERVED_PARAMS = ("model", "messages", "max_tokens", "temperature", "response_format", "stream")
+RESERVED_PARAMS = ("model", "messages", "system", "max_tokens", "max_completion_tokens", "temperature",
+                   "response_format", "tools", "tool_choice", "prompt_cache_key", "stream")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ def load_prices(con, user_table: str | None) -> None:
                "cast(coalesce(cache_write_per_mtok, input_per_mtok) as decimal(18,6)) as cache_write_per_mtok, "
                "cast(coalesce(cache_read_per_mtok, input_per_mtok) as decimal(18,6)) as cache_read_per_mtok, "
                "cast(batch_discount as decimal(6,4)) as batch_discount")
-    shipped = f"select {columns}, 1 as priority from read_csv('{PRICES_CSV.as_posix()}', header = true, all_varchar = true)"
+    path = PRICES_CSV.as_posix().replace("'", "''")
+    shipped = f"select {columns}, 1 as priority from read_csv('{path}', header = true, all_varchar = true)"
     user = f" union all by name select {columns}, 0 as priority from {user_table}" if user_table else ""
     con.execute(f"""create or replace temp table {PRICES} as
                     select * exclude (priority) from ({shipped}{user})

@@ -8,12 +8,13 @@ the next run finds the stored lines and settles from them.
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 
 from dbt_llm_batch import costs
 from dbt_llm_batch.config import ModelConfig
-from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
 
 log = logging.getLogger("dbt_llm_batch")
@@ -67,41 +68,39 @@ def harvest_job(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jo
     if not stored:
         with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
             files = provider.download_results(state, job["batch_id"], directory)
-            _store_lines(ledger, job_id, files)
-    unknown = _settle(ledger, provider, config, job_id, state, price)
+            store_lines(ledger, job_id, files)
+    unknown = settle(ledger, provider, config, job_id, state, price)
     if unknown:
         log.warning("batch %s returned %d result line(s) for custom_ids this job never sent; ignored",
                     job["batch_id"], unknown)
     return unknown
 
 
-def _store_lines(ledger: Ledger, job_id: str, files: list[tuple[str, str]]) -> None:
+def store_lines(ledger: Ledger, job_id: str, files: list[tuple[str, str]]) -> None:
     """All of a job's result lines in one transaction: a cut-off download stores nothing."""
     con = ledger.con
-    con.execute("begin transaction")
-    try:
-        for source, path in files:
-            con.execute(
-                f"""insert into {ledger.table('llm_batch_results')}
-                    select json ->> 'custom_id', ?, ?, ?, json, now()
-                    from read_ndjson_objects(?)""",
-                [ledger.model, job_id, source, path])
-        con.execute("commit")
-    except Exception:
-        con.execute("rollback")
-        raise
+    def write():
+        with transaction(con):
+            for source, path in files:
+                con.execute(
+                    f"""insert into {ledger.table('llm_batch_results')}
+                        select json ->> 'custom_id', ?, ?, ?, json, now()
+                        from read_ndjson_objects(?)""",
+                    [ledger.model, job_id, source, path])
+    retry_on_conflict(write)
 
 
-def _settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, job_id: str, state: BatchState,
+def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, job_id: str, state: BatchState,
             price: dict | None) -> int:
     """Turn a job's stored lines into request statuses, atomically with marking the job harvested."""
     con = ledger.con
     requests = ledger.table("llm_batch_requests")
     con.execute(
         f"""create or replace temp table __llm_outcomes as
-            with lines as (
-                select {provider.outcomes_sql('cast(raw as json)')}, source
+            with parsed as (
+                select json_transform(raw, '{json.dumps(provider.result_structure)}') as r, source
                 from {ledger.table('llm_batch_results')} where job_id = ?),
+            lines as (select {provider.outcomes_sql('r')}, source from parsed),
             one_per_id as (  -- a duplicated line must not settle a request twice; prefer a success
                 select * from lines
                 qualify row_number() over (partition by custom_id order by (outcome = 'ok') desc, source) = 1),
@@ -118,41 +117,38 @@ def _settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, job_id
         f"""select count(distinct custom_id) from {ledger.table('llm_batch_results')} l
             where job_id = ? and not exists (select 1 from {requests} r where r.custom_id = l.custom_id
                                              and r.job_id = l.job_id)""", [job_id]).fetchall()[0][0]
-    con.execute("begin transaction")
-    try:
-        con.execute(
-            f"""update {requests} r set
-                  status = case when o.outcome = 'void' then 'voided'
-                                when o.outcome = 'ok' and o.problem is null then 'succeeded' else 'failed' end,
-                  is_final = case when o.outcome = 'void' then false
-                                  when o.outcome = 'ok' and o.problem is null then true
-                                  else o.earlier_failures + 1 >= ? end,
-                  error = case when o.outcome = 'ok' then o.problem else o.error end,
-                  finish_reason = o.finish_reason, answer = o.answer,
-                  input_tokens = o.input_tokens, output_tokens = o.output_tokens, cached_tokens = o.cached_tokens,
-                  cache_write_tokens = o.cache_write_tokens,
-                  completed_at = now()
-                from __llm_outcomes o where r.custom_id = o.custom_id and r.job_id = ?""",
-            [config.max_attempts, job_id])
-        # Requests the batch ended without answering (batch-level failure, lost lines) were never
-        # settled by the provider: they go back to the queue without using up an attempt.
-        reason = state.error or f"batch ended ({state.status}) without a result for this request"
-        con.execute(
-            f"""update {requests} set status = 'voided', error = ?, completed_at = now()
-                where job_id = ? and status in ('queued', 'submitted')""", [reason, job_id])
-        if price is not None:  # without a price, cost stays NULL: unknown, never $0
-            con.execute(f"""update {requests} set cost_usd = {costs.batch_cost_sql(price)},
-                                   realtime_cost_usd = {costs.realtime_cost_sql(price)}
-                            where job_id = ? and status in ('succeeded', 'failed', 'voided')""", [job_id])
-        con.execute(
-            f"""update {ledger.table('llm_batch_jobs')} set status = ?, error = ?, output_file_id = ?,
-                  error_file_id = ?, ended_at = coalesce(ended_at, now()), harvested_at = now(), updated_at = now()
-                where job_id = ?""",
-            [state.status, state.error, state.output_file_id, state.error_file_id, job_id])
-        con.execute("commit")
-    except Exception:
-        con.execute("rollback")
-        raise
+    def write():
+        with transaction(con):
+            con.execute(
+                f"""update {requests} r set
+                      status = case when o.outcome = 'void' then 'voided'
+                                    when o.outcome = 'ok' and o.problem is null then 'succeeded' else 'failed' end,
+                      is_final = case when o.outcome = 'void' then false
+                                      when o.outcome = 'ok' and o.problem is null then true
+                                      else o.earlier_failures + 1 >= ? end,
+                      error = case when o.outcome = 'ok' then o.problem else o.error end,
+                      finish_reason = o.finish_reason, answer = o.answer,
+                      input_tokens = o.input_tokens, output_tokens = o.output_tokens, cached_tokens = o.cached_tokens,
+                      cache_write_tokens = o.cache_write_tokens,
+                      completed_at = now()
+                    from __llm_outcomes o where r.custom_id = o.custom_id and r.job_id = ?""",
+                [config.max_attempts, job_id])
+            # Requests the batch ended without answering (batch-level failure, lost lines) were never
+            # settled by the provider: they go back to the queue without using up an attempt.
+            reason = state.error or f"batch ended ({state.status}) without a result for this request"
+            con.execute(
+                f"""update {requests} set status = 'voided', error = ?, completed_at = now()
+                    where job_id = ? and status in ('queued', 'submitted')""", [reason, job_id])
+            if price is not None:  # without a price, cost stays NULL: unknown, never $0
+                con.execute(f"""update {requests} set cost_usd = {costs.batch_cost_sql(price)},
+                                       realtime_cost_usd = {costs.realtime_cost_sql(price)}
+                                where job_id = ? and status in ('succeeded', 'failed', 'voided')""", [job_id])
+            con.execute(
+                f"""update {ledger.table('llm_batch_jobs')} set status = ?, error = ?, output_file_id = ?,
+                      error_file_id = ?, ended_at = coalesce(ended_at, now()), harvested_at = now(), updated_at = now()
+                    where job_id = ?""",
+                [state.status, state.error, state.output_file_id, state.error_file_id, job_id])
+    retry_on_conflict(write)
     con.execute("drop table if exists __llm_outcomes")
     return unknown
 

@@ -12,6 +12,7 @@ columns go at the end.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 import time
 import uuid
 
@@ -94,6 +95,25 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 _MIGRATION_LOCK = threading.Lock()
 
 
+def quote(identifier: str) -> str:
+    return '"' + identifier.replace('"', '""') + '"'
+
+
+@contextmanager
+def transaction(con):
+    """One DuckDB transaction: committed if the block succeeds, rolled back (if still open) if not."""
+    con.execute("begin transaction")
+    try:
+        yield
+        con.execute("commit")
+    except BaseException:
+        try:
+            con.execute("rollback")
+        except duckdb.TransactionException:
+            pass  # a failed COMMIT has already ended the transaction; keep the original error
+        raise
+
+
 def retry_on_conflict(fn, attempts: int = 20):
     """Run fn(), retrying DuckDB transaction conflicts between concurrent model threads."""
     for i in range(attempts):
@@ -114,7 +134,7 @@ class Ledger:
         self.model = model
 
     def table(self, name: str) -> str:
-        return f'"{self.schema}".{name}'
+        return f"{quote(self.schema)}.{name}"
 
     def migrate(self) -> None:
         """Create or upgrade the state tables to SCHEMA_VERSION (idempotent)."""
@@ -122,7 +142,7 @@ class Ledger:
             retry_on_conflict(self._migrate_once)
 
     def _migrate_once(self) -> None:
-        s = f'"{self.schema}"'
+        s = quote(self.schema)
         self.con.execute(f"create schema if not exists {s}")
         self.con.execute(MIGRATIONS[0][1][0].format(s=s))
         current = self.con.execute(f"select coalesce(max(schema_version), 0) from {s}.llm_batch_meta").fetchall()[0][0]
@@ -132,15 +152,10 @@ class Ledger:
         for version, statements in MIGRATIONS:
             if version <= current:
                 continue
-            self.con.execute("begin transaction")
-            try:
+            with transaction(self.con):
                 for sql in statements:
                     self.con.execute(sql.format(s=s))
                 self.con.execute(f"insert into {s}.llm_batch_meta values (?, now())", [version])
-                self.con.execute("commit")
-            except Exception:
-                self.con.execute("rollback")
-                raise
 
     def execute(self, sql: str, params=None):
         """Execute one statement (autocommit), retrying write conflicts with other model threads."""
@@ -164,8 +179,7 @@ class Ledger:
         """
         job_id = "job_" + uuid.uuid4().hex
         def write():
-            self.con.execute("begin transaction")
-            try:
+            with transaction(self.con):
                 self.con.execute(
                     f"""insert into {self.table('llm_batch_jobs')} (job_id, model, provider, llm_model,
                           status, request_count, created_at, updated_at)
@@ -181,10 +195,6 @@ class Ledger:
                                estimated_input_tokens
                         from {plan_table} where chunk = ?""",
                     [self.model, job_id, chunk])
-                self.con.execute("commit")
-            except Exception:
-                self.con.execute("rollback")
-                raise
         retry_on_conflict(write)
         return job_id
 
@@ -216,8 +226,7 @@ class Ledger:
         in-flight cap, they wait here (with their row) for a later run, which sends them even if it no
         longer selects them. Deferred requests superseded by this run's plan are dropped."""
         def write():
-            self.con.execute("begin transaction")
-            try:
+            with transaction(self.con):
                 self.con.execute(f"delete from {self.table('llm_batch_requests')} where model = ? and status = 'deferred'",
                                  [self.model])
                 self.con.execute(
@@ -226,11 +235,19 @@ class Ledger:
                         select custom_id, ?, key, fingerprint, seq, 'deferred', row_json, now(), estimated_cost_usd,
                                estimated_input_tokens
                         from {plan_table} where chunk >= ?""", [self.model, first_chunk])
-                self.con.execute("commit")
-            except Exception:
-                self.con.execute("rollback")
-                raise
         retry_on_conflict(write)
+
+    def finalize_exhausted(self, max_attempts: int) -> None:
+        """Failures that reached the current llm_max_attempts are final (the limit may have been
+        lowered since they were harvested); without this such a key would be neither sent nor merged."""
+        requests = self.table("llm_batch_requests")
+        self.execute(
+            f"""update {requests} r set is_final = true
+                from (select key, fingerprint from {requests} where model = ? and status = 'failed'
+                      group by key, fingerprint having count(*) >= ?) x
+                where r.model = ? and r.status = 'failed' and not r.is_final
+                  and r.key = x.key and r.fingerprint = x.fingerprint""",
+            [self.model, max_attempts, self.model])
 
     def in_flight(self) -> tuple[int, int, int]:
         """(open batches, requests in flight, estimated input tokens in flight) of this model."""

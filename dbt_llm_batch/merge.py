@@ -12,8 +12,9 @@ import json
 
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError
-from dbt_llm_batch.ledger import Ledger, retry_on_conflict
-from dbt_llm_batch.planner import DESIRED, describe, key_sql, q
+from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
+from dbt_llm_batch.planner import DESIRED, INPUT, describe, key_sql, q, row_json_sql
+
 
 EMIT = "__llm_emit"
 
@@ -29,7 +30,7 @@ def relation_exists(con, schema: str, name: str) -> bool:
                        [schema, name]).fetchall()[0][0] > 0
 
 
-def check_existing_table(con, target: str, expected) -> None:
+def check_existing_table(con, target: str, expected, alter: bool = True) -> None:
     """An incremental run appends rows of the same shape; a changed shape needs a full refresh.
 
     Status columns added by a newer dbt-llm-batch are appended to an existing table (NULL for old rows).
@@ -37,7 +38,7 @@ def check_existing_table(con, target: str, expected) -> None:
     actual = describe(con, target)
     missing = expected[len(actual):]
     if [c.lower() for c, _ in actual] == [c.lower() for c, _ in expected[:len(actual)]] and \
-            all(col in STATUS_COLUMNS for col in missing):
+            all(col in STATUS_COLUMNS for col in missing) and alter:
         for name, typ in missing:
             con.execute(f"alter table {target} add column {q(name)} {typ}")
         actual = describe(con, target)
@@ -49,8 +50,11 @@ def check_existing_table(con, target: str, expected) -> None:
             f"Run `dbt run --full-refresh -s <model>`: it rebuilds the table from the ledger and sends nothing.")
 
 
-def _row_select(ledger: Ledger, config: ModelConfig, input_columns, source: str) -> str:
-    structure = json.dumps({name: typ for name, typ in input_columns})
+def _row_select(config: ModelConfig, input_columns, source: str, current_rows: bool) -> str:
+    """The table's rows from winners in `source`. Selected columns come from the request's stored row;
+    with `current_rows`, the key's current row fills columns the stored one lacks (a full refresh
+    after the model's SELECT gained or renamed a column)."""
+    structure = json.dumps({name: typ for name, typ in input_columns}).replace("'", "''")
     outputs = []
     for col in config.output_columns:
         if config.structured:
@@ -59,60 +63,79 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns, source: str)
             value = "w.answer"
         outputs.append(f"case when w.status = 'succeeded' then {value} end as {q(col.name)}")
     model_literal = "'" + config.model.replace("'", "''") + "'"
+    row = "w.row_json"
+    joins = ""
+    if current_rows:
+        row = f"json_merge_patch(coalesce({row_json_sql(input_columns, 'i.')}, '{{}}'), w.row_json)"
+        joins = f"left join {DESIRED} d on d.key = w.key left join {INPUT} i on i.rowid = d.row_id"
     return f"""
-        select unnest(json_transform(w.row_json, '{structure.replace("'", "''")}')),
+        select unnest(json_transform({row}, '{structure}')),
                {', '.join(outputs)},
                w.status, w.error, w.finish_reason, w.input_tokens, w.output_tokens,
                coalesce(w.job_model, {model_literal}), w.batch_id, w.fingerprint, w.completed_at,
                w.cached_tokens, w.cache_write_tokens, w.cost_usd, w.realtime_cost_usd
-        from {source} w"""
+        from {source} w {joins}"""
 
 
 def _winners(ledger: Ledger, keys_sql: str) -> str:
-    """Per key in `keys_sql`, the final request queued last, with its job's batch id and model."""
+    """Per key in `keys_sql`, the request whose row belongs in the table: among the key's final
+    requests, one for the fingerprint the model selects now if there is one, else the one queued last."""
     return f"""
         select r.*, j.batch_id, j.llm_model as job_model
-        from {ledger.table('llm_batch_requests')} r left join {ledger.table('llm_batch_jobs')} j using (job_id)
+        from {ledger.table('llm_batch_requests')} r
+             left join {ledger.table('llm_batch_jobs')} j using (job_id)
+             left join {DESIRED} d on d.key = r.key
         where r.model = '{ledger.model.replace("'", "''")}' and r.is_final and r.key in ({keys_sql})
-        qualify row_number() over (partition by r.key order by r.queued_at desc, r.seq desc) = 1"""
+        qualify row_number() over (partition by r.key
+                                   order by (r.fingerprint = d.fingerprint) desc nulls last, r.queued_at desc,
+                                            r.seq desc) = 1"""
 
 
-def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, full_refresh: bool) -> tuple[int, int]:
-    """Bring the model table up to date with the ledger; returns (rows written, of which failed)."""
+def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebuild: bool) -> tuple[int, int]:
+    """Bring the model table up to date with the ledger; returns (rows written, of which failed).
+
+    Incremental: only keys with a request that became final since the last merge, or whose selected
+    fingerprint has an answer the table does not show (a prompt changed back), are rewritten. A full
+    refresh (`rebuild`; also used when the table does not exist) rebuilds it from the ledger for the
+    selected keys.
+    """
     con = ledger.con
     columns = table_columns(input_columns, config)
     requests = ledger.table("llm_batch_requests")
-    unconsidered = f"select key from {requests} where model = ? and is_final and emitted is null"
-    if full_refresh:
+    model = ledger.model.replace("'", "''")
+    if rebuild:
         con.execute(f"create or replace temp table {EMIT} as {_winners(ledger, f'select key from {DESIRED}')}")
     else:
-        con.execute(
-            f"create or replace temp table {EMIT} as select * from ({_winners(ledger, unconsidered)}) where emitted is null",
-            [ledger.model])
+        candidates = f"""
+            select key from {requests} where model = '{model}' and is_final and emitted is null
+            union
+            select r.key from {requests} r join {DESIRED} d on r.key = d.key and r.fingerprint = d.fingerprint
+            where r.model = '{model}' and r.is_final and r.emitted = 'superseded'"""
+        con.execute(f"""create or replace temp table {EMIT} as
+                        select * from ({_winners(ledger, candidates)}) where emitted is distinct from 'merged'""")
     ddl = ", ".join(f"{q(n)} {t}" for n, t in columns)
     target_key = key_sql(config)
-    # A full refresh speaks only for the keys selected now; other keys keep their pending merges.
-    scope = f"and key in (select key from {DESIRED})" if full_refresh else ""
+    # Which final requests the table now shows ('merged') and which it does not ('superseded'), so
+    # the next run only looks at requests that became final after this one.
+    scope = "emitted is null or emitted = 'merged'" if rebuild else \
+        f"emitted is null or (emitted = 'merged' and key in (select key from {EMIT}))"
 
     def write():
-        con.execute("begin transaction")
-        try:
-            if full_refresh:
+        with transaction(con):
+            if rebuild:
                 con.execute(f"create or replace table {target} ({ddl})")
             else:
-                con.execute(f"create table if not exists {target} ({ddl})")
                 con.execute(f"delete from {target} where {target_key} in (select key from {EMIT})")
-            con.execute(f"insert into {target} {_row_select(ledger, config, input_columns, EMIT)}")
-            # Every final request seen here is now considered: the winner merged, the rest superseded,
-            # so the next run only looks at requests that became final after this one.
+            con.execute(f"insert into {target} {_row_select(config, input_columns, EMIT, current_rows=rebuild)}")
             con.execute(
                 f"""update {requests} set emitted = case when custom_id in (select custom_id from {EMIT})
                                                          then 'merged' else 'superseded' end
-                    where model = ? and is_final and emitted is null {scope}""", [ledger.model])
-            con.execute("commit")
-        except Exception:
-            con.execute("rollback")
-            raise
+                    where model = ? and is_final and ({scope})""", [ledger.model])
+            null_filter = " or ".join(f"{q(k)} is null" for k in config.unique_key)
+            null_keys = con.execute(f"select count(*) from {target} where {null_filter}").fetchall()[0][0]
+            if null_keys:
+                raise ConfigError(f"{null_keys} row(s) of {target} would have a NULL unique_key: the stored rows "
+                                  f"lack the key column(s); nothing was changed")
     retry_on_conflict(write)
     written, failed = con.execute(f"select count(*), count(*) filter (where status = 'failed') from {EMIT}").fetchall()[0]
     con.execute(f"drop table if exists {EMIT}")

@@ -15,7 +15,9 @@ from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError, InputError
 from dbt_llm_batch.ledger import Ledger
 
-# Temp tables (connection-local) this module creates.
+# Temp tables (connection-local): the model's rows as selected this run (runner.load_input), and
+# the two this module creates.
+INPUT = "__llm_input"
 DESIRED = "__llm_desired"
 PLAN = "__llm_plan"
 

@@ -15,9 +15,9 @@ from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.errors import BudgetError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.providers import get_provider
+from dbt_llm_batch.planner import INPUT
 from dbt_llm_batch.providers.base import UNRESOLVED
 
-INPUT = "__llm_input"
 
 
 @dataclass
@@ -80,15 +80,17 @@ def run_model(con, *, schema: str, identifier: str, target: str, raw_config: dic
     load_input(con, sql, df)
     run = ModelRun(con, config, schema, f"{schema}.{identifier}", project)
     input_columns = run.input_columns = planner.check_input(con, INPUT, config)
-    if not full_refresh and merge.relation_exists(con, schema, identifier):
-        merge.check_existing_table(con, target, merge.table_columns(input_columns, config))
+    exists = merge.relation_exists(con, schema, identifier)
+    if not full_refresh and exists:
+        merge.check_existing_table(con, target, merge.table_columns(input_columns, config), alter=not run.dry_run)
     planner.build_desired(con, INPUT, input_columns, config)
 
     if run.dry_run:
         run.dry_run_report()
     else:
         run.execute(full_refresh)
-        run.summary.merged, run.summary.failed = merge.merge(run.ledger, config, target, input_columns, full_refresh)
+        run.summary.merged, run.summary.failed = merge.merge(run.ledger, config, target, input_columns,
+                                                                 rebuild=full_refresh or not exists)
         run.finish_summary()
         logger().info(run.summary.line())
     for name in (INPUT, planner.DESIRED, planner.PLAN):
@@ -123,6 +125,7 @@ class ModelRun:
     def execute(self, full_refresh: bool) -> None:
         deadline = time.monotonic() + self.config.wait_seconds
         self.harvest_open()
+        self.ledger.finalize_exhausted(self.config.max_attempts)
         self.summary.rejected_prompts = planner.reject_empty_prompts(self.ledger, INPUT, self.input_columns)
         while True:
             if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing

@@ -77,7 +77,8 @@ class AnthropicBatchProvider(BatchProvider):
         # The network edge: the SDK takes the requests as a list.
         with open(jsonl_path, encoding="utf-8") as f:
             requests = [json.loads(line) for line in f if line.strip()]
-        batch = self.client.messages.batches.create(requests=requests)
+        # Not idempotent: no SDK retry (see OpenAIBatchProvider.submit); reconciliation covers a lost response.
+        batch = self.client.with_options(max_retries=0).messages.batches.create(requests=requests)
         return Submission(batch_id=batch.id, status=batch.processing_status)
 
     def find_submission(self, token, since_epoch, custom_ids):
@@ -85,7 +86,7 @@ class AnthropicBatchProvider(BatchProvider):
         same request count; once it ended, its result custom_ids confirm (or rule out) it."""
         undecided = False
         for batch in self.client.messages.batches.list(limit=100):  # newest first
-            if _epoch(batch.created_at) < since_epoch - 60:
+            if _epoch(batch.created_at) < since_epoch - 3600:  # tolerate clock skew
                 break
             counts = batch.request_counts
             total = counts.processing + counts.succeeded + counts.errored + counts.canceled + counts.expired
@@ -115,27 +116,38 @@ class AnthropicBatchProvider(BatchProvider):
             decoder.close()
         return [("results", path)]
 
-    def outcomes_sql(self, raw):
-        result = f"({raw}->'result')"
-        message = f"({result}->'message')"
-        blocks = f"cast({message}->'content' as json[])"
-        usage = f"({message}->'usage')"
-        tokens = lambda field: f"coalesce(cast({usage}->>'{field}' as bigint), 0)"  # noqa: E731
-        tool_input = f"list_filter({blocks}, lambda b: b->>'type' = 'tool_use')[1]->'input'"
-        text = f"array_to_string(list_transform(list_filter({blocks}, lambda b: b->>'type' = 'text'), lambda b: b->>'text'), '')"
-        answer = f"cast({tool_input} as varchar)" if self.config.structured else text
+    result_structure = {
+        "custom_id": "VARCHAR",
+        "result": {"type": "VARCHAR",
+                   "message": {"content": [{"type": "VARCHAR", "text": "VARCHAR", "input": "JSON"}],
+                               "stop_reason": "VARCHAR",
+                               "usage": {"input_tokens": "BIGINT", "output_tokens": "BIGINT",
+                                         "cache_creation_input_tokens": "BIGINT", "cache_read_input_tokens": "BIGINT"}},
+                   "error": {"type": "VARCHAR", "message": "VARCHAR", "error": {"type": "VARCHAR", "message": "VARCHAR"}}},
+    }
+
+    def outcomes_sql(self, r):
+        result, message = f"{r}.result", f"{r}.result.message"
+        usage = f"{message}.usage"
+        blocks = f"{message}.content"
+        if self.config.structured:  # the forced tool call's input is the answer
+            answer = f"cast(list_filter({blocks}, lambda b: b.type = 'tool_use')[1].input as varchar)"
+        else:
+            answer = f"array_to_string(list_transform(list_filter({blocks}, lambda b: b.type = 'text'), lambda b: b.text), '')"
         return f"""
-            {raw}->>'custom_id' as custom_id,
-            case {result}->>'type' when 'succeeded' then 'ok' when 'errored' then 'error' else 'void' end as outcome,
-            case when {result}->>'type' = 'succeeded' then {answer} end as answer,
-            {message}->>'stop_reason' as finish_reason,
-            coalesce({message}->>'stop_reason' = 'max_tokens', false) as truncated,
-            coalesce({result}->'error'->'error'->>'message', {result}->'error'->>'message') as error,
-            case when {usage} is not null then {tokens('input_tokens')} + {tokens('cache_creation_input_tokens')}
-                 + {tokens('cache_read_input_tokens')} end as input_tokens,
-            cast({usage}->>'output_tokens' as bigint) as output_tokens,
-            cast({usage}->>'cache_read_input_tokens' as bigint) as cached_tokens,
-            cast({usage}->>'cache_creation_input_tokens' as bigint) as cache_write_tokens"""
+            {r}.custom_id as custom_id,
+            case {result}.type when 'succeeded' then 'ok' when 'errored' then 'error' else 'void' end as outcome,
+            case when {result}.type = 'succeeded' then {answer} end as answer,
+            {message}.stop_reason as finish_reason,
+            coalesce({message}.stop_reason = 'max_tokens', false) as truncated,
+            coalesce({result}.error.error.message, {result}.error.message) as error,
+            -- Anthropic's input_tokens excludes cache reads and writes: add them back, once each.
+            case when {usage} is not null then coalesce({usage}.input_tokens, 0)
+                 + coalesce({usage}.cache_creation_input_tokens, 0) + coalesce({usage}.cache_read_input_tokens, 0) end
+                as input_tokens,
+            {usage}.output_tokens as output_tokens,
+            {usage}.cache_read_input_tokens as cached_tokens,
+            {usage}.cache_creation_input_tokens as cache_write_tokens"""
 
 
 def _epoch(value) -> float:

@@ -99,6 +99,10 @@ class BatchProvider(ABC):
         text = (self.config.system or "") + "".join(a + b for a, b in self.config.examples)
         return len(text) // 4
 
+    # DuckDB json_transform structure of one result line: parsed once, then read as a STRUCT.
+    result_structure: ClassVar[dict]
+
     @abstractmethod
-    def outcomes_sql(self, raw_column: str) -> str:
-        """SELECT-list expressions (aliased as OUTCOME_COLUMNS) reading one stored raw result line."""
+    def outcomes_sql(self, r: str) -> str:
+        """SELECT-list expressions (aliased as OUTCOME_COLUMNS) over `r`, one result line parsed
+        with `result_structure`."""

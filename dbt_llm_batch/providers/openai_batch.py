@@ -69,7 +69,9 @@ class OpenAIBatchProvider(BatchProvider):
     def submit(self, jsonl_path, token, model_name):
         with open(jsonl_path, "rb") as f:
             uploaded = self.client.files.create(file=(os.path.basename(jsonl_path), f), purpose="batch")
-        batch = self.client.batches.create(
+        # `create` is not idempotent: never let the SDK retry it (a retry after a lost response would
+        # create and bill a second batch). A failure here leaves the intent for reconciliation.
+        batch = self.client.with_options(max_retries=0).batches.create(
             input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h",
             metadata={TOKEN_KEY: token, "dbt_model": model_name[:512]})
         return Submission(batch_id=batch.id, status=batch.status, input_file_id=uploaded.id)
@@ -101,25 +103,34 @@ class OpenAIBatchProvider(BatchProvider):
                 files.append((source, path))
         return files
 
-    def outcomes_sql(self, raw):
-        body = f"({raw}->'response'->'body')"
-        choice = f"({body}->'choices'->0)"
-        error_code = f"coalesce({raw}->'error'->>'code', {body}->'error'->>'code')"
+    # One parse per result line (json_transform), then cheap struct access. `error` stays JSON: the
+    # error file has an object there, an OpenAI-compatible server may put a plain string.
+    result_structure = {
+        "custom_id": "VARCHAR",
+        "response": {"status_code": "INTEGER", "body": {
+            "choices": [{"finish_reason": "VARCHAR", "message": {"content": "VARCHAR", "refusal": "VARCHAR"}}],
+            "usage": {"prompt_tokens": "BIGINT", "completion_tokens": "BIGINT",
+                      "prompt_tokens_details": {"cached_tokens": "BIGINT", "cache_write_tokens": "BIGINT"}},
+            "error": {"message": "VARCHAR", "code": "VARCHAR"}}},
+        "error": "JSON",
+    }
+
+    def outcomes_sql(self, r):
+        body, choice = f"{r}.response.body", f"{r}.response.body.choices[1]"
+        error_code = f"coalesce(json_extract_string({r}.error, '$.code'), {body}.error.code)"
         return f"""
-            {raw}->>'custom_id' as custom_id,
+            {r}.custom_id as custom_id,
             case when {error_code} = 'batch_expired' then 'void'
-                 when cast({raw}->'response'->>'status_code' as integer) = 200
-                      and {choice}->'message'->>'content' is not null then 'ok'
+                 when {r}.response.status_code = 200 and {choice}.message.content is not null then 'ok'
                  else 'error' end as outcome,
-            {choice}->'message'->>'content' as answer,
-            {choice}->>'finish_reason' as finish_reason,
-            coalesce({choice}->>'finish_reason' = 'length', false) as truncated,
-            coalesce({body}->'error'->>'message', {raw}->'error'->>'message',
-                     case when {choice}->'message'->>'refusal' is not null
-                          then 'model refused: ' || ({choice}->'message'->>'refusal') end,
-                     case when cast({raw}->'response'->>'status_code' as integer) <> 200
-                          then 'HTTP ' || ({raw}->'response'->>'status_code') end) as error,
-            cast({body}->'usage'->>'prompt_tokens' as bigint) as input_tokens,
-            cast({body}->'usage'->>'completion_tokens' as bigint) as output_tokens,
-            cast({body}->'usage'->'prompt_tokens_details'->>'cached_tokens' as bigint) as cached_tokens,
-            cast({body}->'usage'->'prompt_tokens_details'->>'cache_write_tokens' as bigint) as cache_write_tokens"""
+            {choice}.message.content as answer,
+            {choice}.finish_reason as finish_reason,
+            coalesce({choice}.finish_reason = 'length', false) as truncated,
+            coalesce({body}.error.message, json_extract_string({r}.error, '$.message'),
+                     case when json_type({r}.error) = 'VARCHAR' then json_extract_string({r}.error, '$') end,
+                     case when {choice}.message.refusal is not null then 'model refused: ' || {choice}.message.refusal end,
+                     case when {r}.response.status_code <> 200 then 'HTTP ' || {r}.response.status_code end) as error,
+            {body}.usage.prompt_tokens as input_tokens,
+            {body}.usage.completion_tokens as output_tokens,
+            {body}.usage.prompt_tokens_details.cached_tokens as cached_tokens,
+            {body}.usage.prompt_tokens_details.cache_write_tokens as cache_write_tokens"""
