@@ -53,18 +53,26 @@ def logger():
         return logging.getLogger("dbt_llm_batch")
 
 
-def load_input(con, sql: str | None, df) -> None:
-    """Materialise the model's rows once as a connection-local temp table."""
+def load_input(con, sql: str | None, df):
+    """Materialise the model's rows once as a temp table; returns the connection the run works on.
+
+    A Python model's relation lives on dbt's own connection, which a pre-hook may have left inside
+    a transaction (and with an unfinished result): its rows are streamed as Arrow into a connection
+    of our own, so ledger writes autocommit whatever dbt's transaction does.
+    """
     if sql is not None:
         con.execute(f"create or replace temp table {INPUT} as {sql}")
-        return
+        return con
     import duckdb
     if isinstance(df, duckdb.DuckDBPyRelation):
-        df.create_view("__llm_input_view", replace=True)
-    else:  # pandas / arrow frames returned by a Python model
-        con.register("__llm_input_view", df)
+        if hasattr(con, "complete"):
+            con.complete()
+        df = df.to_arrow_reader(100_000)
+        con = con.cursor()
+    con.register("__llm_input_view", df)  # Arrow reader, Arrow table or pandas frame
     con.execute(f"create or replace temp table {INPUT} as select * from __llm_input_view")
-    con.execute("drop view if exists __llm_input_view")
+    con.unregister("__llm_input_view")
+    return con
 
 
 def run_model(con, *, schema: str, identifier: str, target: str, raw_config: dict,
@@ -77,7 +85,7 @@ def run_model(con, *, schema: str, identifier: str, target: str, raw_config: dic
     project = project or {}
     config = parse_config(raw_config)  # first: a bad config fails before anything is touched
     # The input first: a Python model's relation cannot be read once other results are pending here.
-    load_input(con, sql, df)
+    con = load_input(con, sql, df)
     run = ModelRun(con, config, schema, f"{schema}.{identifier}", project)
     input_columns = run.input_columns = planner.check_input(con, INPUT, config)
     exists = merge.relation_exists(con, schema, identifier)

@@ -154,3 +154,20 @@ def test_api_key_never_lands_on_disk(project, emulator, api_key):
         assert api_key.encode() not in path.read_bytes(), f"API key found in {path}"
         scanned += 1
     assert (project.root / "warehouse.duckdb").exists() and scanned > 10
+
+
+def test_python_model_with_hooks(project, emulator):
+    """Hooks open a transaction on dbt's connection; the ledger still commits on its own."""
+    project.write("models/triage_py.py", '''
+def model(dbt, session):
+    dbt.config(materialized="llm_batch", unique_key="ticket_id", pre_hook="select 1",
+               post_hook="create or replace table main.hook_ran as select 1 as ok")
+    return dbt.ref("support_tickets").project("ticket_id, subject as prompt")
+''')
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage_py")
+    assert batch_counts(emulator) == [6]
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage_py")
+    assert project.query("select count(*) from main.triage_py where llm_status = 'succeeded'") == [(6,)]
+    assert project.query("select ok from main.hook_ran") == [(1,)]
