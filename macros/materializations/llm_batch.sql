@@ -18,7 +18,8 @@
                   'dry_run': var('llm_batch_dry_run', false)},
   } -%}
 
-  {{ run_hooks(pre_hooks) }}
+  {{ run_hooks(pre_hooks, inside_transaction=False) }}
+  {{ run_hooks(pre_hooks, inside_transaction=True) }}
   {% call statement('main', language='python') -%}
 {% if model.language == 'python' %}
 {{ compiled_code }}
@@ -44,7 +45,9 @@ def materialize(df, con):
     payload = json.loads({{ tojson(tojson(payload)) }})
     run_model(con, df=df, **payload)
   {%- endcall %}
-  {{ run_hooks(post_hooks) }}
+  {{ run_hooks(post_hooks, inside_transaction=True) }}
+  {% do adapter.commit() %}
+  {{ run_hooks(post_hooks, inside_transaction=False) }}
 
   {% do persist_docs(target_relation, model) %}
   {{ return({'relations': [target_relation]}) }}
