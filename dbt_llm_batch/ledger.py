@@ -17,6 +17,7 @@ import time
 import uuid
 
 import duckdb
+import pyarrow as pa
 
 # Request statuses. 'queued' and 'submitted' are in flight; 'voided' means the request never produced
 # an outcome of its own (batch-level failure, expiry, intent that never reached the provider): it
@@ -171,32 +172,41 @@ class Ledger:
                 order by created_at""", [self.model]).fetchall()
         return [dict(zip(("job_id", "batch_id", "status", "provider", "created_at"), r)) for r in rows]
 
-    def write_intent(self, provider: str, llm_model: str, plan_table: str, chunk: int) -> str:
-        """Record a job intent and its requests ('queued') in one transaction; returns the job id.
+    def write_intents(self, provider: str, llm_model: str, plan_table: str, chunks: list[int]) -> dict[int, str]:
+        """Record one job intent per chunk and every request ('queued') in one transaction, before the
+        provider is contacted; returns {chunk: job id}.
 
-        Called before the provider is contacted, so a crash after this point leaves a trace that
-        reconciliation can follow, and nothing is ever sent that the ledger does not know about.
+        A crash after this point leaves a trace reconciliation can follow, and nothing is ever sent
+        that the ledger does not know about. One transaction for the whole plan also lets DuckDB
+        write large plans straight to the database file instead of through its log.
         """
-        job_id = "job_" + uuid.uuid4().hex
+        job_ids = {chunk: "job_" + uuid.uuid4().hex for chunk in chunks}
+        mapping = pa.table({"chunk": pa.array(list(job_ids), pa.int64()), "job_id": list(job_ids.values())})
+        requests = self.table("llm_batch_requests")
+
         def write():
-            with transaction(self.con):
-                self.con.execute(
-                    f"""insert into {self.table('llm_batch_jobs')} (job_id, model, provider, llm_model,
-                          status, request_count, created_at, updated_at)
-                        select ?, ?, ?, ?, 'intent', count(*), now(), now() from {plan_table} where chunk = ?""",
-                    [job_id, self.model, provider, llm_model, chunk])
-                self.con.execute(  # a deferred request being sent now becomes this queued one
-                    f"""delete from {self.table('llm_batch_requests')} where model = ? and status = 'deferred'
-                        and custom_id in (select custom_id from {plan_table} where chunk = ?)""", [self.model, chunk])
-                self.con.execute(
-                    f"""insert into {self.table('llm_batch_requests')} (custom_id, model, key, fingerprint,
-                          seq, job_id, status, row_json, queued_at, estimated_cost_usd, estimated_input_tokens)
-                        select custom_id, ?, key, fingerprint, seq, ?, 'queued', row_json, now(), estimated_cost_usd,
-                               estimated_input_tokens
-                        from {plan_table} where chunk = ?""",
-                    [self.model, job_id, chunk])
+            self.con.register("__llm_job_ids", mapping)
+            try:
+                with transaction(self.con):
+                    self.con.execute(
+                        f"""insert into {self.table('llm_batch_jobs')} (job_id, model, provider, llm_model,
+                              status, request_count, created_at, updated_at)
+                            select m.job_id, ?, ?, ?, 'intent', count(*), now(), now()
+                            from {plan_table} p join __llm_job_ids m using (chunk) group by m.job_id""",
+                        [self.model, provider, llm_model])
+                    self.con.execute(  # a deferred request being sent now becomes a queued one
+                        f"""delete from {requests} where model = ? and status = 'deferred' and custom_id in
+                            (select custom_id from {plan_table} join __llm_job_ids using (chunk))""", [self.model])
+                    self.con.execute(
+                        f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
+                              row_json, queued_at, estimated_cost_usd, estimated_input_tokens)
+                            select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, 'queued', p.row_json, now(),
+                                   p.estimated_cost_usd, p.estimated_input_tokens
+                            from {plan_table} p join __llm_job_ids m using (chunk)""", [self.model])
+            finally:
+                self.con.unregister("__llm_job_ids")
         retry_on_conflict(write)
-        return job_id
+        return job_ids
 
     def record_submission(self, job_id: str, batch_id: str, input_file_id: str | None, status: str) -> None:
         self.execute(

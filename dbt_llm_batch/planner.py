@@ -123,7 +123,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
     con = ledger.con
     requests = ledger.table("llm_batch_requests")
     # Deferred requests of keys selected now are planned afresh from the current rows; the others keep
-    # their stored prompt and row. They stay in the ledger until sent (write_intent) or re-deferred (defer).
+    # their stored prompt and row. They stay in the ledger until sent (write_intents) or re-deferred (defer).
     con.execute(
         f"""create or replace temp table __llm_deferred as
             select key, fingerprint, seq, custom_id, row_json,

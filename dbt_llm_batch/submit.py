@@ -1,7 +1,7 @@
 """Submission: write each planned chunk as a JSONL file, record the intent, then call the provider.
 
-The order is the ledger's first invariant: the job intent and its 'queued' request rows are
-committed before the upload, so no request can be billed without the ledger knowing it. The
+The order is the ledger's first invariant: the job intents and their 'queued' request rows are
+committed (all chunks at once) before the first upload, so no request can be billed without the ledger knowing it. The
 provider's batch metadata carries the job id, which lets a later run adopt a batch whose id was
 never recorded (a crash between `create` and the ledger write).
 """
@@ -46,11 +46,11 @@ def submit_chunks(ledger: Ledger, provider: BatchProvider, chunks: list[int]) ->
     """Submit each given chunk of the plan as one batch; returns the provider batch ids."""
     line_sql = provider.request_line_sql()
     batch_ids = []
+    job_ids = ledger.write_intents(provider.name, provider.config.model, PLAN, chunks)
     with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
-        for chunk in chunks:
+        for chunk, job_id in job_ids.items():
             path = os.path.join(directory, f"requests-{chunk}.jsonl")
             write_jsonl(ledger.con, line_sql, chunk, path)
-            job_id = ledger.write_intent(provider.name, provider.config.model, PLAN, chunk)
             submission = provider.submit(path, token=job_id, model_name=ledger.model)
             ledger.record_submission(job_id, submission.batch_id, submission.input_file_id, submission.status)
             batch_ids.append(submission.batch_id)
