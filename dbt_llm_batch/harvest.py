@@ -12,6 +12,8 @@ import json
 import logging
 import tempfile
 
+import pyarrow as pa
+
 from dbt_llm_batch import costs
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
@@ -46,39 +48,37 @@ def answer_problem_sql(config: ModelConfig) -> str:
 
 def poll_and_harvest(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: list[dict],
                      price: dict | None) -> dict:
-    """Poll each open job once; harvest those that ended. Returns counts for the run summary."""
+    """Poll each open job once; store the results of those that ended, then settle them together.
+    Returns counts for the run summary."""
     stats = {"harvested_jobs": 0, "still_pending_jobs": 0, "unknown_results": 0}
+    ended = []
     for job in jobs:
         state = provider.poll(job["batch_id"])
         if not state.ended:
             ledger.update_job(job["job_id"], status=state.status)
             stats["still_pending_jobs"] += 1
             continue
-        stats["unknown_results"] += harvest_job(ledger, provider, config, job, state, price)
-        stats["harvested_jobs"] += 1
+        download(ledger, provider, job, state)
+        ended.append((job["job_id"], state))
+    if ended:
+        stats["unknown_results"] = settle(ledger, provider, config, ended, price)
+        stats["harvested_jobs"] = len(ended)
     return stats
 
 
-def harvest_job(ledger: Ledger, provider: BatchProvider, config: ModelConfig, job: dict, state: BatchState,
-                price: dict | None) -> int:
-    """Store and settle one ended job. Returns the number of result lines for unknown custom_ids."""
-    job_id = job["job_id"]
+def download(ledger: Ledger, provider: BatchProvider, job: dict, state: BatchState) -> None:
+    """Fetch and store an ended job's result lines, unless an interrupted run already stored them."""
     stored = ledger.con.execute(f"select count(*) from {ledger.table('llm_batch_results')} where job_id = ?",
-                                [job_id]).fetchall()[0][0]
+                                [job["job_id"]]).fetchall()[0][0]
     if not stored:
         with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
-            files = provider.download_results(state, job["batch_id"], directory)
-            store_lines(ledger, job_id, files)
-    unknown = settle(ledger, provider, config, job_id, state, price)
-    if unknown:
-        log.warning("batch %s returned %d result line(s) for custom_ids this job never sent; ignored",
-                    job["batch_id"], unknown)
-    return unknown
+            store_lines(ledger, job["job_id"], provider.download_results(state, job["batch_id"], directory))
 
 
 def store_lines(ledger: Ledger, job_id: str, files: list[tuple[str, str]]) -> None:
     """All of a job's result lines in one transaction: a cut-off download stores nothing."""
     con = ledger.con
+
     def write():
         with transaction(con):
             for source, path in files:
@@ -90,33 +90,48 @@ def store_lines(ledger: Ledger, job_id: str, files: list[tuple[str, str]]) -> No
     retry_on_conflict(write)
 
 
-def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, job_id: str, state: BatchState,
-            price: dict | None) -> int:
-    """Turn a job's stored lines into request statuses, atomically with marking the job harvested."""
+def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: list[tuple[str, BatchState]],
+           price: dict | None) -> int:
+    """Turn ended jobs' stored lines into request statuses, usage and cost, atomically with marking the
+    jobs harvested (one transaction for all of them: the ledger is rewritten once, not once per job).
+    Returns the number of result lines for custom_ids their job never sent (ignored, never merged)."""
     con = ledger.con
-    requests = ledger.table("llm_batch_requests")
+    requests, results = ledger.table("llm_batch_requests"), ledger.table("llm_batch_results")
+    ended = pa.table({
+        "job_id": [j for j, _ in jobs], "status": [s.status for _, s in jobs], "error": [s.error for _, s in jobs],
+        "output_file_id": [s.output_file_id for _, s in jobs], "error_file_id": [s.error_file_id for _, s in jobs]})
+    con.register("__llm_ended", ended)
     con.execute(
         f"""create or replace temp table __llm_outcomes as
             with parsed as (
-                select json_transform(raw, '{json.dumps(provider.result_structure)}') as r, source
-                from {ledger.table('llm_batch_results')} where job_id = ?),
-            lines as (select {provider.outcomes_sql('r')}, source from parsed),
+                select json_transform(raw, '{json.dumps(provider.result_structure)}') as r, source, job_id
+                from {results} where job_id in (select job_id from __llm_ended)),
+            lines as (select {provider.outcomes_sql('r')}, source, job_id from parsed),
             one_per_id as (  -- a duplicated line must not settle a request twice; prefer a success
                 select * from lines
-                qualify row_number() over (partition by custom_id order by (outcome = 'ok') desc, source) = 1),
+                qualify row_number() over (partition by job_id, custom_id order by (outcome = 'ok') desc, source) = 1),
             checked as (
                 select *, case when outcome = 'ok' then {answer_problem_sql(config)} end as problem
-                from one_per_id)
-            select r.custom_id, r.key, r.fingerprint, c.* exclude (custom_id),
-                   (select count(*) from {requests} p where p.model = r.model and p.key = r.key
-                      and p.fingerprint = r.fingerprint and p.status = 'failed') as earlier_failures
-            from {requests} r join checked c using (custom_id)
-            where r.job_id = ? and r.status in ('queued', 'submitted')""",
-        [job_id, job_id])
+                from one_per_id),
+            settling as (
+                select key, fingerprint, custom_id, job_id from {requests}
+                where job_id in (select job_id from __llm_ended) and status in ('queued', 'submitted')),
+            failures as (  -- earlier failed attempts of the same (key, fingerprint)
+                select p.key, p.fingerprint, count(*) as n from {requests} p
+                where p.model = ? and p.status = 'failed' and (p.key, p.fingerprint) in
+                      (select (key, fingerprint) from settling)
+                group by all)
+            select s.custom_id, s.job_id, c.* exclude (custom_id, job_id), coalesce(f.n, 0) as earlier_failures
+            from settling s join checked c using (custom_id, job_id)
+                 left join failures f using (key, fingerprint)""", [ledger.model])
     unknown = con.execute(
-        f"""select count(distinct custom_id) from {ledger.table('llm_batch_results')} l
-            where job_id = ? and not exists (select 1 from {requests} r where r.custom_id = l.custom_id
-                                             and r.job_id = l.job_id)""", [job_id]).fetchall()[0][0]
+        f"""select count(distinct custom_id) from {results} l
+            where job_id in (select job_id from __llm_ended) and not exists
+                  (select 1 from {requests} r where r.custom_id = l.custom_id and r.job_id = l.job_id)""").fetchall()[0][0]
+    # Without a price, cost stays NULL: unknown, never $0. Unbilled outcomes (errors, expiries) have no usage: $0.
+    cost = (f"cost_usd = {costs.batch_cost_sql(price, 'o.')}, realtime_cost_usd = {costs.realtime_cost_sql(price, 'o.')},"
+            if price is not None else "")
+
     def write():
         with transaction(con):
             con.execute(
@@ -129,26 +144,27 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, job_id:
                       error = case when o.outcome = 'ok' then o.problem else o.error end,
                       finish_reason = o.finish_reason, answer = o.answer,
                       input_tokens = o.input_tokens, output_tokens = o.output_tokens, cached_tokens = o.cached_tokens,
-                      cache_write_tokens = o.cache_write_tokens,
+                      cache_write_tokens = o.cache_write_tokens, {cost}
                       completed_at = now()
-                    from __llm_outcomes o where r.custom_id = o.custom_id and r.job_id = ?""",
-                [config.max_attempts, job_id])
-            # Requests the batch ended without answering (batch-level failure, lost lines) were never
+                    from __llm_outcomes o where r.custom_id = o.custom_id and r.job_id = o.job_id""",
+                [config.max_attempts])
+            # Requests a batch ended without answering (batch-level failure, lost lines) were never
             # settled by the provider: they go back to the queue without using up an attempt.
-            reason = state.error or f"batch ended ({state.status}) without a result for this request"
             con.execute(
-                f"""update {requests} set status = 'voided', error = ?, completed_at = now()
-                    where job_id = ? and status in ('queued', 'submitted')""", [reason, job_id])
-            if price is not None:  # without a price, cost stays NULL: unknown, never $0
-                con.execute(f"""update {requests} set cost_usd = {costs.batch_cost_sql(price)},
-                                       realtime_cost_usd = {costs.realtime_cost_sql(price)}
-                                where job_id = ? and status in ('succeeded', 'failed', 'voided')""", [job_id])
+                f"""update {requests} r set status = 'voided', completed_at = now(),
+                      error = coalesce(e.error, 'batch ended (' || e.status || ') without a result for this request')
+                      {", cost_usd = 0, realtime_cost_usd = 0" if price is not None else ""}
+                    from __llm_ended e where r.job_id = e.job_id and r.status in ('queued', 'submitted')""")
             con.execute(
-                f"""update {ledger.table('llm_batch_jobs')} set status = ?, error = ?, output_file_id = ?,
-                      error_file_id = ?, ended_at = coalesce(ended_at, now()), harvested_at = now(), updated_at = now()
-                    where job_id = ?""",
-                [state.status, state.error, state.output_file_id, state.error_file_id, job_id])
-    retry_on_conflict(write)
-    con.execute("drop table if exists __llm_outcomes")
+                f"""update {ledger.table('llm_batch_jobs')} j set status = e.status, error = e.error,
+                      output_file_id = e.output_file_id, error_file_id = e.error_file_id,
+                      ended_at = coalesce(ended_at, now()), harvested_at = now(), updated_at = now()
+                    from __llm_ended e where j.job_id = e.job_id""")
+    try:
+        retry_on_conflict(write)
+    finally:
+        con.unregister("__llm_ended")
+        con.execute("drop table if exists __llm_outcomes")
+    if unknown:
+        log.warning("%s: %d result line(s) for custom_ids their batch never sent were ignored", ledger.model, unknown)
     return unknown
-

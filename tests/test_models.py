@@ -171,3 +171,42 @@ def model(dbt, session):
     project.dbt("run", "-s", "triage_py")
     assert project.query("select count(*) from main.triage_py where llm_status = 'succeeded'") == [(6,)]
     assert project.query("select ok from main.hook_ran") == [(1,)]
+
+
+def test_config_from_yaml_overrides_the_folder(project, emulator):
+    """Flat keys set in a model's YAML `config:` (over the folder's +llm_model in dbt_project.yml)."""
+    project.write("models/triage.sql", """
+select ticket_id, 'Subject: ' || subject as prompt from {{ ref('support_tickets') }}""")
+    project.write("models/triage.yml", """
+version: 2
+models:
+  - name: triage
+    config:
+      materialized: llm_batch
+      unique_key: ticket_id
+      llm_model: gpt-4.1-mini
+      llm_system: From YAML.
+      llm_output: {kind: [a, b]}
+""")
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    body = batch_input_lines(emulator, emulator.batches()[0])[0]["body"]
+    assert body["model"] == "gpt-4.1-mini" and body["messages"][0] == {"role": "system", "content": "From YAML."}
+    assert body["response_format"]["json_schema"]["schema"]["properties"] == {"kind": {"type": "string", "enum": ["a", "b"]}}
+
+
+def test_a_failed_batch_uses_no_attempt(project, emulator):
+    """The provider fails the whole batch (enqueued-token limit): its rows go again, attempts intact."""
+    project.write("models/triage.sql", triage_model(extra_config="llm_max_attempts = 1,"))
+    project.dbt("seed")
+    emulator.add_fault(kind="token_limit", times=1)
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    assert emulator.batches()[0]["status"] == "failed"
+    project.dbt("run", "-s", "triage")  # harvests the failure, resubmits all six
+    assert batch_counts(emulator) == [6, 6]
+    assert project.query("select count(*) from main.llm_batch_requests where status = 'voided' "
+                         "and error like 'token_limit_exceeded%'") == [(6,)]
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
