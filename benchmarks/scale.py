@@ -95,8 +95,8 @@ def ingest(con, config, files) -> None:
     ledger = Ledger(con, "main", "main.bench")
     provider = OpenAIBatchProvider(config)
     price = {"input": 0.15, "output": 0.6, "cache_write": 0.15, "cache_read": 0.075, "batch_discount": 0.5}
-    for job_id, path in files:  # as harvest.poll_and_harvest does, minus the provider calls
-        harvest.store_lines(ledger, job_id, [("output", path)])
+    # as harvest.poll_and_harvest does, minus the provider calls
+    harvest.store_lines(ledger, [(job_id, "output", path) for job_id, path in files])
     harvest.settle(ledger, provider, config, [(job_id, BatchState(status="completed", ended=True))
                                               for job_id, _ in files], price)
     columns = planner.describe(con, planner.INPUT)

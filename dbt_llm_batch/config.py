@@ -130,7 +130,7 @@ class ModelConfig:
         }
 
     def fingerprint_prefix(self) -> str:
-        """Hash of the constant part; a row's fingerprint is sha256(prefix || prompt), computed in SQL."""
+        """Hash of the constant part; a row's fingerprint is md5(prefix || prompt), computed in SQL."""
         canonical = json.dumps(self.answer_defining_fields(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 

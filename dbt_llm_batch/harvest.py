@@ -1,8 +1,8 @@
 """Harvest: poll a model's open batches, store their result lines, and settle each request.
 
 Order matters for "nothing paid for is lost": raw result lines are stored in `llm_batch_results`
-(one transaction per job) before any request changes status, and a job is marked harvested only in
-the same transaction that settles its requests. A run that dies in between downloads nothing twice:
+(one transaction for all the batches that ended) before any request changes status, and a job is
+marked harvested only in the same transaction that settles its requests. A run that dies in between downloads nothing twice:
 the next run finds the stored lines and settles from them.
 """
 
@@ -52,42 +52,46 @@ def poll_and_harvest(ledger: Ledger, provider: BatchProvider, config: ModelConfi
     Returns counts for the run summary."""
     stats = {"harvested_jobs": 0, "still_pending_jobs": 0, "unknown_results": 0}
     ended = []
-    for job in jobs:
-        state = provider.poll(job["batch_id"])
-        if not state.ended:
-            ledger.update_job(job["job_id"], status=state.status)
-            stats["still_pending_jobs"] += 1
-            continue
-        download(ledger, provider, job, state)
-        ended.append((job["job_id"], state))
+    with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
+        downloads = []
+        for job in jobs:
+            state = provider.poll(job["batch_id"])
+            if not state.ended:
+                ledger.update_job(job["job_id"], status=state.status)
+                stats["still_pending_jobs"] += 1
+                continue
+            ended.append((job["job_id"], state))
+            if not _stored(ledger, job["job_id"]):  # an interrupted run may have stored them already
+                files = provider.download_results(state, job["batch_id"], directory)
+                downloads += [(job["job_id"], source, path) for source, path in files]
+        store_lines(ledger, downloads)
     if ended:
         stats["unknown_results"] = settle(ledger, provider, config, ended, price)
         stats["harvested_jobs"] = len(ended)
     return stats
 
 
-def download(ledger: Ledger, provider: BatchProvider, job: dict, state: BatchState) -> None:
-    """Fetch and store an ended job's result lines, unless an interrupted run already stored them."""
-    stored = ledger.con.execute(f"select count(*) from {ledger.table('llm_batch_results')} where job_id = ?",
-                                [job["job_id"]]).fetchall()[0][0]
-    if not stored:
-        with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
-            store_lines(ledger, job["job_id"], provider.download_results(state, job["batch_id"], directory))
+def _stored(ledger: Ledger, job_id: str) -> bool:
+    return ledger.con.execute(f"select count(*) from {ledger.table('llm_batch_results')} where job_id = ?",
+                              [job_id]).fetchall()[0][0] > 0
 
 
-def store_lines(ledger: Ledger, job_id: str, files: list[tuple[str, str]]) -> None:
-    """All of a job's result lines in one transaction: a cut-off download stores nothing."""
+def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
+    """Store downloaded result files [(job id, source, path)] in one transaction: a cut-off
+    download stores nothing (and is fetched again next run); one large append is written straight
+    to the database file rather than through DuckDB's log."""
     con = ledger.con
 
     def write():
         with transaction(con):
-            for source, path in files:
+            for job_id, source, path in downloads:
                 con.execute(
                     f"""insert into {ledger.table('llm_batch_results')}
                         select json ->> 'custom_id', ?, ?, ?, json, now()
                         from read_ndjson_objects(?)""",
                     [ledger.model, job_id, source, path])
-    retry_on_conflict(write)
+    if downloads:
+        retry_on_conflict(write)
 
 
 def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: list[tuple[str, BatchState]],

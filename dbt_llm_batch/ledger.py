@@ -19,7 +19,8 @@ import uuid
 import duckdb
 import pyarrow as pa
 
-# Request statuses. 'queued' and 'submitted' are in flight; 'voided' means the request never produced
+# Request statuses. 'queued' is in flight (whether its job reached the provider is the job's batch_id;
+# 'submitted' is the same state as written by ledgers before schema version 5); 'voided' means the request never produced
 # an outcome of its own (batch-level failure, expiry, intent that never reached the provider): it
 # does not use up an attempt and is planned again.
 IN_FLIGHT = ("queued", "submitted")
@@ -213,9 +214,6 @@ class Ledger:
             f"""update {self.table('llm_batch_jobs')} set batch_id = ?, input_file_id = ?, status = ?,
                   submitted_at = now(), updated_at = now() where job_id = ?""",
             [batch_id, input_file_id, status, job_id])
-        self.execute(
-            f"update {self.table('llm_batch_requests')} set status = 'submitted' where job_id = ? and status = 'queued'",
-            [job_id])
 
     def update_job(self, job_id: str, **fields) -> None:
         sets = ", ".join(f"{k} = ?" for k in fields)
