@@ -50,13 +50,17 @@ def plan_and_write(con, config, directory) -> int:
     columns = planner.check_input(con, planner.INPUT, config)
     planner.build_desired(con, planner.INPUT, columns, config)
     n = planner.build_plan(ledger, config, planner.INPUT, columns)
-    con.execute(f"update {planner.PLAN} set estimated_input_tokens = {costs.estimated_input_tokens_sql(config)}")
+    rows = planner.plan_rows(config, columns)
+    con.execute(f"""update {planner.PLAN} set estimated_input_tokens = x.t
+                    from (select custom_id, {costs.estimated_input_tokens_sql(config)} as t from {rows}) x
+                    where {planner.PLAN}.custom_id = x.custom_id""")
     provider = OpenAIBatchProvider(config)
     line_sql = provider.request_line_sql()
-    n_chunks = planner.assign_chunks(con, line_sql, provider.max_requests_per_batch, provider.max_bytes_per_batch)
-    job_ids = ledger.write_intents(provider.name, config.model, planner.PLAN, list(range(n_chunks)))
+    n_chunks = planner.assign_chunks(con, line_sql, provider.max_requests_per_batch, provider.max_bytes_per_batch,
+                                     rows=rows)
+    job_ids = ledger.write_intents(provider.name, config.model, rows, list(range(n_chunks)))
     for chunk, job_id in job_ids.items():  # as submit.submit_chunks does, minus the provider calls
-        submit.write_jsonl(con, line_sql, chunk, os.path.join(directory, f"requests-{chunk}.jsonl"))
+        submit.write_jsonl(con, line_sql, chunk, os.path.join(directory, f"requests-{chunk}.jsonl"), rows)
         ledger.record_submission(job_id, f"batch_bench_{chunk}", None, "validating")
     return n
 
@@ -163,14 +167,16 @@ def main() -> int:
     if args.child:  # (d): a fresh process, so max RSS belongs to this row count alone
         print(json.dumps(run_once(args.rows)))
         return 0
-    report(run_once(args.rows))
     if not args.no_memory:
+        # Children first: Linux keeps a process's max RSS across execve, so a child started after
+        # this process grew would report this process's peak instead of its own.
         for n in sorted({100_000, args.rows}):
             out = subprocess.run([sys.executable, __file__, "--rows", str(n), "--child"], check=True,
                                  capture_output=True, text=True).stdout.strip().splitlines()[-1]
             f = json.loads(out)
             print(f"(d) peak memory at {n:,} rows: {f['peak_rss_mb']:.0f} MB max RSS "
-                  f"(input prompts {f['input_mb']:.0f} MB)")
+                  f"(input prompts {f['input_mb']:.0f} MB)", flush=True)
+    report(run_once(args.rows))
     return 0
 
 

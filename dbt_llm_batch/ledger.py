@@ -173,7 +173,7 @@ class Ledger:
                 order by created_at""", [self.model]).fetchall()
         return [dict(zip(("job_id", "batch_id", "status", "provider", "created_at"), r)) for r in rows]
 
-    def write_intents(self, provider: str, llm_model: str, plan_table: str, chunks: list[int]) -> dict[int, str]:
+    def write_intents(self, provider: str, llm_model: str, plan_rows: str, chunks: list[int]) -> dict[int, str]:
         """Record one job intent per chunk and every request ('queued') in one transaction, before the
         provider is contacted; returns {chunk: job id}.
 
@@ -193,17 +193,17 @@ class Ledger:
                         f"""insert into {self.table('llm_batch_jobs')} (job_id, model, provider, llm_model,
                               status, request_count, created_at, updated_at)
                             select m.job_id, ?, ?, ?, 'intent', count(*), now(), now()
-                            from {plan_table} p join __llm_job_ids m using (chunk) group by m.job_id""",
+                            from {plan_rows} p join __llm_job_ids m using (chunk) group by m.job_id""",
                         [self.model, provider, llm_model])
                     self.con.execute(  # a deferred request being sent now becomes a queued one
                         f"""delete from {requests} where model = ? and status = 'deferred' and custom_id in
-                            (select custom_id from {plan_table} join __llm_job_ids using (chunk))""", [self.model])
+                            (select custom_id from {plan_rows} join __llm_job_ids using (chunk))""", [self.model])
                     self.con.execute(
                         f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
                               row_json, queued_at, estimated_cost_usd, estimated_input_tokens)
                             select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, 'queued', p.row_json, now(),
                                    p.estimated_cost_usd, p.estimated_input_tokens
-                            from {plan_table} p join __llm_job_ids m using (chunk)""", [self.model])
+                            from {plan_rows} p join __llm_job_ids m using (chunk)""", [self.model])
             finally:
                 self.con.unregister("__llm_job_ids")
         retry_on_conflict(write)
@@ -229,7 +229,7 @@ class Ledger:
 
     # --- summary ----------------------------------------------------------------------------
 
-    def defer(self, plan_table: str, first_chunk: int) -> None:
+    def defer(self, plan_rows: str, first_chunk: int) -> None:
         """Replace this model's deferred requests with the plan's chunks from `first_chunk` on: over an
         in-flight cap, they wait here (with their row) for a later run, which sends them even if it no
         longer selects them. Deferred requests superseded by this run's plan are dropped."""
@@ -242,7 +242,7 @@ class Ledger:
                           status, row_json, queued_at, estimated_cost_usd, estimated_input_tokens)
                         select custom_id, ?, key, fingerprint, seq, 'deferred', row_json, now(), estimated_cost_usd,
                                estimated_input_tokens
-                        from {plan_table} where chunk >= ?""", [self.model, first_chunk])
+                        from {plan_rows} where chunk >= ?""", [self.model, first_chunk])
         retry_on_conflict(write)
 
     def finalize_exhausted(self, max_attempts: int) -> None:

@@ -90,14 +90,14 @@ def row_json_sql(columns, alias: str = "") -> str:
 
 
 def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
-    """One row per selected key: its input row id, key, fingerprint and prompt (set-based, no row JSON:
-    that is built only for the rows a run actually sends)."""
+    """One row per selected key: its input row id, key, fingerprint and whether it has a prompt. No
+    copy of the prompt or the row: those are read from the input when a row is actually sent."""
     con.execute(
         f"""create or replace temp table {DESIRED} as
             select rowid as row_id, {key_sql(config)} as key,
                    -- md5: change detection, not security, and twice as fast as sha256 over long prompts
                    md5(? || coalesce(cast({q(config.prompt_column)} as varchar), '')) as fingerprint,
-                   cast({q(config.prompt_column)} as varchar) as prompt
+                   coalesce(cast({q(config.prompt_column)} as varchar), '') <> '' as has_prompt
             from {input_rel}""",
         [config.fingerprint_prefix()])
 
@@ -111,7 +111,7 @@ def reject_empty_prompts(ledger: Ledger, input_rel: str, columns) -> int:
                    'failed', true, 'prompt is NULL or empty: nothing was sent', {row_json_sql(columns, 'i.')},
                    now(), now()
             from {DESIRED} d join {input_rel} i on i.rowid = d.row_id
-            where coalesce(d.prompt, '') = ''
+            where not d.has_prompt
               and not exists (select 1 from {ledger.table('llm_batch_requests')} r
                               where r.model = ? and r.key = d.key and r.fingerprint = d.fingerprint)""",
         [ledger.model, ledger.model, ledger.model]).fetchall()[0][0]
@@ -142,16 +142,17 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
                 where model = ? and status <> 'deferred'
                 group by key, fingerprint),
             fresh as (
-                select d.row_id, d.key, d.fingerprint, d.prompt, coalesce(h.n_requests, 0) as seq
+                select d.row_id, d.key, d.fingerprint, coalesce(h.n_requests, 0) as seq
                 from {DESIRED} d left join history h using (key, fingerprint)
-                where coalesce(d.prompt, '') <> ''
+                where d.has_prompt
                   and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0
                   and coalesce(h.failed, 0) < ?)
-            select f.key, f.fingerprint, f.prompt, {row_json_sql(columns, 'i.')} as row_json, f.seq,
-                   'r_' || substr(sha256(? || f.key || f.fingerprint || f.seq), 1, 40) as custom_id
-            from fresh f join {input_rel} i on i.rowid = f.row_id
+            select row_id, key, fingerprint, seq,
+                   'r_' || substr(sha256(? || key || fingerprint || seq), 1, 40) as custom_id,
+                   null::varchar as deferred_prompt, null::varchar as deferred_row_json
+            from fresh
             union all
-            select key, fingerprint, prompt, row_json, seq, custom_id from __llm_deferred""",
+            select null, key, fingerprint, seq, custom_id, prompt, row_json from __llm_deferred""",
         [ledger.model, config.max_attempts, ledger.model])
     con.execute("drop table __llm_deferred")
     n = con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
@@ -162,7 +163,16 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
     return n
 
 
-def assign_chunks(con, line_sql: str, max_requests: int, max_bytes: int, max_tokens: int | None = None) -> int:
+def plan_rows(config: ModelConfig, columns, where: str = "") -> str:
+    """The plan joined back to the input: every PLAN column plus `prompt` and `row_json` (a deferred
+    request brings its own from the ledger). A subquery, so rows are read, not copied."""
+    return f"""(select p.*, coalesce(p.deferred_prompt, cast(i.{q(config.prompt_column)} as varchar)) as prompt,
+                       coalesce(p.deferred_row_json, {row_json_sql(columns, 'i.')}) as row_json
+                from {PLAN} p left join {INPUT} i on i.rowid = p.row_id {where})"""
+
+
+def assign_chunks(con, line_sql: str, max_requests: int, max_bytes: int, max_tokens: int | None = None,
+                  rows: str = PLAN) -> int:
     """Split the plan into provider-sized chunks; returns the chunk count.
 
     A chunk holds at most `max_requests` lines, `max_bytes` bytes (each line plus its newline) and,
@@ -170,7 +180,8 @@ def assign_chunks(con, line_sql: str, max_requests: int, max_bytes: int, max_tok
     ends before the line that would push it over a limit. Only integers cross into Python (numpy
     arrays), and the loop runs once per chunk, not once per row.
     """
-    con.execute(f"""update {PLAN} set line_bytes = strlen({line_sql}) + 1""")
+    con.execute(f"""update {PLAN} set line_bytes = x.n from (select custom_id, strlen({line_sql}) + 1 as n from {rows}) x
+                    where {PLAN}.custom_id = x.custom_id""")
     fetched = con.execute(f"""select line_bytes, coalesce(estimated_input_tokens, 0) as tokens
                               from {PLAN} order by custom_id""").fetchnumpy()
     sizes = np.asarray(fetched["line_bytes"], dtype=np.int64)

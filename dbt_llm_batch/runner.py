@@ -123,6 +123,11 @@ class ModelRun:
         self.input_columns: list[tuple[str, str]] = []  # the model's selected columns, set by run_model
 
     @property
+    def rows(self) -> str:
+        """The plan with each request's prompt and row, read from the input (planner.plan_rows)."""
+        return planner.plan_rows(self.config, self.input_columns)
+
+    @property
     def provider(self):
         """Created on first use, so a run with nothing to do needs no key and makes no call."""
         if self._provider is None:
@@ -178,9 +183,12 @@ class ModelRun:
         """Build the plan with each request's estimated input tokens (and cost, when priced)."""
         n = planner.build_plan(self.ledger, self.config, INPUT, self.input_columns)
         if n:
-            cost = f", estimated_cost_usd = {costs.estimated_cost_sql(self.config, self.price)}" if self.price else ""
-            self.con.execute(f"update {planner.PLAN} set estimated_input_tokens = "
-                             f"{costs.estimated_input_tokens_sql(self.config)}{cost}")
+            cost = costs.estimated_cost_sql(self.config, self.price) if self.price else "null"
+            self.con.execute(
+                f"""update {planner.PLAN} set estimated_input_tokens = x.tokens, estimated_cost_usd = x.cost
+                    from (select custom_id, {costs.estimated_input_tokens_sql(self.config)} as tokens, {cost} as cost
+                          from {self.rows}) x
+                    where {planner.PLAN}.custom_id = x.custom_id""")
         return n
 
     def chunk_plan(self) -> list[tuple]:
@@ -191,7 +199,7 @@ class ModelRun:
         max_count = min(provider_cls.max_requests_per_batch,
                         provider_cls.max_requests_in_flight or provider_cls.max_requests_per_batch)
         planner.assign_chunks(self.con, provider_cls(self.config).request_line_sql(), max_count,
-                              provider_cls.max_bytes_per_batch, tokens_cap)
+                              provider_cls.max_bytes_per_batch, tokens_cap, rows=self.rows)
         return self.con.execute(
             f"""select chunk, count(*), sum(estimated_input_tokens), sum(estimated_cost_usd)
                 from {planner.PLAN} group by chunk order by chunk""").fetchall()
@@ -240,12 +248,12 @@ class ModelRun:
             self.check_budget(n, estimate)
             provider = self.provider
             self.warn_if_prefix_too_short(provider)
-            batch_ids = submit.submit_chunks(self.ledger, provider, [c[0] for c in sending])
+            batch_ids = submit.submit_chunks(self.ledger, provider, [c[0] for c in sending], self.rows)
             self.summary.submitted += n
             self.summary.batches += len(batch_ids)
             if estimate is not None:
                 self.summary.estimated_usd = (self.summary.estimated_usd or 0) + estimate
-        self.ledger.defer(planner.PLAN, fit)
+        self.ledger.defer(self.rows, fit)
         waiting = sum(c[1] for c in chunks[fit:])
         self.summary.deferred = waiting
         if waiting:

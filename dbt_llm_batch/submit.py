@@ -21,14 +21,14 @@ from dbt_llm_batch.providers.base import BatchProvider
 WRITE_BATCH_ROWS = 10_000
 
 
-def write_jsonl(con, line_sql: str, chunk: int, path: str) -> int:
+def write_jsonl(con, line_sql: str, chunk: int, path: str, rows: str = PLAN) -> int:
     """Write one chunk's request lines to `path`, streaming; returns the number of lines.
 
     Each line is built in SQL with its newline, so an Arrow batch of lines is already the file's
     bytes: its value buffer is written as is, without a Python object per line.
     """
     reader = con.sql(
-        f"select {line_sql} || chr(10) as line from {PLAN} where chunk = {int(chunk)} order by custom_id"
+        f"select {line_sql} || chr(10) as line from {rows} where chunk = {int(chunk)} order by custom_id"
     ).to_arrow_reader(WRITE_BATCH_ROWS)
     n = 0
     with open(path, "wb") as f:
@@ -42,15 +42,16 @@ def write_jsonl(con, line_sql: str, chunk: int, path: str) -> int:
     return n
 
 
-def submit_chunks(ledger: Ledger, provider: BatchProvider, chunks: list[int]) -> list[str]:
-    """Submit each given chunk of the plan as one batch; returns the provider batch ids."""
+def submit_chunks(ledger: Ledger, provider: BatchProvider, chunks: list[int], rows: str = PLAN) -> list[str]:
+    """Submit each given chunk of the plan as one batch; returns the provider batch ids. `rows` is
+    the plan with `prompt` and `row_json` (planner.plan_rows)."""
     line_sql = provider.request_line_sql()
     batch_ids = []
-    job_ids = ledger.write_intents(provider.name, provider.config.model, PLAN, chunks)
+    job_ids = ledger.write_intents(provider.name, provider.config.model, rows, chunks)
     with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
         for chunk, job_id in job_ids.items():
             path = os.path.join(directory, f"requests-{chunk}.jsonl")
-            write_jsonl(ledger.con, line_sql, chunk, path)
+            write_jsonl(ledger.con, line_sql, chunk, path, rows)
             submission = provider.submit(path, token=job_id, model_name=ledger.model)
             ledger.record_submission(job_id, submission.batch_id, submission.input_file_id, submission.status)
             batch_ids.append(submission.batch_id)
