@@ -10,7 +10,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from helpers import PROVIDER_MODELS
+from helpers import PROVIDER_MODELS, SANDBOX_KEY
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
@@ -41,6 +41,15 @@ def emulator(monkeypatch, api_key):
 def provider(request) -> str:
     """Run a test once per batch provider: the same story must hold for each."""
     return request.param
+
+
+@pytest.fixture
+def emu():
+    """A seeded emulator on its own, for tests that drive it directly with the SDKs."""
+    from dbt_llm_batch.sandbox import Emulator
+
+    with Emulator(SANDBOX_KEY, seed=7) as emulator:
+        yield emulator
 
 
 class Project:

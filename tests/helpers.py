@@ -19,6 +19,8 @@ TRIAGE_SCHEMA = {
 }
 
 
+SANDBOX_KEY = "sk-sandbox-test-key-0001"  # the key the `emu` fixture's emulator expects
+
 PROVIDER_MODELS = {"openai": "gpt-4o-mini", "anthropic": "claude-sonnet-4-5"}
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from dbt_llm_batch.sandbox import Emulator, expected_answer
 
-KEY = "sk-sandbox-test-key-0001"
+from helpers import SANDBOX_KEY as KEY
 SCHEMA = {"type": "object", "properties": {
     "label": {"type": "string", "enum": ["pos", "neg", "neutral"]},
     "count": {"type": "integer"},
@@ -23,12 +23,6 @@ SCHEMA = {"type": "object", "properties": {
     "flag": {"type": "boolean"},
     "note": {"type": "string"},
 }}
-
-
-@pytest.fixture
-def emu():
-    with Emulator(KEY, seed=7) as emulator:
-        yield emulator
 
 
 @pytest.fixture

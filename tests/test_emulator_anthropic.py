@@ -17,7 +17,7 @@ import pytest
 
 from dbt_llm_batch.sandbox import Emulator, expected_answer
 
-KEY = "sk-sandbox-test-key-0001"
+from helpers import SANDBOX_KEY as KEY
 MODEL = "claude-x"
 SCHEMA = {"type": "object", "properties": {
     "label": {"type": "string", "enum": ["pos", "neg", "neutral"]},
@@ -27,12 +27,6 @@ SCHEMA = {"type": "object", "properties": {
     "note": {"type": "string"},
 }}
 TOOL = {"name": "classify", "description": "Record the classification.", "input_schema": SCHEMA}
-
-
-@pytest.fixture
-def emu():
-    with Emulator(KEY, seed=7) as emulator:
-        yield emulator
 
 
 @pytest.fixture

@@ -13,12 +13,6 @@ from test_emulator_anthropic import KEY, raw, req, results_of
 
 
 @pytest.fixture
-def emu():
-    with Emulator(KEY, seed=7) as emulator:
-        yield emulator
-
-
-@pytest.fixture
 def client(emu):
     return anthropic.Anthropic(base_url=emu.anthropic_base_url, api_key=KEY, max_retries=0)
 
