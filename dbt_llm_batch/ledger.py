@@ -257,6 +257,21 @@ class Ledger:
                   and r.key = x.key and r.fingerprint = x.fingerprint""",
             [self.model, max_attempts, self.model])
 
+    def return_to_deferred(self, job_ids: list[str]) -> None:
+        """Jobs whose intents were written but whose upload was never attempted (an earlier chunk's
+        submission failed): their requests wait as deferred again, and the intents go."""
+        def write():
+            with transaction(self.con):
+                for job_id in job_ids:
+                    self.con.execute(f"""update {self.table('llm_batch_requests')} set status = 'deferred', job_id = null
+                                         where job_id = ? and status = 'queued'""", [job_id])
+                    self.con.execute(f"delete from {self.table('llm_batch_jobs')} where job_id = ?", [job_id])
+        retry_on_conflict(write)
+
+    def has_deferred(self) -> bool:
+        return self.con.execute(f"select count(*) from {self.table('llm_batch_requests')} "
+                                f"where model = ? and status = 'deferred'", [self.model]).fetchall()[0][0] > 0
+
     def in_flight(self) -> tuple[int, int, int]:
         """(open batches, requests in flight, estimated input tokens in flight) of this model."""
         jobs = len(self.open_jobs())

@@ -106,10 +106,13 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
     if rebuild:
         con.execute(f"create or replace temp table {EMIT} as {_winners(ledger, f'select key from {DESIRED}')}")
     else:
+        # Keys whose winner may have changed: a request became final since the last merge, or the key
+        # is selected and has a final answer the table does not show (a prompt changed back, or a
+        # full refresh left the key out). Their winner is written only if it is not shown already.
         candidates = f"""
             select key from {requests} where model = '{model}' and is_final and emitted is null
             union
-            select r.key from {requests} r join {DESIRED} d on r.key = d.key and r.fingerprint = d.fingerprint
+            select r.key from {requests} r semi join {DESIRED} d on r.key = d.key
             where r.model = '{model}' and r.is_final and r.emitted = 'superseded'"""
         con.execute(f"""create or replace temp table {EMIT} as
                         select * from ({_winners(ledger, candidates)}) where emitted is distinct from 'merged'""")
@@ -117,8 +120,7 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
     target_key = key_sql(config)
     # Which final requests the table now shows ('merged') and which it does not ('superseded'), so
     # the next run only looks at requests that became final after this one.
-    scope = "emitted is null or emitted = 'merged'" if rebuild else \
-        f"emitted is null or (emitted = 'merged' and key in (select key from {EMIT}))"
+    scope = "true" if rebuild else f"emitted is null or key in (select key from {EMIT})"
 
     def write():
         with transaction(con):

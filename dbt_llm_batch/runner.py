@@ -238,6 +238,8 @@ class ModelRun:
 
     def plan_and_submit(self) -> None:
         if self.plan() == 0:
+            if self.ledger.has_deferred():  # superseded by answers the model's rows already have
+                self.ledger.defer(self.rows, 0)
             return
         chunks = self.chunk_plan()
         fit = self.chunks_that_fit(chunks)

@@ -48,12 +48,20 @@ def submit_chunks(ledger: Ledger, provider: BatchProvider, chunks: list[int], ro
     line_sql = provider.request_line_sql()
     batch_ids = []
     job_ids = ledger.write_intents(provider.name, provider.config.model, rows, chunks)
-    with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
-        for chunk, job_id in job_ids.items():
-            path = os.path.join(directory, f"requests-{chunk}.jsonl")
-            write_jsonl(ledger.con, line_sql, chunk, path, rows)
-            submission = provider.submit(path, token=job_id, model_name=ledger.model)
-            ledger.record_submission(job_id, submission.batch_id, submission.input_file_id, submission.status)
-            batch_ids.append(submission.batch_id)
-            os.remove(path)  # prompts do not linger on disk
+    attempted = 0
+    try:
+        with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
+            for chunk, job_id in job_ids.items():
+                path = os.path.join(directory, f"requests-{chunk}.jsonl")
+                write_jsonl(ledger.con, line_sql, chunk, path, rows)
+                attempted += 1
+                submission = provider.submit(path, token=job_id, model_name=ledger.model)
+                ledger.record_submission(job_id, submission.batch_id, submission.input_file_id, submission.status)
+                batch_ids.append(submission.batch_id)
+                os.remove(path)  # prompts do not linger on disk
+    except BaseException:
+        # The failing chunk is left to reconciliation (it may have reached the provider); chunks never
+        # attempted go back to waiting, so nothing is lost even for rows the model no longer selects.
+        ledger.return_to_deferred(list(job_ids.values())[attempted:])
+        raise
     return batch_ids

@@ -28,7 +28,7 @@ def start_cli(env):
 
 def stop_cli(proc):
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=10) == 0
+    assert proc.wait(timeout=30) == 0  # generous: CI machines have two loaded cores
 
 
 def test_cli_prints_sandbox_banner_and_stops_on_ctrl_c():

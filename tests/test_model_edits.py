@@ -83,3 +83,67 @@ def test_a_failed_create_call_is_not_retried_blindly(project, emulator):
     assert batch_counts(emulator) == [6]
     assert project.query("select status, count(*) from main.llm_batch_jobs group by 1 order by 1") == [
         ("validating", 1), ("voided", 1)]
+
+
+def merged(project, system, emulator, where=""):
+    project.write("models/triage.sql", triage_model(system=system, where=where))
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+
+
+def test_incremental_equals_full_refresh_through_reverts_and_gaps(project, emulator):
+    """Prompts changed, changed back, a key left out of a full refresh and back with a new prompt in
+    flight: after each step an incremental run and a full refresh on the same ledger agree."""
+    def table():
+        return project.query("select * exclude (llm_completed_at) from main.triage order by ticket_id")
+
+    def assert_full_refresh_agrees():
+        before = table()
+        project.dbt("run", "-s", "triage", "--full-refresh")
+        assert table() == before
+
+    project.dbt("seed")
+    merged(project, "P1", emulator)
+    merged(project, "P2", emulator)
+    merged(project, "P1", emulator)
+    assert_full_refresh_agrees()
+    project.write("models/triage.sql", triage_model(system="P3"))
+    project.dbt("run", "-s", "triage")  # P3 in flight
+    assert_full_refresh_agrees()
+    emulator.complete_all()
+    project.write("models/triage.sql", triage_model(system="P3", where="where ticket_id <> 3"))
+    project.dbt("run", "-s", "triage", "--full-refresh")  # key 3 left out
+    project.write("models/triage.sql", triage_model(system="P4"))
+    project.dbt("run", "-s", "triage")  # key 3 back, P4 in flight for every key
+    assert project.query("select count(*) from main.triage") == [(6,)]
+    assert_full_refresh_agrees()
+    project.dbt("run", "-s", "triage")  # nothing changed: nothing is rewritten
+    summaries = [line for line in (project.root / "logs" / "dbt.log").read_text().splitlines()
+                 if "main.triage: submitted" in line]
+    assert "merged 0 row(s)" in summaries[-1]
+
+
+def test_chunks_never_uploaded_wait_again_after_a_failed_upload(project, emulator, monkeypatch):
+    from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
+
+    monkeypatch.setattr(OpenAIBatchProvider, "max_requests_per_batch", 2)  # 6 rows -> 3 chunks
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model())
+    emulator.add_fault(endpoint="POST /v1/files", kind="http_error", status_code=400, times=1)
+    assert not project.dbt("run", "-s", "triage", expect_ok=False).success  # the first upload fails
+    assert project.query("select status, count(*) from main.llm_batch_requests group by 1 order by 1") == [
+        ("deferred", 4), ("queued", 2)]
+    project.dbt("run", "-s", "triage")  # the failed chunk's intent is voided; everything goes once
+    assert sorted(batch_counts(emulator)) == [2, 2, 2]
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+
+
+def test_a_column_named_rowid_is_a_config_error(project, emulator):
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model().replace("select ticket_id,", "select ticket_id, 1 as rowid,"))
+    result = project.dbt("run", "-s", "triage", expect_ok=False)
+    assert "a selected column is named 'rowid'" in str(result.result.results[0].message)
+    assert emulator.stats()["calls"] == {}
