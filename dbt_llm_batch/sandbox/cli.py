@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 
 from .server import Emulator
@@ -32,6 +33,10 @@ BANNER = """\
  Control endpoints: {base}/_emulator/ (stats, batches, faults, reset, ...)
  Press Ctrl-C to stop.
 """
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     shown_key = ("<the --api-key value>" if args.api_key
                  else f'"${env_name}"  # as in this shell' if env_name else DEFAULT_KEY)
     print(BANNER.format(base=emu.base_url, mode=mode, key=shown_key), flush=True)
+    # Stop cleanly on Ctrl-C and on kill, also when started as a background job (which inherits
+    # SIGINT ignored, so Python would install no KeyboardInterrupt handler of its own).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(3600)
