@@ -36,18 +36,17 @@ def status(database: str, schema: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sandbox"]:  # the sandbox has its own options (see `dbt-llm-batch sandbox --help`)
+        from dbt_llm_batch.sandbox.cli import main as sandbox_main
+        return sandbox_main(argv[1:])
     parser = argparse.ArgumentParser(prog="dbt-llm-batch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sandbox = sub.add_parser("sandbox", help="run the local provider emulator (answers are not a model's)",
-                             add_help=False)
-    sandbox.add_argument("args", nargs=argparse.REMAINDER)
-    st = sub.add_parser("status", help="show in-flight batches and per-model progress from the ledger")
+    sub.add_parser("sandbox", help="run the local provider emulator (answers are not a model's); see sandbox --help")
+    st = sub.add_parser("status", help="show in-flight batches, per-model progress and cost from the ledger")
     st.add_argument("--database", required=True, help="path of the DuckDB file")
     st.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
     args = parser.parse_args(argv)
-    if args.command == "sandbox":
-        from dbt_llm_batch.sandbox.server import main as sandbox_main
-        return sandbox_main(args.args)
     return status(args.database, args.schema)
 
 

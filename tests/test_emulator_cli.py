@@ -11,9 +11,9 @@ import anthropic
 import openai
 
 
-def start_cli(env):
+def start_cli(env, command=("-m", "dbt_llm_batch.sandbox")):
     """Start the CLI; return (process, banner text, base URL)."""
-    proc = subprocess.Popen([sys.executable, "-m", "dbt_llm_batch.sandbox", "--port", "0", "--quiet"],
+    proc = subprocess.Popen([sys.executable, *command, "--port", "0", "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     banner = ""
     while "Press Ctrl-C" not in banner:
@@ -56,5 +56,17 @@ def test_cli_takes_the_anthropic_key_from_the_environment_without_printing_it():
         assert list(claude.messages.batches.list()) == []
         with_openai = openai.OpenAI(base_url=base + "/v1", api_key="sk-ant-from-env-123", max_retries=0)
         assert list(with_openai.batches.list()) == []  # one key serves both faces
+    finally:
+        stop_cli(proc)
+
+
+def test_the_package_command_starts_the_same_sandbox():
+    """`dbt-llm-batch sandbox --port ... --api-key ...`, as the README writes it."""
+    proc, banner, base = start_cli({**os.environ, "OPENAI_API_KEY": "sk-from-env"},
+                                   command=("-m", "dbt_llm_batch.cli", "sandbox", "--api-key", "sk-given"))
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="sk-given", max_retries=0)
+        assert client.batches.list().data == []
+        assert "sk-given" not in banner
     finally:
         stop_cli(proc)
