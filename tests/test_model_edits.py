@@ -15,13 +15,18 @@ def expected(project, system):
     return [(i, *expected_triage(system, f"Subject: {s}\n\n{b}"), "succeeded") for i, s, b in rows]
 
 
+def merged(project, system, emulator, where=""):
+    """Run the triage model with `system`, let the batch finish, and merge it."""
+    project.write("models/triage.sql", triage_model(system=system, where=where))
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+
+
 def test_reverting_a_prompt_change_shows_the_original_answers_again(project, emulator):
     project.dbt("seed")
     for system in (TRIAGE_SYSTEM, "Another system prompt."):
-        project.write("models/triage.sql", triage_model(system=system))
-        project.dbt("run", "-s", "triage")
-        emulator.complete_all()
-        project.dbt("run", "-s", "triage")
+        merged(project, system, emulator)
         assert answers(project) == expected(project, system)
     project.write("models/triage.sql", triage_model(system=TRIAGE_SYSTEM))
     project.dbt("run", "-s", "triage")
@@ -33,10 +38,7 @@ def test_reverting_a_prompt_change_shows_the_original_answers_again(project, emu
 
 def test_full_refresh_after_renaming_the_key_and_adding_a_column(project, emulator):
     project.dbt("seed")
-    project.write("models/triage.sql", triage_model())
-    project.dbt("run", "-s", "triage")
-    emulator.complete_all()
-    project.dbt("run", "-s", "triage")
+    merged(project, TRIAGE_SYSTEM, emulator)
     renamed = triage_model().replace("unique_key = 'ticket_id'", "unique_key = 'id'").replace(
         "select ticket_id, subject,", "select ticket_id as id, length(body) as body_len, subject,")
     project.write("models/triage.sql", renamed)
@@ -48,10 +50,7 @@ def test_full_refresh_after_renaming_the_key_and_adding_a_column(project, emulat
 
 def test_dropping_the_table_rebuilds_it_from_the_ledger(project, emulator):
     project.dbt("seed")
-    project.write("models/triage.sql", triage_model())
-    project.dbt("run", "-s", "triage")
-    emulator.complete_all()
-    project.dbt("run", "-s", "triage")
+    merged(project, TRIAGE_SYSTEM, emulator)
     project.query("drop table main.triage")
     project.dbt("run", "-s", "triage")
     assert answers(project) == expected(project, TRIAGE_SYSTEM)
@@ -83,13 +82,6 @@ def test_a_failed_create_call_is_not_retried_blindly(project, emulator):
     assert batch_counts(emulator) == [6]
     assert project.query("select status, count(*) from main.llm_batch_jobs group by 1 order by 1") == [
         ("validating", 1), ("voided", 1)]
-
-
-def merged(project, system, emulator, where=""):
-    project.write("models/triage.sql", triage_model(system=system, where=where))
-    project.dbt("run", "-s", "triage")
-    emulator.complete_all()
-    project.dbt("run", "-s", "triage")
 
 
 def test_incremental_equals_full_refresh_through_reverts_and_gaps(project, emulator):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
-from dbt_llm_batch.providers.base import UNRESOLVED, BatchProvider, BatchState, Submission
+from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, UNRESOLVED, BatchProvider, BatchState,
+                                          Submission, spliced_line_sql)
 
-PROMPT_MARK = "\u0000__dbt_llm_batch_prompt__\u0000"
 TOOL_NAME = "llm_output"
 # Anthropic requires max_tokens; used when llm_max_tokens is not set.
 DEFAULT_MAX_TOKENS = 1024
@@ -67,11 +67,7 @@ class AnthropicBatchProvider(BatchProvider):
         return params
 
     def request_line_sql(self) -> str:
-        line = json.dumps({"custom_id": "\u0001", "params": self.params()}, ensure_ascii=False, separators=(",", ":"))
-        head, rest = line.split('"\\u0001"')
-        middle, tail = rest.split(json.dumps(PROMPT_MARK))
-        lit = lambda s: "'" + s.replace("'", "''") + "'"  # noqa: E731
-        return f"{lit(head)} || to_json(custom_id) || {lit(middle)} || to_json(prompt) || {lit(tail)}"
+        return spliced_line_sql({"custom_id": CUSTOM_ID_MARK, "params": self.params()})
 
     def submit(self, jsonl_path, token, model_name):
         # The network edge: the SDK takes the requests as a list.

@@ -7,6 +7,7 @@ those lines into the normalised outcome columns the core understands.
 
 from __future__ import annotations
 
+import json
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -27,6 +28,21 @@ OUTCOME_COLUMNS = ("custom_id", "outcome", "answer", "finish_reason", "truncated
 
 # find_submission's answer when it cannot yet tell whether a submission reached the provider.
 UNRESOLVED = "unresolved"
+
+# Markers for where a row's values go in a request line rendered once for all rows.
+CUSTOM_ID_MARK = "\u0001"
+PROMPT_MARK = "\u0000__dbt_llm_batch_prompt__\u0000"
+
+
+def spliced_line_sql(line: dict) -> str:
+    """A DuckDB expression (over columns `custom_id` and `prompt`) giving `line` as one JSON line per
+    row. The line, with CUSTOM_ID_MARK and PROMPT_MARK as values, is rendered once; each row's
+    values are spliced in with to_json, so lines are built in bulk, never a Python object per row."""
+    text = json.dumps(line, ensure_ascii=False, separators=(",", ":"))
+    head, rest = text.split(json.dumps(CUSTOM_ID_MARK))
+    middle, tail = rest.split(json.dumps(PROMPT_MARK))
+    lit = lambda part: "'" + part.replace("'", "''") + "'"  # noqa: E731
+    return f"{lit(head)} || to_json(custom_id) || {lit(middle)} || to_json(prompt) || {lit(tail)}"
 
 
 @dataclass

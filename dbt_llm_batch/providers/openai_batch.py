@@ -6,14 +6,13 @@ tests point it at the local emulator. Contract: ../shared/reference/provider-con
 
 from __future__ import annotations
 
-import json
 import os
 
-from dbt_llm_batch.providers.base import BatchProvider, BatchState, Submission
+from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, BatchProvider, BatchState, Submission,
+                                          spliced_line_sql)
 
 ENDPOINT = "/v1/chat/completions"
 TOKEN_KEY = "dbt_llm_batch_token"  # batch metadata key carrying the ledger's job id
-PROMPT_MARK = "\u0000__dbt_llm_batch_prompt__\u0000"
 ENDED = ("completed", "failed", "expired", "cancelled")
 
 
@@ -58,13 +57,8 @@ class OpenAIBatchProvider(BatchProvider):
         return body
 
     def request_line_sql(self) -> str:
-        # The body is the same for every row but the prompt: render it once, splice the prompt in SQL.
-        line = json.dumps({"custom_id": "\u0001", "method": "POST", "url": ENDPOINT, "body": self.request_body()},
-                          ensure_ascii=False, separators=(",", ":"))
-        head, rest = line.split('"\\u0001"')
-        middle, tail = rest.split(json.dumps(PROMPT_MARK))
-        lit = lambda s: "'" + s.replace("'", "''") + "'"  # noqa: E731
-        return f"{lit(head)} || to_json(custom_id) || {lit(middle)} || to_json(prompt) || {lit(tail)}"
+        return spliced_line_sql({"custom_id": CUSTOM_ID_MARK, "method": "POST", "url": ENDPOINT,
+                                 "body": self.request_body()})
 
     def submit(self, jsonl_path, token, model_name):
         with open(jsonl_path, "rb") as f:
