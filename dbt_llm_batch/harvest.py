@@ -14,7 +14,7 @@ import tempfile
 
 import pyarrow as pa
 
-from dbt_llm_batch import costs
+from dbt_llm_batch import costs, crashpoints
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
@@ -64,7 +64,9 @@ def poll_and_harvest(ledger: Ledger, provider: BatchProvider, config: ModelConfi
             if not _stored(ledger, job["job_id"]):  # an interrupted run may have stored them already
                 files = provider.download_results(state, job["batch_id"], directory)
                 downloads += [(job["job_id"], source, path) for source, path in files]
+        crashpoints.reach("after_download")
         store_lines(ledger, downloads)
+        crashpoints.reach("after_store")
     if ended:
         stats["unknown_results"] = settle(ledger, provider, config, ended, price)
         stats["harvested_jobs"] = len(ended)

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from decimal import Decimal
 
-from dbt_llm_batch import costs, harvest, merge, planner, submit
+from dbt_llm_batch import costs, crashpoints, harvest, merge, planner, submit
 from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.errors import BudgetError
 from dbt_llm_batch.ledger import Ledger
@@ -85,7 +85,16 @@ def run_model(con, *, schema: str, identifier: str, target: str, raw_config: dic
     project = project or {}
     config = parse_config(raw_config)  # first: a bad config fails before anything is touched
     # The input first: a Python model's relation cannot be read once other results are pending here.
-    con = load_input(con, sql, df)
+    work_con = load_input(con, sql, df)
+    try:
+        return _run(work_con, schema, identifier, target, config, full_refresh, project)
+    finally:
+        if work_con is not con:  # a connection load_input opened for a Python model's rows
+            work_con.close()
+
+
+def _run(con, schema, identifier, target, config, full_refresh, project) -> RunSummary:
+    """The run itself, on the connection that holds the model's rows (see run_model)."""
     run = ModelRun(con, config, schema, f"{schema}.{identifier}", project)
     input_columns = run.input_columns = planner.check_input(con, INPUT, config)
     exists = merge.relation_exists(con, schema, identifier)
@@ -97,6 +106,7 @@ def run_model(con, *, schema: str, identifier: str, target: str, raw_config: dic
         run.dry_run_report()
     else:
         run.execute(full_refresh)
+        crashpoints.reach("before_merge")
         run.summary.merged, run.summary.failed = merge.merge(run.ledger, config, target, input_columns,
                                                                  rebuild=full_refresh or not exists)
         run.finish_summary()

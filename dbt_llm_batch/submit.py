@@ -14,6 +14,7 @@ import tempfile
 import numpy as np
 import pyarrow as pa
 
+from dbt_llm_batch import crashpoints
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.planner import PLAN
 from dbt_llm_batch.providers.base import BatchProvider
@@ -48,6 +49,7 @@ def submit_chunks(ledger: Ledger, provider: BatchProvider, chunks: list[int], ro
     line_sql = provider.request_line_sql()
     batch_ids = []
     job_ids = ledger.write_intents(provider.name, provider.config.model, rows, chunks)
+    crashpoints.reach("after_intents")
     attempted = 0
     try:
         with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
@@ -56,6 +58,7 @@ def submit_chunks(ledger: Ledger, provider: BatchProvider, chunks: list[int], ro
                 write_jsonl(ledger.con, line_sql, chunk, path, rows)
                 attempted += 1
                 submission = provider.submit(path, token=job_id, model_name=ledger.model)
+                crashpoints.reach("after_create")
                 ledger.record_submission(job_id, submission.batch_id, submission.input_file_id, submission.status)
                 batch_ids.append(submission.batch_id)
                 os.remove(path)  # prompts do not linger on disk

@@ -74,6 +74,15 @@ class Project:
             raise AssertionError(f"dbt {' '.join(args)} failed: {result.exception or _failures(result)}")
         return result
 
+    def release_database(self) -> None:
+        """dbt-duckdb keeps the database open in this process after an in-process run; close it, so
+        that another process (a dbt subprocess) can take the file's lock."""
+        from dbt.adapters.duckdb.connections import DuckDBConnectionManager
+
+        if DuckDBConnectionManager._ENV is not None:
+            DuckDBConnectionManager._ENV.close()
+            DuckDBConnectionManager._ENV = None
+
     def query(self, sql: str, params=None) -> list[tuple]:
         with duckdb.connect(str(self.db_path)) as con:
             return con.execute(sql, params or []).fetchall()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from dbt_llm_batch import crashpoints
 from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, BatchProvider, BatchState, Submission,
                                           spliced_line_sql)
 
@@ -63,6 +64,7 @@ class OpenAIBatchProvider(BatchProvider):
     def submit(self, jsonl_path, token, model_name):
         with open(jsonl_path, "rb") as f:
             uploaded = self.client.files.create(file=(os.path.basename(jsonl_path), f), purpose="batch")
+        crashpoints.reach("after_upload")
         # `create` is not idempotent: never let the SDK retry it (a retry after a lost response would
         # create and bill a second batch). A failure here leaves the intent for reconciliation.
         batch = self.client.with_options(max_retries=0).batches.create(

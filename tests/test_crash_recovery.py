@@ -1,0 +1,81 @@
+"""Kill a real `dbt run` (SIGKILL) at each named point of a run; later runs must finish the work
+with nothing billed twice and nothing the provider returned missing from the ledger."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+from helpers import TRIAGE_SYSTEM, expected_triage, is_anthropic, sorted_batches, triage_model
+
+from dbt_llm_batch.crashpoints import POINTS
+
+HARVEST_POINTS = ("after_download", "after_store", "before_merge")
+
+
+def dbt_subprocess(project, env_extra: dict) -> subprocess.CompletedProcess:
+    dbt = Path(sys.executable).parent / "dbt"
+    env = {**os.environ, **env_extra}
+    return subprocess.run([str(dbt), "run", "-s", "triage", "--project-dir", str(project.root),
+                           "--profiles-dir", str(project.root)], env=env, capture_output=True, text=True, timeout=300)
+
+
+def succeeded_custom_ids(emulator) -> list[str]:
+    """custom_ids of every successful result the emulator returned, over all batches, read back
+    through the providers' own APIs."""
+    key = os.environ["OPENAI_API_KEY"]
+    client = openai.OpenAI(base_url=emulator.openai_base_url, api_key=key, max_retries=0)
+    claude = anthropic.Anthropic(base_url=emulator.base_url, api_key=key, max_retries=0)
+    ids = []
+    for batch in sorted_batches(emulator):
+        if is_anthropic(batch):
+            if batch["processing_status"] == "ended":
+                ids += [r.custom_id for r in claude.messages.batches.results(batch["id"]) if r.result.type == "succeeded"]
+        elif batch.get("output_file_id"):
+            content = client.files.content(batch["output_file_id"]).read().decode()
+            ids += [line.split('"custom_id":', 1)[1].split('"')[1] for line in content.splitlines() if line]
+    return ids
+
+
+CASES = [(provider, point) for provider in ("openai", "anthropic") for point in POINTS
+         if not (provider == "anthropic" and point == "after_upload")]  # Anthropic has no upload step
+
+
+@pytest.mark.parametrize("provider_name,point", CASES)
+def test_a_killed_run_is_finished_by_later_runs(project, emulator, provider_name, point, tmp_path):
+    project.write("models/triage.sql", triage_model(provider=provider_name))
+    project.dbt("seed")
+    if point in HARVEST_POINTS:  # die in the run that harvests, not the one that submits
+        project.dbt("run", "-s", "triage")
+        emulator.complete_all()
+    marker = tmp_path / "crash-marker"
+    project.release_database()
+    killed = dbt_subprocess(project, {"DBT_LLM_BATCH_CRASH_AT": point, "DBT_LLM_BATCH_CRASH_MARKER": str(marker)})
+    assert killed.returncode == -9, killed.stdout[-2000:]
+    assert marker.read_text() == point
+
+    for _ in range(3):  # later runs, as the nightly schedule would make them
+        project.dbt("run", "-s", "triage")
+        emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+
+    rows = project.query("""select t.ticket_id, s.subject, s.body, t.category, t.urgent, t.summary, t.llm_status
+                            from main.triage t join main.support_tickets s using (ticket_id) order by 1""")
+    assert len(rows) == 6
+    for _, subject, body, category, urgent, summary, status in rows:
+        assert status == "succeeded"
+        assert (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}\n\n{body}")
+    # Nothing billed twice: each key was answered successfully exactly once by the provider.
+    returned = succeeded_custom_ids(emulator)
+    key_of = dict(project.query("select custom_id, key from main.llm_batch_requests"))
+    answers_per_key = collections.Counter(key_of[c] for c in returned)
+    assert sorted(answers_per_key.values()) == [1] * 6, answers_per_key
+    # Nothing lost: every result the provider returned is stored in the ledger.
+    stored = {r[0] for r in project.query("select custom_id from main.llm_batch_results")}
+    assert set(returned) <= stored
