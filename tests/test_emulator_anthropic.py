@@ -19,13 +19,7 @@ from dbt_llm_batch.sandbox import Emulator, expected_answer
 
 from helpers import SANDBOX_KEY as KEY
 MODEL = "claude-x"
-SCHEMA = {"type": "object", "properties": {
-    "label": {"type": "string", "enum": ["pos", "neg", "neutral"]},
-    "count": {"type": "integer"},
-    "score": {"type": "number"},
-    "flag": {"type": "boolean"},
-    "note": {"type": "string"},
-}}
+from test_emulator import SCHEMA  # the same five field types, asked through the other face
 TOOL = {"name": "classify", "description": "Record the classification.", "input_schema": SCHEMA}
 
 
