@@ -9,7 +9,6 @@ import anthropic
 import openai
 import pytest
 
-from dbt_llm_batch.sandbox import Emulator
 from test_emulator_anthropic import KEY, MODEL, req, results_of, tokens
 
 
