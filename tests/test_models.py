@@ -210,3 +210,17 @@ def test_a_failed_batch_uses_no_attempt(project, emulator):
     emulator.complete_all()
     project.dbt("run", "-s", "triage")
     assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+
+
+def test_an_empty_prompt_fails_alone_without_a_request(project, emulator):
+    project.write("seeds/support_tickets.csv", "ticket_id,subject,body,priority\n1,a,b,low\n2,c,d,low\n")
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model().replace(
+        "'Subject: ' || subject || chr(10) || chr(10) || body as prompt",
+        "case when ticket_id = 2 then '' else 'Subject: ' || subject end as prompt"))
+    project.dbt("run", "-s", "triage")
+    assert batch_counts(emulator) == [1]
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select ticket_id, llm_status, llm_error from main.triage order by 1") == [
+        (1, "succeeded", None), (2, "failed", "prompt is NULL or empty: nothing was sent")]
