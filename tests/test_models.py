@@ -224,3 +224,26 @@ def test_an_empty_prompt_fails_alone_without_a_request(project, emulator):
     project.dbt("run", "-s", "triage")
     assert project.query("select ticket_id, llm_status, llm_error from main.triage order by 1") == [
         (1, "succeeded", None), (2, "failed", "prompt is NULL or empty: nothing was sent")]
+
+
+def test_unusable_answers_fail_with_the_reason(project, emulator):
+    """An answer that is not the requested JSON, or is cut off at llm_max_tokens, is a failed attempt."""
+    project.dbt("seed")
+    emulator.add_fault(prompt_contains="Dark mode", kind="content", content="not json", times=None)
+    project.write("models/triage.sql", triage_model(extra_config="llm_max_attempts = 1,"))
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select llm_status, llm_error from main.triage where ticket_id = 5") == [
+        ("failed", "answer is not valid JSON")]
+    project.write("models/short.sql", """
+{{ config(materialized='llm_batch', unique_key='ticket_id', llm_max_tokens=2, llm_max_attempts=1) }}
+select ticket_id, subject as prompt from {{ ref('support_tickets') }} where ticket_id = 1""")
+    project.dbt("run", "-s", "short")
+    emulator.complete_all()
+    project.dbt("run", "-s", "short")
+    assert project.query("select llm_status, llm_error, llm_finish_reason from main.short") == [
+        ("failed", "answer was cut off at llm_max_tokens=2 (finish reason length)", "length")]
+    # The raw, cut-off answer is kept in the ledger (2 tokens: the emulator's 8 characters).
+    assert project.query("select answer from main.llm_batch_requests where model = 'main.short'") == [
+        (expected_answer(None, "Refund not received", None)[:8],)]
