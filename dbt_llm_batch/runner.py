@@ -1,7 +1,7 @@
 """One `dbt run` of one llm_batch model, step by step (DESIGN.md, "One run of one model").
 
 Called from the code the `llm_batch` materialization generates, inside dbt-duckdb's Python job,
-with the job's DuckDB connection. Returns a summary dict; the run log gets one line per model.
+with the job's DuckDB connection. Returns a RunSummary; the run log gets one line per model.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from dbt_llm_batch import costs, crashpoints, harvest, merge, planner, submit
 from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.errors import BudgetError
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.planner import INPUT
+from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.providers.base import UNRESOLVED
-
 
 
 @dataclass
@@ -38,8 +37,9 @@ class RunSummary:
     def line(self) -> str:
         saved = (f", saved {costs.fmt_usd(self.realtime_usd - self.cost_usd)} vs realtime"
                  if self.cost_usd is not None and self.realtime_usd is not None else "")
+        estimated = costs.fmt_usd(self.estimated_usd) if self.submitted else "$0"
         return (f"{self.model}: submitted {self.submitted} request(s) in {self.batches} batch(es) "
-                f"(estimated {costs.fmt_usd(self.estimated_usd) if self.submitted else '$0'}); harvested {self.harvested_batches} batch(es) "
+                f"(estimated {estimated}); harvested {self.harvested_batches} batch(es) "
                 f"(cost {costs.fmt_usd(self.cost_usd)}{saved}); merged {self.merged} row(s) ({self.failed} failed); "
                 f"pending {self.pending}" + (f"; deferred {self.deferred} (in-flight cap)" if self.deferred else ""))
 
@@ -205,7 +205,7 @@ class ModelRun:
         """Chunk the plan under the provider's per-batch limits and the token cap; returns per chunk
         (chunk, requests, estimated input tokens, estimated cost)."""
         provider_cls = get_provider(self.config.provider)
-        tokens_cap = self.config.max_tokens_in_flight or provider_cls.default_max_tokens_in_flight
+        tokens_cap = self.tokens_cap()
         max_count = min(provider_cls.max_requests_per_batch,
                         provider_cls.max_requests_in_flight or provider_cls.max_requests_per_batch)
         planner.assign_chunks(self.con, provider_cls(self.config).request_line_sql(), max_count,
@@ -214,10 +214,14 @@ class ModelRun:
             f"""select chunk, count(*), sum(estimated_input_tokens), sum(estimated_cost_usd)
                 from {planner.PLAN} group by chunk order by chunk""").fetchall()
 
+    def tokens_cap(self) -> int | None:
+        """Most estimated input tokens in flight: the model's setting, else the provider's default."""
+        return self.config.max_tokens_in_flight or get_provider(self.config.provider).default_max_tokens_in_flight
+
     def chunks_that_fit(self, chunks: list[tuple]) -> int:
         """How many leading chunks fit under the in-flight caps, given what is already in flight."""
         provider_cls = get_provider(self.config.provider)
-        tokens_cap = self.config.max_tokens_in_flight or provider_cls.default_max_tokens_in_flight
+        tokens_cap = self.tokens_cap()
         requests_cap = provider_cls.max_requests_in_flight
         batches, requests, tokens = self.ledger.in_flight()
         fit = 0
