@@ -37,6 +37,7 @@ STATUS_COLUMNS = [
     ("llm_cache_write_tokens", "BIGINT"),
     ("llm_cost_usd", "DECIMAL(18,9)"),
     ("llm_realtime_cost_usd", "DECIMAL(18,9)"),
+    ("llm_route", "VARCHAR"),
 ]
 
 # Every key the plugin understands, with its default. Keys starting with `llm_` that are not here are
@@ -60,9 +61,18 @@ DEFAULTS: dict[str, Any] = {
     "llm_price_table": None,
     "llm_max_batches_in_flight": 20,
     "llm_max_tokens_in_flight": None,  # provider default (OpenAI: 2,000,000 enqueued tokens)
+    # The realtime path: a self-hosted engine (llm_provider='openai_compatible'), urgent rows of a batch
+    # provider (llm_realtime_when), and rows whose batch attempts are exhausted (llm_fallback='realtime').
+    "llm_base_url": None,  # openai_compatible: an engine's URL, or a list of replicas
+    "llm_api_key_env": None,  # openai_compatible: the environment variable holding the engine's key, if any
+    "llm_concurrency": 16,  # realtime requests in flight at once
+    "llm_realtime_when": None,  # SQL boolean expression over the model's columns
+    "llm_fallback": None,  # 'realtime'
+    "llm_realtime_budget_seconds": 600,  # a run stops starting realtime requests after this; the rest wait
 }
 
-KNOWN_PROVIDERS = ("openai", "anthropic")
+KNOWN_PROVIDERS = ("openai", "anthropic", "openai_compatible")
+FALLBACKS = ("realtime",)
 CACHE_TTLS = ("5m", "1h")
 
 # Request parameters the plugin sets itself: `llm_params` may not override them silently.
@@ -100,6 +110,17 @@ class ModelConfig:
     price_table: str | None = None  # the user's price rows (a relation), overriding the shipped table
     max_batches_in_flight: int = 20
     max_tokens_in_flight: int | None = None  # estimated input tokens; None: the provider's default
+    base_urls: tuple[str, ...] = ()
+    api_key_env: str | None = None
+    concurrency: int = 16
+    realtime_when: str | None = None
+    fallback: str | None = None
+    realtime_budget_seconds: float = 600
+
+    @property
+    def self_hosted(self) -> bool:
+        """Every row goes to the configured engine's realtime endpoint; there is no batch path."""
+        return self.provider == "openai_compatible"
 
     @property
     def structured(self) -> bool:
@@ -188,6 +209,8 @@ def parse_config(raw: dict) -> ModelConfig:
     elif cache_prefix not in CACHE_TTLS:
         errors.append(f"llm_cache_prefix must be true, false, '5m' or '1h', got {cache_prefix!r}")
 
+    base_urls = _parse_realtime(cfg, errors)
+
     if errors:
         raise ConfigError("invalid llm_batch config:\n  - " + "\n  - ".join(errors))
     return ModelConfig(
@@ -211,7 +234,48 @@ def parse_config(raw: dict) -> ModelConfig:
         price_table=cfg["llm_price_table"],
         max_batches_in_flight=cfg["llm_max_batches_in_flight"],
         max_tokens_in_flight=cfg["llm_max_tokens_in_flight"],
+        base_urls=base_urls,
+        api_key_env=cfg["llm_api_key_env"],
+        concurrency=cfg["llm_concurrency"],
+        realtime_when=cfg["llm_realtime_when"],
+        fallback=cfg["llm_fallback"],
+        realtime_budget_seconds=float(cfg["llm_realtime_budget_seconds"]),
     )
+
+
+def _parse_realtime(cfg, errors) -> tuple[str, ...]:
+    """The realtime keys; returns the engine URLs (openai_compatible only)."""
+    _check_number(errors, cfg, "llm_concurrency", int, minimum=1, maximum=1024)
+    _check_number(errors, cfg, "llm_realtime_budget_seconds", (int, float), minimum=1)
+    urls = cfg["llm_base_url"]
+    urls = [urls] if isinstance(urls, str) else urls
+    self_hosted = cfg["llm_provider"] == "openai_compatible"
+    if urls is None:
+        if self_hosted:
+            errors.append("llm_provider 'openai_compatible' needs llm_base_url: the engine's URL, e.g. "
+                          "'http://127.0.0.1:8000/v1', or a list of replicas")
+        urls = []
+    elif not self_hosted:
+        errors.append("llm_base_url is only for llm_provider 'openai_compatible' (OpenAI and Anthropic read "
+                      "OPENAI_BASE_URL / ANTHROPIC_BASE_URL from the environment)")
+    elif (not isinstance(urls, list) or not urls
+          or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls)):
+        errors.append(f"llm_base_url must be an http(s) URL or a list of them, got {cfg['llm_base_url']!r}")
+        urls = []
+    key_env = cfg["llm_api_key_env"]
+    if key_env is not None and (not isinstance(key_env, str) or not key_env.isidentifier()):
+        errors.append(f"llm_api_key_env must be the NAME of an environment variable (never the key), got a "
+                      f"{type(key_env).__name__}")
+    when = cfg["llm_realtime_when"]
+    if when is not None and (not isinstance(when, str) or not when.strip()):
+        errors.append("llm_realtime_when must be a SQL boolean expression over the model's columns, "
+                      "e.g. \"priority = 'urgent'\"")
+    if self_hosted and (when is not None or cfg["llm_fallback"] is not None):
+        errors.append("llm_realtime_when and llm_fallback route rows of a batch provider to its realtime "
+                      "path; with llm_provider 'openai_compatible' every row is already realtime")
+    if cfg["llm_fallback"] is not None and cfg["llm_fallback"] not in FALLBACKS:
+        errors.append(f"llm_fallback must be one of {list(FALLBACKS)}, got {cfg['llm_fallback']!r}")
+    return tuple(u.rstrip("/") for u in urls)
 
 
 def _check_number(errors, cfg, name, types, minimum=None, maximum=None):

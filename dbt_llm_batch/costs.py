@@ -41,11 +41,12 @@ def load_prices(con, user_table: str | None) -> None:
 
 def price_of(con, provider: str, model: str) -> dict | None:
     """The price row for a model: an exact name, else the longest listed prefix (dated snapshots
-    such as 'gpt-4o-mini-2024-07-18' take the price of 'gpt-4o-mini')."""
+    such as 'gpt-4o-mini-2024-07-18' take the price of 'gpt-4o-mini'); an empty model prices every
+    model of its provider (the shipped zero price of a self-hosted engine)."""
     rows = con.execute(f"""select input_per_mtok, output_per_mtok, cache_write_per_mtok, cache_read_per_mtok,
                                   batch_discount from {PRICES}
-                           where provider = ? and unit = 'token' and starts_with(?, model)
-                           order by length(model) desc limit 1""", [provider, model]).fetchall()
+                           where provider = ? and unit = 'token' and starts_with(?, coalesce(model, ''))
+                           order by length(coalesce(model, '')) desc limit 1""", [provider, model]).fetchall()
     if not rows:
         return None
     return dict(zip(("input", "output", "cache_write", "cache_read", "batch_discount"), rows[0]))
@@ -72,11 +73,21 @@ def estimated_input_tokens_sql(config: ModelConfig, prompt_sql: str = "prompt") 
     return f"(ceil(({fixed_chars} + length({prompt_sql})) / 4.0) + {MESSAGE_OVERHEAD_TOKENS * messages})"
 
 
-def estimated_cost_sql(config: ModelConfig, price: dict, prompt_sql: str = "prompt") -> str:
-    """SQL: the most a request is expected to cost at batch prices (input estimate, output = max tokens)."""
+def estimated_cost_sql(config: ModelConfig, price: dict, prompt_sql: str = "prompt", route_sql: str = "'batch'") -> str:
+    """SQL: the most a request is expected to cost (input estimate, output = max tokens), at batch
+    prices, or at list prices where `route_sql` is 'realtime'."""
     output = config.max_tokens or DEFAULT_OUTPUT_ESTIMATE
     total = f"{estimated_input_tokens_sql(config, prompt_sql)} * {price['input']} + {output} * {price['output']}"
-    return f"cast(({total}) / 1000000 * (1 - {price['batch_discount']}) as {MONEY})"
+    discount = f"case when {route_sql} = 'realtime' then 0 else {price['batch_discount']} end"
+    return f"cast(({total}) / 1000000 * (1 - {discount}) as {MONEY})"
+
+
+def cost_columns_sql(price: dict, self_hosted: bool, route_sql: str, alias: str = "") -> str:
+    """SQL SET list for a settled request's cost: batch rows at batch prices, realtime rows at list
+    prices; the realtime counterfactual is list price, and none for a self-hosted engine."""
+    realtime = realtime_cost_sql(price, alias)
+    cost = f"case when {route_sql} = 'realtime' then {realtime} else {batch_cost_sql(price, alias)} end"
+    return f"cost_usd = {cost}, realtime_cost_usd = {'null' if self_hosted else realtime},"
 
 
 def fmt_usd(value) -> str:

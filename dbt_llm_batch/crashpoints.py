@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import signal
 
-POINTS = ("after_intents", "after_upload", "after_create", "after_download", "after_store", "before_merge")
+POINTS = ("after_intents", "after_upload", "after_create", "after_download", "after_store", "before_merge",
+          "after_realtime_group")
 
 
 def reach(point: str) -> None:

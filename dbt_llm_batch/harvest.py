@@ -97,10 +97,13 @@ def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
 
 
 def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: list[tuple[str, BatchState]],
-           price: dict | None) -> int:
+           price: dict | None, source: str | None = None) -> int:
     """Turn ended jobs' stored lines into request statuses, usage and cost, atomically with marking the
     jobs harvested (one transaction for all of them: the ledger is rewritten once, not once per job).
-    Returns the number of result lines for custom_ids their job never sent (ignored, never merged)."""
+    Returns the number of result lines for custom_ids their job never sent (ignored, never merged).
+
+    With `source`, only that group of a running realtime job's lines is settled: the job stays open
+    and its other requests untouched (see realtime.py)."""
     con = ledger.con
     requests, results = ledger.table("llm_batch_requests"), ledger.table("llm_batch_results")
     ended = pa.table({
@@ -111,7 +114,7 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
         f"""create or replace temp table __llm_outcomes as
             with parsed as (
                 select json_transform(raw, '{json.dumps(provider.result_structure)}') as r, source, job_id
-                from {results} where job_id in (select job_id from __llm_ended)),
+                from {results} where job_id in (select job_id from __llm_ended) {"and source = ?" if source else ""}),
             lines as (select {provider.outcomes_sql('r')}, source, job_id from parsed),
             one_per_id as (  -- a duplicated line must not settle a request twice; prefer a success
                 select * from lines
@@ -129,14 +132,13 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
                 group by all)
             select s.custom_id, s.job_id, c.* exclude (custom_id, job_id), coalesce(f.n, 0) as earlier_failures
             from settling s join checked c using (custom_id, job_id)
-                 left join failures f using (key, fingerprint)""", [ledger.model])
-    unknown = con.execute(
+                 left join failures f using (key, fingerprint)""", ([source] if source else []) + [ledger.model])
+    unknown = 0 if source else con.execute(
         f"""select count(distinct custom_id) from {results} l
             where job_id in (select job_id from __llm_ended) and not exists
                   (select 1 from {requests} r where r.custom_id = l.custom_id and r.job_id = l.job_id)""").fetchall()[0][0]
     # Without a price, cost stays NULL: unknown, never $0. Unbilled outcomes (errors, expiries) have no usage: $0.
-    cost = (f"cost_usd = {costs.batch_cost_sql(price, 'o.')}, realtime_cost_usd = {costs.realtime_cost_sql(price, 'o.')},"
-            if price is not None else "")
+    cost = costs.cost_columns_sql(price, config.self_hosted, "r.route", "o.") if price is not None else ""
 
     def write():
         with transaction(con):
@@ -154,6 +156,8 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
                       completed_at = now()
                     from __llm_outcomes o where r.custom_id = o.custom_id and r.job_id = o.job_id""",
                 [config.max_attempts])
+            if source:
+                return
             # Requests a batch ended without answering (batch-level failure, lost lines) were never
             # settled by the provider: they go back to the queue without using up an attempt.
             con.execute(

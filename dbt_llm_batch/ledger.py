@@ -89,6 +89,26 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             from {s}.llm_batch_requests group by model"""]),
     # In-flight caps count estimated input tokens; 'deferred' requests (over a cap) wait here, unsent.
     (5, ["alter table {s}.llm_batch_requests add column estimated_input_tokens bigint"]),
+    # The realtime path: each request's route ('batch', or 'realtime': a provider's realtime endpoint
+    # or a self-hosted engine; NULL in older ledgers means 'batch'), and the split in the cost view.
+    (6, ["alter table {s}.llm_batch_requests add column route varchar",
+         """create or replace view {s}.llm_batch_costs as
+            select r.model, j.provider, coalesce(j.llm_model, '') as llm_model,
+                   cast(coalesce(r.completed_at, r.queued_at) as date) as day,
+                   count(*) filter (where r.status = 'succeeded') as rows_succeeded,
+                   count(*) filter (where r.status = 'failed') as rows_failed,
+                   count(*) filter (where r.status in ('queued', 'submitted')) as rows_pending,
+                   sum(r.input_tokens) as input_tokens, sum(r.output_tokens) as output_tokens,
+                   sum(r.cached_tokens) as cache_read_tokens, sum(r.cache_write_tokens) as cache_write_tokens,
+                   sum(r.cost_usd) as cost_usd, sum(r.realtime_cost_usd) as realtime_cost_usd,
+                   sum(r.realtime_cost_usd) - sum(r.cost_usd) as savings_usd,
+                   coalesce(sum(r.estimated_cost_usd) filter (where r.status in ('queued', 'submitted')), 0)
+                       as committed_not_billed_usd,
+                   count(*) filter (where r.status in ('succeeded', 'failed') and r.job_id is not null
+                                    and r.cost_usd is null) as rows_without_price,
+                   coalesce(r.route, 'batch') as route
+            from {s}.llm_batch_requests r left join {s}.llm_batch_jobs j using (job_id)
+            group by all"""]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -173,7 +193,8 @@ class Ledger:
                 order by created_at""", [self.model]).fetchall()
         return [dict(zip(("job_id", "batch_id", "status", "provider", "created_at"), r)) for r in rows]
 
-    def write_intents(self, provider: str, llm_model: str, plan_rows: str, chunks: list[int]) -> dict[int, str]:
+    def write_intents(self, provider: str, llm_model: str, plan_rows: str, chunks: list[int],
+                      status: str = "intent") -> dict[int, str]:
         """Record one job intent per chunk and every request ('queued') in one transaction, before the
         provider is contacted; returns {chunk: job id}.
 
@@ -192,17 +213,17 @@ class Ledger:
                     self.con.execute(
                         f"""insert into {self.table('llm_batch_jobs')} (job_id, model, provider, llm_model,
                               status, request_count, created_at, updated_at)
-                            select m.job_id, ?, ?, ?, 'intent', count(*), now(), now()
+                            select m.job_id, ?, ?, ?, ?, count(*), now(), now()
                             from {plan_rows} p join __llm_job_ids m using (chunk) group by m.job_id""",
-                        [self.model, provider, llm_model])
+                        [self.model, provider, llm_model, status])
                     self.con.execute(  # a deferred request being sent now becomes a queued one
                         f"""delete from {requests} where model = ? and status = 'deferred' and custom_id in
                             (select custom_id from {plan_rows} join __llm_job_ids using (chunk))""", [self.model])
                     self.con.execute(
                         f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
-                              row_json, queued_at, estimated_cost_usd, estimated_input_tokens)
+                              row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route)
                             select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, 'queued', p.row_json, now(),
-                                   p.estimated_cost_usd, p.estimated_input_tokens
+                                   p.estimated_cost_usd, p.estimated_input_tokens, p.route
                             from {plan_rows} p join __llm_job_ids m using (chunk)""", [self.model])
             finally:
                 self.con.unregister("__llm_job_ids")

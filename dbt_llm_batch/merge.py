@@ -73,7 +73,7 @@ def _row_select(config: ModelConfig, input_columns, source: str, current_rows: b
                {', '.join(outputs)},
                w.status, w.error, w.finish_reason, w.input_tokens, w.output_tokens,
                coalesce(w.job_model, {model_literal}), w.batch_id, w.fingerprint, w.completed_at,
-               w.cached_tokens, w.cache_write_tokens, w.cost_usd, w.realtime_cost_usd
+               w.cached_tokens, w.cache_write_tokens, w.cost_usd, w.realtime_cost_usd, case when w.job_id is not null then coalesce(w.route, 'batch') end
         from {source} w {joins}"""
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 
@@ -92,16 +93,30 @@ def row_json_sql(columns, alias: str = "") -> str:
 
 
 def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
-    """One row per selected key: its input row id, key, fingerprint and whether it has a prompt. No
-    copy of the prompt or the row: those are read from the input when a row is actually sent."""
-    con.execute(
-        f"""create or replace temp table {DESIRED} as
-            select rowid as row_id, {key_sql(config)} as key,
-                   -- md5: change detection, not security, and twice as fast as sha256 over long prompts
-                   md5(? || coalesce(cast({q(config.prompt_column)} as varchar), '')) as fingerprint,
-                   coalesce(cast({q(config.prompt_column)} as varchar), '') <> '' as has_prompt
-            from {input_rel}""",
-        [config.fingerprint_prefix()])
+    """One row per selected key: its input row id, key, fingerprint, whether it has a prompt and
+    whether it goes to the realtime path. No copy of the prompt or the row: those are read from the
+    input when a row is actually sent."""
+    if config.self_hosted:
+        realtime = "true"
+    elif config.realtime_when:
+        realtime = f"coalesce(cast(({config.realtime_when}) as boolean), false)"
+    else:
+        realtime = "false"
+    try:
+        con.execute(
+            f"""create or replace temp table {DESIRED} as
+                select rowid as row_id, {key_sql(config)} as key,
+                       -- md5: change detection, not security, and twice as fast as sha256 over long prompts
+                       md5(? || coalesce(cast({q(config.prompt_column)} as varchar), '')) as fingerprint,
+                       coalesce(cast({q(config.prompt_column)} as varchar), '') <> '' as has_prompt,
+                       {realtime} as realtime
+                from {input_rel}""",
+            [config.fingerprint_prefix()])
+    except duckdb.Error as exc:
+        if not config.realtime_when:
+            raise
+        raise ConfigError(f"llm_realtime_when = {config.realtime_when!r} is not a boolean SQL expression over "
+                          f"the model's columns ({', '.join(c for c, _ in columns)}): {exc}; nothing was sent") from None
 
 
 def reject_empty_prompts(ledger: Ledger, input_rel: str, columns) -> int:
@@ -139,23 +154,27 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
                 select key, fingerprint, count(*) as n_requests,
                        count(*) filter (where status in ('queued', 'submitted')) as in_flight,
                        count(*) filter (where status = 'succeeded') as succeeded,
-                       count(*) filter (where status = 'failed') as failed
+                       count(*) filter (where status = 'failed') as failed,
+                       count(*) filter (where route = 'realtime' and status <> 'voided') as realtime_tried
                 from {requests}
                 where model = ? and status <> 'deferred'
                 group by key, fingerprint),
             fresh as (
-                select d.row_id, d.key, d.fingerprint, coalesce(h.n_requests, 0) as seq
+                select d.row_id, d.key, d.fingerprint, coalesce(h.n_requests, 0) as seq,
+                       case when d.realtime or coalesce(h.failed, 0) >= ? then 'realtime' else 'batch' end as route
                 from {DESIRED} d left join history h using (key, fingerprint)
                 where d.has_prompt
                   and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0
-                  and coalesce(h.failed, 0) < ?)
+                  and (coalesce(h.failed, 0) < ?
+                       -- llm_fallback = 'realtime': batch attempts used up, one more try in realtime
+                       or (? and coalesce(h.realtime_tried, 0) = 0)))
             select row_id, key, fingerprint, seq,
                    'r_' || substr(sha256(? || key || fingerprint || seq), 1, 40) as custom_id,
-                   null::varchar as deferred_prompt, null::varchar as deferred_row_json
+                   null::varchar as deferred_prompt, null::varchar as deferred_row_json, route
             from fresh
             union all
-            select null, key, fingerprint, seq, custom_id, prompt, row_json from __llm_deferred""",
-        [ledger.model, config.max_attempts, ledger.model])
+            select null, key, fingerprint, seq, custom_id, prompt, row_json, 'batch' from __llm_deferred""",
+        [ledger.model, config.max_attempts, config.max_attempts, config.fallback == "realtime", ledger.model])
     con.execute("drop table __llm_deferred")
     n = con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
     con.execute(f"""alter table {PLAN} add column chunk integer default 0;
@@ -165,12 +184,12 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
     return n
 
 
-def plan_rows(config: ModelConfig, columns, where: str = "") -> str:
+def plan_rows(config: ModelConfig, columns, plan: str = PLAN) -> str:
     """The plan joined back to the input: every PLAN column plus `prompt` and `row_json` (a deferred
     request brings its own from the ledger). A subquery, so rows are read, not copied."""
     return f"""(select p.*, coalesce(p.deferred_prompt, cast(i.{q(config.prompt_column)} as varchar)) as prompt,
                        coalesce(p.deferred_row_json, {row_json_sql(columns, 'i.')}) as row_json
-                from {PLAN} p left join {INPUT} i on i.rowid = p.row_id {where})"""
+                from {plan} p left join {INPUT} i on i.rowid = p.row_id)"""
 
 
 def assign_chunks(con, line_sql: str, max_requests: int, max_bytes: int, max_tokens: int | None = None,

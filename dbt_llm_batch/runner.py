@@ -10,13 +10,15 @@ import time
 from dataclasses import dataclass
 from decimal import Decimal
 
-from dbt_llm_batch import costs, crashpoints, harvest, merge, planner, submit
+from dbt_llm_batch import costs, crashpoints, harvest, merge, planner, realtime, submit
 from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.errors import BudgetError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.planner import INPUT
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.providers.base import UNRESOLVED
+
+REALTIME_PLAN = "__llm_realtime_plan"  # the plan's realtime rows (ModelRun.split_realtime)
 
 
 @dataclass
@@ -33,6 +35,7 @@ class RunSummary:
     estimated_usd: object = None  # estimate of what this run submitted (Decimal), None without a price
     cost_usd: object = None  # actual cost of what this run harvested, at batch prices
     realtime_usd: object = None  # the same tokens at realtime prices
+    realtime: realtime.RealtimeOutcome | None = None  # rows sent in realtime this run
 
     def line(self) -> str:
         saved = (f", saved {costs.fmt_usd(self.realtime_usd - self.cost_usd)} vs realtime"
@@ -41,7 +44,14 @@ class RunSummary:
         return (f"{self.model}: submitted {self.submitted} request(s) in {self.batches} batch(es) "
                 f"(estimated {estimated}); harvested {self.harvested_batches} batch(es) "
                 f"(cost {costs.fmt_usd(self.cost_usd)}{saved}); merged {self.merged} row(s) ({self.failed} failed); "
-                f"pending {self.pending}" + (f"; deferred {self.deferred} (in-flight cap)" if self.deferred else ""))
+                f"pending {self.pending}" + (f"; deferred {self.deferred} (in-flight cap)" if self.deferred else "")
+                + (self.realtime_part() if self.realtime else ""))
+
+    def realtime_part(self) -> str:
+        r = self.realtime
+        left = f", {r.unsent} left for the next run (llm_realtime_budget_seconds)" if r.unsent else ""
+        return (f"; realtime {r.requests} request(s) in {r.seconds:.1f} s: {r.succeeded} succeeded, "
+                f"{r.failed} failed{left}" + (f", {r.retries} retried" if r.retries else ""))
 
 
 def logger():
@@ -111,7 +121,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
                                                                  rebuild=full_refresh or not exists)
         run.finish_summary()
         logger().info(run.summary.line())
-    for name in (INPUT, planner.DESIRED, planner.PLAN):
+    for name in (INPUT, planner.DESIRED, planner.PLAN, REALTIME_PLAN):
         con.execute(f"drop table if exists {name}")
     return run.summary
 
@@ -163,6 +173,10 @@ class ModelRun:
         jobs = self.ledger.open_jobs()
         if not jobs:
             return
+        for job in [j for j in jobs if j["status"] == "realtime"]:
+            realtime.settle_interrupted(self.ledger, self.provider, job["job_id"], self.price)
+            logger().warning(f"{self.ledger.model}: a realtime run was interrupted; its stored answers are kept and "
+                             f"the requests it had not finished are sent again")
         for job in [j for j in jobs if j["status"] == "intent"]:
             self.reconcile(job)
         submitted = [j for j in self.ledger.open_jobs() if j["batch_id"]]
@@ -193,7 +207,7 @@ class ModelRun:
         """Build the plan with each request's estimated input tokens (and cost, when priced)."""
         n = planner.build_plan(self.ledger, self.config, INPUT, self.input_columns)
         if n:
-            cost = costs.estimated_cost_sql(self.config, self.price) if self.price else "null"
+            cost = costs.estimated_cost_sql(self.config, self.price, route_sql="route") if self.price else "null"
             self.con.execute(
                 f"""update {planner.PLAN} set estimated_input_tokens = x.tokens, estimated_cost_usd = x.cost
                     from (select custom_id, {costs.estimated_input_tokens_sql(self.config)} as tokens, {cost} as cost
@@ -250,25 +264,37 @@ class ModelRun:
                     f"plus {costs.fmt_usd(committed)} already in flight exceeds {name} = {costs.fmt_usd(limit)}; "
                     f"nothing was sent. Raise the limit, or select fewer rows.")
 
+    def split_realtime(self) -> tuple[int, object]:
+        """Move the plan's realtime rows (llm_realtime_when, llm_fallback, a self-hosted engine) out of
+        the plan into their own table; returns (count, estimated cost or None)."""
+        self.con.execute(f"create or replace temp table {REALTIME_PLAN} as select * from {planner.PLAN} "
+                         f"where route = 'realtime'")
+        self.con.execute(f"delete from {planner.PLAN} where route = 'realtime'")
+        return tuple(self.con.execute(f"select count(*), sum(estimated_cost_usd) from {REALTIME_PLAN}").fetchall()[0])
+
     def plan_and_submit(self) -> None:
         if self.plan() == 0:
             if self.ledger.has_deferred():  # superseded by answers the model's rows already have
                 self.ledger.defer(self.rows, 0)
             return
-        chunks = self.chunk_plan()
+        n_realtime, realtime_estimate = self.split_realtime()
+        chunks = self.chunk_plan() if self.plan_count() else []
         fit = self.chunks_that_fit(chunks)
         sending = chunks[:fit]
-        n = sum(c[1] for c in sending)
-        estimate = sum(c[3] for c in sending) if self.price is not None and sending else None
+        n = sum(c[1] for c in sending) + n_realtime
+        estimate = None
+        if self.price is not None:
+            estimate = sum(c[3] for c in sending) + (realtime_estimate or 0)
         if n:
-            self.check_budget(n, estimate)
+            self.check_budget(n, estimate)  # batch and realtime together, before anything is sent
+        if sending:
             provider = self.provider
             self.warn_if_prefix_too_short(provider)
             batch_ids = submit.submit_chunks(self.ledger, provider, [c[0] for c in sending], self.rows)
-            self.summary.submitted += n
+            self.summary.submitted += sum(c[1] for c in sending)
             self.summary.batches += len(batch_ids)
-            if estimate is not None:
-                self.summary.estimated_usd = (self.summary.estimated_usd or 0) + estimate
+        if n and estimate is not None:
+            self.summary.estimated_usd = (self.summary.estimated_usd or 0) + estimate
         self.ledger.defer(self.rows, fit)
         waiting = sum(c[1] for c in chunks[fit:])
         self.summary.deferred = waiting
@@ -276,15 +302,40 @@ class ModelRun:
             logger().info(f"{self.ledger.model}: {waiting} request(s) in {len(chunks) - fit} batch(es) wait in the "
                           f"ledger for a later run: the in-flight cap (llm_max_batches_in_flight="
                           f"{self.config.max_batches_in_flight}, llm_max_tokens_in_flight) is reached")
+        if n_realtime:
+            self.send_realtime()
+
+    def plan_count(self) -> int:
+        return self.con.execute(f"select count(*) from {planner.PLAN}").fetchall()[0][0]
+
+    def send_realtime(self) -> None:
+        rows = planner.plan_rows(self.config, self.input_columns, plan=REALTIME_PLAN)
+        outcome = realtime.run_realtime(self.ledger, self.provider, rows, self.price)
+        previous = self.summary.realtime
+        if previous:  # a second round (llm_wait_seconds): add up
+            for name in ("requests", "answered", "succeeded", "failed", "retries"):
+                setattr(outcome, name, getattr(outcome, name) + getattr(previous, name))
+            outcome.seconds += previous.seconds
+        self.summary.realtime = outcome
+        if outcome.unsent:
+            logger().warning(f"{self.ledger.model}: {outcome.unsent} realtime request(s) were not sent within "
+                             f"llm_realtime_budget_seconds={self.config.realtime_budget_seconds:g}"
+                             + (f" (last error: {outcome.last_transient})" if outcome.last_transient else "")
+                             + "; the next run sends them")
 
     def dry_run_report(self) -> None:
         """Plan and estimate only: no provider call, no ledger row, no table change."""
         n = self.plan()
-        chunks = self.chunk_plan() if n else []
-        estimate = (sum(c[3] for c in chunks) if self.price is not None else None) if n else 0
-        self.summary.estimated_usd = estimate
-        logger().info(f"{self.ledger.model}: DRY RUN: would submit {n} request(s) in {len(chunks)} batch(es), "
-                      f"estimated {costs.fmt_usd(estimate)} at batch prices; "
+        n_realtime, realtime_estimate = self.split_realtime() if n else (0, None)
+        chunks = self.chunk_plan() if n > n_realtime else []
+        estimate = None
+        if self.price is not None:
+            estimate = sum(c[3] for c in chunks) + (realtime_estimate or 0)
+        self.summary.estimated_usd = estimate if n else 0
+        realtime_part = f" and {n_realtime} in realtime" if n_realtime else ""
+        logger().info(f"{self.ledger.model}: DRY RUN: would submit {n - n_realtime} request(s) in {len(chunks)} "
+                      f"batch(es){realtime_part}, estimated {costs.fmt_usd(estimate if n else 0)} at batch prices"
+                      f"{' (realtime at list prices)' if n_realtime else ''}; "
                       f"{costs.fmt_usd(self.ledger.committed_usd())} already committed in flight; nothing was sent")
 
     def warn_if_prefix_too_short(self, provider) -> None:

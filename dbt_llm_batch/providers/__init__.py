@@ -10,6 +10,7 @@ from dbt_llm_batch.providers.base import BatchProvider
 PROVIDERS = {
     "openai": "dbt_llm_batch.providers.openai_batch:OpenAIBatchProvider",
     "anthropic": "dbt_llm_batch.providers.anthropic_batch:AnthropicBatchProvider",
+    "openai_compatible": "dbt_llm_batch.providers.openai_compatible:OpenAICompatibleProvider",
 }
 
 

@@ -12,7 +12,7 @@ import json
 from datetime import datetime
 
 from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, UNRESOLVED, BatchProvider, BatchState,
-                                          Submission, spliced_line_sql)
+                                          Submission, json_object_text, spliced_line_sql)
 
 TOOL_NAME = "llm_output"
 # Anthropic requires max_tokens; used when llm_max_tokens is not set.
@@ -65,6 +65,25 @@ class AnthropicBatchProvider(BatchProvider):
             params["tool_choice"] = {"type": "tool", "name": TOOL_NAME}
         params.update(cfg.params)
         return params
+
+    def realtime_body(self) -> dict:
+        return self.params()
+
+    def realtime_transports(self) -> list:
+        from dbt_llm_batch.providers.realtime_transport import anthropic_transports
+        return anthropic_transports(concurrency=self.config.concurrency)
+
+    def realtime_result_line(self, custom_id, status, text):
+        # As a line of the batch results: {"custom_id", "result": {"type": "succeeded", "message"} or
+        # {"type": "errored", "error": <the error envelope>}}.
+        body = json_object_text(text)
+        if status == 200 and body:
+            result = f'{{"type":"succeeded","message":{body}}}'
+        else:
+            error = body or json.dumps({"type": "error", "error": {"type": "api_error",
+                                                                   "message": f"HTTP {status}: {text[:500]}"}})
+            result = f'{{"type":"errored","error":{error}}}'
+        return f'{{"custom_id":{json.dumps(custom_id)},"result":{result}}}'
 
     def request_line_sql(self) -> str:
         return spliced_line_sql({"custom_id": CUSTOM_ID_MARK, "params": self.params()})

@@ -45,6 +45,23 @@ def spliced_line_sql(line: dict) -> str:
     return f"{lit(head)} || to_json(custom_id) || {lit(middle)} || to_json(prompt) || {lit(tail)}"
 
 
+def spliced_body_sql(body: dict) -> str:
+    """A DuckDB expression (over column `prompt`) giving one realtime request body per row, built like
+    spliced_line_sql: rendered once, each row's prompt spliced in with to_json."""
+    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    head, tail = text.split(json.dumps(PROMPT_MARK))
+    lit = lambda part: "'" + part.replace("'", "''") + "'"  # noqa: E731
+    return f"{lit(head)} || to_json(prompt) || {lit(tail)}"
+
+
+def json_object_text(text: str) -> str | None:
+    """`text` if it is one JSON object (a reply body that can go into a result line as is), else None."""
+    try:
+        return text if isinstance(json.loads(text), dict) else None
+    except ValueError:
+        return None
+
+
 @dataclass
 class Submission:
     batch_id: str
@@ -114,6 +131,25 @@ class BatchProvider(ABC):
         """Rough size of the system + examples prefix (4 characters a token), for the cache warning."""
         text = (self.config.system or "") + "".join(a + b for a, b in self.config.examples)
         return len(text) // 4
+
+    # --- the realtime path (urgent rows, exhausted batch attempts, self-hosted engines) ---------
+    batch_capable: ClassVar[bool] = True  # False: every row is sent in realtime (a self-hosted engine)
+
+    @abstractmethod
+    def realtime_body(self) -> dict:
+        """The body of one realtime request, with PROMPT_MARK where the row's prompt goes."""
+
+    def realtime_body_sql(self) -> str:
+        return spliced_body_sql(self.realtime_body())
+
+    @abstractmethod
+    def realtime_transports(self) -> list:
+        """Transports (providers/realtime_transport.py) to send realtime requests through."""
+
+    @abstractmethod
+    def realtime_result_line(self, custom_id: str, status: int, text: str) -> str:
+        """One realtime reply as a line of this provider's batch results, so that it is stored and
+        settled exactly like a batch result."""
 
     # DuckDB json_transform structure of one result line: parsed once, then read as a STRUCT.
     result_structure: ClassVar[dict]

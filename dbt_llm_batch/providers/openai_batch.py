@@ -6,11 +6,12 @@ tests point it at the local emulator. Contract: ../shared/reference/provider-con
 
 from __future__ import annotations
 
+import json
 import os
 
 from dbt_llm_batch import crashpoints
 from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, BatchProvider, BatchState, Submission,
-                                          spliced_line_sql)
+                                          json_object_text, spliced_line_sql)
 
 ENDPOINT = "/v1/chat/completions"
 TOKEN_KEY = "dbt_llm_batch_token"  # batch metadata key carrying the ledger's job id
@@ -60,6 +61,18 @@ class OpenAIBatchProvider(BatchProvider):
     def request_line_sql(self) -> str:
         return spliced_line_sql({"custom_id": CUSTOM_ID_MARK, "method": "POST", "url": ENDPOINT,
                                  "body": self.request_body()})
+
+    def realtime_body(self) -> dict:
+        return self.request_body()
+
+    def realtime_transports(self) -> list:
+        from dbt_llm_batch.providers.realtime_transport import openai_transports
+        return openai_transports(concurrency=self.config.concurrency)
+
+    def realtime_result_line(self, custom_id, status, text):
+        # As a line of the batch output file: {"custom_id", "response": {"status_code", "body"}}.
+        body = json_object_text(text) or json.dumps({"error": {"message": f"HTTP {status}: {text[:500]}"}})
+        return f'{{"custom_id":{json.dumps(custom_id)},"response":{{"status_code":{int(status)},"body":{body}}},"error":null}}'
 
     def submit(self, jsonl_path, token, model_name):
         with open(jsonl_path, "rb") as f:

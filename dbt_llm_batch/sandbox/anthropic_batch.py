@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from .anthropic_messages import CUSTOM_ID, error_type_for, run_request
+from .realtime import anthropic_create_message
 from .server import ApiError, Reply, Request
 
 DAY = 86400
@@ -67,6 +68,7 @@ class Face:
             ("POST", base, self.create_batch), ("GET", base, self.list_batches),
             ("GET", base + "/{id}", self.get_batch), ("DELETE", base + "/{id}", self.delete_batch),
             ("POST", base + "/{id}/cancel", self.cancel_batch), ("GET", base + "/{id}/results", self.batch_results),
+            ("POST", "/v1/messages", lambda req: anthropic_create_message(self, req)),  # realtime
         ]
         self.reset()
 

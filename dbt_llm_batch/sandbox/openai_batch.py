@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from .answers import answer_chat_request, batch_error, check_lines
 from .caching import openai_cached_tokens
+from .realtime import openai_chat_completion
 from .openai_files import DAY, FilesMixin, list_page, require, ttl_seconds
 from .server import ApiError, Request
 
@@ -66,6 +67,7 @@ class Face(FilesMixin):
             ("GET", "/v1/files/{id}/content", self.file_content),
             ("POST", "/v1/batches", self.create_batch), ("GET", "/v1/batches", self.list_batches),
             ("GET", "/v1/batches/{id}", self.get_batch), ("POST", "/v1/batches/{id}/cancel", self.cancel_batch),
+            ("POST", "/v1/chat/completions", lambda req: openai_chat_completion(self, req)),  # realtime
         ]
         self.reset()
 

@@ -37,6 +37,7 @@ from .stats import Counters
 
 # Faces are imported by name when an Emulator is built: they import the shared
 # helpers below, so a top-level import here would be circular.
+REALTIME_PATHS = ("/v1/chat/completions", "/v1/messages")
 FACE_MODULES = ("dbt_llm_batch.sandbox.openai_batch", "dbt_llm_batch.sandbox.anthropic_batch")
 
 
@@ -99,6 +100,7 @@ class Emulator:
         self.seed = seed
         self.prompt_cache = PromptCache()
         self.log_requests = False  # the CLI turns this on; never logs headers
+        self.realtime_latency = 0.0  # seconds a realtime answer takes (outside the lock: requests overlap)
         self._lock = threading.RLock()  # one lock: handlers are short and state is shared
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -309,6 +311,8 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # a sandbox bug must not look like a hung provider
             reply = Reply(500, _json_bytes({"error": {"message": f"sandbox internal error: {exc!r}",
                                                       "type": "server_error", "param": None, "code": None}}))
+        if emulator.realtime_latency and urlsplit(self.path).path in REALTIME_PATHS:
+            time.sleep(emulator.realtime_latency)  # a model takes a while; other requests proceed meanwhile
         self.send_response(reply.status)
         self.send_header("Content-Type", reply.content_type)
         self.send_header("Content-Length", str(len(reply.body)))

@@ -20,6 +20,8 @@ class Counters:
         self.batches_by_face: Counter[str] = Counter()
         self.usage = {face: dict.fromkeys(keys, 0) for face, keys in USAGE_KEYS.items()}
         self.creation_order: dict[str, int] = {}  # batch id -> sequence, to list both faces newest first
+        self.realtime_requests: Counter[str] = Counter()  # billed realtime answers per face
+        self.realtime_prompts: Counter[tuple[str, str]] = Counter()  # (face, prompt) -> billed answers
 
     def new_batch(self, face: str, batch_id: str, request_lines: int) -> None:
         self.batches_created += 1
@@ -31,11 +33,16 @@ class Counters:
         for key, value in tokens.items():
             self.usage[face][key] += value
 
+    def realtime_answered(self, face: str, prompt: str) -> None:
+        self.realtime_requests[face] += 1
+        self.realtime_prompts[(face, prompt)] += 1
+
     def snapshot(self) -> dict:
         oai = self.usage["openai"]
         return {"calls": dict(self.calls), "files_uploaded": self.files_uploaded,
                 "batches_created": self.batches_created, "request_lines": self.request_lines,
                 "batches_by_face": {face: self.batches_by_face[face] for face in USAGE_KEYS},
+                "realtime_requests": {face: self.realtime_requests[face] for face in USAGE_KEYS},
                 "usage": {"prompt_tokens": oai["prompt_tokens"], "completion_tokens": oai["completion_tokens"],
                           "total_tokens": oai["prompt_tokens"] + oai["completion_tokens"]},
                 "usage_by_face": {face: dict(usage) for face, usage in self.usage.items()}}

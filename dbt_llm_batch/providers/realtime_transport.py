@@ -1,0 +1,93 @@
+"""Sending one realtime request: the provider's own SDK, asynchronously, returning the raw reply.
+
+The realtime executor (dbt_llm_batch/realtime.py) does concurrency, retries and the time budget;
+a transport only sends one request body and says what came back. The body goes out as the provider
+expects it (`client.post` with the JSON body, built in SQL), and the reply's text is kept as is: it becomes a
+result line in the provider's own batch format, so settling reads realtime and batch answers alike.
+The SDKs' own retries are off (max_retries=0): the executor retries, honouring `retry-after`,
+inside the run's time budget.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# Statuses worth another try: rate limits, overload, server errors, request timeouts.
+RETRYABLE = {408, 409, 429, 500, 502, 503, 504, 529}
+REQUEST_TIMEOUT_SECONDS = 300  # one answer from a busy engine can take minutes
+
+
+class TransientError(Exception):
+    """No reply (timeout, refused or dropped connection): the request may be tried again."""
+
+
+@dataclass
+class Reply:
+    status: int
+    text: str
+    retry_after: float | None = None  # seconds the server asked us to wait
+
+
+def retry_after_seconds(headers) -> float | None:
+    """`retry-after-ms` (OpenAI, Anthropic) or `retry-after` in seconds; HTTP dates are ignored."""
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value:
+            try:
+                return max(0.0, float(value) * scale)
+            except ValueError:
+                continue
+    return None
+
+
+class SdkTransport:
+    """POST a JSON body to `path` through an official SDK client (openai.AsyncOpenAI or
+    anthropic.AsyncAnthropic), which adds the key, version headers and base URL."""
+
+    def __init__(self, client, path: str, errors):
+        self.client, self.path, self.errors = client, path, errors
+        self.outstanding = 0  # requests on their way (replica selection)
+
+    async def send(self, body: bytes) -> Reply:
+        import httpx2 as httpx  # the HTTP client the SDKs are built on
+        self.outstanding += 1
+        try:  # the body is already JSON (built in SQL): sent as is, never parsed here
+            response = await self.client.post(self.path, content=body, cast_to=httpx.Response,
+                                              options={"headers": {"Content-Type": "application/json"}})
+            return Reply(response.status_code, response.text)
+        except self.errors.APIStatusError as exc:
+            return Reply(exc.status_code, exc.response.text, retry_after_seconds(exc.response.headers))
+        except (self.errors.APITimeoutError, self.errors.APIConnectionError) as exc:
+            raise TransientError(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            self.outstanding -= 1
+
+    async def aclose(self) -> None:
+        await self.client.close()
+
+
+def openai_transports(base_urls: tuple[str, ...] = (), api_key_env: str | None = None,
+                      concurrency: int = 16) -> list[SdkTransport]:
+    """One transport per base URL (replicas of a self-hosted engine), or one for OpenAI itself,
+    which the SDK finds through OPENAI_BASE_URL / OPENAI_API_KEY."""
+    import httpx2 as httpx  # the HTTP client the SDKs are built on
+    import openai
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    def client(url):
+        kwargs = {"max_retries": 0, "timeout": REQUEST_TIMEOUT_SECONDS,
+                  "http_client": openai.DefaultAsyncHttpxClient(limits=limits)}
+        if url is not None:  # a self-hosted engine: its own key variable, or none at all
+            kwargs.update(base_url=url, api_key=os.environ.get(api_key_env) if api_key_env else "none")
+        return openai.AsyncOpenAI(**kwargs)
+    return [SdkTransport(client(url), "/chat/completions", openai) for url in (base_urls or [None])]
+
+
+def anthropic_transports(concurrency: int = 16) -> list[SdkTransport]:
+    import anthropic
+    import httpx2 as httpx  # the HTTP client the SDKs are built on
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    client = anthropic.AsyncAnthropic(max_retries=0, timeout=REQUEST_TIMEOUT_SECONDS,
+                                      http_client=anthropic.DefaultAsyncHttpxClient(limits=limits))
+    return [SdkTransport(client, "/v1/messages", anthropic)]

@@ -1,0 +1,186 @@
+"""The realtime path: rows sent one request each, concurrently, and answered within the run.
+
+Used for every row of a self-hosted engine (llm_provider='openai_compatible'), for a batch provider's
+urgent rows (llm_realtime_when) and for rows whose batch attempts are used up (llm_fallback).
+Ledger order is the batch path's: one job and its 'queued' requests are committed before the first
+request goes out. Answers are then kept as they arrive: every FLUSH_SECONDS the replies so far are
+stored as result lines (in the provider's batch-result format) and settled, on a connection of their
+own in a background thread, so the event loop keeps sending meanwhile. A crash loses only what
+was in flight; the next run settles what was stored and sends the rest again (runner.harvest_open).
+
+Back-off: 429, 5xx and timeouts are retried after `retry-after` (or an exponential delay) while the
+run's llm_realtime_budget_seconds lasts; after that no new request starts, and what is left is
+voided (no attempt used) and sent by a later run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from dbt_llm_batch import crashpoints, harvest
+from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
+from dbt_llm_batch.providers.base import BatchProvider, BatchState
+from dbt_llm_batch.providers.realtime_transport import RETRYABLE, TransientError
+
+FLUSH_SECONDS = 0.2  # most time between an answer arriving and its commit to the ledger
+FETCH_ROWS = 1000  # request bodies read from DuckDB at a time
+MAX_RETRY_DELAY = 30.0
+
+
+@dataclass
+class RealtimeOutcome:
+    requests: int = 0  # rows routed to realtime this run
+    answered: int = 0  # replies stored (success or a final error)
+    succeeded: int = 0
+    failed: int = 0
+    unsent: int = 0  # left for a later run: the time budget ran out
+    retries: int = 0
+    last_transient: str | None = None  # the last 429/5xx/timeout seen, for the log
+    seconds: float = 0.0
+
+
+def run_realtime(ledger: Ledger, provider: BatchProvider, rows: str, price: dict | None) -> RealtimeOutcome:
+    """Send every row of `rows` (planner.plan_rows over the realtime part of the plan) in realtime."""
+    config = provider.config
+    started = time.monotonic()
+    job_id = ledger.write_intents(provider.name, config.model, rows, [0], status="realtime")[0]
+    outcome = RealtimeOutcome(requests=ledger.con.execute(
+        f"select count(*) from {ledger.table('llm_batch_requests')} where job_id = ?", [job_id]).fetchall()[0][0])
+    bodies = ledger.con.sql(
+        f"select custom_id, {provider.realtime_body_sql()} as body from {rows} order by custom_id"
+    ).to_arrow_reader(FETCH_ROWS)
+    writer = ResultWriter(ledger, provider, job_id, price)
+    try:
+        asyncio.run(_send_all(provider, bodies, writer, outcome, started + config.realtime_budget_seconds))
+    finally:
+        writer.close()
+    unsent = outcome.requests - outcome.answered
+    reason = (f"not sent: the realtime time budget (llm_realtime_budget_seconds={config.realtime_budget_seconds:g}) "
+              f"ran out; it is sent again by the next run") if unsent else None
+    # The end of the job: anything unanswered goes back to the queue (no attempt used), job harvested.
+    harvest.settle(ledger, provider, config, [(job_id, BatchState(status="completed", ended=True, error=reason))], price)
+    outcome.unsent = unsent
+    outcome.succeeded, outcome.failed = ledger.con.execute(
+        f"""select count(*) filter (where status = 'succeeded'), count(*) filter (where status = 'failed')
+            from {ledger.table('llm_batch_requests')} where job_id = ?""", [job_id]).fetchall()[0]
+    outcome.seconds = time.monotonic() - started
+    return outcome
+
+
+def settle_interrupted(ledger: Ledger, provider: BatchProvider, job_id: str, price: dict | None) -> None:
+    """A realtime job left open by a run that died: settle the answers it stored; the rest (in flight
+    when it died, or never sent) go back to the queue without using up an attempt."""
+    state = BatchState(status="interrupted", ended=True,
+                       error="the run sending it in realtime was interrupted before an answer was stored; "
+                             "it is sent again")
+    harvest.settle(ledger, provider, provider.config, [(job_id, state)], price)
+
+
+async def _send_all(provider, bodies, writer: "ResultWriter", outcome: RealtimeOutcome, deadline: float) -> None:
+    transports = provider.realtime_transports()
+    batches = iter(bodies)
+    queue: list[tuple[str, str]] = []
+
+    def next_row():
+        """The next (custom_id, body), reading a batch of bodies from DuckDB when the queue is empty."""
+        while not queue:
+            batch = next(batches, None)
+            if batch is None:
+                return None
+            queue.extend(zip(reversed(batch.column(0).to_pylist()), reversed(batch.column(1).to_pylist())))
+        return queue.pop()
+
+    async def worker():
+        while time.monotonic() < deadline and (row := next_row()) is not None:
+            custom_id, body = row
+            reply = await _ask(transports, body.encode(), deadline, outcome)
+            if reply is not None:
+                writer.add(custom_id, provider.realtime_result_line(custom_id, reply.status, reply.text))
+                outcome.answered += 1
+
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm_realtime_writer") as pool:
+        workers = asyncio.gather(*(worker() for _ in range(provider.config.concurrency)))
+        try:
+            while not workers.done():
+                await asyncio.wait([workers], timeout=FLUSH_SECONDS)
+                await loop.run_in_executor(pool, writer.write, writer.take())
+            await workers  # re-raise a worker's error
+        finally:
+            await loop.run_in_executor(pool, writer.write, writer.take())
+            for transport in transports:
+                await transport.aclose()
+
+
+async def _ask(transports, body: bytes, deadline: float, outcome: RealtimeOutcome):
+    """Send one request to the least busy transport, retrying 429/5xx/timeouts within the budget;
+    returns the final reply, or None when the budget ran out first (the request stays unanswered)."""
+    delay = 0.5
+    while True:
+        transport = min(transports, key=lambda t: t.outstanding)
+        wait = None
+        try:
+            reply = await transport.send(body)
+            if reply.status not in RETRYABLE:
+                return reply
+            wait, outcome.last_transient = reply.retry_after, f"HTTP {reply.status}"
+        except TransientError as exc:
+            outcome.last_transient = str(exc)
+        wait = delay * (1 + random.random() / 4) if wait is None else wait
+        if time.monotonic() + wait >= deadline:
+            return None
+        outcome.retries += 1
+        await asyncio.sleep(wait)
+        delay = min(delay * 2, MAX_RETRY_DELAY)
+
+
+class ResultWriter:
+    """Stores and settles groups of realtime replies, on a DuckDB connection of its own (a cursor of
+    the run's), from one background thread: each group's lines are committed before they settle."""
+
+    def __init__(self, ledger: Ledger, provider: BatchProvider, job_id: str, price: dict | None):
+        self.cursor = ledger.con.cursor()
+        self.ledger = Ledger(self.cursor, ledger.schema, ledger.model)
+        self.provider, self.job_id, self.price = provider, job_id, price
+        self.pending: list[tuple[str, str]] = []
+        self.groups = 0
+
+    def add(self, custom_id: str, line: str) -> None:
+        self.pending.append((custom_id, line))
+
+    def take(self) -> list[tuple[str, str]]:
+        """The replies gathered since the last call (called on the event loop's thread)."""
+        taken, self.pending = self.pending, []
+        return taken
+
+    def write(self, lines: list[tuple[str, str]]) -> None:
+        if not lines:
+            return
+        self.groups += 1
+        source = f"realtime-{self.groups}"
+        table = pa.table({"custom_id": [c for c, _ in lines], "raw": [raw for _, raw in lines]})
+        con = self.cursor
+
+        def store():
+            con.register("__llm_realtime_lines", table)
+            try:
+                with transaction(con):
+                    con.execute(f"""insert into {self.ledger.table('llm_batch_results')}
+                                    select custom_id, ?, ?, ?, raw, now() from __llm_realtime_lines""",
+                                [self.ledger.model, self.job_id, source])
+            finally:
+                con.unregister("__llm_realtime_lines")
+        retry_on_conflict(store)
+        running = BatchState(status="realtime", ended=False)
+        harvest.settle(self.ledger, self.provider, self.provider.config, [(self.job_id, running)], self.price,
+                       source=source)
+        crashpoints.reach("after_realtime_group")
+
+    def close(self) -> None:
+        self.cursor.close()

@@ -1,0 +1,202 @@
+"""The realtime path: urgent rows (llm_realtime_when), exhausted batch attempts (llm_fallback) and a
+self-hosted OpenAI-compatible engine (llm_provider='openai_compatible'), on real dbt and DuckDB,
+against the emulator's realtime endpoints through the official SDKs."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+from helpers import TRIAGE_SYSTEM, batch_counts, batch_input_lines, expected_triage, sorted_batches, triage_model
+from test_crash_recovery import dbt_subprocess
+
+URGENT = "llm_realtime_when = \"priority = 'urgent'\","
+
+
+def prompts(project, where: str = "true") -> dict[int, str]:
+    return dict(project.query(f"select ticket_id, 'Subject: ' || subject || chr(10) || chr(10) || body "
+                              f"from main.support_tickets where {where}"))
+
+
+def table(project) -> dict[int, tuple]:
+    rows = project.query("""select ticket_id, category, urgent, summary, llm_status, llm_route, llm_batch_id,
+                                   llm_cost_usd, llm_realtime_cost_usd from main.triage""")
+    return {r[0]: r[1:] for r in rows}
+
+
+def test_urgent_rows_go_realtime_in_the_same_run_and_never_into_a_batch(project, emulator, provider):
+    project.write("models/triage.sql", triage_model(provider=provider, extra_config=URGENT))
+    project.dbt("seed")
+    urgent, normal = prompts(project, "priority = 'urgent'"), prompts(project, "priority <> 'urgent'")
+    assert sorted(urgent) == [1, 6]
+
+    project.dbt("run", "-s", "triage")
+    # The urgent rows are answered in this run, once each, by the realtime endpoint ...
+    asked = {prompt: n for (face, prompt), n in emulator.counters.realtime_prompts.items() if face == provider}
+    assert asked == {p: 1 for p in urgent.values()}
+    rows = table(project)
+    assert sorted(rows) == [1, 6]
+    for ticket_id in (1, 6):
+        category, is_urgent, summary, status, route, batch_id, cost, realtime_cost = rows[ticket_id]
+        assert (status, route, batch_id) == ("succeeded", "realtime", None)
+        assert (category, is_urgent, summary) == expected_triage(TRIAGE_SYSTEM, urgent[ticket_id])
+        assert cost == realtime_cost and cost > 0  # priced at realtime rates: no batch discount
+    # ... and the rest wait in one batch that holds none of them.
+    assert batch_counts(emulator) == [4]
+    if provider == "openai":
+        sent = [line["body"]["messages"][-1]["content"] for line in batch_input_lines(emulator, sorted_batches(emulator)[0])]
+        assert sorted(sent) == sorted(normal.values())
+    line = summary_line(project)
+    assert "submitted 4 request(s) in 1 batch(es)" in line and "realtime 2 request(s) in " in line
+    assert "2 succeeded, 0 failed" in line
+
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    rows = table(project)
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    assert {rows[t][4] for t in normal} == {"batch"}
+    for t in normal:  # batch rows cost half their realtime price
+        assert rows[t][6] == rows[t][7] / 2
+    costs = dict(project.query("select route, sum(cost_usd) from main.llm_batch_costs group by route"))
+    assert set(costs) == {"batch", "realtime"}
+
+    before = (emulator.stats()["realtime_requests"], len(emulator.batches()))
+    project.dbt("run", "-s", "triage")  # nothing new: no realtime call, no batch
+    assert (emulator.stats()["realtime_requests"], len(emulator.batches())) == before
+
+
+def summary_line(project) -> str:
+    """The last per-model summary line the run wrote to the dbt log."""
+    lines = [line for line in (project.root / "logs" / "dbt.log").read_text().splitlines() if "triage: submitted" in line]
+    return lines[-1]
+
+
+def test_a_bad_realtime_expression_fails_before_anything_is_sent(project, emulator):
+    project.write("models/triage.sql", triage_model(extra_config='llm_realtime_when = "no_such_column > 1",'))
+    project.dbt("seed")
+    result = project.dbt("run", "-s", "triage", expect_ok=False)
+    message = "\n".join(str(r.message) for r in result.result.results)
+    assert "llm_realtime_when = 'no_such_column > 1' is not a boolean SQL expression over the model's columns" in message
+    assert "nothing was sent" in message
+    assert emulator.stats()["calls"] == {}
+
+
+def test_exhausted_batch_attempts_fall_back_to_realtime(project, emulator):
+    project.write("models/triage.sql", triage_model(extra_config="llm_max_attempts = 1, llm_fallback = 'realtime',"))
+    project.dbt("seed")
+    # Ticket 3's request fails in the batch (once: the fault is used up by then).
+    emulator.add_fault(kind="http_error", prompt_contains="export all my projects", status_code=400,
+                       message="Invalid request: sandbox says no.", times=1)
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")  # harvests the failure, sends it again in realtime, merges
+    rows = table(project)
+    assert len(rows) == 6
+    assert rows[3][3:5] == ("succeeded", "realtime")
+    assert rows[3][:3] == expected_triage(TRIAGE_SYSTEM, prompts(project)[3])
+    assert {rows[t][4] for t in (1, 2, 4, 5, 6)} == {"batch"}
+    assert sum(emulator.counters.realtime_prompts.values()) == 1
+    history = project.query("""select route, status, error from main.llm_batch_requests
+                               where key = '["3"]' order by queued_at""")
+    assert history == [("batch", "failed", "Invalid request: sandbox says no."), ("realtime", "succeeded", None)]
+    # The fallback is one more try: a realtime failure is final, and nothing is asked again after it.
+    project.dbt("run", "-s", "triage")
+    assert sum(emulator.counters.realtime_prompts.values()) == 1
+
+
+@pytest.fixture
+def replicas(api_key):
+    """Two engines behind no balancer, each an emulator answering /v1/chat/completions."""
+    from dbt_llm_batch.sandbox import Emulator
+    engines = [Emulator(api_key=api_key).start() for _ in range(2)]
+    for engine in engines:
+        engine.realtime_latency = 0.05
+    yield engines
+    for engine in engines:
+        engine.stop()
+
+
+def self_hosted_model(urls, extra: str = "") -> str:
+    return triage_model(extra_config=f"llm_base_url = {urls!r}, llm_api_key_env = 'ENGINE_KEY', "
+                                     f"llm_concurrency = 4, {extra}").replace(
+        "llm_provider = 'openai'", "llm_provider = 'openai_compatible'")
+
+
+def test_a_self_hosted_engine_answers_every_row_in_the_run_spread_over_replicas(project, replicas, monkeypatch, api_key):
+    monkeypatch.setenv("ENGINE_KEY", api_key)
+    urls = [engine.openai_base_url for engine in replicas]
+    project.write("models/triage.sql", self_hosted_model(urls))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    rows = table(project)
+    texts = prompts(project)
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    for ticket_id, (category, urgent, summary, status, route, batch_id, cost, realtime_cost) in rows.items():
+        assert (status, route, batch_id) == ("succeeded", "realtime", None)
+        assert (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, texts[ticket_id])
+        assert cost == Decimal(0) and realtime_cost is None  # free unless priced; no realtime counterfactual
+    per_replica = [engine.stats()["realtime_requests"]["openai"] for engine in replicas]
+    assert sum(per_replica) == 6 and min(per_replica) >= 1, per_replica
+    assert [engine.stats()["batches_created"] for engine in replicas] == [0, 0]
+
+    project.dbt("run", "-s", "triage")  # nothing new: nothing sent
+    assert sum(engine.stats()["realtime_requests"]["openai"] for engine in replicas) == 6
+
+
+def test_a_missing_engine_key_fails_naming_the_variable(project, replicas, monkeypatch):
+    monkeypatch.delenv("ENGINE_KEY", raising=False)
+    project.write("models/triage.sql", self_hosted_model([replicas[0].openai_base_url]))
+    project.dbt("seed")
+    result = project.dbt("run", "-s", "triage", expect_ok=False)
+    message = "\n".join(str(r.message) for r in result.result.results)
+    assert "ENGINE_KEY is not set (named by llm_api_key_env)" in message
+    assert replicas[0].stats()["calls"] == {}
+
+
+def test_overload_is_retried_and_what_the_budget_does_not_reach_waits(project, replicas, monkeypatch, api_key):
+    monkeypatch.setenv("ENGINE_KEY", api_key)
+    engine = replicas[0]
+    # Every request is refused with 429 and retry-after 2 s, more times than a 1 s budget allows.
+    engine.add_fault(endpoint="POST /v1/chat/completions", status_code=429, retry_after=2, times=None)
+    project.write("models/triage.sql", self_hosted_model([engine.openai_base_url], "llm_realtime_budget_seconds = 1,"))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.triage") == [(0,)]
+    voided = project.query("select distinct status, error from main.llm_batch_requests")
+    assert voided == [("voided", "not sent: the realtime time budget (llm_realtime_budget_seconds=1) ran out; "
+                                 "it is sent again by the next run")]
+    engine.clear_faults()
+    engine.add_fault(endpoint="POST /v1/chat/completions", status_code=503, retry_after=0.1, times=2)
+    project.dbt("run", "-s", "triage")  # the overload passed: two 503s are retried, every row answered
+    assert project.query("select count(*), count(*) filter (where llm_status = 'succeeded') from main.triage") == [(6, 6)]
+    assert engine.stats()["realtime_requests"]["openai"] == 6
+    attempts = project.query("select count(*) from main.llm_batch_requests where status = 'succeeded'")
+    assert attempts == [(6,)]
+
+
+def test_a_run_killed_mid_way_asks_only_the_unfinished_rows_again(project, replicas, monkeypatch, api_key, tmp_path):
+    monkeypatch.setenv("ENGINE_KEY", api_key)
+    engine = replicas[0]
+    engine.realtime_latency = 0.15
+    project.write("models/triage.sql", self_hosted_model([engine.openai_base_url]).replace(
+        "llm_concurrency = 4", "llm_concurrency = 1"))
+    project.dbt("seed")
+    project.release_database()
+    marker = tmp_path / "marker"
+    killed = dbt_subprocess(project, {"DBT_LLM_BATCH_CRASH_AT": "after_realtime_group",
+                                      "DBT_LLM_BATCH_CRASH_MARKER": str(marker)})
+    assert killed.returncode == -9 and marker.read_text() == "after_realtime_group", killed.stdout[-2000:]
+    texts = prompts(project)
+    stored = {row[0] for row in project.query(
+        """select cast(json_extract_string(key, '$[0]') as integer) from main.llm_batch_requests r
+           where exists (select 1 from main.llm_batch_results l where l.custom_id = r.custom_id)""")}
+    assert 1 <= len(stored) < 6
+    asked_before = dict(engine.counters.realtime_prompts)
+
+    project.dbt("run", "-s", "triage")
+    asked_after = {p: n - asked_before.get((f, p), 0) for (f, p), n in engine.counters.realtime_prompts.items()}
+    asked_again = {t for t, p in texts.items() if asked_after.get(p, 0) > 0}
+    assert asked_again == set(texts) - stored  # only the rows without a stored answer
+    assert all(asked_after.get(texts[t], 0) == 1 for t in asked_again)
+    rows = table(project)
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6] and {r[3] for r in rows.values()} == {"succeeded"}
