@@ -56,7 +56,7 @@ def test_two_models_with_threads_wait_and_dbt_tests(project, emulator):
     assert "    +llm_model: gpt-4o-mini\n" in config
     project.write("dbt_project.yml", config.replace("    +llm_model: gpt-4o-mini\n",
                                                     "    +llm_model: gpt-4o-mini\n    +llm_wait_seconds: 60\n"))
-    result = project.dbt("build", "--threads", "4")
+    result = project.dbt("build", "--threads", "4", "--select", "+tag:batch")
     tests = [r for r in result.result.results if r.node.resource_type == "test"]
     assert len(tests) == 5 and all(r.status == "pass" for r in tests)
     assert project.query("select count(*), count(*) filter (where llm_status = 'succeeded') from main.ticket_triage") == [(6, 6)]
