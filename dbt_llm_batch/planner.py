@@ -99,7 +99,8 @@ def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
     if config.self_hosted:
         realtime = "true"
     elif config.realtime_when:
-        realtime = f"coalesce(cast(({config.realtime_when}) as boolean), false)"
+        # On lines of its own: a `--` comment in the expression must not swallow the rest of the query.
+        realtime = f"coalesce(cast((\n{config.realtime_when}\n) as boolean), false)"
     else:
         realtime = "false"
     try:
@@ -173,8 +174,9 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
                    null::varchar as deferred_prompt, null::varchar as deferred_row_json, route
             from fresh
             union all
-            select null, key, fingerprint, seq, custom_id, prompt, row_json, 'batch' from __llm_deferred""",
-        [ledger.model, config.max_attempts, config.max_attempts, config.fallback == "realtime", ledger.model])
+            select null, key, fingerprint, seq, custom_id, prompt, row_json, ? from __llm_deferred""",
+        [ledger.model, config.max_attempts, config.max_attempts, config.fallback == "realtime", ledger.model,
+         "realtime" if config.self_hosted else "batch"])
     con.execute("drop table __llm_deferred")
     n = con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
     con.execute(f"""alter table {PLAN} add column chunk integer default 0;

@@ -24,13 +24,16 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from dbt_llm_batch import crashpoints, harvest
+from dbt_llm_batch.errors import ProviderError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
-from dbt_llm_batch.providers.realtime_transport import RETRYABLE, TransientError
+from dbt_llm_batch.providers.realtime_transport import RETRYABLE, FatalReply, TransientError
 
 FLUSH_SECONDS = 0.2  # most time between an answer arriving and its commit to the ledger
 FETCH_ROWS = 1000  # request bodies read from DuckDB at a time
 MAX_RETRY_DELAY = 30.0
+REQUEST_GRACE_SECONDS = 30.0  # a request started before the deadline may take this much longer
+UNREACHABLE_AFTER = 3  # connection failures, with no connection ever made, before a replica is given up
 
 
 @dataclass
@@ -45,8 +48,10 @@ class RealtimeOutcome:
     seconds: float = 0.0
 
 
-def run_realtime(ledger: Ledger, provider: BatchProvider, rows: str, price: dict | None) -> RealtimeOutcome:
-    """Send every row of `rows` (planner.plan_rows over the realtime part of the plan) in realtime."""
+def run_realtime(ledger: Ledger, provider: BatchProvider, rows: str, price: dict | None,
+                 deadline: float) -> RealtimeOutcome:
+    """Send every row of `rows` (planner.plan_rows over the realtime part of the plan) in realtime,
+    starting no request after `deadline` (time.monotonic(); the run's llm_realtime_budget_seconds)."""
     config = provider.config
     started = time.monotonic()
     job_id = ledger.write_intents(provider.name, config.model, rows, [0], status="realtime")[0]
@@ -56,15 +61,27 @@ def run_realtime(ledger: Ledger, provider: BatchProvider, rows: str, price: dict
         f"select custom_id, {provider.realtime_body_sql()} as body from {rows} order by custom_id"
     ).to_arrow_reader(FETCH_ROWS)
     writer = ResultWriter(ledger, provider, job_id, price)
+    fatal = None
     try:
-        asyncio.run(_send_all(provider, bodies, writer, outcome, started + config.realtime_budget_seconds))
+        asyncio.run(_send_all(provider, bodies, writer, outcome, deadline))
+    except FatalReply as exc:
+        fatal = exc
     finally:
+        bodies.close()  # rows never started leave the reader open, which would block the connection
         writer.close()
     unsent = outcome.requests - outcome.answered
-    reason = (f"not sent: the realtime time budget (llm_realtime_budget_seconds={config.realtime_budget_seconds:g}) "
-              f"ran out; it is sent again by the next run") if unsent else None
+    if fatal:
+        reason = f"not answered: {fatal}; sent again by the next run"
+    else:
+        reason = (f"no answer within the realtime time budget (llm_realtime_budget_seconds="
+                  f"{config.realtime_budget_seconds:g}"
+                  + (f"; last error: {outcome.last_transient}" if outcome.last_transient else "")
+                  + "); sent again by the next run") if unsent else None
     # The end of the job: anything unanswered goes back to the queue (no attempt used), job harvested.
     harvest.settle(ledger, provider, config, [(job_id, BatchState(status="completed", ended=True, error=reason))], price)
+    if fatal:
+        raise ProviderError(f"{ledger.model}: {fatal}. {outcome.answered} answer(s) were kept; the "
+                            f"{unsent} request(s) without one are sent again by the next run (no attempt used).")
     outcome.unsent = unsent
     outcome.succeeded, outcome.failed = ledger.con.execute(
         f"""select count(*) filter (where status = 'succeeded'), count(*) filter (where status = 'failed')
@@ -74,6 +91,7 @@ def run_realtime(ledger: Ledger, provider: BatchProvider, rows: str, price: dict
 
 
 def settle_interrupted(ledger: Ledger, provider: BatchProvider, job_id: str, price: dict | None) -> None:
+    # `provider` must be the job's own (its result lines are in that provider's format).
     """A realtime job left open by a run that died: settle the answers it stored; the rest (in flight
     when it died, or never sent) go back to the queue without using up an attempt."""
     state = BatchState(status="interrupted", ended=True,
@@ -86,6 +104,7 @@ async def _send_all(provider, bodies, writer: "ResultWriter", outcome: RealtimeO
     transports = provider.realtime_transports()
     batches = iter(bodies)
     queue: list[tuple[str, str]] = []
+    stop: list[FatalReply] = []  # set by the first worker that meets a fatal reply
 
     def next_row():
         """The next (custom_id, body), reading a batch of bodies from DuckDB when the queue is empty."""
@@ -97,9 +116,14 @@ async def _send_all(provider, bodies, writer: "ResultWriter", outcome: RealtimeO
         return queue.pop()
 
     async def worker():
-        while time.monotonic() < deadline and (row := next_row()) is not None:
+        # A fatal reply stops new requests; those already on their way finish and are kept.
+        while not stop and time.monotonic() < deadline and (row := next_row()) is not None:
             custom_id, body = row
-            reply = await _ask(transports, body.encode(), deadline, outcome)
+            try:
+                reply = await _ask(transports, body.encode(), deadline, outcome, stop)
+            except FatalReply as exc:
+                stop.append(exc)
+                return
             if reply is not None:
                 writer.add(custom_id, provider.realtime_result_line(custom_id, reply.status, reply.text))
                 outcome.answered += 1
@@ -116,28 +140,52 @@ async def _send_all(provider, bodies, writer: "ResultWriter", outcome: RealtimeO
             await loop.run_in_executor(pool, writer.write, writer.take())
             for transport in transports:
                 await transport.aclose()
+    if stop:
+        raise stop[0]
 
 
-async def _ask(transports, body: bytes, deadline: float, outcome: RealtimeOutcome):
-    """Send one request to the least busy transport, retrying 429/5xx/timeouts within the budget;
-    returns the final reply, or None when the budget ran out first (the request stays unanswered)."""
+async def _ask(transports, body: bytes, deadline: float, outcome: RealtimeOutcome, stop: list):
+    """Send one request, retrying 429/5xx/timeouts within the budget (after `retry-after`, never
+    sooner than an exponential back-off, and on another replica when there is one); returns the final
+    reply, or None when the budget ran out first. A reply that no retry can change (a rejected key, an
+    unknown model or URL) raises FatalReply: the run stops instead of failing every row with it."""
     delay = 0.5
     while True:
-        transport = min(transports, key=lambda t: t.outstanding)
-        wait = None
+        transport = pick(transports)
+        server_wait = None
         try:
-            reply = await transport.send(body)
+            reply = await transport.send(body, timeout=max(1.0, deadline - time.monotonic()) + REQUEST_GRACE_SECONDS)
+            fatal = transport.fatal_problem(reply)
+            if fatal:
+                raise FatalReply(fatal)
             if reply.status not in RETRYABLE:
+                transport.cooldown_until = 0.0
                 return reply
-            wait, outcome.last_transient = reply.retry_after, f"HTTP {reply.status}"
+            server_wait, outcome.last_transient = reply.retry_after, f"HTTP {reply.status} from {transport.name}"
         except TransientError as exc:
-            outcome.last_transient = str(exc)
-        wait = delay * (1 + random.random() / 4) if wait is None else wait
-        if time.monotonic() + wait >= deadline:
+            outcome.last_transient = f"{exc} ({transport.name})"
+            if transport.never_connected and transport.failures >= UNREACHABLE_AFTER:
+                transport.dead = True
+                if all(t.dead for t in transports):
+                    raise FatalReply(f"cannot connect to {', '.join(t.name for t in transports)} ({exc}): is the "
+                                     f"engine running (scripts/engine.sh start), and is llm_base_url right?") from None
+        wait = max(server_wait or 0.0, delay * (1 + random.random() / 4))
+        transport.cooldown_until = time.monotonic() + wait  # the next try goes to another replica if any
+        if time.monotonic() + wait >= deadline or stop:
             return None
         outcome.retries += 1
         await asyncio.sleep(wait)
         delay = min(delay * 2, MAX_RETRY_DELAY)
+
+
+def pick(transports):
+    """The replica to send to: one not cooling down after an error, with the fewest requests outstanding."""
+    now = time.monotonic()
+    live = [t for t in transports if not t.dead] or transports
+    ready = [t for t in live if t.cooldown_until <= now]
+    if ready:
+        return min(ready, key=lambda t: t.outstanding)
+    return min(live, key=lambda t: t.cooldown_until)
 
 
 class ResultWriter:

@@ -140,6 +140,8 @@ class ModelRun:
         costs.load_prices(con, config.price_table)
         self.price = costs.price_of(con, config.provider, config.model)
         self._provider = None
+        # One realtime budget for the whole run, however many rounds llm_wait_seconds makes.
+        self.realtime_deadline = time.monotonic() + config.realtime_budget_seconds
         self.input_columns: list[tuple[str, str]] = []  # the model's selected columns, set by run_model
 
     @property
@@ -174,7 +176,9 @@ class ModelRun:
         if not jobs:
             return
         for job in [j for j in jobs if j["status"] == "realtime"]:
-            realtime.settle_interrupted(self.ledger, self.provider, job["job_id"], self.price)
+            # Its lines are in the format of the provider that ran it, which the model may have changed since.
+            job_provider = get_provider(job["provider"])(self.config)
+            realtime.settle_interrupted(self.ledger, job_provider, job["job_id"], self.price)
             logger().warning(f"{self.ledger.model}: a realtime run was interrupted; its stored answers are kept and "
                              f"the requests it had not finished are sent again")
         for job in [j for j in jobs if j["status"] == "intent"]:
@@ -310,7 +314,7 @@ class ModelRun:
 
     def send_realtime(self) -> None:
         rows = planner.plan_rows(self.config, self.input_columns, plan=REALTIME_PLAN)
-        outcome = realtime.run_realtime(self.ledger, self.provider, rows, self.price)
+        outcome = realtime.run_realtime(self.ledger, self.provider, rows, self.price, self.realtime_deadline)
         previous = self.summary.realtime
         if previous:  # a second round (llm_wait_seconds): add up
             for name in ("requests", "answered", "succeeded", "failed", "retries"):
@@ -371,4 +375,6 @@ class ModelRun:
                 where model = ? and completed_at >= ?""", [self.ledger.model, self.started]).fetchall()[0]
         if cost is None and self.price is not None:
             cost = realtime = Decimal(0)  # nothing harvested this run
+        if self.config.self_hosted:
+            realtime = None  # no realtime counterfactual for a self-hosted engine
         s.cost_usd, s.realtime_usd = cost, realtime

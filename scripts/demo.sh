@@ -21,14 +21,14 @@ rm -f "$DBT_LLM_BATCH_DUCKDB" "$DBT_LLM_BATCH_DUCKDB.wal"
 DBT="../.venv/bin/dbt"
 $DBT deps --profiles-dir .
 echo "== run 1: select rows, submit one batch per model (the tables exist, empty)"
-$DBT build --profiles-dir .
+$DBT build --profiles-dir . --select +tag:batch
 echo "== waiting for the sandbox to finish the batches"
 for _ in $(seq 60); do
   curl -fs "http://127.0.0.1:${PORT}/_emulator/batches" | grep -qE '"status": ?"(validating|in_progress|finalizing)"' || break
   sleep 0.5
 done
 echo "== run 2: harvest the finished batches and merge the results"
-$DBT build --profiles-dir .
+$DBT build --profiles-dir . --select +tag:batch
 ../.venv/bin/dbt-llm-batch status --database "$DBT_LLM_BATCH_DUCKDB"
 ../.venv/bin/python - "$DBT_LLM_BATCH_DUCKDB" <<'PY'
 import sys, duckdb

@@ -163,8 +163,8 @@ def test_overload_is_retried_and_what_the_budget_does_not_reach_waits(project, r
     project.dbt("run", "-s", "triage")
     assert project.query("select count(*) from main.triage") == [(0,)]
     voided = project.query("select distinct status, error from main.llm_batch_requests")
-    assert voided == [("voided", "not sent: the realtime time budget (llm_realtime_budget_seconds=1) ran out; "
-                                 "it is sent again by the next run")]
+    assert voided == [("voided", f"no answer within the realtime time budget (llm_realtime_budget_seconds=1; last "
+                                 f"error: HTTP 429 from {engine.openai_base_url}); sent again by the next run")]
     engine.clear_faults()
     engine.add_fault(endpoint="POST /v1/chat/completions", status_code=503, retry_after=0.1, times=2)
     project.dbt("run", "-s", "triage")  # the overload passed: two 503s are retried, every row answered
@@ -200,3 +200,75 @@ def test_a_run_killed_mid_way_asks_only_the_unfinished_rows_again(project, repli
     assert all(asked_after.get(texts[t], 0) == 1 for t in asked_again)
     rows = table(project)
     assert sorted(rows) == [1, 2, 3, 4, 5, 6] and {r[3] for r in rows.values()} == {"succeeded"}
+
+
+def test_a_budget_that_ends_before_every_row_started_leaves_the_rest_for_the_next_run(project, replicas, monkeypatch,
+                                                                                      api_key):
+    monkeypatch.setenv("ENGINE_KEY", api_key)
+    engine = replicas[0]
+    engine.realtime_latency = 0.6  # one at a time: about three rows fit in a 2 s budget
+    project.write("models/triage.sql", self_hosted_model([engine.openai_base_url], "llm_realtime_budget_seconds = 2,")
+                  .replace("llm_concurrency = 4", "llm_concurrency = 1"))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    done = project.query("select count(*) from main.triage where llm_status = 'succeeded'")[0][0]
+    assert 1 <= done < 6
+    waiting = project.query("select count(*), min(error) from main.llm_batch_requests where status = 'voided'")
+    assert waiting == [(6 - done, "no answer within the realtime time budget (llm_realtime_budget_seconds=2); "
+                                  "sent again by the next run")]
+    line = summary_line(project)
+    assert f"{6 - done} left for the next run (llm_realtime_budget_seconds)" in line
+    engine.realtime_latency = 0.0
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+    assert engine.stats()["realtime_requests"]["openai"] == 6  # each row answered once
+
+
+def test_a_rejected_key_stops_the_run_without_failing_any_row(project, replicas, monkeypatch):
+    monkeypatch.setenv("ENGINE_KEY", "sk-wrong-key-0000")
+    project.write("models/triage.sql", self_hosted_model([replicas[0].openai_base_url]))
+    project.dbt("seed")
+    result = project.dbt("run", "-s", "triage", expect_ok=False)
+    message = "\n".join(str(r.message) for r in result.result.results)
+    assert (f"{replicas[0].openai_base_url} answered HTTP 401: the API key was rejected "
+            f"(check ENGINE_KEY, named by llm_api_key_env)") in message
+    assert "sk-wrong-key" not in message and "0000" not in message
+    assert project.query("select distinct status from main.llm_batch_requests") == [("voided",)]
+    monkeypatch.setenv("ENGINE_KEY", replicas[0]._api_key)
+    project.dbt("run", "-s", "triage")  # with the key fixed, every row is answered: none was failed
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+
+
+def test_an_engine_that_is_not_running_fails_fast_with_what_to_do(project, monkeypatch):
+    import socket
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    project.write("models/triage.sql", self_hosted_model([url]).replace(
+        "llm_api_key_env = 'ENGINE_KEY', ", ""))
+    project.dbt("seed")
+    result = project.dbt("run", "-s", "triage", expect_ok=False)
+    message = "\n".join(str(r.message) for r in result.result.results)
+    assert f"cannot connect to {url}" in message
+    assert "is the engine running (scripts/engine.sh start), and is llm_base_url right?" in message
+
+
+def test_a_dead_replica_is_avoided_and_the_live_one_answers_everything(project, replicas, monkeypatch, api_key):
+    import socket
+    monkeypatch.setenv("ENGINE_KEY", api_key)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    project.write("models/triage.sql", self_hosted_model([dead, replicas[0].openai_base_url]))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+    assert replicas[0].stats()["realtime_requests"]["openai"] == 6
+
+
+def test_a_comment_in_the_realtime_expression_is_harmless(project, emulator):
+    project.write("models/triage.sql", triage_model(
+        extra_config="llm_realtime_when = \"priority = 'urgent' -- the ones that cannot wait\","))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    assert emulator.stats()["realtime_requests"]["openai"] == 2 and batch_counts(emulator) == [4]

@@ -18,8 +18,17 @@ RETRYABLE = {408, 409, 429, 500, 502, 503, 504, 529}
 REQUEST_TIMEOUT_SECONDS = 300  # one answer from a busy engine can take minutes
 
 
+# Statuses that say the run itself is wrong (key, account, model name or URL), not the row.
+FATAL = {401: "the API key was rejected", 402: "the account cannot pay for requests",
+         403: "the API key may not use this model"}
+
+
 class TransientError(Exception):
     """No reply (timeout, refused or dropped connection): the request may be tried again."""
+
+
+class FatalReply(Exception):
+    """A reply that fails every request alike: the run stops; no row is marked failed for it."""
 
 
 @dataclass
@@ -45,23 +54,42 @@ class SdkTransport:
     """POST a JSON body to `path` through an official SDK client (openai.AsyncOpenAI or
     anthropic.AsyncAnthropic), which adds the key, version headers and base URL."""
 
-    def __init__(self, client, path: str, errors):
+    def __init__(self, client, path: str, errors, name: str, key_hint: str, self_hosted: bool = False):
         self.client, self.path, self.errors = client, path, errors
+        self.name, self.key_hint, self.self_hosted = name, key_hint, self_hosted
         self.outstanding = 0  # requests on their way (replica selection)
+        self.cooldown_until = 0.0  # after an error, other replicas are preferred until then
+        self.failures = 0  # connection failures in a row
+        self.never_connected = True
+        self.dead = False  # never reachable: given up for this run
 
-    async def send(self, body: bytes) -> Reply:
+    async def send(self, body: bytes, timeout: float) -> Reply:
         import httpx2 as httpx  # the HTTP client the SDKs are built on
         self.outstanding += 1
         try:  # the body is already JSON (built in SQL): sent as is, never parsed here
-            response = await self.client.post(self.path, content=body, cast_to=httpx.Response,
-                                              options={"headers": {"Content-Type": "application/json"}})
-            return Reply(response.status_code, response.text)
+            response = await self.client.post(self.path, content=body, cast_to=httpx.Response, options={
+                "headers": {"Content-Type": "application/json"}, "timeout": timeout})
+            reply = Reply(response.status_code, response.text)
         except self.errors.APIStatusError as exc:
-            return Reply(exc.status_code, exc.response.text, retry_after_seconds(exc.response.headers))
+            reply = Reply(exc.status_code, exc.response.text, retry_after_seconds(exc.response.headers))
         except (self.errors.APITimeoutError, self.errors.APIConnectionError) as exc:
+            if not isinstance(exc, self.errors.APITimeoutError):
+                self.failures += 1
             raise TransientError(f"{type(exc).__name__}: {exc}") from None
         finally:
             self.outstanding -= 1
+        self.never_connected, self.failures = False, 0
+        return reply
+
+    def fatal_problem(self, reply: Reply) -> str | None:
+        """Why `reply` fails the whole run, or None. The provider's own text is left out: a 401's
+        message can quote part of the key."""
+        if reply.status in FATAL:
+            return f"{self.name} answered HTTP {reply.status}: {FATAL[reply.status]} (check {self.key_hint})"
+        if reply.status == 404 and self.self_hosted:
+            return (f"{self.name} answered HTTP 404: no such endpoint or model (check llm_base_url, which "
+                    f"usually ends in /v1, and that llm_model is the engine's served model name)")
+        return None
 
     async def aclose(self) -> None:
         await self.client.close()
@@ -81,7 +109,10 @@ def openai_transports(base_urls: tuple[str, ...] = (), api_key_env: str | None =
         if url is not None:  # a self-hosted engine: its own key variable, or none at all
             kwargs.update(base_url=url, api_key=os.environ.get(api_key_env) if api_key_env else "none")
         return openai.AsyncOpenAI(**kwargs)
-    return [SdkTransport(client(url), "/chat/completions", openai) for url in (base_urls or [None])]
+    if not base_urls:
+        return [SdkTransport(client(None), "/chat/completions", openai, "OpenAI", "OPENAI_API_KEY")]
+    hint = f"{api_key_env}, named by llm_api_key_env" if api_key_env else "the engine's key: set llm_api_key_env"
+    return [SdkTransport(client(url), "/chat/completions", openai, url, hint, self_hosted=True) for url in base_urls]
 
 
 def anthropic_transports(concurrency: int = 16) -> list[SdkTransport]:
@@ -90,4 +121,4 @@ def anthropic_transports(concurrency: int = 16) -> list[SdkTransport]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     client = anthropic.AsyncAnthropic(max_retries=0, timeout=REQUEST_TIMEOUT_SECONDS,
                                       http_client=anthropic.DefaultAsyncHttpxClient(limits=limits))
-    return [SdkTransport(client, "/v1/messages", anthropic)]
+    return [SdkTransport(client, "/v1/messages", anthropic, "Anthropic", "ANTHROPIC_API_KEY")]

@@ -27,7 +27,9 @@ def openai_chat_completion(face, req: Request) -> Reply:
         emu.counters.add_usage("openai", prompt_tokens=done.prompt_tokens,
                                completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens)
         emu.counters.realtime_answered("openai", chat_inputs(body).prompt)
-    return Reply(status, _json_bytes(payload))
+    # Providers send retry-after with 429 and 5xx (provider-contracts.md, throttling).
+    headers = {"retry-after": "1"} if status == 429 or status >= 500 else {}
+    return Reply(status, _json_bytes(payload), headers=headers)
 
 
 def anthropic_create_message(face, req: Request) -> dict:
@@ -35,7 +37,9 @@ def anthropic_create_message(face, req: Request) -> dict:
     result, usage = run_request(params, emu.fault_book, emu.prompt_cache, emu.min_cache_tokens, emu.now(), face._id)
     if result["type"] != "succeeded":
         error = result["error"]["error"]
-        raise ApiError(STATUS_OF_TYPE.get(error["type"], 400), error["message"], error["type"])
+        status = STATUS_OF_TYPE.get(error["type"], 400)
+        raise ApiError(status, error["message"], error["type"],
+                       headers={"retry-after": "1"} if status == 429 or status >= 500 else None)
     usage["service_tier"] = "standard"
     emu.counters.add_usage(face.name, **{k: usage[k] for k in (
         "input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")})
