@@ -60,6 +60,7 @@ DEFAULTS: dict[str, Any] = {
     "llm_price_table": None,
     "llm_max_batches_in_flight": 20,
     "llm_max_tokens_in_flight": None,  # provider default (OpenAI: 2,000,000 enqueued tokens)
+    "llm_retry_budget_seconds": 300,  # per run: how long throttled / failing provider calls are retried
 }
 
 KNOWN_PROVIDERS = ("openai", "anthropic")
@@ -100,6 +101,7 @@ class ModelConfig:
     price_table: str | None = None  # the user's price rows (a relation), overriding the shipped table
     max_batches_in_flight: int = 20
     max_tokens_in_flight: int | None = None  # estimated input tokens; None: the provider's default
+    retry_budget_seconds: float = 300  # retrying 429 / 5xx / timeouts, from a run's first failure on
 
     @property
     def structured(self) -> bool:
@@ -167,6 +169,7 @@ def parse_config(raw: dict) -> ModelConfig:
     _check_number(errors, cfg, "llm_max_cost_usd", (int, float), minimum=0)
     _check_number(errors, cfg, "llm_max_batches_in_flight", int, minimum=1)
     _check_number(errors, cfg, "llm_max_tokens_in_flight", int, minimum=1)
+    _check_number(errors, cfg, "llm_retry_budget_seconds", (int, float), minimum=0)
     if not isinstance(cfg["llm_dry_run"], bool):
         errors.append(f"llm_dry_run must be true or false, got {cfg['llm_dry_run']!r}")
     if cfg["llm_price_table"] is not None and not isinstance(cfg["llm_price_table"], str):
@@ -211,6 +214,7 @@ def parse_config(raw: dict) -> ModelConfig:
         price_table=cfg["llm_price_table"],
         max_batches_in_flight=cfg["llm_max_batches_in_flight"],
         max_tokens_in_flight=cfg["llm_max_tokens_in_flight"],
+        retry_budget_seconds=float(cfg["llm_retry_budget_seconds"]),
     )
 
 

@@ -139,7 +139,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
                 select key, fingerprint, count(*) as n_requests,
                        count(*) filter (where status in ('queued', 'submitted')) as in_flight,
                        count(*) filter (where status = 'succeeded') as succeeded,
-                       count(*) filter (where status = 'failed') as failed
+                       count(*) filter (where status = 'failed') as failed,
+                       max(not_before) as not_before  -- a back-off (token limit) holds the key until then
                 from {requests}
                 where model = ? and status <> 'deferred'
                 group by key, fingerprint),
@@ -148,7 +149,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
                 from {DESIRED} d left join history h using (key, fingerprint)
                 where d.has_prompt
                   and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0
-                  and coalesce(h.failed, 0) < ?)
+                  and coalesce(h.failed, 0) < ?
+                  and coalesce(h.not_before <= now(), true))
             select row_id, key, fingerprint, seq,
                    'r_' || substr(sha256(? || key || fingerprint || seq), 1, 40) as custom_id,
                    null::varchar as deferred_prompt, null::varchar as deferred_row_json
