@@ -14,12 +14,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from dbt_llm_batch.providers.base import BatchState
-
-
-def run_log():
-    """dbt's log (the run log users read); imported late: runner imports harvest, which imports this."""
-    from dbt_llm_batch.runner import logger
-    return logger()
+from dbt_llm_batch.runlog import logger as run_log
 
 BACKOFF_FIRST_SECONDS = 600
 BACKOFF_MAX_SECONDS = 6 * 3600

@@ -9,7 +9,6 @@ the next run finds the stored lines and settles from them.
 from __future__ import annotations
 
 import json
-import logging
 import tempfile
 import time
 
@@ -20,13 +19,13 @@ from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
 from dbt_llm_batch.providers.calls import ProviderUnavailable, status_of
+from dbt_llm_batch.runlog import logger as run_log
 
 RETENTION_ENDED = "results no longer retrievable at the provider (retention ended); resubmitted"
 # A batch the provider says does not exist is taken as deleted only once it must have ended (24 h)
 # plus an hour: a younger one means a key for another organisation or workspace, not a lost batch.
 GONE_AFTER_SECONDS = 25 * 3600
 
-log = logging.getLogger("dbt_llm_batch")
 
 
 def answer_problem_sql(config: ModelConfig) -> str:
@@ -76,7 +75,7 @@ def poll_and_harvest(ledger: Ledger, provider: BatchProvider, config: ModelConfi
                 break  # the retry budget is spent: this job and the rest stay pending (runner warns)
             if state.results_gone:
                 state.error = RETENTION_ENDED
-                batch_failures.run_log().warning(f"{ledger.model}: batch {job['batch_id']}: {RETENTION_ENDED} "
+                run_log().warning(f"{ledger.model}: batch {job['batch_id']}: {RETENTION_ENDED} "
                                                  "(results already stored are kept)")
             ended.append((job["job_id"], state))
         crashpoints.reach("after_download")
@@ -98,7 +97,7 @@ def _poll(ledger: Ledger, provider: BatchProvider, job: dict) -> BatchState | No
             raise
     if time.time() - job["created_at"].timestamp() > GONE_AFTER_SECONDS:
         return BatchState(status="gone", ended=True, results_gone=True)
-    batch_failures.run_log().warning(
+    run_log().warning(
         f"{ledger.model}: the provider says batch {job['batch_id']} does not exist; it was created less than a "
         f"day ago, so it is left pending: check that {provider.key_env_var} is the key of the organisation or "
         "workspace that created it")
@@ -212,5 +211,5 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
         con.execute("drop table if exists __llm_outcomes")
     batch_failures.log_backoffs(ledger, jobs)
     if unknown:
-        log.warning("%s: %d result line(s) for custom_ids their batch never sent were ignored", ledger.model, unknown)
+        run_log().warning(f"{ledger.model}: {unknown} result line(s) for custom_ids their batch never sent were ignored")
     return unknown

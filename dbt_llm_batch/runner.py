@@ -18,6 +18,7 @@ from dbt_llm_batch.planner import INPUT
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.providers.base import UNRESOLVED
 from dbt_llm_batch.providers.calls import ProviderUnavailable
+from dbt_llm_batch.runlog import logger
 
 
 @dataclass
@@ -45,13 +46,6 @@ class RunSummary:
                 f"pending {self.pending}" + (f"; deferred {self.deferred} (in-flight cap)" if self.deferred else ""))
 
 
-def logger():
-    try:
-        from dbt.adapters.events.logging import AdapterLogger
-        return AdapterLogger("llm_batch")
-    except ImportError:  # outside dbt (unit tests, scripts)
-        import logging
-        return logging.getLogger("dbt_llm_batch")
 
 
 def load_input(con, sql: str | None, df):

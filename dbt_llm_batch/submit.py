@@ -8,7 +8,6 @@ never recorded (a crash between `create` and the ledger write).
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 
@@ -20,8 +19,7 @@ from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.planner import PLAN
 from dbt_llm_batch.providers.base import BatchProvider
 from dbt_llm_batch.providers.calls import ProviderUnavailable, describe, is_transient, status_of
-
-log = logging.getLogger("dbt_llm_batch")
+from dbt_llm_batch.runlog import logger
 
 WRITE_BATCH_ROWS = 10_000
 
@@ -104,5 +102,5 @@ def _stop_after_failed_create(ledger: Ledger, job_id: str, exc: BaseException) -
         fate = "its requests will be resubmitted by the next run"
     else:
         fate = "it may have reached the provider, so its requests are held until reconciliation can tell"
-    log.warning("%s: creating a batch failed (%s); %s; the remaining chunks wait for the next run",
-                ledger.model, describe(exc), fate)
+    logger().warning(f"{ledger.model}: creating a batch failed ({describe(exc)}); {fate}; the remaining chunks "
+                     "wait for the next run")

@@ -29,13 +29,12 @@ def status_of(exc: BaseException) -> int | None:
 def is_transient(exc: BaseException) -> bool:
     """A failure that says nothing about the request itself: throttling, a 5xx, a timeout, a dropped
     or cut-off connection. Both SDKs name their transport failure APIConnectionError (timeouts
-    subclass it); a body cut off while it is read surfaces as httpx's own TransportError."""
+    subclass it); a body cut off while it is streamed surfaces as the HTTP library's own
+    TransportError (httpx, or the httpx2 the installed SDKs use): matched by name, not by import."""
     status = status_of(exc)
     if status is not None:
         return status in RETRYABLE_STATUSES or status >= 500
-    import httpx
-    return isinstance(exc, httpx.TransportError) or any(
-        cls.__name__ == "APIConnectionError" for cls in type(exc).__mro__)
+    return any(cls.__name__ in ("APIConnectionError", "TransportError") for cls in type(exc).__mro__)
 
 
 def retry_after(exc: BaseException) -> float | None:
