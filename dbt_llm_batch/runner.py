@@ -151,6 +151,7 @@ class ModelRun:
             if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing
                 self.plan_and_submit()
             if self.config.wait_seconds <= 0 or not self.ledger.open_jobs():
+                self.provider_unavailable()  # warns if a call of this run gave up
                 return
             self.wait(deadline)
             if time.monotonic() >= deadline:
