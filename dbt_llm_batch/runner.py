@@ -125,6 +125,7 @@ class ModelRun:
         costs.load_prices(con, config.price_table)
         self.price = costs.price_of(con, config.provider, config.model)
         self._provider = None
+        self._warned_unavailable = False
         self.input_columns: list[tuple[str, str]] = []  # the model's selected columns, set by run_model
 
     @property
@@ -163,7 +164,7 @@ class ModelRun:
         calls = self._provider.calls if self._provider is not None else None
         if calls is None or not calls.spent:
             return False
-        if not getattr(self, "_warned_unavailable", False):
+        if not self._warned_unavailable:
             self._warned_unavailable = True
             logger().warning(f"{self.ledger.model}: the provider kept failing for llm_retry_budget_seconds="
                              f"{self.config.retry_budget_seconds:g} ({calls.last_error}); open batches stay "

@@ -351,3 +351,43 @@ def test_completed_with_every_request_failed_has_no_output_file(project, emulato
     assert batch["status"] == "completed" and batch["output_file_id"] is None
     run(project)
     assert table(project) == {i: ("failed", "Upstream failure.", None) for i in range(6)}
+
+
+# -- the retry budget itself (fake clock: exact waits) ------------------------------------------------
+
+class FakeStatusError(Exception):
+    def __init__(self, status, headers=None):
+        super().__init__(f"status {status}")
+        self.status_code = status
+        self.response = type("R", (), {"headers": headers or {}})()
+
+
+def test_call_budget_honours_retry_after_backs_off_and_gives_up_at_the_budget():
+    from dbt_llm_batch.providers.calls import CallBudget, ProviderUnavailable
+
+    now, slept = [0.0], []
+
+    def sleep(s):
+        slept.append(s)
+        now[0] += s
+    budget = CallBudget(10, sleep=sleep, clock=lambda: now[0])
+    failures = iter([FakeStatusError(429, {"retry-after": "3"}), FakeStatusError(503), FakeStatusError(500)])
+
+    def flaky():
+        failure = next(failures, None)
+        if failure:
+            raise failure
+        return "ok"
+    assert budget.call("poll", flaky) == "ok"
+    assert slept == [3.0, 1.0, 2.0]  # the provider's retry-after, then exponential back-off
+
+    with pytest.raises(FakeStatusError):  # a 400 is not retried
+        budget.call("poll", lambda: (_ for _ in ()).throw(FakeStatusError(400)))
+
+    def always_503():
+        raise FakeStatusError(503, {"retry-after-ms": "2500"})
+    with pytest.raises(ProviderUnavailable, match="poll: HTTP 503"):
+        budget.call("poll", always_503)
+    assert now[0] <= 10  # never waits past the budget, counted from the first failure
+    with pytest.raises(ProviderUnavailable, match="skipped, the retry budget is spent"):
+        budget.call("download", lambda: "never called")

@@ -74,14 +74,15 @@ class CallBudget:
                     raise
                 now = self.clock()
                 self.first_failure = self.first_failure if self.first_failure is not None else now
-                wait = retry_after(exc)
-                wait = delay if wait is None else wait
+                asked = retry_after(exc)
+                wait = delay if asked is None else asked
                 self.last_error = f"{what}: {describe(exc)}"
                 if now + wait > self.first_failure + self.seconds:
                     self.spent = True
                     raise ProviderUnavailable(self.last_error) from exc
                 self.sleep(wait)
-                delay = min(delay * 2, 60.0)
+                if asked is None:
+                    delay = min(delay * 2, 60.0)
 
 
 def describe(exc: BaseException) -> str:
