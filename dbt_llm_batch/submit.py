@@ -4,6 +4,10 @@ The order is the ledger's first invariant: the job intents and their 'queued' re
 committed (all chunks at once) before the first upload, so no request can be billed without the ledger knowing it. The
 provider's batch metadata carries the job id, which lets a later run adopt a batch whose id was
 never recorded (a crash between `create` and the ledger write).
+
+Job statuses before the batch id is known: 'intent' (written, the provider never asked: voided at
+once by the next run) and 'submitting' (the upload or `create` was called: it may exist at the
+provider, so reconciliation asks it before anything is resent).
 """
 
 from __future__ import annotations
