@@ -27,7 +27,6 @@ RETENTION_ENDED = "results no longer retrievable at the provider (retention ende
 GONE_AFTER_SECONDS = 25 * 3600
 
 
-
 def answer_problem_sql(config: ModelConfig) -> str:
     """SQL giving why an 'ok' answer is unusable (or NULL): cut off, not JSON, wrong field types."""
     checks = [("truncated",
@@ -76,7 +75,7 @@ def poll_and_harvest(ledger: Ledger, provider: BatchProvider, config: ModelConfi
             if state.results_gone:
                 state.error = RETENTION_ENDED
                 run_log().warning(f"{ledger.model}: batch {job['batch_id']}: {RETENTION_ENDED} "
-                                                 "(results already stored are kept)")
+                                  "(results already stored are kept)")
             ended.append((job["job_id"], state))
         crashpoints.reach("after_download")
         store_lines(ledger, downloads)

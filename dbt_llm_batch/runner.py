@@ -46,8 +46,6 @@ class RunSummary:
                 f"pending {self.pending}" + (f"; deferred {self.deferred} (in-flight cap)" if self.deferred else ""))
 
 
-
-
 def load_input(con, sql: str | None, df):
     """Materialise the model's rows once as a temp table; returns the connection the run works on.
 
