@@ -69,6 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "llm_realtime_when": None,  # SQL boolean expression over the model's columns
     "llm_fallback": None,  # 'realtime'
     "llm_realtime_budget_seconds": 600,  # a run stops starting realtime requests after this; the rest wait
+    "llm_retry_budget_seconds": 300,  # per run: how long throttled / failing provider calls are retried
 }
 
 KNOWN_PROVIDERS = ("openai", "anthropic", "openai_compatible")
@@ -121,6 +122,7 @@ class ModelConfig:
     def self_hosted(self) -> bool:
         """Every row goes to the configured engine's realtime endpoint; there is no batch path."""
         return self.provider == "openai_compatible"
+    retry_budget_seconds: float = 300  # retrying 429 / 5xx / timeouts, from a run's first failure on
 
     @property
     def structured(self) -> bool:
@@ -188,6 +190,7 @@ def parse_config(raw: dict) -> ModelConfig:
     _check_number(errors, cfg, "llm_max_cost_usd", (int, float), minimum=0)
     _check_number(errors, cfg, "llm_max_batches_in_flight", int, minimum=1)
     _check_number(errors, cfg, "llm_max_tokens_in_flight", int, minimum=1)
+    _check_number(errors, cfg, "llm_retry_budget_seconds", (int, float), minimum=0)
     if not isinstance(cfg["llm_dry_run"], bool):
         errors.append(f"llm_dry_run must be true or false, got {cfg['llm_dry_run']!r}")
     if cfg["llm_price_table"] is not None and not isinstance(cfg["llm_price_table"], str):
@@ -240,6 +243,7 @@ def parse_config(raw: dict) -> ModelConfig:
         realtime_when=cfg["llm_realtime_when"],
         fallback=cfg["llm_fallback"],
         realtime_budget_seconds=float(cfg["llm_realtime_budget_seconds"]),
+        retry_budget_seconds=float(cfg["llm_retry_budget_seconds"]),
     )
 
 

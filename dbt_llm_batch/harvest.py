@@ -9,17 +9,22 @@ the next run finds the stored lines and settles from them.
 from __future__ import annotations
 
 import json
-import logging
 import tempfile
+import time
 
 import pyarrow as pa
 
-from dbt_llm_batch import costs, crashpoints
+from dbt_llm_batch import batch_failures, costs, crashpoints
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
+from dbt_llm_batch.providers.calls import ProviderUnavailable, status_of
+from dbt_llm_batch.runlog import logger as run_log
 
-log = logging.getLogger("dbt_llm_batch")
+RETENTION_ENDED = "results no longer retrievable at the provider (retention ended); resubmitted"
+# A batch the provider says does not exist is taken as deleted only once it must have ended (24 h)
+# plus an hour: a younger one means a key for another organisation or workspace, not a lost batch.
+GONE_AFTER_SECONDS = 25 * 3600
 
 
 def answer_problem_sql(config: ModelConfig) -> str:
@@ -55,15 +60,23 @@ def poll_and_harvest(ledger: Ledger, provider: BatchProvider, config: ModelConfi
     with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
         downloads = []
         for job in jobs:
-            state = provider.poll(job["batch_id"])
-            if not state.ended:
-                ledger.update_job(job["job_id"], status=state.status)
-                stats["still_pending_jobs"] += 1
-                continue
+            try:
+                state = _poll(ledger, provider, job)
+                if state is None or not state.ended:
+                    if state is not None:
+                        ledger.update_job(job["job_id"], status=state.status)
+                    stats["still_pending_jobs"] += 1
+                    continue
+                if not _stored(ledger, job["job_id"]):  # an interrupted run may have stored them already
+                    files = provider.download_results(state, job["batch_id"], directory)
+                    downloads += [(job["job_id"], source, path) for source, path in files]
+            except ProviderUnavailable:
+                break  # the retry budget is spent: this job and the rest stay pending (runner warns)
+            if state.results_gone:
+                state.error = RETENTION_ENDED
+                run_log().warning(f"{ledger.model}: batch {job['batch_id']}: {RETENTION_ENDED} "
+                                  "(results already stored are kept)")
             ended.append((job["job_id"], state))
-            if not _stored(ledger, job["job_id"]):  # an interrupted run may have stored them already
-                files = provider.download_results(state, job["batch_id"], directory)
-                downloads += [(job["job_id"], source, path) for source, path in files]
         crashpoints.reach("after_download")
         store_lines(ledger, downloads)
         crashpoints.reach("after_store")
@@ -71,6 +84,23 @@ def poll_and_harvest(ledger: Ledger, provider: BatchProvider, config: ModelConfi
         stats["unknown_results"] = settle(ledger, provider, config, ended, price)
         stats["harvested_jobs"] = len(ended)
     return stats
+
+
+def _poll(ledger: Ledger, provider: BatchProvider, job: dict) -> BatchState | None:
+    """The job's state; for a batch the provider no longer knows, an ended state without results
+    once it must have ended (GONE_AFTER_SECONDS), else None (left pending, with a warning)."""
+    try:
+        return provider.poll(job["batch_id"])
+    except Exception as exc:
+        if status_of(exc) != 404:
+            raise
+    if time.time() - job["created_at"].timestamp() > GONE_AFTER_SECONDS:
+        return BatchState(status="gone", ended=True, results_gone=True)
+    run_log().warning(
+        f"{ledger.model}: the provider says batch {job['batch_id']} does not exist; it was created less than a "
+        f"day ago, so it is left pending: check that {provider.key_env_var} is the key of the organisation or "
+        "workspace that created it")
+    return None
 
 
 def _stored(ledger: Ledger, job_id: str) -> bool:
@@ -106,10 +136,13 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
     and its other requests untouched (see realtime.py)."""
     con = ledger.con
     requests, results = ledger.table("llm_batch_requests"), ledger.table("llm_batch_results")
+    reasons, backoffs = batch_failures.void_details(ledger, jobs)
     ended = pa.table({
         "job_id": [j for j, _ in jobs], "status": [s.status for _, s in jobs], "error": [s.error for _, s in jobs],
-        "output_file_id": [s.output_file_id for _, s in jobs], "error_file_id": [s.error_file_id for _, s in jobs]})
+        "output_file_id": [s.output_file_id for _, s in jobs], "error_file_id": [s.error_file_id for _, s in jobs],
+        "void_reason": pa.array(reasons, pa.string()), "backoff_seconds": pa.array(backoffs, pa.int64())})
     con.register("__llm_ended", ended)
+    con.register("__llm_line_errors", batch_failures.line_errors_table(jobs))
     con.execute(
         f"""create or replace temp table __llm_outcomes as
             with parsed as (
@@ -158,11 +191,14 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
                 [config.max_attempts])
             if source:
                 return
+            batch_failures.fail_named_lines(con, requests, config.max_attempts)
             # Requests a batch ended without answering (batch-level failure, lost lines) were never
             # settled by the provider: they go back to the queue without using up an attempt.
             con.execute(
                 f"""update {requests} r set status = 'voided', completed_at = now(),
-                      error = coalesce(e.error, 'batch ended (' || e.status || ') without a result for this request')
+                      not_before = now() + to_seconds(e.backoff_seconds),
+                      error = coalesce(e.void_reason, e.error,
+                                       'batch ended (' || e.status || ') without a result for this request')
                       {", cost_usd = 0, realtime_cost_usd = 0" if price is not None else ""}
                     from __llm_ended e where r.job_id = e.job_id and r.status in ('queued', 'submitted')""")
             con.execute(
@@ -174,7 +210,9 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
         retry_on_conflict(write)
     finally:
         con.unregister("__llm_ended")
+        con.unregister("__llm_line_errors")
         con.execute("drop table if exists __llm_outcomes")
+    batch_failures.log_backoffs(ledger, jobs)
     if unknown:
-        log.warning("%s: %d result line(s) for custom_ids their batch never sent were ignored", ledger.model, unknown)
+        run_log().warning(f"{ledger.model}: {unknown} result line(s) for custom_ids their batch never sent were ignored")
     return unknown

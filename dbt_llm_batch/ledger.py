@@ -109,6 +109,9 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                    coalesce(r.route, 'batch') as route
             from {s}.llm_batch_requests r left join {s}.llm_batch_jobs j using (job_id)
             group by all"""]),
+    # A voided request is not planned again before `not_before` (the back-off after the provider's
+    # token_limit_exceeded). Version 6 is another branch's; versions only need to increase.
+    (7, ["alter table {s}.llm_batch_requests add column not_before timestamptz"]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -288,6 +291,12 @@ class Ledger:
                                          where job_id = ? and status = 'queued'""", [job_id])
                     self.con.execute(f"delete from {self.table('llm_batch_jobs')} where job_id = ?", [job_id])
         retry_on_conflict(write)
+
+    def backed_off(self) -> tuple[int, object]:
+        """(keys waiting for a back-off, when the last of them may go) of this model."""
+        return self.con.execute(
+            f"""select count(distinct (key, fingerprint)), max(not_before) from {self.table('llm_batch_requests')}
+                where model = ? and status = 'voided' and not_before > now()""", [self.model]).fetchall()[0]
 
     def has_deferred(self) -> bool:
         return self.con.execute(f"select count(*) from {self.table('llm_batch_requests')} "

@@ -156,7 +156,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
                        count(*) filter (where status in ('queued', 'submitted')) as in_flight,
                        count(*) filter (where status = 'succeeded') as succeeded,
                        count(*) filter (where status = 'failed') as failed,
-                       count(*) filter (where route = 'realtime' and status <> 'voided') as realtime_tried
+                       count(*) filter (where route = 'realtime' and status <> 'voided') as realtime_tried,
+                       max(not_before) as not_before  -- a back-off (token limit) holds the key until then
                 from {requests}
                 where model = ? and status <> 'deferred'
                 group by key, fingerprint),
@@ -168,7 +169,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
                   and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0
                   and (coalesce(h.failed, 0) < ?
                        -- llm_fallback = 'realtime': batch attempts used up, one more try in realtime
-                       or (? and coalesce(h.realtime_tried, 0) = 0)))
+                       or (? and coalesce(h.realtime_tried, 0) = 0))
+                  and coalesce(h.not_before <= now(), true))
             select row_id, key, fingerprint, seq,
                    'r_' || substr(sha256(? || key || fingerprint || seq), 1, 40) as custom_id,
                    null::varchar as deferred_prompt, null::varchar as deferred_row_json, route

@@ -17,6 +17,8 @@ from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.planner import INPUT
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.providers.base import UNRESOLVED
+from dbt_llm_batch.providers.calls import ProviderUnavailable
+from dbt_llm_batch.runlog import logger
 
 REALTIME_PLAN = "__llm_realtime_plan"  # the plan's realtime rows (ModelRun.split_realtime)
 
@@ -52,15 +54,6 @@ class RunSummary:
         left = f", {r.unsent} left for the next run (llm_realtime_budget_seconds)" if r.unsent else ""
         return (f"; realtime {r.requests} request(s) in {r.seconds:.1f} s: {r.succeeded} succeeded, "
                 f"{r.failed} failed{left}" + (f", {r.retries} retried" if r.retries else ""))
-
-
-def logger():
-    try:
-        from dbt.adapters.events.logging import AdapterLogger
-        return AdapterLogger("llm_batch")
-    except ImportError:  # outside dbt (unit tests, scripts)
-        import logging
-        return logging.getLogger("dbt_llm_batch")
 
 
 def load_input(con, sql: str | None, df):
@@ -142,6 +135,7 @@ class ModelRun:
         self._provider = None
         # One realtime budget for the whole run, however many rounds llm_wait_seconds makes.
         self.realtime_deadline = time.monotonic() + config.realtime_budget_seconds
+        self._warned_unavailable = False
         self.input_columns: list[tuple[str, str]] = []  # the model's selected columns, set by run_model
 
     @property
@@ -163,13 +157,29 @@ class ModelRun:
         self.ledger.finalize_exhausted(self.config.max_attempts)
         self.summary.rejected_prompts = planner.reject_empty_prompts(self.ledger, INPUT, self.input_columns)
         while True:
+            if self.provider_unavailable():
+                return
             if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing
                 self.plan_and_submit()
             if self.config.wait_seconds <= 0 or not self.ledger.open_jobs():
+                self.provider_unavailable()  # warns if a call of this run gave up
                 return
             self.wait(deadline)
             if time.monotonic() >= deadline:
                 return
+
+    def provider_unavailable(self) -> bool:
+        """True once the provider kept failing for llm_retry_budget_seconds: the run then stops asking
+        it (open batches stay pending, nothing new is submitted) and succeeds with a warning."""
+        calls = self._provider.calls if self._provider is not None else None
+        if calls is None or not calls.spent:
+            return False
+        if not self._warned_unavailable:
+            self._warned_unavailable = True
+            logger().warning(f"{self.ledger.model}: the provider kept failing for llm_retry_budget_seconds="
+                             f"{self.config.retry_budget_seconds:g} ({calls.last_error}); open batches stay "
+                             f"pending and nothing new was submitted; the next run carries on")
+        return True
 
     def harvest_open(self) -> None:
         jobs = self.ledger.open_jobs()
@@ -181,8 +191,11 @@ class ModelRun:
             realtime.settle_interrupted(self.ledger, job_provider, job["job_id"], self.price)
             logger().warning(f"{self.ledger.model}: a realtime run was interrupted; its stored answers are kept and "
                              f"the requests it had not finished are sent again")
-        for job in [j for j in jobs if j["status"] == "intent"]:
-            self.reconcile(job)
+        for job in [j for j in jobs if j["status"] in ("intent", "submitting")]:
+            try:
+                self.reconcile(job)
+            except ProviderUnavailable:
+                break  # left as it is; provider_unavailable() reports it
         submitted = [j for j in self.ledger.open_jobs() if j["batch_id"]]
         stats = harvest.poll_and_harvest(self.ledger, self.provider, self.config, submitted, self.price)
         self.summary.harvested_batches += stats["harvested_jobs"]
@@ -194,6 +207,10 @@ class ModelRun:
         """An intent without a batch id: the run died around `create`. Adopt the batch, void the intent
         if it never reached the provider, or leave it (and its requests) alone until that can be told."""
         ledger = self.ledger
+        if job["status"] == "intent":  # the run died before asking the provider (submit.py)
+            ledger.void_job(job["job_id"], "submission interrupted before reaching the provider")
+            ledger.update_job(job["job_id"], status="voided")
+            return
         custom_ids = {r[0] for r in self.con.execute(
             f"select custom_id from {ledger.table('llm_batch_requests')} where job_id = ?", [job["job_id"]]).fetchall()}
         found = self.provider.find_submission(job["job_id"], job["created_at"].timestamp(), custom_ids)
@@ -277,6 +294,10 @@ class ModelRun:
         return tuple(self.con.execute(f"select count(*), sum(estimated_cost_usd) from {REALTIME_PLAN}").fetchall()[0])
 
     def plan_and_submit(self) -> None:
+        held, until = self.ledger.backed_off()
+        if held:
+            logger().info(f"{self.ledger.model}: {held} request(s) wait for the token-limit back-off and will be "
+                          f"resubmitted after {until:%Y-%m-%d %H:%M:%S %Z}")
         if self.plan() == 0:
             if self.ledger.has_deferred():  # superseded by answers the model's rows already have
                 self.ledger.defer(self.rows, 0)
@@ -295,10 +316,13 @@ class ModelRun:
             provider = self.provider
             self.warn_if_prefix_too_short(provider)
             batch_ids = submit.submit_chunks(self.ledger, provider, [c[0] for c in sending], self.rows)
-            self.summary.submitted += sum(c[1] for c in sending)
+            sent = sending[:len(batch_ids)]  # a failed create stops the run's submissions (submit.py)
+            self.summary.submitted += sum(c[1] for c in sent)
             self.summary.batches += len(batch_ids)
-        if n and estimate is not None:
-            self.summary.estimated_usd = (self.summary.estimated_usd or 0) + estimate
+            if estimate is not None:
+                self.summary.estimated_usd = (self.summary.estimated_usd or 0) + sum(c[3] for c in sent)
+            if len(sent) < len(sending):  # the failed chunk is voided or held; the later ones wait
+                fit = len(sent) + 1
         self.ledger.defer(self.rows, fit)
         waiting = sum(c[1] for c in chunks[fit:])
         self.summary.deferred = waiting
@@ -356,7 +380,7 @@ class ModelRun:
     def wait(self, deadline: float) -> None:
         """Poll with back-off until every open job ended or the deadline passed (llm_wait_seconds)."""
         delay = 0.5
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.provider_unavailable():
             self.harvest_open()
             open_jobs = self.ledger.open_jobs()
             if not open_jobs:

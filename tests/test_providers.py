@@ -154,11 +154,11 @@ def test_batch_created_but_not_recorded_is_adopted_not_resent(project, emulator,
         patch.setattr(Ledger, "record_submission", crash)
         project.dbt("run", "-s", "adopt", expect_ok=False)
     assert batch_counts(emulator) == [5]
-    assert project.query("select status, batch_id from main.llm_batch_jobs") == [("intent", None)]
+    assert project.query("select status, batch_id from main.llm_batch_jobs") == [("submitting", None)]
 
     project.dbt("run", "-s", "adopt")
     if provider == "anthropic":  # still running: nothing can confirm it yet, so nothing is resent
-        assert project.query("select status from main.llm_batch_jobs") == [("intent",)]
+        assert project.query("select status from main.llm_batch_jobs") == [("submitting",)]
         emulator.complete_all()
         project.dbt("run", "-s", "adopt")
     else:

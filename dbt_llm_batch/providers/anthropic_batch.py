@@ -9,14 +9,19 @@ ended; a batch carries no metadata, so an interrupted submission is recognised b
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime
 
 from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, UNRESOLVED, BatchProvider, BatchState,
                                           Submission, json_object_text, spliced_line_sql)
+from dbt_llm_batch.providers.calls import status_of
 
 TOOL_NAME = "llm_output"
 # Anthropic requires max_tokens; used when llm_max_tokens is not set.
 DEFAULT_MAX_TOKENS = 1024
+# An interrupted submission with no candidate batch is held this long after its intent: a batch
+# ends within 24 h, plus an hour of grace for clock skew and list lag. Then it provably never ran.
+HOLD_SECONDS = 25 * 3600
 
 
 class AnthropicBatchProvider(BatchProvider):
@@ -38,7 +43,9 @@ class AnthropicBatchProvider(BatchProvider):
     def client(self):
         if self._client is None:
             import anthropic
-            self._client = anthropic.Anthropic(max_retries=4, timeout=120)
+            # No SDK retries (it would honour any retry-after, however long): self.calls retries
+            # inside the run's budget (calls.py).
+            self._client = anthropic.Anthropic(max_retries=0, timeout=120)
         return self._client
 
     def params(self) -> dict:
@@ -93,12 +100,19 @@ class AnthropicBatchProvider(BatchProvider):
         with open(jsonl_path, encoding="utf-8") as f:
             requests = [json.loads(line) for line in f if line.strip()]
         # Not idempotent: no SDK retry (see OpenAIBatchProvider.submit); reconciliation covers a lost response.
-        batch = self.client.with_options(max_retries=0).messages.batches.create(requests=requests)
+        batch = self.client.messages.batches.create(requests=requests)
         return Submission(batch_id=batch.id, status=batch.processing_status)
 
     def find_submission(self, token, since_epoch, custom_ids):
         """No metadata on Anthropic batches: a candidate is a batch created since the intent with the
-        same request count; once it ended, its result custom_ids confirm (or rule out) it."""
+        same request count; once it ended, its result custom_ids confirm (or rule out) it. With no
+        confirming batch the requests stay held (UNRESOLVED) until HOLD_SECONDS after the intent."""
+        found = self.calls.call("list message batches", lambda: self._find(since_epoch, custom_ids))
+        if found is None and time.time() - since_epoch < HOLD_SECONDS:
+            return UNRESOLVED
+        return found
+
+    def _find(self, since_epoch, custom_ids):
         undecided = False
         for batch in self.client.messages.batches.list(limit=100):  # newest first
             if _epoch(batch.created_at) < since_epoch - 3600:  # tolerate clock skew
@@ -110,25 +124,39 @@ class AnthropicBatchProvider(BatchProvider):
             if batch.processing_status != "ended":
                 undecided = True
                 continue
-            seen = {r.custom_id for r in self.client.messages.batches.results(batch.id)}
+            try:
+                seen = {r.custom_id for r in self.client.messages.batches.results(batch.id)}
+            except Exception as exc:
+                if status_of(exc) != 404:
+                    raise
+                continue  # its results are gone: it can confirm nothing
             if seen == custom_ids:
                 return Submission(batch_id=batch.id, status=batch.processing_status)
         return UNRESOLVED if undecided else None
 
     def poll(self, batch_id):
-        b = self.client.messages.batches.retrieve(batch_id)
+        b = self.calls.call(f"poll batch {batch_id}", lambda: self.client.messages.batches.retrieve(batch_id))
         return BatchState(status=b.processing_status, ended=b.processing_status == "ended",
                           counts=b.request_counts.model_dump())
 
     def download_results(self, state, batch_id, directory):
         path = f"{directory}/{batch_id}-results.jsonl"
-        decoder = self.client.messages.batches.results(batch_id)
-        try:  # the raw lines, as the provider sent them, are what the ledger stores
-            with open(path, "wb") as f:
-                for chunk in decoder.http_response.iter_bytes():
-                    f.write(chunk)
-        finally:
-            decoder.close()
+
+        def download():  # a stream cut off midway raises; the retry rewrites the file from the start
+            decoder = self.client.messages.batches.results(batch_id)
+            try:  # the raw lines, as the provider sent them, are what the ledger stores
+                with open(path, "wb") as f:
+                    for chunk in decoder.http_response.iter_bytes():
+                        f.write(chunk)
+            finally:
+                decoder.close()
+        try:
+            self.calls.call(f"download results of {batch_id}", download)
+        except Exception as exc:
+            if status_of(exc) != 404:
+                raise
+            state.results_gone = True  # archived: results are kept 29 days after creation
+            return []
         return [("results", path)]
 
     result_structure = {

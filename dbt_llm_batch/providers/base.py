@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.errors import ConfigError
+from dbt_llm_batch.providers.calls import CallBudget
 
 # Columns every provider's `outcomes_sql` must produce, one row per result line:
 #   custom_id, outcome ('ok' | 'error' | 'void'), answer (text, or the JSON of a structured answer),
@@ -77,6 +78,10 @@ class BatchState:
     counts: dict = field(default_factory=dict)
     output_file_id: str | None = None
     error_file_id: str | None = None
+    # OpenAI validation errors that name input lines: {1-based line of the request file: message}.
+    line_errors: dict = field(default_factory=dict)
+    token_limit: bool = False  # failed on the provider's enqueued-token limit: resubmit after a back-off
+    results_gone: bool = False  # set by download_results: a result file could no longer be fetched
 
 
 class BatchProvider(ABC):
@@ -91,6 +96,8 @@ class BatchProvider(ABC):
 
     def __init__(self, config: ModelConfig):
         self.config = config
+        # Retries of idempotent calls (poll, list, download, upload) share one budget per run.
+        self.calls = CallBudget(config.retry_budget_seconds)
 
     def check_credentials(self) -> None:
         """Raise a ConfigError naming the variable to set when the API key is missing."""

@@ -12,6 +12,7 @@ import os
 from dbt_llm_batch import crashpoints
 from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, BatchProvider, BatchState, Submission,
                                           json_object_text, spliced_line_sql)
+from dbt_llm_batch.providers.calls import status_of
 
 ENDPOINT = "/v1/chat/completions"
 TOKEN_KEY = "dbt_llm_batch_token"  # batch metadata key carrying the ledger's job id
@@ -35,7 +36,8 @@ class OpenAIBatchProvider(BatchProvider):
     def client(self):
         if self._client is None:
             import openai
-            self._client = openai.OpenAI(max_retries=4, timeout=120)
+            # No SDK retries: self.calls retries inside the run's budget (calls.py).
+            self._client = openai.OpenAI(max_retries=0, timeout=120)
         return self._client
 
     def request_body(self) -> dict:
@@ -75,17 +77,23 @@ class OpenAIBatchProvider(BatchProvider):
         return f'{{"custom_id":{json.dumps(custom_id)},"response":{{"status_code":{int(status)},"body":{body}}},"error":null}}'
 
     def submit(self, jsonl_path, token, model_name):
-        with open(jsonl_path, "rb") as f:
-            uploaded = self.client.files.create(file=(os.path.basename(jsonl_path), f), purpose="batch")
+        def upload():  # safe to repeat: an unused input file bills nothing
+            with open(jsonl_path, "rb") as f:
+                return self.client.files.create(file=(os.path.basename(jsonl_path), f), purpose="batch")
+        uploaded = self.calls.call("upload the request file", upload)
         crashpoints.reach("after_upload")
-        # `create` is not idempotent: never let the SDK retry it (a retry after a lost response would
-        # create and bill a second batch). A failure here leaves the intent for reconciliation.
-        batch = self.client.with_options(max_retries=0).batches.create(
+        # `create` is not idempotent: never retried (a retry after a lost response would create and
+        # bill a second batch; the client has no SDK retries). A failure here is left to
+        # submit.py and reconciliation.
+        batch = self.client.batches.create(
             input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h",
             metadata={TOKEN_KEY: token, "dbt_model": model_name[:512]})
         return Submission(batch_id=batch.id, status=batch.status, input_file_id=uploaded.id)
 
     def find_submission(self, token, since_epoch, custom_ids):
+        return self.calls.call("list batches", lambda: self._find(token, since_epoch))
+
+    def _find(self, token, since_epoch):
         for batch in self.client.batches.list(limit=100):  # newest first; the SDK pages on
             if (batch.metadata or {}).get(TOKEN_KEY) == token:
                 return Submission(batch_id=batch.id, status=batch.status, input_file_id=batch.input_file_id)
@@ -94,21 +102,34 @@ class OpenAIBatchProvider(BatchProvider):
         return None
 
     def poll(self, batch_id):
-        b = self.client.batches.retrieve(batch_id)
-        error = None
+        b = self.calls.call(f"poll batch {batch_id}", lambda: self.client.batches.retrieve(batch_id))
+        error, line_errors, token_limit = None, {}, False
         if b.errors and b.errors.data:
             error = "; ".join(f"{e.code}: {e.message}" + (f" (line {e.line})" if e.line else "")
                               for e in b.errors.data)
+            # Validation errors that name lines fail those requests alone (the rest are resubmitted).
+            # `line` is 1-based, counted over the file we uploaded, which is ordered by custom_id.
+            line_errors = {e.line: f"{e.code}: {e.message}" if e.code else e.message
+                           for e in b.errors.data if e.line is not None}
+            token_limit = any(e.code == "token_limit_exceeded" for e in b.errors.data)
         counts = b.request_counts.model_dump() if b.request_counts else {}
         return BatchState(status=b.status, ended=b.status in ENDED, error=error, counts=counts,
-                          output_file_id=b.output_file_id, error_file_id=b.error_file_id)
+                          output_file_id=b.output_file_id, error_file_id=b.error_file_id,
+                          line_errors=line_errors, token_limit=token_limit)
 
     def download_results(self, state, batch_id, directory):
         files = []
         for source, file_id in (("output", state.output_file_id), ("error", state.error_file_id)):
             if file_id:  # a batch whose requests all failed has no output file, one with none failed no error file
                 path = os.path.join(directory, f"{batch_id}-{source}.jsonl")
-                self.client.files.content(file_id).write_to_file(path)
+                try:
+                    self.calls.call(f"download {source} file of {batch_id}",
+                                    lambda: self.client.files.content(file_id).write_to_file(path))
+                except Exception as exc:
+                    if status_of(exc) != 404:
+                        raise
+                    state.results_gone = True  # deleted (retention ended): the other file still counts
+                    continue
                 files.append((source, path))
         return files
 

@@ -223,6 +223,24 @@ def check_lines(data: bytes, endpoint: str, limit: int) -> tuple[list[dict], lis
     return errors[:MAX_REPORTED_LINE_ERRORS], requests, model
 
 
+def faulted_lines(data: bytes, faults: "Faults") -> list[dict]:
+    """Batch.errors.data entries for valid lines an `invalid_line` fault rejects (1-based line numbers,
+    counted like check_lines: over the file's lines, blank ones included)."""
+    errors = []
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            prompt = chat_inputs(json.loads(raw)["body"]).prompt
+        except (ValueError, KeyError, TypeError):
+            continue  # check_lines reports it already
+        fault = faults.take_invalid_line(prompt)
+        if fault:
+            errors.append(batch_error(fault["code"] or "invalid_request", n, fault["message"] or
+                                      "This line failed validation: the request body is invalid.", fault["param"]))
+    return errors[:MAX_REPORTED_LINE_ERRORS]
+
+
 def _line_problem(line: dict, endpoint: str, seen: set[str], model: str | None) -> tuple[str, str, str] | None:
     """The first reason the provider would reject this line: (code, message, param)."""
     custom_id, body = line.get("custom_id"), line.get("body")
@@ -248,6 +266,11 @@ class Faults:
     """Injected failures. `times` counts uses left; None means forever."""
 
     REQUEST_KINDS = ("http_error", "content")
+    # "invalid_line": OpenAI validation rejects the lines whose prompt matches (Batch.errors.data
+    # entries with their 1-based `line`); the batch ends `failed`. "disconnect": the endpoint drops
+    # the connection without answering; "truncate": it answers with half the body, then drops it.
+    VALIDATION_KINDS = ("invalid_line",)
+    TRANSPORT_KINDS = ("disconnect", "truncate")
 
     def __init__(self) -> None:
         self._items: list[dict] = []
@@ -257,17 +280,19 @@ class Faults:
             times: int | None = 1, status_code: int | None = None, type: str | None = None,
             message: str | None = None, code: str | None = None, param: str | None = None,
             content: str | None = None, retry_after: float | None = None) -> dict:
-        if kind not in self.REQUEST_KINDS + ("token_limit",):
+        if kind not in self.REQUEST_KINDS + self.VALIDATION_KINDS + self.TRANSPORT_KINDS + ("token_limit",):
             raise ValueError(f"unknown fault kind {kind!r}")
-        if endpoint is not None and kind != "http_error":
-            raise ValueError("endpoint faults must be kind 'http_error'")
+        if endpoint is not None and kind not in ("http_error",) + self.TRANSPORT_KINDS:
+            raise ValueError("endpoint faults must be kind 'http_error', 'disconnect' or 'truncate'")
+        if kind in self.TRANSPORT_KINDS and endpoint is None:
+            raise ValueError(f"a {kind!r} fault needs an 'endpoint'")
         if kind == "content" and not isinstance(content, str):
             raise ValueError("a 'content' fault needs a string 'content'")
         if times is not None and (not isinstance(times, int) or times < 1):
             raise ValueError("'times' must be a positive integer or null")
         if status_code is not None and not 400 <= status_code <= 599:
             raise ValueError("'status_code' must be an HTTP error status (400-599)")
-        scope = "endpoint" if endpoint else ("batch" if kind == "token_limit" else "request")
+        scope = "endpoint" if endpoint else {"token_limit": "batch", "invalid_line": "line"}.get(kind, "request")
         fault = {"id": self._next_id, "scope": scope, "kind": kind, "endpoint": endpoint,
                  "prompt_contains": prompt_contains, "times": times,
                  "status_code": status_code or (500 if endpoint else 400), "type": type, "message": message,
@@ -291,6 +316,9 @@ class Faults:
 
     def take_request(self, prompt: str) -> dict | None:
         return self._take(lambda f: f["scope"] == "request" and (f["prompt_contains"] or "") in prompt)
+
+    def take_invalid_line(self, prompt: str) -> dict | None:
+        return self._take(lambda f: f["scope"] == "line" and (f["prompt_contains"] or "") in prompt)
 
     def take_token_limit(self) -> dict | None:
         return self._take(lambda f: f["scope"] == "batch")

@@ -236,6 +236,15 @@ class Face:
             self._end(job, "expired" if to == "expired" else "canceled", now)
         return self._render(job)
 
+    def expire_results(self, batch_id: str) -> dict:
+        """Retention ended early (the 29 days, without waiting): results are archived and the
+        results endpoint answers 404."""
+        job = self.jobs[batch_id]
+        if job.obj["processing_status"] != "ended":
+            raise ValueError(f"message batch {batch_id} has not ended; only an ended batch's results expire")
+        job.obj["archived_at"], job.jsonl = rfc3339(self.emu.now()), None
+        return self._render(job)
+
     def tick(self, now: float) -> None:
         """Auto-advance (each stage lasts `auto_advance_seconds`), 24 h expiry, 29-day archiving."""
         stage = self.emu.auto_advance_seconds

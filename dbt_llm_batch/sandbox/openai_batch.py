@@ -17,7 +17,7 @@ import math
 import string
 from dataclasses import dataclass, field
 
-from .answers import answer_chat_request, batch_error, check_lines
+from .answers import answer_chat_request, batch_error, check_lines, faulted_lines
 from .caching import openai_cached_tokens
 from .realtime import openai_chat_completion
 from .openai_files import DAY, FilesMixin, list_page, require, ttl_seconds
@@ -201,6 +201,16 @@ class Face(FilesMixin):
             raise ValueError(f"cannot advance batch {batch_id} from '{status}' to {to!r}")
         return copy.deepcopy(run.obj)
 
+    def expire_results(self, batch_id: str) -> dict:
+        """Retention ended: the batch's output and error files are deleted, as OpenAI does 30 days
+        after completion; their content then answers 404 like any missing file."""
+        run = self.runs[batch_id]
+        if run.obj["status"] in OPEN:
+            raise ValueError(f"batch {batch_id} has not ended; only an ended batch's results expire")
+        for key in ("output_file_id", "error_file_id"):
+            self.files.pop(run.obj[key], None), self.contents.pop(run.obj[key], None)
+        return copy.deepcopy(run.obj)
+
     def tick(self, now: float) -> None:
         """Auto-advance: each stage lasts `auto_advance_seconds`; catch up on any lag."""
         stage = self.emu.auto_advance_seconds
@@ -228,6 +238,7 @@ class Face(FilesMixin):
 
     def _leave_validating(self, run: Run, at: float, force_fail: bool = False) -> bool:
         errors, requests, model = check_lines(run.data, run.obj["endpoint"], self.emu.max_requests_per_batch)
+        errors = errors or faulted_lines(run.data, self.emu.fault_book)
         if not errors and force_fail:
             errors = [batch_error("sandbox_forced_failure", None, "Batch failed on request of the sandbox controller.")]
         elif not errors and self.emu.fault_book.take_token_limit():

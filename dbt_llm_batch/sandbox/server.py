@@ -8,7 +8,7 @@ built as `Face(emulator)` and provides: `name` (its key in stats), `routes`
 `endpoint_fault_error(fault)` (these three return ApiError),
 `error_payload(err, request_id)`, and the batch hooks `reset()`, `tick(now)`
 (called before every request and control call, with or without auto-advance),
-`owns(id)`, `advance(id, to, done_fraction)`, `complete_all()`, `batch_list()`.
+`owns(id)`, `advance(id, to, done_fraction)`, `expire_results(id)`, `complete_all()`, `batch_list()`.
 Optional: `edge_check(req)` -> ApiError or None, run before auth (what a CDN in
 front of the provider rejects, e.g. Anthropic's 413).
 Handlers take a `Request` and return a dict (200 JSON), bytes (200 raw) or a
@@ -57,6 +57,7 @@ class Reply:
     body: bytes
     content_type: str = "application/json"
     headers: dict = field(default_factory=dict)
+    cut: str | None = None  # transport faults: "disconnect" (no answer) or "truncate" (half the body)
 
 
 @dataclass
@@ -167,6 +168,16 @@ class Emulator:
             self._tick()
             return [b for face in self.faces for b in face.complete_all()]
 
+    def expire_results(self, batch_id: str) -> dict:
+        """End the retention of an ended batch's results now (OpenAI: its output and error files are
+        deleted; Anthropic: its results are archived); downloads then answer the provider's 404."""
+        with self._lock:
+            self._tick()
+            for face in self.faces:
+                if face.owns(batch_id):
+                    return face.expire_results(batch_id)
+            raise KeyError(batch_id)
+
     def add_fault(self, **kw: Any) -> dict:
         """See answers.Faults.add. An `endpoint` is a route key as in stats(), e.g. "POST /v1/batches"."""
         routes = {key for _, _, _, key, _ in self._routes}
@@ -240,7 +251,9 @@ class Emulator:
         if not hmac.compare_digest(presented.encode(), self._api_key.encode()):
             return self._render_error(face, face.auth_error(presented))
         fault = self.fault_book.take_endpoint(key)
-        if fault:
+        if fault and fault["kind"] == "disconnect":
+            return Reply(0, b"", cut="disconnect")
+        if fault and fault["kind"] == "http_error":
             err = face.endpoint_fault_error(fault)
             if fault["retry_after"] is not None:
                 err.headers["retry-after"] = f"{fault['retry_after']:g}"
@@ -250,12 +263,14 @@ class Emulator:
         except ApiError as err:
             return self._render_error(face, err)
         request_id = self._request_id()
-        if isinstance(result, Reply):
-            result.headers.setdefault(face.request_id_header, request_id)
-            return result
         if isinstance(result, bytes):
-            return Reply(200, result, "application/octet-stream", {face.request_id_header: request_id})
-        return Reply(200, _json_bytes(result), headers={face.request_id_header: request_id})
+            result = Reply(200, result, "application/octet-stream")
+        elif not isinstance(result, Reply):
+            result = Reply(200, _json_bytes(result))
+        result.headers.setdefault(face.request_id_header, request_id)
+        if fault and fault["kind"] == "truncate":
+            result.cut = "truncate"
+        return result
 
     def _render_error(self, face, err: ApiError) -> Reply:
         request_id = self._request_id()
@@ -272,6 +287,7 @@ class Emulator:
                 raise ValueError("control request body must be a JSON object")
             route = f"{method} {path.rstrip('/')}"
             m = re.fullmatch(r"POST /_emulator/batches/([^/]+)/advance", route)
+            expire = re.fullmatch(r"POST /_emulator/batches/([^/]+)/expire_results", route)
             simple = {
                 "POST /_emulator/complete_all": lambda: {"batches": self.complete_all()},
                 "POST /_emulator/faults": lambda: self.add_fault(**data),
@@ -283,6 +299,8 @@ class Emulator:
             }
             if m:
                 result = self.advance(m.group(1), data.get("to"), data.get("done_fraction") or 0.0)
+            elif expire:
+                result = self.expire_results(expire.group(1))
             elif route in simple:
                 result = simple[route]()
             else:
@@ -311,6 +329,9 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # a sandbox bug must not look like a hung provider
             reply = Reply(500, _json_bytes({"error": {"message": f"sandbox internal error: {exc!r}",
                                                       "type": "server_error", "param": None, "code": None}}))
+        if reply.cut == "disconnect":  # like a reset connection: no status line at all
+            self.close_connection = True
+            return
         if emulator.realtime_latency and urlsplit(self.path).path in REALTIME_PATHS:
             time.sleep(emulator.realtime_latency)  # a model takes a while; other requests proceed meanwhile
         self.send_response(reply.status)
@@ -319,6 +340,11 @@ class _Handler(BaseHTTPRequestHandler):
         for name, value in reply.headers.items():
             self.send_header(name, value)
         self.end_headers()
+        if reply.cut == "truncate":  # the full Content-Length is promised, half is sent
+            self.wfile.write(reply.body[:len(reply.body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            return
         self.wfile.write(reply.body)
 
     def _read_body(self, headers: dict[str, str]) -> bytes:

@@ -1,0 +1,75 @@
+"""The emulator's newer faults, driven by the real SDKs: validation errors naming lines, ended
+retention (404 in each provider's shape), and transport faults (a dropped connection, a body cut off)."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+from test_emulator import control, download, line, submit
+
+from helpers import SANDBOX_KEY as KEY
+
+
+@pytest.fixture
+def client(emu):
+    return openai.OpenAI(base_url=emu.openai_base_url, api_key=KEY, max_retries=0)
+
+
+@pytest.fixture
+def claude(emu):
+    return anthropic.Anthropic(base_url=emu.base_url, api_key=KEY, max_retries=0)
+
+
+def test_invalid_line_fault_fails_validation_naming_1_based_lines(emu, client):
+    emu.add_fault(kind="invalid_line", prompt_contains="BAD", times=None, code="invalid_value",
+                  message="Invalid value for 'messages'.", param="body.messages")
+    batch = submit(client, [line("a", "fine"), line("b", "a BAD one"), line("c", "ok"), line("d", "BAD too")])
+    emu.advance(batch.id, "completed")
+    failed = client.batches.retrieve(batch.id)
+    assert failed.status == "failed" and failed.output_file_id is None and failed.request_counts.total == 0
+    assert [(e.code, e.line, e.param, e.message) for e in failed.errors.data] == [
+        ("invalid_value", 2, "body.messages", "Invalid value for 'messages'."),
+        ("invalid_value", 4, "body.messages", "Invalid value for 'messages'.")]
+
+
+def test_expired_results_answer_404_like_a_missing_file(emu, client):
+    batch = submit(client, [line("a", "x")])
+    emu.advance(batch.id, "completed")
+    done = client.batches.retrieve(batch.id)
+    assert [r["custom_id"] for r in download(client, done.output_file_id)] == ["a"]
+    control(emu, "POST", f"/_emulator/batches/{batch.id}/expire_results")
+    with pytest.raises(openai.NotFoundError) as err:
+        client.files.content(done.output_file_id).read()
+    assert err.value.body == {"message": f"No such File object: {done.output_file_id}", "type": "invalid_request_error",
+                              "param": "id", "code": None}
+    assert client.batches.retrieve(batch.id).output_file_id == done.output_file_id  # the batch still names it
+
+
+def test_expired_anthropic_results_are_archived_and_404(emu, claude):
+    batch = claude.messages.batches.create(requests=[{"custom_id": "a", "params": {
+        "model": "claude-x", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}}])
+    with pytest.raises(ValueError, match="has not ended"):
+        emu.expire_results(batch.id)
+    emu.complete_all()
+    emu.expire_results(batch.id)
+    assert claude.messages.batches.retrieve(batch.id).archived_at is not None
+    with pytest.raises(anthropic.NotFoundError) as err:
+        list(claude.messages.batches.results(batch.id))
+    assert err.value.body["error"]["type"] == "not_found_error"
+
+
+def test_disconnect_and_truncate_faults(emu, client):
+    emu.add_fault(kind="disconnect", endpoint="GET /v1/batches")
+    with pytest.raises(openai.APIConnectionError):
+        client.batches.list()
+    client.batches.list()  # once only
+    batch = submit(client, [line(str(i), "x" * 50) for i in range(20)])
+    emu.advance(batch.id, "completed")
+    file_id = client.batches.retrieve(batch.id).output_file_id
+    emu.add_fault(kind="truncate", endpoint="GET /v1/files/{id}/content")
+    with pytest.raises(openai.APIConnectionError):
+        client.files.content(file_id).read()
+    assert len(download(client, file_id)) == 20
+    with pytest.raises(ValueError, match="needs an 'endpoint'"):
+        emu.add_fault(kind="truncate")
