@@ -1,4 +1,4 @@
-"""`dbt-llm-batch` command line: the local sandbox, and the ledger's status."""
+"""`dbt-llm-batch` command line: the local sandbox, the ledger's status, and operator actions."""
 
 from __future__ import annotations
 
@@ -35,6 +35,15 @@ def status(database: str, schema: str) -> int:
     return 0
 
 
+# Operator actions (dbt_llm_batch/operator.py), each on one model of one ledger.
+OPERATOR_COMMANDS = {
+    "cancel": "cancel the model's in-flight batches at the provider; their unanswered requests are held",
+    "release": "let the next run send the model's held (cancelled) requests",
+    "requeue": "give the model's failed requests a fresh set of attempts, without changing config",
+    "unlock": "remove the model's run lock left by a dead process",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sandbox"]:  # the sandbox has its own options (see `dbt-llm-batch sandbox --help`)
@@ -46,7 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="show in-flight batches, per-model progress and cost from the ledger")
     st.add_argument("--database", required=True, help="path of the DuckDB file")
     st.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
+    for name, text in OPERATOR_COMMANDS.items():
+        op = sub.add_parser(name, help=text)
+        op.add_argument("--database", required=True, help="path of the DuckDB file")
+        op.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
+        op.add_argument("--model", required=True, help="the model, as its name or schema.name")
     args = parser.parse_args(argv)
+    if args.command in OPERATOR_COMMANDS:
+        from dbt_llm_batch.operator import command
+        return command(args)
     return status(args.database, args.schema)
 
 

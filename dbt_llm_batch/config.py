@@ -60,6 +60,8 @@ DEFAULTS: dict[str, Any] = {
     "llm_price_table": None,
     "llm_max_batches_in_flight": 20,
     "llm_max_tokens_in_flight": None,  # provider default (OpenAI: 2,000,000 enqueued tokens)
+    "llm_max_context_tokens": None,  # the model's context window; default from bad_input.CONTEXT_TOKENS
+    "llm_delete_provider_files": True,  # delete input/result files at the provider once results are stored
 }
 
 KNOWN_PROVIDERS = ("openai", "anthropic")
@@ -100,6 +102,8 @@ class ModelConfig:
     price_table: str | None = None  # the user's price rows (a relation), overriding the shipped table
     max_batches_in_flight: int = 20
     max_tokens_in_flight: int | None = None  # estimated input tokens; None: the provider's default
+    max_context_tokens: int | None = None  # None: the known context window of llm_model, if any
+    delete_provider_files: bool = True
 
     @property
     def structured(self) -> bool:
@@ -167,6 +171,9 @@ def parse_config(raw: dict) -> ModelConfig:
     _check_number(errors, cfg, "llm_max_cost_usd", (int, float), minimum=0)
     _check_number(errors, cfg, "llm_max_batches_in_flight", int, minimum=1)
     _check_number(errors, cfg, "llm_max_tokens_in_flight", int, minimum=1)
+    _check_number(errors, cfg, "llm_max_context_tokens", int, minimum=1)
+    if not isinstance(cfg["llm_delete_provider_files"], bool):
+        errors.append(f"llm_delete_provider_files must be true or false, got {cfg['llm_delete_provider_files']!r}")
     if not isinstance(cfg["llm_dry_run"], bool):
         errors.append(f"llm_dry_run must be true or false, got {cfg['llm_dry_run']!r}")
     if cfg["llm_price_table"] is not None and not isinstance(cfg["llm_price_table"], str):
@@ -211,6 +218,8 @@ def parse_config(raw: dict) -> ModelConfig:
         price_table=cfg["llm_price_table"],
         max_batches_in_flight=cfg["llm_max_batches_in_flight"],
         max_tokens_in_flight=cfg["llm_max_tokens_in_flight"],
+        max_context_tokens=cfg["llm_max_context_tokens"],
+        delete_provider_files=cfg["llm_delete_provider_files"],
     )
 
 

@@ -139,6 +139,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
                 select key, fingerprint, count(*) as n_requests,
                        count(*) filter (where status in ('queued', 'submitted')) as in_flight,
                        count(*) filter (where status = 'succeeded') as succeeded,
+                       count(*) filter (where status = 'held') as held,  -- cancelled by an operator (operator.py)
                        count(*) filter (where status = 'failed') as failed
                 from {requests}
                 where model = ? and status <> 'deferred'
@@ -147,7 +148,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
                 select d.row_id, d.key, d.fingerprint, coalesce(h.n_requests, 0) as seq
                 from {DESIRED} d left join history h using (key, fingerprint)
                 where d.has_prompt
-                  and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0
+                  and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0 and coalesce(h.held, 0) = 0
                   and coalesce(h.failed, 0) < ?)
             select row_id, key, fingerprint, seq,
                    'r_' || substr(sha256(? || key || fingerprint || seq), 1, 40) as custom_id,
@@ -165,10 +166,19 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
     return n
 
 
+def prompt_text_sql(config: ModelConfig, columns, alias: str = "") -> str:
+    """The prompt as the text sent. A BLOB prompt column is decoded as UTF-8 (rows whose bytes are
+    not UTF-8 fail before planning, bad_input.reject_unsendable); a cast would send escapes like \\xC3."""
+    column = f"{alias}{q(config.prompt_column)}"
+    if dict(columns).get(config.prompt_column, "").upper() == "BLOB":
+        return f"decode({column})"
+    return f"cast({column} as varchar)"
+
+
 def plan_rows(config: ModelConfig, columns, where: str = "") -> str:
     """The plan joined back to the input: every PLAN column plus `prompt` and `row_json` (a deferred
     request brings its own from the ledger). A subquery, so rows are read, not copied."""
-    return f"""(select p.*, coalesce(p.deferred_prompt, cast(i.{q(config.prompt_column)} as varchar)) as prompt,
+    return f"""(select p.*, coalesce(p.deferred_prompt, {prompt_text_sql(config, columns, 'i.')}) as prompt,
                        coalesce(p.deferred_row_json, {row_json_sql(columns, 'i.')}) as row_json
                 from {PLAN} p left join {INPUT} i on i.rowid = p.row_id {where})"""
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from decimal import Decimal
 
-from dbt_llm_batch import costs, crashpoints, harvest, merge, planner, submit
+from dbt_llm_batch import bad_input, costs, crashpoints, harvest, locks, merge, operator, planner, submit
 from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.errors import BudgetError
 from dbt_llm_batch.ledger import Ledger
@@ -105,10 +105,15 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
     if run.dry_run:
         run.dry_run_report()
     else:
-        run.execute(full_refresh)
-        crashpoints.reach("before_merge")
-        run.summary.merged, run.summary.failed = merge.merge(run.ledger, config, target, input_columns,
-                                                                 rebuild=full_refresh or not exists)
+        run.lock = locks.ModelLock(run.ledger)
+        run.lock.acquire()  # before anything is harvested, planned or sent; released also on failure
+        try:
+            run.execute(full_refresh)
+            crashpoints.reach("before_merge")
+            run.summary.merged, run.summary.failed = merge.merge(run.ledger, config, target, input_columns,
+                                                                     rebuild=full_refresh or not exists)
+        finally:
+            run.lock.release()
         run.finish_summary()
         logger().info(run.summary.line())
     for name in (INPUT, planner.DESIRED, planner.PLAN):
@@ -130,6 +135,7 @@ class ModelRun:
         costs.load_prices(con, config.price_table)
         self.price = costs.price_of(con, config.provider, config.model)
         self._provider = None
+        self.lock = None  # locks.ModelLock, held while the run writes (set by _run)
         self.input_columns: list[tuple[str, str]] = []  # the model's selected columns, set by run_model
 
     @property
@@ -148,8 +154,10 @@ class ModelRun:
     def execute(self, full_refresh: bool) -> None:
         deadline = time.monotonic() + self.config.wait_seconds
         self.harvest_open()
+        self.after_harvest()
         self.ledger.finalize_exhausted(self.config.max_attempts)
         self.summary.rejected_prompts = planner.reject_empty_prompts(self.ledger, INPUT, self.input_columns)
+        self.summary.rejected_prompts += bad_input.reject_unsendable(self.ledger, self.config, self.input_columns)
         while True:
             if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing
                 self.plan_and_submit()
@@ -171,6 +179,12 @@ class ModelRun:
         if stats["harvested_jobs"] and self.price is None:
             logger().warning(f"{self.ledger.model}: no price known for {self.config.provider} model "
                              f"'{self.config.model}': cost is recorded as unknown (NULL). Add it with llm_price_table.")
+
+    def after_harvest(self) -> None:
+        """Hold what an operator's cancel left unanswered; delete stored batches' files at the provider."""
+        operator.hold_cancelled(self.ledger)
+        operator.delete_provider_files(self.ledger, self.config.provider, lambda: self.provider,
+                                       self.config.delete_provider_files)
 
     def reconcile(self, job: dict) -> None:
         """An intent without a batch id: the run died around `create`. Adopt the batch, void the intent
@@ -302,7 +316,10 @@ class ModelRun:
         """Poll with back-off until every open job ended or the deadline passed (llm_wait_seconds)."""
         delay = 0.5
         while time.monotonic() < deadline:
+            if self.lock:
+                self.lock.heartbeat()
             self.harvest_open()
+            self.after_harvest()
             open_jobs = self.ledger.open_jobs()
             if not open_jobs:
                 return
