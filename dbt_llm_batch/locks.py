@@ -23,8 +23,8 @@ from dbt_llm_batch.ledger import Ledger, transaction
 
 log = logging.getLogger("dbt_llm_batch")
 
-# A live run refreshes its heartbeat at least every 30 s while it waits (runner.ModelRun.wait), and
-# between steps otherwise; ten minutes without one means the owner is gone.
+# A live run refreshes its heartbeat at least every 30 s while it waits (runner.ModelRun.wait); the
+# other steps of a run take seconds to minutes. Ten minutes without a heartbeat means the owner is gone.
 STALE_AFTER_SECONDS = 600
 
 

@@ -27,6 +27,7 @@ from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.duckdb_plugin import is_lock_conflict, lock_conflict_message
 from dbt_llm_batch.errors import LlmBatchError
 from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.locks import database_path, unlock
 from dbt_llm_batch.providers import get_provider
 
 log = logging.getLogger("dbt_llm_batch")
@@ -111,7 +112,8 @@ def cancel_model(con, schema: str, model: str) -> list[str]:
         lines.append(f"{batch_id}: cancel requested by {who} (provider status: {new_status})")
     lines.append(f"{ledger.model}: the next `dbt run` of this model harvests what these batches finished; the "
                  f"requests they left unanswered are held (not resent) until `dbt-llm-batch release "
-                 f"--database <file> --schema {schema} --model {ledger.model}`, or until their prompt or config changes")
+                 f"--database {database_path(con)} --schema {schema} --model {ledger.model}`, or until their prompt "
+                 f"or config changes")
     return lines
 
 
@@ -181,7 +183,6 @@ def _now(con):
 
 def command(args) -> int:
     """`dbt-llm-batch cancel|release|requeue|unlock`: run one operator action and print what it did."""
-    from dbt_llm_batch import locks
     try:
         con = open_database(args.database)
         try:
@@ -196,7 +197,7 @@ def command(args) -> int:
                       f"a fresh set of llm_max_attempts" + (f"; {unsent} row(s) failed before sending (empty, "
                       f"too long or not UTF-8) and need their input fixed" if unsent else ""))
             elif args.command == "unlock":
-                rows = locks.unlock(con, args.schema, resolve_model(con, args.schema, args.model).model)
+                rows = unlock(con, args.schema, resolve_model(con, args.schema, args.model).model)
                 print(f"removed the lock of {rows[0][0]} (held since {rows[0][1]}, last heartbeat {rows[0][2]})"
                       if rows else f"{args.model} was not locked")
         finally:
