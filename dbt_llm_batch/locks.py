@@ -5,7 +5,8 @@ two runs sharing one process, as dbt threads or a notebook do) could otherwise h
 and submit the same model's rows at once and pay twice. A run takes the model's row in
 `llm_batch_locks` before it harvests, plans or submits, refreshes `heartbeat_at` while it waits, and
 deletes the row at the end, also when it fails. A row whose heartbeat is older than
-STALE_AFTER_SECONDS was left by a process that died: the next run takes it over, with a warning.
+STALE_AFTER_SECONDS, or whose owner ran on this host under a PID that no longer exists, was left by a
+process that died: the next run takes it over, with a warning.
 """
 
 from __future__ import annotations
@@ -37,6 +38,22 @@ def new_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+def process_is_gone(owner: str) -> bool:
+    """True if the owner ran on this host under a PID that no longer exists (a killed run, say), so its
+    lock need not wait for the heartbeat timeout. A reused PID only makes us wait: the safe side."""
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)  # signal 0: existence check only
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # exists, owned by another user
+        return False
+    return False
+
+
 def database_path(con) -> str:
     row = con.execute("select path from duckdb_databases() where database_name = current_database()").fetchall()
     return (row[0][0] if row and row[0][0] else None) or "<your DuckDB file>"
@@ -59,8 +76,10 @@ class ModelLock:
                 time.sleep(0.05 * (attempt + 1))
         if previous:
             owner, acquired_at, age = previous
-            log.warning(f"{self.ledger.model}: took over the lock of {owner} (held since {acquired_at}, no heartbeat "
-                        f"for {int(age)} s, more than {int(self.stale_after)} s): that run is presumed dead")
+            why = ("its process is no longer running on this host" if age < self.stale_after else
+                   f"no heartbeat for {int(age)} s, more than {int(self.stale_after)} s")
+            log.warning(f"{self.ledger.model}: took over the lock of {owner} (held since {acquired_at}; {why}): "
+                        f"that run is presumed dead")
 
     def _try_acquire(self):
         con, model = self.ledger.con, self.ledger.model
@@ -71,7 +90,7 @@ class ModelLock:
                 con.execute(f"insert into {self.table} values (?, ?, now(), now())", [model, self.owner])
                 return None
             owner, acquired_at, heartbeat_at, age = rows[0]
-            if owner != self.owner and age < self.stale_after:
+            if owner != self.owner and age < self.stale_after and not process_is_gone(owner):
                 raise LockHeldError(self.held_message(owner, acquired_at, age))
             con.execute(f"""update {self.table} set owner = ?, acquired_at = now(), heartbeat_at = now()
                             where model = ?""", [self.owner, model])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -106,7 +107,7 @@ def test_a_stale_lock_is_taken_over_with_a_warning(ledger, caplog):
     with caplog.at_level(logging.WARNING, logger="dbt_llm_batch"):
         alive.acquire()
     assert ledger.con.execute("select owner from main.llm_batch_locks").fetchall() == [("host-b:202:next",)]
-    assert re.fullmatch(r"main\.triage: took over the lock of host-a:101:dead \(held since .+, no heartbeat for "
+    assert re.fullmatch(r"main\.triage: took over the lock of host-a:101:dead \(held since .+; no heartbeat for "
                         r"66\d s, more than 600 s\): that run is presumed dead", caplog.messages[-1])
     with pytest.raises(LockHeldError, match="this run's lock was taken over by another run"):
         dead.heartbeat()  # the presumed-dead run, if it was only slow, stops before submitting more
@@ -143,3 +144,22 @@ def test_the_lock_is_released_when_the_run_fails(project, emulator, monkeypatch)
     result = project.dbt("run", *SELECT, expect_ok=False)
     assert "OPENAI_API_KEY is not set" in "\n".join(str(r.message) for r in result.result.results)
     assert project.query("select count(*) from main.llm_batch_locks") == [(0,)]
+
+
+def test_a_lock_whose_process_died_on_this_host_is_taken_over_at_once(ledger, caplog):
+    """A killed run (SIGKILL, OOM) leaves its lock; its PID no longer exists, so the next run need not
+    wait for the heartbeat timeout."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owner = f"{socket.gethostname()}:{gone.stdout.strip()}:dead"
+    ModelLock(ledger, owner=owner).acquire()
+    with caplog.at_level(logging.WARNING, logger="dbt_llm_batch"):
+        ModelLock(ledger, owner="next-run").acquire()
+    assert ledger.con.execute("select owner from main.llm_batch_locks").fetchall() == [("next-run",)]
+    assert re.fullmatch(re.escape(f"main.triage: took over the lock of {owner} (held since ") + r".+"
+                        + re.escape("; its process is no longer running on this host): that run is presumed dead"),
+                        caplog.messages[-1])
+    # A live process on this host (this one, under another run id) is respected.
+    ledger.con.execute("delete from main.llm_batch_locks")
+    ModelLock(ledger, owner=f"{socket.gethostname()}:{os.getppid()}:live").acquire()
+    with pytest.raises(LockHeldError):
+        ModelLock(ledger, owner="next-run").acquire()
