@@ -16,8 +16,8 @@ def status(database: str, schema: str) -> int:
         # This process already has the file open read-write (a notebook, or dbt in-process): share it.
         con = duckdb.connect(database)
     except duckdb.IOException as exc:
-        print(f"cannot open {database}: {exc}\n(is a dbt run holding it? DuckDB allows one writer process)",
-              file=sys.stderr)
+        from dbt_llm_batch.duckdb_plugin import lock_conflict_message
+        print(f"cannot open {database}: " + lock_conflict_message(database, str(exc)), file=sys.stderr)
         return 2
     s = f'"{schema}"'
     exists = con.execute("select count(*) from information_schema.tables where table_schema = ? "
@@ -29,6 +29,11 @@ def status(database: str, schema: str) -> int:
     con.sql(f"select * exclude (submitted_at) from {s}.llm_batch_in_flight order by submitted_at").show(max_width=200)
     print("Progress per model:")
     con.sql(f"select * from {s}.llm_batch_progress order by model").show(max_width=200)
+    held = con.sql(f"""select model, count(*) as requests_held from {s}.llm_batch_requests where status = 'held'
+                       group by model order by model""")
+    if held.fetchall():
+        print("Held after `dbt-llm-batch cancel` (sent again after `dbt-llm-batch release`):")
+        held.show(max_width=200)
     print("Cost per model and day (savings = realtime cost - batch cost):")
     con.sql(f"""select model, provider, day, rows_succeeded, rows_failed, cost_usd, realtime_cost_usd, savings_usd,
                        committed_not_billed_usd from {s}.llm_batch_costs order by model, day""").show(max_width=200)

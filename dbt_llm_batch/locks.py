@@ -101,8 +101,8 @@ class ModelLock:
         return (f"{ledger.model} is being run by {owner} (host:pid:run) since {acquired_at:%Y-%m-%d %H:%M:%S %Z}, "
                 f"last heartbeat {int(age)} s ago. Two runs of one model must not submit at once, so this run "
                 f"stopped before harvesting, planning or sending anything. Wait for that run to finish. If that "
-                f"process is dead, its lock is taken over automatically once its heartbeat is "
-                f"{int(self.stale_after // 60)} minutes old, or clear it now with: dbt-llm-batch unlock "
+                f"process is dead, its lock is taken over automatically (at once if it ran on this host, else once its "
+                f"heartbeat is {int(self.stale_after // 60)} minutes old), or clear it now with: dbt-llm-batch unlock "
                 f"--database {database_path(ledger.con)} --schema {ledger.schema} --model {ledger.model}")
 
     def heartbeat(self) -> None:

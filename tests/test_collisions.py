@@ -88,8 +88,9 @@ def test_a_second_owner_is_refused_with_who_holds_the_lock_and_how_to_clear_it(l
         re.escape(f"main.triage is being run by host-a:101:aaaa (host:pid:run) since {since.fetchall()[0][0]} ")
         + r"\S+" + re.escape(", last heartbeat 0 s ago. Two runs of one model must not submit at once, so this run "
                              "stopped before harvesting, planning or sending anything. Wait for that run to finish. "
-                             "If that process is dead, its lock is taken over automatically once its heartbeat is "
-                             "10 minutes old, or clear it now with: dbt-llm-batch unlock --database "
+                             "If that process is dead, its lock is taken over automatically (at once if it ran on "
+                             "this host, else once its heartbeat is 10 minutes old), or clear it now with: "
+                             "dbt-llm-batch unlock --database "
                              f"{tmp_path / 'locks.duckdb'} --schema main --model main.triage"), message), message
     first.heartbeat()  # still the owner
     first.release()

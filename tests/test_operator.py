@@ -14,7 +14,8 @@ MODEL, SELECT = "models/triage.sql", ["-s", "triage"]
 
 def command(project, capsys, *args: str) -> tuple[int, str, str]:
     capsys.readouterr()
-    rc = cli([*args, "--database", str(project.db_path), "--schema", "main", "--model", "triage"])
+    model = ["--model", "triage"] if args[0] != "status" else []
+    rc = cli([*args, "--database", str(project.db_path), "--schema", "main", *model])
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -65,6 +66,28 @@ def test_cancel_harvests_the_finished_half_holds_the_rest_until_released(project
     # The history is kept: the released requests stay in the ledger (no attempt used), with why.
     assert project.query("select count(*) from main.llm_batch_requests where status = 'released' "
                          "and error like '%; released by %'") == [(3,)]
+
+
+def test_held_requests_are_sent_again_when_their_fingerprint_changes(project, emulator, capsys):
+    project.write(MODEL, triage_model())
+    project.dbt("seed")
+    project.dbt("run", *SELECT)
+    batch_id = emulator.batches()[0]["id"]
+    rc, out, _ = command(project, capsys, "cancel")
+    assert rc == 0
+    emulator.advance(batch_id, "cancelled", 0.0)  # nothing had run
+    project.dbt("run", *SELECT)
+    assert statuses(project) == {"held": 6} and batch_counts(emulator) == [6]
+    rc, out, _ = command(project, capsys, "status")
+    assert "Held after `dbt-llm-batch cancel`" in out and "│ main.triage │             6 │" in out
+
+    project.write(MODEL, triage_model(system="Triage the ticket."))  # a new fingerprint for every row
+    project.dbt("run", *SELECT)
+    assert batch_counts(emulator) == [6, 6]
+    emulator.complete_all()
+    project.dbt("run", *SELECT)
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+    assert statuses(project) == {"held": 6, "succeeded": 6}  # the old fingerprint's stay held, as history
 
 
 def test_cancel_with_nothing_in_flight_and_unknown_model(project, emulator, capsys):
