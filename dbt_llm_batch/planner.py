@@ -127,10 +127,13 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
     requests = ledger.table("llm_batch_requests")
     # Deferred requests of keys selected now are planned afresh from the current rows; the others keep
     # their stored prompt and row. They stay in the ledger until sent (write_intents) or re-deferred (defer).
+    stored_prompt = "json_extract_string(row_json, ?)"
+    if dict(columns).get(config.prompt_column, "").upper() == "BLOB":  # stored as DuckDB's escaped text
+        stored_prompt = f"decode(cast({stored_prompt} as blob))"
     con.execute(
         f"""create or replace temp table __llm_deferred as
             select key, fingerprint, seq, custom_id, row_json,
-                   json_extract_string(row_json, ?) as prompt from {requests}
+                   {stored_prompt} as prompt from {requests}
             where model = ? and status = 'deferred' and key not in (select key from {DESIRED})""",
         ["$." + json.dumps(config.prompt_column), ledger.model])
     con.execute(

@@ -121,3 +121,23 @@ def test_new_config_keys_are_validated(value, message):
     with pytest.raises(ConfigError) as err:
         parse_config({"unique_key": "id", "llm_model": "gpt-4o-mini", key: value})
     assert str(err.value) == f"invalid llm_batch config:\n  - {message}"
+
+
+def test_a_deferred_blob_prompt_is_sent_as_text_by_a_later_run(project, emulator, monkeypatch):
+    """Over an in-flight cap, rows wait in the ledger with their row as JSON; a later run that no longer
+    selects them sends the prompt decoded from the stored bytes, not DuckDB's escaped form."""
+    from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
+
+    monkeypatch.setattr(OpenAIBatchProvider, "max_requests_per_batch", 2)
+    project.write(MODEL, model_sql("openai", "encode('Café ' || subject)", "llm_max_batches_in_flight=1"))
+    project.dbt("seed")
+    project.dbt("run", *SELECT)
+    assert batch_counts(emulator) == [2]
+    project.write(MODEL, model_sql("openai", "encode('Café ' || subject)", "llm_max_batches_in_flight=1")
+                  .replace("from {{ ref('support_tickets') }}", "from {{ ref('support_tickets') }} where ticket_id <= 2"))
+    for _ in range(2):
+        emulator.complete_all()
+        project.dbt("run", *SELECT)
+    assert batch_counts(emulator) == [2, 2, 2]
+    subjects = [s for (s,) in project.query("select subject from main.support_tickets")]
+    assert sorted(sent_prompts(emulator, "openai")) == sorted(f"Café {s}" for s in subjects)
