@@ -90,6 +90,23 @@ def test_held_requests_are_sent_again_when_their_fingerprint_changes(project, em
     assert statuses(project) == {"held": 6, "succeeded": 6}  # the old fingerprint's stay held, as history
 
 
+def test_cancel_after_the_batch_ended_changes_nothing_and_the_run_harvests_it(project, emulator, provider, capsys):
+    project.write(MODEL, triage_model(provider=provider))
+    project.dbt("seed")
+    project.dbt("run", *SELECT)
+    batch_id = emulator.batches()[0]["id"]
+    emulator.complete_all()  # ended at the provider, not yet harvested
+    rc, out, _ = command(project, capsys, "cancel")
+    assert rc == 0
+    refusal = {"openai": "ConflictError: Error code: 409", "anthropic": "BadRequestError: Error code: 400"}[provider]
+    assert out.startswith(f"{batch_id}: not cancelled ({refusal}")
+    assert out.splitlines()[0].endswith("); the next run harvests it")
+    assert project.query("select cancel_requested_at, cancelled_by from main.llm_batch_jobs") == [(None, None)]
+    project.dbt("run", *SELECT)
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+    assert "held" not in statuses(project)
+
+
 def test_cancel_with_nothing_in_flight_and_unknown_model(project, emulator, capsys):
     project.write(MODEL, triage_model())
     project.dbt("seed")
