@@ -1,4 +1,4 @@
-"""`dbt-llm-batch` command line: the local sandbox, and the ledger's status."""
+"""`dbt-llm-batch` command line: the local sandbox, the ledger's status, and operator actions."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ def status(database: str, schema: str) -> int:
         # This process already has the file open read-write (a notebook, or dbt in-process): share it.
         con = duckdb.connect(database)
     except duckdb.IOException as exc:
-        print(f"cannot open {database}: {exc}\n(is a dbt run holding it? DuckDB allows one writer process)",
-              file=sys.stderr)
+        from dbt_llm_batch.duckdb_plugin import lock_conflict_message
+        print(f"cannot open {database}: " + lock_conflict_message(database, str(exc)), file=sys.stderr)
         return 2
     s = f'"{schema}"'
     exists = con.execute("select count(*) from information_schema.tables where table_schema = ? "
@@ -29,10 +29,24 @@ def status(database: str, schema: str) -> int:
     con.sql(f"select * exclude (submitted_at) from {s}.llm_batch_in_flight order by submitted_at").show(max_width=200)
     print("Progress per model:")
     con.sql(f"select * from {s}.llm_batch_progress order by model").show(max_width=200)
+    held = con.sql(f"""select model, count(*) as requests_held from {s}.llm_batch_requests where status = 'held'
+                       group by model order by model""")
+    if held.fetchall():
+        print("Held after `dbt-llm-batch cancel` (sent again after `dbt-llm-batch release`):")
+        held.show(max_width=200)
     print("Cost per model and day (savings = realtime cost - batch cost):")
     con.sql(f"""select model, provider, day, rows_succeeded, rows_failed, cost_usd, realtime_cost_usd, savings_usd,
                        committed_not_billed_usd from {s}.llm_batch_costs order by model, day""").show(max_width=200)
     return 0
+
+
+# Operator actions (dbt_llm_batch/operator.py), each on one model of one ledger.
+OPERATOR_COMMANDS = {
+    "cancel": "cancel the model's in-flight batches at the provider; their unanswered requests are held",
+    "release": "let the next run send the model's held (cancelled) requests",
+    "requeue": "give the model's failed requests a fresh set of attempts, without changing config",
+    "unlock": "remove the model's run lock left by a dead process",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="show in-flight batches, per-model progress and cost from the ledger")
     st.add_argument("--database", required=True, help="path of the DuckDB file")
     st.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
+    for name, text in OPERATOR_COMMANDS.items():
+        op = sub.add_parser(name, help=text)
+        op.add_argument("--database", required=True, help="path of the DuckDB file")
+        op.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
+        op.add_argument("--model", required=True, help="the model, as its name or schema.name")
     args = parser.parse_args(argv)
+    if args.command in OPERATOR_COMMANDS:
+        from dbt_llm_batch.operator import command
+        return command(args)
     return status(args.database, args.schema)
 
 

@@ -70,6 +70,8 @@ DEFAULTS: dict[str, Any] = {
     "llm_fallback": None,  # 'realtime'
     "llm_realtime_budget_seconds": 600,  # a run stops starting realtime requests after this; the rest wait
     "llm_retry_budget_seconds": 300,  # per run: how long throttled / failing provider calls are retried
+    "llm_max_context_tokens": None,  # the model's context window; default from bad_input.CONTEXT_TOKENS
+    "llm_delete_provider_files": True,  # delete input/result files at the provider once results are stored
 }
 
 KNOWN_PROVIDERS = ("openai", "anthropic", "openai_compatible")
@@ -117,12 +119,14 @@ class ModelConfig:
     realtime_when: str | None = None
     fallback: str | None = None
     realtime_budget_seconds: float = 600
+    retry_budget_seconds: float = 300  # retrying 429 / 5xx / timeouts, from a run's first failure on
+    max_context_tokens: int | None = None  # None: the known context window of llm_model, if any
+    delete_provider_files: bool = True
 
     @property
     def self_hosted(self) -> bool:
         """Every row goes to the configured engine's realtime endpoint; there is no batch path."""
         return self.provider == "openai_compatible"
-    retry_budget_seconds: float = 300  # retrying 429 / 5xx / timeouts, from a run's first failure on
 
     @property
     def structured(self) -> bool:
@@ -191,6 +195,9 @@ def parse_config(raw: dict) -> ModelConfig:
     _check_number(errors, cfg, "llm_max_batches_in_flight", int, minimum=1)
     _check_number(errors, cfg, "llm_max_tokens_in_flight", int, minimum=1)
     _check_number(errors, cfg, "llm_retry_budget_seconds", (int, float), minimum=0)
+    _check_number(errors, cfg, "llm_max_context_tokens", int, minimum=1)
+    if not isinstance(cfg["llm_delete_provider_files"], bool):
+        errors.append(f"llm_delete_provider_files must be true or false, got {cfg['llm_delete_provider_files']!r}")
     if not isinstance(cfg["llm_dry_run"], bool):
         errors.append(f"llm_dry_run must be true or false, got {cfg['llm_dry_run']!r}")
     if cfg["llm_price_table"] is not None and not isinstance(cfg["llm_price_table"], str):
@@ -244,6 +251,8 @@ def parse_config(raw: dict) -> ModelConfig:
         fallback=cfg["llm_fallback"],
         realtime_budget_seconds=float(cfg["llm_realtime_budget_seconds"]),
         retry_budget_seconds=float(cfg["llm_retry_budget_seconds"]),
+        max_context_tokens=cfg["llm_max_context_tokens"],
+        delete_provider_files=cfg["llm_delete_provider_files"],
     )
 
 

@@ -112,6 +112,14 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     # A voided request is not planned again before `not_before` (the back-off after the provider's
     # token_limit_exceeded). Version 6 is another branch's; versions only need to increase.
     (7, ["alter table {s}.llm_batch_requests add column not_before timestamptz"]),
+    # One writer per model (locks.py); operator controls (operator.py): who cancelled a job and when,
+    # and whether its files at the provider were deleted once its results were stored.
+    (8, ["""create table if not exists {s}.llm_batch_locks (
+               model varchar primary key, owner varchar, acquired_at timestamptz, heartbeat_at timestamptz)""",
+         "alter table {s}.llm_batch_jobs add column cancel_requested_at timestamptz",
+         "alter table {s}.llm_batch_jobs add column cancelled_by varchar",
+         "alter table {s}.llm_batch_jobs add column files_deleted_at timestamptz",
+         "alter table {s}.llm_batch_jobs add column files_delete_error varchar"]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

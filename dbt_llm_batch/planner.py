@@ -143,10 +143,13 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
     requests = ledger.table("llm_batch_requests")
     # Deferred requests of keys selected now are planned afresh from the current rows; the others keep
     # their stored prompt and row. They stay in the ledger until sent (write_intents) or re-deferred (defer).
+    stored_prompt = "json_extract_string(row_json, ?)"
+    if dict(columns).get(config.prompt_column, "").upper() == "BLOB":  # stored as DuckDB's escaped text
+        stored_prompt = f"decode(cast({stored_prompt} as blob))"
     con.execute(
         f"""create or replace temp table __llm_deferred as
             select key, fingerprint, seq, custom_id, row_json,
-                   json_extract_string(row_json, ?) as prompt from {requests}
+                   {stored_prompt} as prompt from {requests}
             where model = ? and status = 'deferred' and key not in (select key from {DESIRED})""",
         ["$." + json.dumps(config.prompt_column), ledger.model])
     con.execute(
@@ -157,7 +160,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
                        count(*) filter (where status = 'succeeded') as succeeded,
                        count(*) filter (where status = 'failed') as failed,
                        count(*) filter (where route = 'realtime' and status <> 'voided') as realtime_tried,
-                       max(not_before) as not_before  -- a back-off (token limit) holds the key until then
+                       max(not_before) as not_before,  -- a back-off (token limit) holds the key until then
+                       count(*) filter (where status = 'held') as held  -- cancelled by an operator (operator.py)
                 from {requests}
                 where model = ? and status <> 'deferred'
                 group by key, fingerprint),
@@ -166,7 +170,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
                        case when d.realtime or coalesce(h.failed, 0) >= ? then 'realtime' else 'batch' end as route
                 from {DESIRED} d left join history h using (key, fingerprint)
                 where d.has_prompt
-                  and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0
+                  and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0 and coalesce(h.held, 0) = 0
                   and (coalesce(h.failed, 0) < ?
                        -- llm_fallback = 'realtime': batch attempts used up, one more try in realtime
                        or (? and coalesce(h.realtime_tried, 0) = 0))
@@ -188,10 +192,19 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
     return n
 
 
+def prompt_text_sql(config: ModelConfig, columns, alias: str = "") -> str:
+    """The prompt as the text sent. A BLOB prompt column is decoded as UTF-8 (rows whose bytes are
+    not UTF-8 fail before planning, bad_input.reject_unsendable); a cast would send escapes like \\xC3."""
+    column = f"{alias}{q(config.prompt_column)}"
+    if dict(columns).get(config.prompt_column, "").upper() == "BLOB":
+        return f"decode({column})"
+    return f"cast({column} as varchar)"
+
+
 def plan_rows(config: ModelConfig, columns, plan: str = PLAN) -> str:
     """The plan joined back to the input: every PLAN column plus `prompt` and `row_json` (a deferred
     request brings its own from the ledger). A subquery, so rows are read, not copied."""
-    return f"""(select p.*, coalesce(p.deferred_prompt, cast(i.{q(config.prompt_column)} as varchar)) as prompt,
+    return f"""(select p.*, coalesce(p.deferred_prompt, {prompt_text_sql(config, columns, 'i.')}) as prompt,
                        coalesce(p.deferred_row_json, {row_json_sql(columns, 'i.')}) as row_json
                 from {plan} p left join {INPUT} i on i.rowid = p.row_id)"""
 

@@ -49,9 +49,10 @@ class RealtimeOutcome:
 
 
 def run_realtime(ledger: Ledger, provider: BatchProvider, rows: str, price: dict | None,
-                 deadline: float) -> RealtimeOutcome:
+                 deadline: float, heartbeat=None) -> RealtimeOutcome:
     """Send every row of `rows` (planner.plan_rows over the realtime part of the plan) in realtime,
-    starting no request after `deadline` (time.monotonic(); the run's llm_realtime_budget_seconds)."""
+    starting no request after `deadline` (time.monotonic(); the run's llm_realtime_budget_seconds).
+    `heartbeat(ledger)` keeps the model's lock fresh; it is called with the writer's own ledger."""
     config = provider.config
     started = time.monotonic()
     job_id = ledger.write_intents(provider.name, config.model, rows, [0], status="realtime")[0]
@@ -60,7 +61,7 @@ def run_realtime(ledger: Ledger, provider: BatchProvider, rows: str, price: dict
     bodies = ledger.con.sql(
         f"select custom_id, {provider.realtime_body_sql()} as body from {rows} order by custom_id"
     ).to_arrow_reader(FETCH_ROWS)
-    writer = ResultWriter(ledger, provider, job_id, price)
+    writer = ResultWriter(ledger, provider, job_id, price, heartbeat)
     fatal = None
     try:
         asyncio.run(_send_all(provider, bodies, writer, outcome, deadline))
@@ -192,8 +193,9 @@ class ResultWriter:
     """Stores and settles groups of realtime replies, on a DuckDB connection of its own (a cursor of
     the run's), from one background thread: each group's lines are committed before they settle."""
 
-    def __init__(self, ledger: Ledger, provider: BatchProvider, job_id: str, price: dict | None):
+    def __init__(self, ledger: Ledger, provider: BatchProvider, job_id: str, price: dict | None, heartbeat=None):
         self.cursor = ledger.con.cursor()
+        self.heartbeat = heartbeat
         self.ledger = Ledger(self.cursor, ledger.schema, ledger.model)
         self.provider, self.job_id, self.price = provider, job_id, price
         self.pending: list[tuple[str, str]] = []
@@ -208,6 +210,8 @@ class ResultWriter:
         return taken
 
     def write(self, lines: list[tuple[str, str]]) -> None:
+        if self.heartbeat:  # the run's connection is busy reading request bodies: use this one
+            self.heartbeat(self.ledger)
         if not lines:
             return
         self.groups += 1

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from decimal import Decimal
 
-from dbt_llm_batch import costs, crashpoints, harvest, merge, planner, realtime, submit
+from dbt_llm_batch import bad_input, costs, crashpoints, harvest, locks, merge, operator, planner, realtime, submit
 from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.errors import BudgetError
 from dbt_llm_batch.ledger import Ledger
@@ -108,10 +108,15 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
     if run.dry_run:
         run.dry_run_report()
     else:
-        run.execute(full_refresh)
-        crashpoints.reach("before_merge")
-        run.summary.merged, run.summary.failed = merge.merge(run.ledger, config, target, input_columns,
-                                                                 rebuild=full_refresh or not exists)
+        run.lock = locks.ModelLock(run.ledger)
+        run.lock.acquire()  # before anything is harvested, planned or sent; released also on failure
+        try:
+            run.execute(full_refresh)
+            crashpoints.reach("before_merge")
+            run.summary.merged, run.summary.failed = merge.merge(run.ledger, config, target, input_columns,
+                                                                     rebuild=full_refresh or not exists)
+        finally:
+            run.lock.release()
         run.finish_summary()
         logger().info(run.summary.line())
     for name in (INPUT, planner.DESIRED, planner.PLAN, REALTIME_PLAN):
@@ -136,6 +141,7 @@ class ModelRun:
         # One realtime budget for the whole run, however many rounds llm_wait_seconds makes.
         self.realtime_deadline = time.monotonic() + config.realtime_budget_seconds
         self._warned_unavailable = False
+        self.lock = None  # locks.ModelLock, held while the run writes (set by _run)
         self.input_columns: list[tuple[str, str]] = []  # the model's selected columns, set by run_model
 
     @property
@@ -154,8 +160,10 @@ class ModelRun:
     def execute(self, full_refresh: bool) -> None:
         deadline = time.monotonic() + self.config.wait_seconds
         self.harvest_open()
+        self.after_harvest()
         self.ledger.finalize_exhausted(self.config.max_attempts)
         self.summary.rejected_prompts = planner.reject_empty_prompts(self.ledger, INPUT, self.input_columns)
+        self.summary.rejected_prompts += bad_input.reject_unsendable(self.ledger, self.config, self.input_columns)
         while True:
             if self.provider_unavailable():
                 return
@@ -202,6 +210,12 @@ class ModelRun:
         if stats["harvested_jobs"] and self.price is None:
             logger().warning(f"{self.ledger.model}: no price known for {self.config.provider} model "
                              f"'{self.config.model}': cost is recorded as unknown (NULL). Add it with llm_price_table.")
+
+    def after_harvest(self) -> None:
+        """Hold what an operator's cancel left unanswered; delete stored batches' files at the provider."""
+        operator.hold_cancelled(self.ledger)
+        operator.delete_provider_files(self.ledger, self.config.provider, lambda: self.provider,
+                                       self.config.delete_provider_files)
 
     def reconcile(self, job: dict) -> None:
         """An intent without a batch id: the run died around `create`. Adopt the batch, void the intent
@@ -338,7 +352,9 @@ class ModelRun:
 
     def send_realtime(self) -> None:
         rows = planner.plan_rows(self.config, self.input_columns, plan=REALTIME_PLAN)
-        outcome = realtime.run_realtime(self.ledger, self.provider, rows, self.price, self.realtime_deadline)
+        heartbeat = (lambda ledger: locks.ModelLock(ledger, owner=self.lock.owner).heartbeat()) if self.lock else None
+        outcome = realtime.run_realtime(self.ledger, self.provider, rows, self.price, self.realtime_deadline,
+                                        heartbeat)
         previous = self.summary.realtime
         if previous:  # a second round (llm_wait_seconds): add up
             for name in ("requests", "answered", "succeeded", "failed", "retries"):
@@ -381,7 +397,10 @@ class ModelRun:
         """Poll with back-off until every open job ended or the deadline passed (llm_wait_seconds)."""
         delay = 0.5
         while time.monotonic() < deadline and not self.provider_unavailable():
+            if self.lock:
+                self.lock.heartbeat()
             self.harvest_open()
+            self.after_harvest()
             open_jobs = self.ledger.open_jobs()
             if not open_jobs:
                 return

@@ -48,13 +48,9 @@ def expected_triage(system: str, prompt: str) -> tuple:
 
 
 def batch_input_lines(emu, batch: dict) -> list[dict]:
-    """The request lines the batch was created with, read back through the provider's Files API."""
-    import os
-
-    import openai
-
-    client = openai.OpenAI(base_url=emu.openai_base_url, api_key=os.environ["OPENAI_API_KEY"], max_retries=0)
-    data = client.files.content(batch["input_file_id"]).read()
+    """The request lines the batch was created with, from the emulator's record (a run deletes the
+    file at the provider once the batch's results are stored)."""
+    data = emu.file_bytes(batch["input_file_id"])
     return [json.loads(line) for line in data.decode().splitlines() if line]
 
 

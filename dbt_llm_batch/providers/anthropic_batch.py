@@ -159,6 +159,18 @@ class AnthropicBatchProvider(BatchProvider):
             return []
         return [("results", path)]
 
+    def cancel(self, batch_id):
+        return self.client.messages.batches.cancel(batch_id).processing_status
+
+    def delete_files(self, batch_id, file_ids):
+        """Requests travel inline and results belong to the batch: deleting the ended batch deletes both."""
+        import anthropic
+        try:
+            self.client.messages.batches.delete(batch_id)
+        except anthropic.NotFoundError:
+            pass  # already deleted
+        return [batch_id]
+
     result_structure = {
         "custom_id": "VARCHAR",
         "result": {"type": "VARCHAR",

@@ -127,6 +127,16 @@ class BatchProvider(ABC):
     def download_results(self, state: BatchState, batch_id: str, directory: str) -> list[tuple[str, str]]:
         """Write the batch's result lines to files in `directory`; returns [(source, path)]."""
 
+    # Operator controls (operator.py). Not abstract: a provider without them says so when called.
+    def cancel(self, batch_id: str) -> str:
+        """Ask the provider to cancel the batch; returns its status word after the call."""
+        raise NotImplementedError(f"{self.name} batches cannot be cancelled by dbt-llm-batch")
+
+    def delete_files(self, batch_id: str, file_ids: list[str]) -> list[str]:
+        """Delete what the provider keeps of an ended, harvested batch (uploaded input, result files);
+        returns what was deleted. Something already gone counts as deleted."""
+        return []
+
     def render_messages(self) -> list[dict]:
         """The few-shot examples as alternating user/assistant turns (the prompt follows them)."""
         turns = []

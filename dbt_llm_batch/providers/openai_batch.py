@@ -133,6 +133,20 @@ class OpenAIBatchProvider(BatchProvider):
                 files.append((source, path))
         return files
 
+    def cancel(self, batch_id):
+        return self.client.batches.cancel(batch_id).status
+
+    def delete_files(self, batch_id, file_ids):
+        import openai
+        deleted = []
+        for file_id in file_ids:  # the uploaded input, and the output and error files
+            try:
+                self.client.files.delete(file_id)
+            except openai.NotFoundError:
+                pass  # already gone (deleted before, or expired after 30 days)
+            deleted.append(file_id)
+        return deleted
+
     # One parse per result line (json_transform), then cheap struct access. `error` stays JSON: the
     # error file has an object there, an OpenAI-compatible server may put a plain string.
     result_structure = {

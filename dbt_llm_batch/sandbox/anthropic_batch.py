@@ -74,6 +74,7 @@ class Face:
 
     def reset(self) -> None:
         self.jobs: dict[str, Job] = {}  # insertion order = creation order
+        self.deleted: dict[str, Job] = {}  # gone from the API; still in batch_list() for test oracles
 
     # -- auth and error envelopes ----------------------------------------------------
     def api_key_from(self, headers: dict[str, str]) -> str | None:
@@ -177,7 +178,7 @@ class Face:
         _require(job.obj["processing_status"] == "ended",
                  f"Message Batch {job.obj['id']} cannot be deleted while processing is "
                  f"'{job.obj['processing_status']}'. You must first cancel it and wait for it to end.")
-        del self.jobs[job.obj["id"]]
+        self.deleted[job.obj["id"]] = self.jobs.pop(job.obj["id"])
         return {"id": job.obj["id"], "type": "message_batch_deleted"}
 
     def batch_results(self, req: Request) -> Reply:
@@ -206,7 +207,8 @@ class Face:
         return batch_id in self.jobs
 
     def batch_list(self) -> list[dict]:
-        return [self._render(job) for job in reversed(self.jobs.values())]  # newest first
+        jobs = sorted([*self.jobs.values(), *self.deleted.values()], key=lambda j: j.created)
+        return [self._render(job) for job in reversed(jobs)]  # newest first
 
     def complete_all(self) -> list[dict]:
         open_ids = [bid for bid, job in self.jobs.items() if job.obj["processing_status"] != "ended"]

@@ -74,6 +74,7 @@ class Face(FilesMixin):
     def reset(self) -> None:
         self.files: dict[str, dict] = {}  # FileObjects as served
         self.contents: dict[str, bytes] = {}
+        self.deleted_contents: dict[str, bytes] = {}
         self.runs: dict[str, Run] = {}  # insertion order = creation order
 
     # -- auth and error envelopes ----------------------------------------------------

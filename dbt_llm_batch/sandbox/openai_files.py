@@ -34,6 +34,7 @@ class FilesMixin:
     """/v1/files routes over `self.files` (FileObjects as served) and `self.contents` (their bytes)."""
     files: dict[str, dict]
     contents: dict[str, bytes]
+    deleted_contents: dict[str, bytes]  # what clients deleted: gone from the API, kept for test oracles
 
     def upload_file(self, req: Request) -> dict:
         fields = parse_multipart(req.headers.get("content-type", ""), req.body)
@@ -64,6 +65,7 @@ class FilesMixin:
 
     def delete_file(self, req: Request) -> dict:
         file_id = self._file(req.params["id"])["id"]
+        self.deleted_contents[file_id] = self.contents[file_id]  # for Emulator.file_bytes (tests) only
         del self.files[file_id], self.contents[file_id]
         return {"id": req.params["id"], "object": "file", "deleted": True}
 

@@ -199,13 +199,32 @@ class Emulator:
             return self.counters.snapshot()
 
     def batches(self) -> list[dict]:
-        """Every batch of both faces as the provider serves it, newest first. OpenAI batches have
-        "object": "batch", Anthropic ones "type": "message_batch"."""
+        """Every batch of both faces as the provider serves (or, once deleted, last served) it, newest
+        first. OpenAI batches have "object": "batch", Anthropic ones "type": "message_batch"."""
         with self._lock:
             self._tick()
             merged = [b for face in self.faces for b in face.batch_list()]
             order = self.counters.creation_order
             return sorted(merged, key=lambda b: order.get(b["id"], -1), reverse=True)
+
+    def file_bytes(self, file_id: str) -> bytes:
+        """Test oracle: an OpenAI file's bytes, also after a client deleted it (the API then says 404)."""
+        with self._lock:
+            for face in self.faces:
+                for store in (getattr(face, "contents", {}), getattr(face, "deleted_contents", {})):
+                    if file_id in store:
+                        return store[file_id]
+        raise KeyError(file_id)
+
+    def anthropic_results(self, batch_id: str) -> bytes:
+        """Test oracle: an ended Anthropic batch's results stream, also after a client deleted the batch."""
+        with self._lock:
+            self._tick()
+            for face in self.faces:
+                job = getattr(face, "jobs", {}).get(batch_id) or getattr(face, "deleted", {}).get(batch_id)
+                if job is not None:
+                    return job.jsonl or b""
+        raise KeyError(batch_id)
 
     def reset(self) -> None:
         """Forget all files, batches, cached prompts, faults and stats; re-seed the randomness."""

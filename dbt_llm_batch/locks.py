@@ -1,0 +1,126 @@
+"""One writer per model: a lock row in the ledger, with an owner and a heartbeat.
+
+DuckDB itself allows one writing process per file, but a warehouse that allows several writers (or
+two runs sharing one process, as dbt threads or a notebook do) could otherwise have two runs plan
+and submit the same model's rows at once and pay twice. A run takes the model's row in
+`llm_batch_locks` before it harvests, plans or submits, refreshes `heartbeat_at` while it waits, and
+deletes the row at the end, also when it fails. A row whose heartbeat is older than
+STALE_AFTER_SECONDS, or whose owner ran on this host under a PID that no longer exists, was left by a
+process that died: the next run takes it over, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+
+import duckdb
+
+from dbt_llm_batch.errors import LlmBatchError
+from dbt_llm_batch.ledger import Ledger, transaction
+
+log = logging.getLogger("dbt_llm_batch")
+
+# A live run refreshes its heartbeat at least every 30 s while it waits (runner.ModelRun.wait); the
+# other steps of a run take seconds to minutes. Ten minutes without a heartbeat means the owner is gone.
+STALE_AFTER_SECONDS = 600
+
+
+class LockHeldError(LlmBatchError):
+    """Another live run owns the model's lock."""
+
+
+def new_owner() -> str:
+    """host:pid:random: which machine and process to look at, and unique per run."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def process_is_gone(owner: str) -> bool:
+    """True if the owner ran on this host under a PID that no longer exists (a killed run, say), so its
+    lock need not wait for the heartbeat timeout. A reused PID only makes us wait: the safe side."""
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)  # signal 0: existence check only
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # exists, owned by another user
+        return False
+    return False
+
+
+def database_path(con) -> str:
+    row = con.execute("select path from duckdb_databases() where database_name = current_database()").fetchall()
+    return (row[0][0] if row and row[0][0] else None) or "<your DuckDB file>"
+
+
+class ModelLock:
+    def __init__(self, ledger: Ledger, owner: str | None = None, stale_after: float = STALE_AFTER_SECONDS):
+        self.ledger, self.owner, self.stale_after = ledger, owner or new_owner(), stale_after
+        self.table = ledger.table("llm_batch_locks")
+
+    def acquire(self) -> None:
+        """Take the model's lock, or take over a stale one; raise LockHeldError if a live run holds it."""
+        for attempt in range(20):
+            try:
+                previous = self._try_acquire()
+                break
+            except duckdb.TransactionException:  # a concurrent taker committed first: look again
+                if attempt == 19:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
+        if previous:
+            owner, acquired_at, age = previous
+            why = ("its process is no longer running on this host" if age < self.stale_after else
+                   f"no heartbeat for {int(age)} s, more than {int(self.stale_after)} s")
+            log.warning(f"{self.ledger.model}: took over the lock of {owner} (held since {acquired_at}; {why}): "
+                        f"that run is presumed dead")
+
+    def _try_acquire(self):
+        con, model = self.ledger.con, self.ledger.model
+        with transaction(con):
+            rows = con.execute(f"""select owner, acquired_at, heartbeat_at, epoch(now() - heartbeat_at)
+                                   from {self.table} where model = ?""", [model]).fetchall()
+            if not rows:
+                con.execute(f"insert into {self.table} values (?, ?, now(), now())", [model, self.owner])
+                return None
+            owner, acquired_at, heartbeat_at, age = rows[0]
+            if owner != self.owner and age < self.stale_after and not process_is_gone(owner):
+                raise LockHeldError(self.held_message(owner, acquired_at, age))
+            con.execute(f"""update {self.table} set owner = ?, acquired_at = now(), heartbeat_at = now()
+                            where model = ?""", [self.owner, model])
+            return None if owner == self.owner else (owner, acquired_at, age)
+
+    def held_message(self, owner: str, acquired_at, age: float) -> str:
+        ledger = self.ledger
+        return (f"{ledger.model} is being run by {owner} (host:pid:run) since {acquired_at:%Y-%m-%d %H:%M:%S %Z}, "
+                f"last heartbeat {int(age)} s ago. Two runs of one model must not submit at once, so this run "
+                f"stopped before harvesting, planning or sending anything. Wait for that run to finish. If that "
+                f"process is dead, its lock is taken over automatically (at once if it ran on this host, else once its "
+                f"heartbeat is {int(self.stale_after // 60)} minutes old), or clear it now with: dbt-llm-batch unlock "
+                f"--database {database_path(ledger.con)} --schema {ledger.schema} --model {ledger.model}")
+
+    def heartbeat(self) -> None:
+        """Refresh the heartbeat; raise if another run took the lock over (this run was presumed dead)."""
+        n = self.ledger.execute(f"update {self.table} set heartbeat_at = now() where model = ? and owner = ?",
+                                [self.ledger.model, self.owner]).fetchall()[0][0]
+        if not n:
+            raise LockHeldError(f"{self.ledger.model}: this run's lock was taken over by another run (no heartbeat "
+                                f"for {int(self.stale_after)} s); stopping before it submits anything more")
+
+    def release(self) -> None:
+        self.ledger.execute(f"delete from {self.table} where model = ? and owner = ?", [self.ledger.model, self.owner])
+
+
+def unlock(con, schema: str, model: str) -> list[tuple]:
+    """Remove a model's lock row whatever its owner (the operator says that owner is dead); returns
+    the removed rows (owner, acquired_at, heartbeat_at)."""
+    table = Ledger(con, schema, model).table("llm_batch_locks")
+    rows = con.execute(f"select owner, acquired_at, heartbeat_at from {table} where model = ?", [model]).fetchall()
+    con.execute(f"delete from {table} where model = ?", [model])
+    return rows

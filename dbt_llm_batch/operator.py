@@ -1,0 +1,208 @@
+"""Operator controls, run from the `dbt-llm-batch` command line against the DuckDB file:
+
+- `cancel`: cancel a model's in-flight batches at the provider. The cancel is recorded on the job
+  (who, when, the provider's status); the next `dbt run` of the model harvests what the batches had
+  finished, and holds the requests they left unanswered (`held`): they are not sent again until
+  `release`, or until their prompt or answer-defining config changes (a new fingerprint).
+- `release`: make held requests eligible again.
+- `requeue`: give a model's failed requests a fresh set of attempts without changing its config.
+  The failures stay in the ledger (status `requeued`, error and answer kept); they stop counting.
+- `unlock`: remove a dead run's lock (locks.py).
+
+And, called by every run after a harvest: delete a batch's files at the provider once its results
+are stored in the ledger (`llm_delete_provider_files`, on by default).
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import socket
+import sys
+
+import duckdb
+
+from dbt_llm_batch.config import parse_config
+from dbt_llm_batch.duckdb_plugin import is_lock_conflict, lock_conflict_message
+from dbt_llm_batch.errors import LlmBatchError
+from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.locks import database_path, unlock
+from dbt_llm_batch.providers import get_provider
+
+log = logging.getLogger("dbt_llm_batch")
+
+# Request statuses a cancelled batch leaves on requests it did not answer (harvest.settle writes
+# 'voided'; the others are the provider words a harvest may record).
+UNANSWERED = ("voided", "canceled", "cancelled", "expired")
+
+
+class OperatorError(LlmBatchError):
+    """A command cannot do what was asked; the message says why and what to do."""
+
+
+def open_database(path: str):
+    if not os.path.exists(path):
+        raise OperatorError(f"no DuckDB file at {path}: pass the file your dbt profile writes (its `path`)")
+    try:
+        return duckdb.connect(path)
+    except duckdb.IOException as exc:
+        if is_lock_conflict(exc):
+            raise OperatorError(lock_conflict_message(path, str(exc))) from None
+        raise
+
+
+def resolve_model(con, schema: str, model: str) -> Ledger:
+    """The ledger of `model` ('schema.name' as the ledger records it, or just the model's name)."""
+    exists = con.execute("select count(*) from information_schema.tables where table_schema = ? "
+                         "and table_name = 'llm_batch_requests'", [schema]).fetchall()[0][0]
+    if not exists:
+        raise OperatorError(f"no dbt-llm-batch ledger in schema {schema}: pass --schema (the model's schema, "
+                            f"or its llm_ledger_schema)")
+    ledger = Ledger(con, schema, model)
+    names = [r[0] for r in con.execute(
+        f"""select distinct model from {ledger.table('llm_batch_requests')} where model = ? or model like ?
+            union select distinct model from {ledger.table('llm_batch_jobs')} where model = ? or model like ?""",
+        [model, "%." + model, model, "%." + model]).fetchall()]
+    exact = [n for n in names if n == model]
+    if exact or len(names) == 1:
+        ledger.model = (exact or names)[0]
+        ledger.migrate()  # a ledger written by an older version gains the operator columns
+        return ledger
+    if not names:
+        raise OperatorError(f"model {model} has no requests in the ledger in schema {schema}")
+    raise OperatorError(f"model {model} is ambiguous in schema {schema}: use one of {sorted(names)}")
+
+
+def operator_name() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in some containers
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def cancel_model(con, schema: str, model: str) -> list[str]:
+    """Cancel every submitted, unharvested batch of the model; returns one report line per batch."""
+    ledger = resolve_model(con, schema, model)
+    who = operator_name()
+    jobs = con.execute(
+        f"""select job_id, batch_id, provider, llm_model, status from {ledger.table('llm_batch_jobs')}
+            where model = ? and harvested_at is null and status <> 'voided' order by created_at""",
+        [ledger.model]).fetchall()
+    if not jobs:
+        return [f"{ledger.model}: no batch in flight; nothing to cancel"]
+    lines, providers = [], {}
+    for job_id, batch_id, provider_name, llm_model, status in jobs:
+        if not batch_id:
+            lines.append(f"{job_id}: its submission was interrupted and is not matched to a provider batch yet; "
+                         f"run the model once (it reconciles) and cancel again")
+            continue
+        key = (provider_name, llm_model)
+        if key not in providers:
+            config = parse_config({"unique_key": "key", "llm_provider": provider_name, "llm_model": llm_model})
+            providers[key] = get_provider(provider_name)(config)
+            providers[key].check_credentials()
+        try:
+            new_status = providers[key].cancel(batch_id)
+        except Exception as exc:  # e.g. it ended meanwhile: the provider refuses to cancel it
+            lines.append(f"{batch_id}: not cancelled ({type(exc).__name__}: {exc}); the next run harvests it")
+            continue
+        ledger.update_job(job_id, status=new_status, cancel_requested_at=_now(con), cancelled_by=who)
+        lines.append(f"{batch_id}: cancel requested by {who} (provider status: {new_status})")
+    lines.append(f"{ledger.model}: the next `dbt run` of this model harvests what these batches finished; the "
+                 f"requests they left unanswered are held (not resent) until `dbt-llm-batch release "
+                 f"--database {database_path(con)} --schema {schema} --model {ledger.model}`, or until their prompt "
+                 f"or config changes")
+    return lines
+
+
+def hold_cancelled(ledger: Ledger) -> int:
+    """Requests an operator-cancelled batch ended without answering become 'held' (run after harvest)."""
+    return ledger.execute(
+        f"""update {ledger.table('llm_batch_requests')} r set status = 'held',
+              error = 'batch ' || j.batch_id || ' was cancelled by ' || j.cancelled_by || ' at '
+                      || strftime(j.cancel_requested_at, '%Y-%m-%d %H:%M:%S') || ' before answering; held until '
+                      || '`dbt-llm-batch release` or a change of prompt or config'
+            from {ledger.table('llm_batch_jobs')} j
+            where r.job_id = j.job_id and j.model = ? and j.cancel_requested_at is not null
+              and j.harvested_at is not null and r.status in {UNANSWERED}""", [ledger.model]).fetchall()[0][0]
+
+
+def release_model(con, schema: str, model: str) -> int:
+    """Held requests become 'released': like 'voided', planned again without using up an attempt (a
+    status of its own, so hold_cancelled does not hold them again); returns how many."""
+    ledger = resolve_model(con, schema, model)
+    return ledger.execute(
+        f"""update {ledger.table('llm_batch_requests')} set status = 'released',
+              error = error || '; released by ' || ? || ' at ' || strftime(now(), '%Y-%m-%d %H:%M:%S')
+            where model = ? and status = 'held'""", [operator_name(), ledger.model]).fetchall()[0][0]
+
+
+def requeue_model(con, schema: str, model: str) -> tuple[int, int]:
+    """Failed requests that were sent stop counting as attempts (status 'requeued'); returns (requeued,
+    failed before sending). Rows that failed before sending (empty, too long, not UTF-8) need their
+    input fixed instead: they stay failed."""
+    ledger = resolve_model(con, schema, model)
+    requests = ledger.table("llm_batch_requests")
+    n = ledger.execute(f"""update {requests} set status = 'requeued', is_final = false
+                           where model = ? and status = 'failed' and job_id is not null""",
+                       [ledger.model]).fetchall()[0][0]
+    unsent = con.execute(f"select count(*) from {requests} where model = ? and status = 'failed' and job_id is null",
+                         [ledger.model]).fetchall()[0][0]
+    return n, unsent
+
+
+def delete_provider_files(ledger: Ledger, provider_name: str, get_provider_client, enabled: bool) -> None:
+    """After results are stored: delete each harvested batch's input and result files at the provider.
+    Recorded on the job; a failure is logged (and retried next run) and never fails the run.
+    `get_provider_client()` gives the run's provider: called only when there is something to delete."""
+    if not enabled:
+        return
+    jobs = ledger.con.execute(
+        f"""select job_id, batch_id, input_file_id, output_file_id, error_file_id from {ledger.table('llm_batch_jobs')}
+            where model = ? and provider = ? and harvested_at is not null and batch_id is not null
+              and files_deleted_at is null""", [ledger.model, provider_name]).fetchall()
+    if not jobs:
+        return
+    provider = get_provider_client()
+    for job_id, batch_id, *file_ids in jobs:
+        try:
+            provider.delete_files(batch_id, [f for f in file_ids if f])
+        except Exception as exc:
+            log.warning(f"{ledger.model}: could not delete the files of batch {batch_id} at {provider.name} "
+                        f"({type(exc).__name__}: {exc}); the results are stored, the next run tries again")
+            ledger.update_job(job_id, files_delete_error=f"{type(exc).__name__}: {exc}"[:1000])
+            continue
+        ledger.update_job(job_id, files_deleted_at=_now(ledger.con), files_delete_error=None)
+
+
+def _now(con):
+    return con.execute("select now()").fetchall()[0][0]
+
+
+def command(args) -> int:
+    """`dbt-llm-batch cancel|release|requeue|unlock`: run one operator action and print what it did."""
+    try:
+        con = open_database(args.database)
+        try:
+            if args.command == "cancel":
+                print("\n".join(cancel_model(con, args.schema, args.model)))
+            elif args.command == "release":
+                n = release_model(con, args.schema, args.model)
+                print(f"released {n} held request(s) of {args.model}: the next run sends them")
+            elif args.command == "requeue":
+                n, unsent = requeue_model(con, args.schema, args.model)
+                print(f"requeued {n} failed request(s) of {args.model}: the next run sends them again, with "
+                      f"a fresh set of llm_max_attempts" + (f"; {unsent} row(s) failed before sending (empty, "
+                      f"too long or not UTF-8) and need their input fixed" if unsent else ""))
+            elif args.command == "unlock":
+                rows = unlock(con, args.schema, resolve_model(con, args.schema, args.model).model)
+                print(f"removed the lock of {rows[0][0]} (held since {rows[0][1]}, last heartbeat {rows[0][2]})"
+                      if rows else f"{args.model} was not locked")
+        finally:
+            con.close()
+    except LlmBatchError as exc:
+        print(f"dbt-llm-batch {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return 0
