@@ -20,6 +20,24 @@ Approaches:
   aiohttp         a plain aiohttp.ClientSession (TCPConnector limit 64) posting JSON, json.loads, if installed
 --uvloop runs every approach on uvloop's event loop instead of asyncio's (if uvloop is installed).
 Every answer is checked: HTTP 200, a chat.completion whose content is JSON with an allowed category.
+
+Measured 2026-12-01 (2 cores shared with other busy processes, load average 2-5, so +-30% between runs;
+2,000 requests, 2 runs each; fraction of the 320 req/s ceiling, client CPU ms per request). A lock-step
+client can reach at most 0.977 here (2,000 / 64 = 31.25 rounds of 200 ms).
+  openai          0.51-0.62 (0.24-0.28 when the machine was busiest)   4.2-6.2 ms
+  openai_raw      0.40-0.63                                            4.4-4.7 ms
+  openai_post     0.31-0.34 (busiest period; same run: openai 0.24-0.28) 4.3-4.7 ms
+  openai_threads  0.39-0.53                                            4.4-5.6 ms
+  openai_procs    0.38-0.50                                            4.7-5.4 ms (startup included)
+  openai_aiohttp  0.50-0.56                                            3.4 ms
+  httpx (httpx2)  0.45-0.78                                            2.1-2.8 ms
+  aiohttp         0.82-0.89                                            0.5-0.6 ms
+  raw_streams     0.93-0.955, steady in every run                      0.12-0.18 ms
+uvloop changed nothing measurable. The SDK's cost is CPU in the client process: a cProfile of 1,000 requests
+puts most of it in openai._utils._transform (recursing through the request's params, response_format's
+schema included), httpcore2's pool scanning every connection for expiry on each request, and building the
+pydantic response models. So on this machine only a minimal HTTP/1.1 client (or plain aiohttp) gets near
+the ceiling; the openai SDK tops out near 200 req/s of client CPU on one core.
 """
 
 from __future__ import annotations
