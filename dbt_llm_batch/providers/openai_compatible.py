@@ -26,8 +26,8 @@ class OpenAICompatibleProvider(OpenAIBatchProvider):
                               f"dbt, or drop llm_api_key_env if the engine needs no key")
 
     def realtime_transports(self) -> list:
-        from dbt_llm_batch.providers.realtime_transport import openai_transports
-        return openai_transports(self.config.base_urls, self.config.api_key_env, self.config.concurrency)
+        from dbt_llm_batch.providers.engine_http import engine_transports
+        return engine_transports(self.config.base_urls, self.config.api_key_env)
 
     def submit(self, jsonl_path, token, model_name):
         raise NotImplementedError("a self-hosted engine has no batch API; its rows are sent in realtime")

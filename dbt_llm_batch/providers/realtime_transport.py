@@ -10,7 +10,6 @@ inside the run's time budget.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 # Statuses worth another try: rate limits, overload, server errors, request timeouts.
@@ -50,18 +49,35 @@ def retry_after_seconds(headers) -> float | None:
     return None
 
 
-class SdkTransport:
-    """POST a JSON body to `path` through an official SDK client (openai.AsyncOpenAI or
-    anthropic.AsyncAnthropic), which adds the key, version headers and base URL."""
+class Transport:
+    """What the executor tracks per endpoint (one per replica of a self-hosted engine)."""
 
-    def __init__(self, client, path: str, errors, name: str, key_hint: str, self_hosted: bool = False):
-        self.client, self.path, self.errors = client, path, errors
+    def __init__(self, name: str, key_hint: str, self_hosted: bool = False):
         self.name, self.key_hint, self.self_hosted = name, key_hint, self_hosted
         self.outstanding = 0  # requests on their way (replica selection)
         self.cooldown_until = 0.0  # after an error, other replicas are preferred until then
         self.failures = 0  # connection failures in a row
         self.never_connected = True
         self.dead = False  # never reachable: given up for this run
+
+    def fatal_problem(self, reply: Reply) -> str | None:
+        """Why `reply` fails the whole run, or None. The provider's own text is left out: a 401's
+        message can quote part of the key."""
+        if reply.status in FATAL:
+            return f"{self.name} answered HTTP {reply.status}: {FATAL[reply.status]} (check {self.key_hint})"
+        if reply.status == 404 and self.self_hosted:
+            return (f"{self.name} answered HTTP 404: no such endpoint or model (check llm_base_url, which "
+                    f"usually ends in /v1, and that llm_model is the engine's served model name)")
+        return None
+
+
+class SdkTransport(Transport):
+    """POST a JSON body to `path` through an official SDK client (openai.AsyncOpenAI or
+    anthropic.AsyncAnthropic), which adds the key, version headers and base URL."""
+
+    def __init__(self, client, path: str, errors, name: str, key_hint: str):
+        super().__init__(name, key_hint)
+        self.client, self.path, self.errors = client, path, errors
 
     async def send(self, body: bytes, timeout: float) -> Reply:
         import httpx2 as httpx  # the HTTP client the SDKs are built on
@@ -81,38 +97,18 @@ class SdkTransport:
         self.never_connected, self.failures = False, 0
         return reply
 
-    def fatal_problem(self, reply: Reply) -> str | None:
-        """Why `reply` fails the whole run, or None. The provider's own text is left out: a 401's
-        message can quote part of the key."""
-        if reply.status in FATAL:
-            return f"{self.name} answered HTTP {reply.status}: {FATAL[reply.status]} (check {self.key_hint})"
-        if reply.status == 404 and self.self_hosted:
-            return (f"{self.name} answered HTTP 404: no such endpoint or model (check llm_base_url, which "
-                    f"usually ends in /v1, and that llm_model is the engine's served model name)")
-        return None
-
     async def aclose(self) -> None:
         await self.client.close()
 
 
-def openai_transports(base_urls: tuple[str, ...] = (), api_key_env: str | None = None,
-                      concurrency: int = 16) -> list[SdkTransport]:
-    """One transport per base URL (replicas of a self-hosted engine), or one for OpenAI itself,
-    which the SDK finds through OPENAI_BASE_URL / OPENAI_API_KEY."""
+def openai_transports(concurrency: int = 16) -> list[SdkTransport]:
+    """OpenAI itself, which the SDK finds through OPENAI_BASE_URL / OPENAI_API_KEY."""
     import httpx2 as httpx  # the HTTP client the SDKs are built on
     import openai
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-
-    def client(url):
-        kwargs = {"max_retries": 0, "timeout": REQUEST_TIMEOUT_SECONDS,
-                  "http_client": openai.DefaultAsyncHttpxClient(limits=limits)}
-        if url is not None:  # a self-hosted engine: its own key variable, or none at all
-            kwargs.update(base_url=url, api_key=os.environ.get(api_key_env) if api_key_env else "none")
-        return openai.AsyncOpenAI(**kwargs)
-    if not base_urls:
-        return [SdkTransport(client(None), "/chat/completions", openai, "OpenAI", "OPENAI_API_KEY")]
-    hint = f"{api_key_env}, named by llm_api_key_env" if api_key_env else "the engine's key: set llm_api_key_env"
-    return [SdkTransport(client(url), "/chat/completions", openai, url, hint, self_hosted=True) for url in base_urls]
+    client = openai.AsyncOpenAI(max_retries=0, timeout=REQUEST_TIMEOUT_SECONDS,
+                                http_client=openai.DefaultAsyncHttpxClient(limits=limits))
+    return [SdkTransport(client, "/chat/completions", openai, "OpenAI", "OPENAI_API_KEY")]
 
 
 def anthropic_transports(concurrency: int = 16) -> list[SdkTransport]:
