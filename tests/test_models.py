@@ -192,17 +192,22 @@ models:
 
 
 def test_a_failed_batch_uses_no_attempt(project, emulator):
-    """The provider fails the whole batch (enqueued-token limit): its rows go again, attempts intact."""
+    """The provider fails the whole batch (enqueued-token limit): its rows go again after a back-off
+    (tests/test_faults.py has the schedule), attempts intact."""
     project.write("models/triage.sql", triage_model(extra_config="llm_max_attempts = 1,"))
     project.dbt("seed")
     emulator.add_fault(kind="token_limit", times=1)
     project.dbt("run", "-s", "triage")
     emulator.complete_all()
     assert emulator.batches()[0]["status"] == "failed"
-    project.dbt("run", "-s", "triage")  # harvests the failure, resubmits all six
-    assert batch_counts(emulator) == [6, 6]
+    project.dbt("run", "-s", "triage")  # harvests the failure; the six wait for the back-off
+    assert batch_counts(emulator) == [6]
     assert project.query("select count(*) from main.llm_batch_requests where status = 'voided' "
                          "and error like 'token_limit_exceeded%'") == [(6,)]
+    project.release_database()
+    project.query("update main.llm_batch_requests set not_before = now() - interval 1 second")
+    project.dbt("run", "-s", "triage")  # the back-off is over: all six again
+    assert batch_counts(emulator) == [6, 6]
     emulator.complete_all()
     project.dbt("run", "-s", "triage")
     assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
