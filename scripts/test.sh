@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
-# Set everything up and run the whole test suite.
+# Set everything up and run the whole test suite (CI runs this through .ci/run).
+# The suite includes a real `dbt build` against the local engine (vLLM + Gemma 3 270M, scripts/engine.sh):
+# it is set up here (the first time: a few minutes; the converted model is cached in ~/.cache), started in
+# the background so that it warms up while the other tests run, and stopped at the end if this script
+# started it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+./scripts/engine.sh setup
 export DO_NOT_TRACK=1
-exec .venv/bin/python -m pytest -q "$@"
+if ! ./scripts/engine.sh status >/dev/null 2>&1; then
+  mkdir -p .engine
+  ./scripts/engine.sh start >.engine/start-from-tests.log 2>&1 &
+  trap './scripts/engine.sh stop >/dev/null 2>&1 || true' EXIT
+fi
+.venv/bin/python -m pytest -q "$@"
