@@ -14,4 +14,5 @@ if ! ./scripts/engine.sh status >/dev/null 2>&1; then
   ./scripts/engine.sh start >.engine/start-from-tests.log 2>&1 &
   trap './scripts/engine.sh stop >/dev/null 2>&1 || true' EXIT
 fi
-.venv/bin/python -m pytest -q "$@"
+# Three workers on two cores: many tests wait on dbt subprocesses, retry-after and engine replies.
+.venv/bin/python -m pytest -q -n 3 "$@"
