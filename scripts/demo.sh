@@ -9,6 +9,7 @@
 #                                a batch, the sandbox finishes it, run 2 merges the results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT="$PWD"
 ./scripts/setup.sh
 export DO_NOT_TRACK=1
 MODE="${1:-local}"
@@ -58,7 +59,7 @@ fi
 ./scripts/engine.sh setup
 if ! ./scripts/engine.sh status >/dev/null 2>&1; then
   ./scripts/engine.sh start
-  trap './scripts/engine.sh stop' EXIT
+  trap '"$ROOT/scripts/engine.sh" stop' EXIT
 else
   ./scripts/engine.sh start  # already running: wait until it answers
 fi
