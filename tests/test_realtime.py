@@ -272,3 +272,16 @@ def test_a_comment_in_the_realtime_expression_is_harmless(project, emulator):
     project.dbt("seed")
     project.dbt("run", "-s", "triage")
     assert emulator.stats()["realtime_requests"]["openai"] == 2 and batch_counts(emulator) == [4]
+
+
+def test_retry_after_zero_still_backs_off(project, replicas, monkeypatch, api_key):
+    monkeypatch.setenv("ENGINE_KEY", api_key)
+    engine = replicas[0]
+    engine.add_fault(endpoint="POST /v1/chat/completions", status_code=503, retry_after=0, times=None)
+    project.write("models/triage.sql", self_hosted_model([engine.openai_base_url], "llm_realtime_budget_seconds = 2,")
+                  .replace("llm_concurrency = 4", "llm_concurrency = 1"))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    calls = engine.stats()["calls"]["POST /v1/chat/completions"]
+    assert 2 <= calls <= 10, calls  # exponential back-off from 0.5 s, not a tight loop (it was 443 calls)
+    assert project.query("select distinct status from main.llm_batch_requests") == [("voided",)]
