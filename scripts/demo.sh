@@ -15,6 +15,13 @@ export DO_NOT_TRACK=1
 MODE="${1:-local}"
 DBT="../.venv/bin/dbt"
 
+fresh_project() {  # into integration_project, with a new DuckDB file and the package installed
+  cd "$ROOT/integration_project"
+  export DBT_LLM_BATCH_DUCKDB="${DBT_LLM_BATCH_DUCKDB:-$PWD/integration.duckdb}"
+  rm -f "$DBT_LLM_BATCH_DUCKDB" "$DBT_LLM_BATCH_DUCKDB.wal"
+  $DBT deps --profiles-dir .
+}
+
 show_tables() {  # DuckDB file, then table names
   local db="$1"; shift
   ../.venv/bin/python - "$db" "$@" <<'PY'
@@ -37,10 +44,7 @@ if [ "$MODE" = "--sandbox" ]; then
   SANDBOX_PID=$!
   trap 'kill $SANDBOX_PID 2>/dev/null || true' EXIT
   for _ in $(seq 50); do curl -fs "http://127.0.0.1:${PORT}/_emulator/stats" >/dev/null && break; sleep 0.2; done
-  cd integration_project
-  export DBT_LLM_BATCH_DUCKDB="${DBT_LLM_BATCH_DUCKDB:-$PWD/integration.duckdb}"
-  rm -f "$DBT_LLM_BATCH_DUCKDB" "$DBT_LLM_BATCH_DUCKDB.wal"
-  $DBT deps --profiles-dir .
+  fresh_project
   echo "== run 1: select rows, submit one batch per model (the tables exist, empty)"
   $DBT build --profiles-dir . --select +tag:batch
   echo "== waiting for the sandbox to finish the batches"
@@ -63,10 +67,7 @@ if ! ./scripts/engine.sh status >/dev/null 2>&1; then
 else
   ./scripts/engine.sh start  # already running: wait until it answers
 fi
-cd integration_project
-export DBT_LLM_BATCH_DUCKDB="${DBT_LLM_BATCH_DUCKDB:-$PWD/integration.duckdb}"
-rm -f "$DBT_LLM_BATCH_DUCKDB" "$DBT_LLM_BATCH_DUCKDB.wal"
-$DBT deps --profiles-dir .
+fresh_project
 echo "== run 1: every ticket goes to the local engine, answers are merged in the same run, then dbt tests run"
 $DBT build --profiles-dir . --select +tag:local
 echo "== run 2: nothing new, so nothing is sent"
