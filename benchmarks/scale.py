@@ -11,8 +11,9 @@ to a plain-DuckDB baseline timed in the same process, so the ratios hold on a no
 (d) peak memory (max RSS of a child process running a, b, c) at 100,000 and at N rows, with DuckDB's
     memory_limit at 1GB (--memory-limit; DuckDB otherwise caches pages up to 80% of RAM, which is
     its cache, not what the pipeline needs)
-No provider is called: batches are "submitted" by recording made-up batch ids, and the result file
-is written by DuckDB in the OpenAI batch output format.
+The real code runs through runner.ModelRun with an offline provider (OfflineProvider): no network;
+batches are "submitted" by recording made-up batch ids, and each batch's result file is written by
+DuckDB in the OpenAI batch output format.
 """
 
 from __future__ import annotations
@@ -28,15 +29,16 @@ import time
 
 import duckdb
 
-from dbt_llm_batch import costs, harvest, merge, planner, runner, submit
+from dbt_llm_batch import merge, planner, runner
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.providers.base import BatchState
+from dbt_llm_batch.providers.base import BatchState, Submission
 from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
 
 RAW_CONFIG = {"unique_key": "id", "llm_model": "gpt-4o-mini", "llm_system": "Classify the ticket.",
               "llm_output": {"category": ["billing", "bug", "other"], "score": "integer"}, "llm_max_tokens": 20,
-              "llm_max_tokens_in_flight": 10**12, "llm_max_batches_in_flight": 1000}
+              "llm_max_tokens_in_flight": 10**12, "llm_max_batches_in_flight": 1000,
+              "llm_delete_provider_files": False}  # the made-up batches have no files to delete
 SOURCE = "select i as id, repeat(md5(i::varchar), 16) as prompt from range({n}) t(i)"  # 512-character prompts
 
 
@@ -46,25 +48,39 @@ def timed(fn):
     return time.perf_counter() - start, result
 
 
+class OfflineProvider(OpenAIBatchProvider):
+    """The real OpenAI provider (request lines, result parsing) with its network calls replaced: a
+    submission is recorded, not uploaded, and results are files written here. So the figures are the
+    plugin's own work, without the network I/O that no implementation avoids."""
+
+    def __init__(self, config, directory):
+        super().__init__(config)
+        self.directory = directory
+
+    def submit(self, jsonl_path, token, model_name):
+        return Submission(batch_id=f"batch_{token}", status="validating", input_file_id=f"file_{token}")
+
+    def poll(self, batch_id):
+        return BatchState(status="completed", ended=True, output_file_id=f"out_{batch_id}")
+
+    def download_results(self, state, batch_id, directory):
+        return [("output", os.path.join(self.directory, f"{batch_id}.jsonl"))]
+
+
+def model_run(con, config, directory) -> runner.ModelRun:
+    """A run of the benchmark model, as runner.run_model sets one up (the input is already loaded)."""
+    run = runner.ModelRun(con, config, "main", "main.bench", {}, provider=OfflineProvider(config, directory))
+    run.input_columns = planner.check_input(con, planner.INPUT, config)
+    planner.build_desired(con, planner.INPUT, run.input_columns, config)
+    return run
+
+
 def plan_and_write(con, config, directory) -> int:
-    """(a) with the real code: desired rows, plan, estimates, chunks, ledger intents, JSONL files."""
-    ledger = Ledger(con, "main", "main.bench")
-    columns = planner.check_input(con, planner.INPUT, config)
-    planner.build_desired(con, planner.INPUT, columns, config)
-    n = planner.build_plan(ledger, config, planner.INPUT, columns)
-    rows = planner.plan_rows(config, columns)
-    con.execute(f"""update {planner.PLAN} set estimated_input_tokens = x.t
-                    from (select custom_id, {costs.estimated_input_tokens_sql(config)} as t from {rows}) x
-                    where {planner.PLAN}.custom_id = x.custom_id""")
-    provider = OpenAIBatchProvider(config)
-    line_sql = provider.request_line_sql()
-    n_chunks = planner.assign_chunks(con, line_sql, provider.max_requests_per_batch, provider.max_bytes_per_batch,
-                                     rows=rows)
-    job_ids = ledger.write_intents(provider.name, config.model, rows, list(range(n_chunks)))
-    for chunk, job_id in job_ids.items():  # as submit.submit_chunks does, minus the provider calls
-        submit.write_jsonl(con, line_sql, chunk, os.path.join(directory, f"requests-{chunk}.jsonl"), rows)
-        ledger.record_submission(job_id, f"batch_bench_{chunk}", None, "validating")
-    return n
+    """(a) with the real code: validate, plan, estimate, write the request files, write the ledger
+    intents, "submit" (runner.ModelRun.plan_and_submit with an offline provider)."""
+    run = model_run(con, config, directory)
+    run.plan_and_submit()
+    return run.summary.submitted
 
 
 def baseline_copy(con, directory) -> None:
@@ -75,12 +91,10 @@ def baseline_copy(con, directory) -> None:
                          from {planner.INPUT}) to '{directory}/baseline.jsonl' (format json)""")
 
 
-def write_results(con, directory) -> list[tuple[str, str]]:
-    """An OpenAI batch output file per job, every request answered, in shuffled order."""
-    jobs = [r[0] for r in con.execute("select job_id from main.llm_batch_jobs order by job_id").fetchall()]
-    for job_id in jobs:
-        write_result_file(con, job_id, os.path.join(directory, f"{job_id}.jsonl"))
-    return [(job_id, os.path.join(directory, f"{job_id}.jsonl")) for job_id in jobs]
+def write_results(con, directory) -> None:
+    """An OpenAI batch output file per submitted batch, every request answered, in shuffled order."""
+    for job_id, batch_id in con.execute("select job_id, batch_id from main.llm_batch_jobs order by job_id").fetchall():
+        write_result_file(con, job_id, os.path.join(directory, f"{batch_id}.jsonl"))
 
 
 def write_result_file(con, job_id, path) -> None:
@@ -96,21 +110,20 @@ def write_result_file(con, job_id, path) -> None:
                     to '{path}' (format json)""")
 
 
-def ingest(con, config, files) -> None:
-    """(b) with the real code: store each job's lines, settle its requests, merge into typed columns."""
-    ledger = Ledger(con, "main", "main.bench")
-    provider = OpenAIBatchProvider(config)
-    price = {"input": 0.15, "output": 0.6, "cache_write": 0.15, "cache_read": 0.075, "batch_discount": 0.5}
-    # as harvest.poll_and_harvest does, minus the provider calls
-    harvest.store_lines(ledger, [(job_id, "output", path) for job_id, path in files])
-    harvest.settle(ledger, provider, config, [(job_id, BatchState(status="completed", ended=True))
-                                              for job_id, _ in files], price)
-    columns = planner.describe(con, planner.INPUT)
-    merge.merge(ledger, config, "main.bench", columns, rebuild=False)
+def ingest(con, config, directory) -> None:
+    """(b) with the real code: poll, store each batch's lines, settle its requests (ModelRun.harvest_open
+    with the offline provider), then merge into the typed columns of the model table."""
+    run = runner.ModelRun(con, config, "main", "main.bench", {}, provider=OfflineProvider(config, directory))
+    run.input_columns = planner.describe(con, planner.INPUT)
+    run.harvest_open()
+    merge.merge(run.ledger, config, "main.bench", run.input_columns, rebuild=False)
 
 
-def baseline_ingest(con, files) -> None:
-    paths = [path for _, path in files]
+def result_paths(directory) -> list[str]:
+    return sorted(os.path.join(directory, name) for name in os.listdir(directory) if name.startswith("batch_"))
+
+
+def baseline_ingest(con, paths) -> None:
     con.execute(f"""create or replace table baseline_out as
                     select custom_id,
                            json_extract_string(response.body.choices[1].message.content, '$.category') as category,
@@ -133,13 +146,14 @@ def run_once(n: int, memory_limit: str | None = None) -> dict:
         Ledger(con, "main", "main.bench").migrate()  # one-time setup of the ledger tables, not timed
 
         figures["a_baseline_s"], _ = timed(lambda: baseline_copy(con, directory))
-        figures["a_plugin_s"], _ = timed(lambda: plan_and_write(con, config, directory))
-        results = write_results(con, directory)
+        figures["a_plugin_s"], submitted = timed(lambda: plan_and_write(con, config, directory))
+        assert submitted == n
+        write_results(con, directory)
         # Run 1 would have created the (empty) model table; (b) is a later run merging into it.
         merge.merge(Ledger(con, "main", "main.bench"), config, "main.bench", planner.describe(con, planner.INPUT),
                     rebuild=True)
-        figures["b_baseline_s"], _ = timed(lambda: baseline_ingest(con, results))
-        figures["b_plugin_s"], _ = timed(lambda: ingest(con, config, results))
+        figures["b_baseline_s"], _ = timed(lambda: baseline_ingest(con, result_paths(directory)))
+        figures["b_plugin_s"], _ = timed(lambda: ingest(con, config, directory))
         assert con.execute("select count(*) from main.bench where llm_status = 'succeeded'").fetchall()[0][0] == n
 
         def run(sql):

@@ -2,8 +2,8 @@
 
 - OpenAI validation errors that name input lines (`Batch.errors.data[].line`): the named requests
   fail with the provider's message (an attempt used); the others did nothing wrong and are voided,
-  to be resubmitted without using an attempt. `line` is 1-based over the request file, which
-  submit.write_jsonl writes in custom_id order, so line n is the job's n-th custom_id.
+  to be resubmitted without using an attempt. `line` is 1-based over the request file; each
+  request's line is recorded in the ledger (`file_line`, request_files.py).
 - `token_limit_exceeded` (OpenAI's enqueued-token limit): the batch's requests are voided with a
   `not_before` the planner honours: 10 min, doubling with each consecutive occurrence, at most 6 h.
 All of it runs inside harvest.settle's transaction, so it is settled exactly once.
@@ -78,7 +78,8 @@ def fail_named_lines(con, requests: str, max_attempts: int) -> None:
                          (select count(*) from {requests} p where p.model = n.model and p.key = n.key
                             and p.fingerprint = n.fingerprint and p.status = 'failed') as earlier_failures
                   from (select custom_id, job_id, model, key, fingerprint,
-                               row_number() over (partition by job_id order by custom_id) as line
+                               -- ledgers before version 9 wrote request files in custom_id order
+                               coalesce(file_line, row_number() over (partition by job_id order by custom_id)) as line
                         from {requests} where job_id in (select job_id from __llm_line_errors)) n
                   join __llm_line_errors e using (job_id, line)) x
             where r.custom_id = x.custom_id and r.job_id = x.job_id and r.status in ('queued', 'submitted')""",

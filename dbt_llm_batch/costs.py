@@ -65,19 +65,23 @@ def batch_cost_sql(price: dict, alias: str = "") -> str:
     return f"cast({realtime_cost_sql(price, alias)} * (1 - {price['batch_discount']}) as {MONEY})"
 
 
-def estimated_input_tokens_sql(config: ModelConfig, prompt_sql: str = "prompt") -> str:
+def estimated_input_tokens_sql(config: ModelConfig, prompt_sql: str = "prompt", chars_sql: str | None = None) -> str:
     """Approximate input tokens of a request: 4 characters a token over system, examples and prompt,
-    plus a small per-message overhead. (No tokenizer download is needed; documented in the README.)"""
+    plus a small per-message overhead. (No tokenizer download is needed; documented in the README.)
+    `chars_sql`, if given, is the prompt's length already computed (the planner's prompt_chars)."""
     fixed_chars = len(config.system or "") + sum(len(a) + len(b) for a, b in config.examples)
     messages = 1 + (1 if config.system else 0) + 2 * len(config.examples)
-    return f"(ceil(({fixed_chars} + length({prompt_sql})) / 4.0) + {MESSAGE_OVERHEAD_TOKENS * messages})"
+    chars = chars_sql or f"length({prompt_sql})"
+    return f"cast(ceil(({fixed_chars} + {chars}) / 4.0) + {MESSAGE_OVERHEAD_TOKENS * messages} as bigint)"
 
 
-def estimated_cost_sql(config: ModelConfig, price: dict, prompt_sql: str = "prompt", route_sql: str = "'batch'") -> str:
+def estimated_cost_sql(config: ModelConfig, price: dict, prompt_sql: str = "prompt", route_sql: str = "'batch'",
+                       chars_sql: str | None = None) -> str:
     """SQL: the most a request is expected to cost (input estimate, output = max tokens), at batch
     prices, or at list prices where `route_sql` is 'realtime'."""
     output = config.max_tokens or DEFAULT_OUTPUT_ESTIMATE
-    total = f"{estimated_input_tokens_sql(config, prompt_sql)} * {price['input']} + {output} * {price['output']}"
+    tokens = estimated_input_tokens_sql(config, prompt_sql, chars_sql)
+    total = f"{tokens} * {price['input']} + {output} * {price['output']}"
     discount = f"case when {route_sql} = 'realtime' then 0 else {price['batch_discount']} end"
     return f"cast(({total}) / 1000000 * (1 - {discount}) as {MONEY})"
 

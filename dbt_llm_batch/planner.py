@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 
 import duckdb
-import numpy as np
-import pyarrow as pa
 
+from dbt_llm_batch import costs
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError, InputError
 from dbt_llm_batch.ledger import Ledger
@@ -93,9 +92,12 @@ def row_json_sql(columns, alias: str = "") -> str:
 
 
 def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
-    """One row per selected key: its input row id, key, fingerprint, whether it has a prompt and
-    whether it goes to the realtime path. No copy of the prompt or the row: those are read from the
+    """One row per selected key: its input row id, key, fingerprint, whether it has a prompt, its
+    length and whether it goes to the realtime path. No copy of the prompt or the row: those are read from the
     input when a row is actually sent."""
+    prompt_chars = prompt_text_sql(config, columns)
+    if prompt_chars.startswith("decode("):  # not-UTF-8 BLOBs fail later, alone (bad_input.reject_unsendable)
+        prompt_chars = f"try({prompt_chars})"
     if config.self_hosted:
         realtime = "true"
     elif config.realtime_when:
@@ -110,6 +112,7 @@ def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
                        -- md5: change detection, not security, and twice as fast as sha256 over long prompts
                        md5(? || coalesce(cast({q(config.prompt_column)} as varchar), '')) as fingerprint,
                        coalesce(cast({q(config.prompt_column)} as varchar), '') <> '' as has_prompt,
+                       length({prompt_chars}) as prompt_chars,  -- for the token estimate, read in this one scan
                        {realtime} as realtime
                 from {input_rel}""",
             [config.fingerprint_prefix()])
@@ -135,10 +138,13 @@ def reject_empty_prompts(ledger: Ledger, input_rel: str, columns) -> int:
         [ledger.model, ledger.model, ledger.model]).fetchall()[0][0]
 
 
-def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> int:
+def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, price: dict | None = None) -> int:
     """Requests to send now: desired rows minus those succeeded or in flight for the same key and
     fingerprint, and minus those whose failures reached llm_max_attempts; plus requests deferred by an
-    earlier run (in-flight caps) for keys this run does not select. Returns the count."""
+    earlier run (in-flight caps) for keys this run does not select. Returns the count.
+
+    Each request carries its estimated input tokens and, with a `price`, its estimated cost, computed
+    here from the prompt's length in the same statement (no second pass over the prompts)."""
     con = ledger.con
     requests = ledger.table("llm_batch_requests")
     # Deferred requests of keys selected now are planned afresh from the current rows; the others keep
@@ -149,9 +155,12 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
     con.execute(
         f"""create or replace temp table __llm_deferred as
             select key, fingerprint, seq, custom_id, row_json,
-                   {stored_prompt} as prompt from {requests}
+                   {stored_prompt} as prompt, length({stored_prompt}) as prompt_chars from {requests}
             where model = ? and status = 'deferred' and key not in (select key from {DESIRED})""",
-        ["$." + json.dumps(config.prompt_column), ledger.model])
+        ["$." + json.dumps(config.prompt_column)] * 2 + [ledger.model])
+    estimated_cost = "null::decimal(18, 9)"
+    if price is not None:
+        estimated_cost = costs.estimated_cost_sql(config, price, route_sql="route", chars_sql="prompt_chars")
     con.execute(
         f"""create or replace temp table {PLAN} as
             with history as (
@@ -166,7 +175,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
                 where model = ? and status <> 'deferred'
                 group by key, fingerprint),
             fresh as (
-                select d.row_id, d.key, d.fingerprint, coalesce(h.n_requests, 0) as seq,
+                select d.row_id, d.key, d.fingerprint, d.prompt_chars, coalesce(h.n_requests, 0) as seq,
                        case when d.realtime or coalesce(h.failed, 0) >= ? then 'realtime' else 'batch' end as route
                 from {DESIRED} d left join history h using (key, fingerprint)
                 where d.has_prompt
@@ -175,21 +184,19 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns) -> 
                        -- llm_fallback = 'realtime': batch attempts used up, one more try in realtime
                        or (? and coalesce(h.realtime_tried, 0) = 0))
                   and coalesce(h.not_before <= now(), true))
-            select row_id, key, fingerprint, seq,
-                   'r_' || substr(sha256(? || key || fingerprint || seq), 1, 40) as custom_id,
-                   null::varchar as deferred_prompt, null::varchar as deferred_row_json, route
-            from fresh
-            union all
-            select null, key, fingerprint, seq, custom_id, prompt, row_json, ? from __llm_deferred""",
+            select *, {costs.estimated_input_tokens_sql(config, chars_sql="prompt_chars")} as estimated_input_tokens,
+                   {estimated_cost} as estimated_cost_usd
+            from (select row_id, key, fingerprint, seq,
+                         'r_' || substr(sha256(? || key || fingerprint || seq), 1, 40) as custom_id,
+                         null::varchar as deferred_prompt, null::varchar as deferred_row_json, route, prompt_chars
+                  from fresh
+                  union all
+                  select null, key, fingerprint, seq, custom_id, prompt, row_json, ?, prompt_chars
+                  from __llm_deferred)""",
         [ledger.model, config.max_attempts, config.max_attempts, config.fallback == "realtime", ledger.model,
          "realtime" if config.self_hosted else "batch"])
     con.execute("drop table __llm_deferred")
-    n = con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
-    con.execute(f"""alter table {PLAN} add column chunk integer default 0;
-                    alter table {PLAN} add column estimated_cost_usd decimal(18, 9);
-                    alter table {PLAN} add column estimated_input_tokens bigint;
-                    alter table {PLAN} add column line_bytes bigint;""")
-    return n
+    return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
 
 
 def prompt_text_sql(config: ModelConfig, columns, alias: str = "") -> str:
@@ -202,57 +209,8 @@ def prompt_text_sql(config: ModelConfig, columns, alias: str = "") -> str:
 
 
 def plan_rows(config: ModelConfig, columns, plan: str = PLAN) -> str:
-    """The plan joined back to the input: every PLAN column plus `prompt` and `row_json` (a deferred
-    request brings its own from the ledger). A subquery, so rows are read, not copied."""
-    return f"""(select p.*, coalesce(p.deferred_prompt, {prompt_text_sql(config, columns, 'i.')}) as prompt,
+    """The plan joined back to the input: every PLAN column plus `plan_row` (the plan's row id),
+    `prompt` and `row_json` (a deferred request brings its own from the ledger). A subquery, so rows are read, not copied."""
+    return f"""(select p.*, p.rowid as plan_row, coalesce(p.deferred_prompt, {prompt_text_sql(config, columns, 'i.')}) as prompt,
                        coalesce(p.deferred_row_json, {row_json_sql(columns, 'i.')}) as row_json
                 from {plan} p left join {INPUT} i on i.rowid = p.row_id)"""
-
-
-def assign_chunks(con, line_sql: str, max_requests: int, max_bytes: int, max_tokens: int | None = None,
-                  rows: str = PLAN) -> int:
-    """Split the plan into provider-sized chunks; returns the chunk count.
-
-    A chunk holds at most `max_requests` lines, `max_bytes` bytes (each line plus its newline) and,
-    if given, `max_tokens` estimated input tokens. Lines are taken greedily in custom_id order: a chunk
-    ends before the line that would push it over a limit. Only integers cross into Python (numpy
-    arrays), and the loop runs once per chunk, not once per row.
-    """
-    con.execute(f"""update {PLAN} set line_bytes = x.n from (select custom_id, strlen({line_sql}) + 1 as n from {rows}) x
-                    where {PLAN}.custom_id = x.custom_id""")
-    fetched = con.execute(f"""select line_bytes, coalesce(estimated_input_tokens, 0) as tokens
-                              from {PLAN} order by custom_id""").fetchnumpy()
-    sizes = np.asarray(fetched["line_bytes"], dtype=np.int64)
-    tokens = np.asarray(fetched["tokens"], dtype=np.int64)
-    too_big = int((sizes > max_bytes).sum())
-    if too_big:
-        raise InputError(f"{too_big} request(s) are larger than the provider's batch limit "
-                         f"({max_bytes} bytes) on their own; shorten those prompts")
-    chunks = greedy_chunks(sizes, max_bytes, max_requests, tokens, max_tokens)
-    n_chunks = int(chunks[-1]) + 1 if len(chunks) else 0
-    if n_chunks > 1:
-        con.register("__llm_chunks", pa.table({"ord": np.arange(len(chunks), dtype=np.int64), "chunk": chunks}))
-        con.execute(f"""update {PLAN} set chunk = c.chunk
-                        from (select custom_id, row_number() over (order by custom_id) - 1 as ord from {PLAN}) o
-                        join __llm_chunks c using (ord)
-                        where {PLAN}.custom_id = o.custom_id""")
-        con.unregister("__llm_chunks")
-    return n_chunks
-
-
-def greedy_chunks(sizes, max_bytes: int, max_count: int, tokens=None, max_tokens: int | None = None):
-    """Chunk number of each line: greedy, never over max_bytes, max_count or max_tokens per chunk."""
-    chunks = np.zeros(len(sizes), dtype=np.int64)
-    cum_bytes = np.cumsum(sizes)
-    cum_tokens = np.cumsum(tokens) if max_tokens else None
-    start, chunk = 0, 0
-    while start < len(sizes):
-        base = cum_bytes[start - 1] if start else 0
-        end = int(np.searchsorted(cum_bytes, base + max_bytes, side="right"))
-        if cum_tokens is not None:
-            token_base = cum_tokens[start - 1] if start else 0
-            end = min(end, int(np.searchsorted(cum_tokens, token_base + max_tokens, side="right")))
-        end = max(min(end, start + max_count, len(sizes)), start + 1)  # a chunk holds at least one line
-        chunks[start:end] = chunk
-        start, chunk = end, chunk + 1
-    return chunks

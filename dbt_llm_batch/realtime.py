@@ -55,7 +55,8 @@ def run_realtime(ledger: Ledger, provider: BatchProvider, rows: str, price: dict
     `heartbeat(ledger)` keeps the model's lock fresh; it is called with the writer's own ledger."""
     config = provider.config
     started = time.monotonic()
-    job_id = ledger.write_intents(provider.name, config.model, rows, [0], status="realtime")[0]
+    job_id = ledger.write_intents(provider.name, config.model, f"(select *, 0 as chunk, null::integer as line from {rows})",
+                                  [0], status="realtime")[0]  # one job, no request file
     outcome = RealtimeOutcome(requests=ledger.con.execute(
         f"select count(*) from {ledger.table('llm_batch_requests')} where job_id = ?", [job_id]).fetchall()[0][0])
     bodies = ledger.con.sql(

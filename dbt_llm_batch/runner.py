@@ -6,11 +6,13 @@ with the job's DuckDB connection. Returns a RunSummary; the run log gets one lin
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass
 from decimal import Decimal
 
-from dbt_llm_batch import bad_input, costs, crashpoints, harvest, locks, merge, operator, planner, realtime, submit
+from dbt_llm_batch import (bad_input, costs, crashpoints, harvest, locks, merge, operator, planner, realtime,
+                           request_files, submit)
 from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.errors import BudgetError
 from dbt_llm_batch.ledger import Ledger
@@ -119,7 +121,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
             run.lock.release()
         run.finish_summary()
         logger().info(run.summary.line())
-    for name in (INPUT, planner.DESIRED, planner.PLAN, REALTIME_PLAN):
+    for name in (INPUT, planner.DESIRED, planner.PLAN, REALTIME_PLAN, request_files.SENT):
         con.execute(f"drop table if exists {name}")
     return run.summary
 
@@ -127,7 +129,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
 class ModelRun:
     """The provider-facing steps of one model's run, sharing its ledger, provider and prices."""
 
-    def __init__(self, con, config: ModelConfig, schema: str, model: str, project: dict):
+    def __init__(self, con, config: ModelConfig, schema: str, model: str, project: dict, provider=None):
         self.con, self.config = con, config
         self.summary = RunSummary(model=model)
         self.ledger = Ledger(con, config.ledger_schema or schema, model)
@@ -137,7 +139,7 @@ class ModelRun:
         self.dry_run = config.dry_run or bool(project.get("dry_run"))
         costs.load_prices(con, config.price_table)
         self.price = costs.price_of(con, config.provider, config.model)
-        self._provider = None
+        self._provider = provider  # None: created on first use (benchmarks pass one that stays offline)
         # One realtime budget for the whole run, however many rounds llm_wait_seconds makes.
         self.realtime_deadline = time.monotonic() + config.realtime_budget_seconds
         self._warned_unavailable = False
@@ -239,48 +241,27 @@ class ModelRun:
             ledger.update_job(job["job_id"], status="voided")
 
     def plan(self) -> int:
-        """Build the plan with each request's estimated input tokens (and cost, when priced)."""
-        n = planner.build_plan(self.ledger, self.config, INPUT, self.input_columns)
-        if n:
-            cost = costs.estimated_cost_sql(self.config, self.price, route_sql="route") if self.price else "null"
-            self.con.execute(
-                f"""update {planner.PLAN} set estimated_input_tokens = x.tokens, estimated_cost_usd = x.cost
-                    from (select custom_id, {costs.estimated_input_tokens_sql(self.config)} as tokens, {cost} as cost
-                          from {self.rows}) x
-                    where {planner.PLAN}.custom_id = x.custom_id""")
-        return n
+        """Build the plan, each request with its estimated input tokens (and cost, when priced)."""
+        return planner.build_plan(self.ledger, self.config, INPUT, self.input_columns, self.price)
 
-    def chunk_plan(self) -> list[tuple]:
-        """Chunk the plan under the provider's per-batch limits and the token cap; returns per chunk
-        (chunk, requests, estimated input tokens, estimated cost)."""
-        provider_cls = get_provider(self.config.provider)
-        tokens_cap = self.tokens_cap()
-        max_count = min(provider_cls.max_requests_per_batch,
-                        provider_cls.max_requests_in_flight or provider_cls.max_requests_per_batch)
-        planner.assign_chunks(self.con, provider_cls(self.config).request_line_sql(), max_count,
-                              provider_cls.max_bytes_per_batch, tokens_cap, rows=self.rows)
-        return self.con.execute(
-            f"""select chunk, count(*), sum(estimated_input_tokens), sum(estimated_cost_usd)
-                from {planner.PLAN} group by chunk order by chunk""").fetchall()
-
-    def tokens_cap(self) -> int | None:
-        """Most estimated input tokens in flight: the model's setting, else the provider's default."""
-        return self.config.max_tokens_in_flight or get_provider(self.config.provider).default_max_tokens_in_flight
-
-    def chunks_that_fit(self, chunks: list[tuple]) -> int:
-        """How many leading chunks fit under the in-flight caps, given what is already in flight."""
-        provider_cls = get_provider(self.config.provider)
-        tokens_cap = self.tokens_cap()
-        requests_cap = provider_cls.max_requests_in_flight
+    def room(self) -> request_files.Room:
+        """What the in-flight caps leave for this run: llm_max_batches_in_flight, the token cap (the
+        model's llm_max_tokens_in_flight, else the provider's default) and the provider's request cap."""
+        tokens_cap, requests_cap = self.tokens_cap(), get_provider(self.config.provider).max_requests_in_flight
         batches, requests, tokens = self.ledger.in_flight()
-        fit = 0
-        for _, count, chunk_tokens, _ in chunks:
-            if (batches + 1 > self.config.max_batches_in_flight
-                    or (tokens_cap and tokens + chunk_tokens > tokens_cap)
-                    or (requests_cap and requests + count > requests_cap)):
-                break
-            batches, requests, tokens, fit = batches + 1, requests + count, tokens + chunk_tokens, fit + 1
-        return fit
+        return request_files.Room(
+            batches=max(0, self.config.max_batches_in_flight - batches),
+            requests=None if requests_cap is None else max(0, requests_cap - requests),
+            tokens=None if tokens_cap is None else max(0, tokens_cap - tokens),
+            nothing_in_flight=batches == 0)
+
+    def write_request_files(self, directory: str | None) -> list[request_files.RequestFile]:
+        """The plan's batch requests as provider-sized files, as many as the in-flight caps allow
+        (directory None: counted, not written)."""
+        provider_cls = get_provider(self.config.provider)
+        return request_files.write_request_files(
+            self.con, provider_cls(self.config).request_line_sql(), self.rows, directory,
+            provider_cls.max_requests_per_batch, provider_cls.max_bytes_per_batch, self.room())
 
     def check_budget(self, n: int, estimate) -> None:
         """Refuse, before any upload, a plan that would take committed spend over a budget."""
@@ -314,41 +295,48 @@ class ModelRun:
                           f"resubmitted after {until:%Y-%m-%d %H:%M:%S %Z}")
         if self.plan() == 0:
             if self.ledger.has_deferred():  # superseded by answers the model's rows already have
-                self.ledger.defer(self.rows, 0)
+                self.ledger.defer(None)
             return
         n_realtime, realtime_estimate = self.split_realtime()
-        chunks = self.chunk_plan() if self.plan_count() else []
-        fit = self.chunks_that_fit(chunks)
-        sending = chunks[:fit]
-        n = sum(c[1] for c in sending) + n_realtime
-        estimate = None
-        if self.price is not None:
-            estimate = sum(c[3] for c in sending) + (realtime_estimate or 0)
-        if n:
-            self.check_budget(n, estimate)  # batch and realtime together, before anything is sent
-        if sending:
-            provider = self.provider
-            self.warn_if_prefix_too_short(provider)
-            batch_ids = submit.submit_chunks(self.ledger, provider, [c[0] for c in sending], self.rows)
-            sent = sending[:len(batch_ids)]  # a failed create stops the run's submissions (submit.py)
-            self.summary.submitted += sum(c[1] for c in sent)
-            self.summary.batches += len(batch_ids)
-            if estimate is not None:
-                self.summary.estimated_usd = (self.summary.estimated_usd or 0) + sum(c[3] for c in sent)
-            if len(sent) < len(sending):  # the failed chunk is voided or held; the later ones wait
-                fit = len(sent) + 1
-        self.ledger.defer(self.rows, fit)
-        waiting = sum(c[1] for c in chunks[fit:])
+        with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
+            files = self.write_request_files(directory)
+            n = sum(f.requests for f in files) + n_realtime
+            estimate = None
+            if self.price is not None:
+                estimate = sum(f.cost or 0 for f in files) + (realtime_estimate or 0)
+            if n:
+                self.check_budget(n, estimate)  # batch and realtime together, before anything is sent
+            first_unsent = len(files)
+            if files:
+                provider = self.provider
+                self.warn_if_prefix_too_short(provider)
+                batch_ids = submit.submit_chunks(self.ledger, provider, files, request_files.sent_rows(self.rows))
+                sent = files[:len(batch_ids)]  # a failed create stops the run's submissions (submit.py)
+                self.summary.submitted += sum(f.requests for f in sent)
+                self.summary.batches += len(batch_ids)
+                if estimate is not None:
+                    self.summary.estimated_usd = (self.summary.estimated_usd or 0) + sum(f.cost or 0 for f in sent)
+                if len(sent) < len(files):  # the failed file is voided or held; the later ones wait
+                    first_unsent = len(sent) + 1
+        self.ledger.defer(request_files.unsent_rows(self.rows, first_unsent) if self.unsent(first_unsent) else None)
+        waiting = self.ledger.deferred_count()
         self.summary.deferred = waiting
         if waiting:
-            logger().info(f"{self.ledger.model}: {waiting} request(s) in {len(chunks) - fit} batch(es) wait in the "
-                          f"ledger for a later run: the in-flight cap (llm_max_batches_in_flight="
-                          f"{self.config.max_batches_in_flight}, llm_max_tokens_in_flight) is reached")
+            logger().info(f"{self.ledger.model}: {waiting} request(s) wait in the ledger for a later run: the "
+                          f"in-flight caps are reached (llm_max_batches_in_flight={self.config.max_batches_in_flight}, "
+                          f"llm_max_tokens_in_flight={self.tokens_cap()})")
         if n_realtime:
             self.send_realtime()
 
-    def plan_count(self) -> int:
-        return self.con.execute(f"select count(*) from {planner.PLAN}").fetchall()[0][0]
+    def unsent(self, first_unsent: int) -> int:
+        """Batch requests of the plan not in a file submitted this run (request_files.unsent_rows)."""
+        return self.con.execute(
+            f"""select (select count(*) from {planner.PLAN})
+                       - (select count(*) from {request_files.SENT} where chunk < {int(first_unsent)})""").fetchall()[0][0]
+
+    def tokens_cap(self) -> int | None:
+        """Most estimated input tokens in flight: the model's setting, else the provider's default."""
+        return self.config.max_tokens_in_flight or get_provider(self.config.provider).default_max_tokens_in_flight
 
     def send_realtime(self) -> None:
         rows = planner.plan_rows(self.config, self.input_columns, plan=REALTIME_PLAN)
@@ -371,15 +359,18 @@ class ModelRun:
         """Plan and estimate only: no provider call, no ledger row, no table change."""
         n = self.plan()
         n_realtime, realtime_estimate = self.split_realtime() if n else (0, None)
-        chunks = self.chunk_plan() if n > n_realtime else []
+        files = self.write_request_files(None) if n > n_realtime else []
+        batch = sum(f.requests for f in files)
         estimate = None
         if self.price is not None:
-            estimate = sum(c[3] for c in chunks) + (realtime_estimate or 0)
+            estimate = sum(f.cost or 0 for f in files) + (realtime_estimate or 0)
         self.summary.estimated_usd = estimate if n else 0
         realtime_part = f" and {n_realtime} in realtime" if n_realtime else ""
-        logger().info(f"{self.ledger.model}: DRY RUN: would submit {n - n_realtime} request(s) in {len(chunks)} "
+        waiting = n - n_realtime - batch
+        waiting_part = f"; {waiting} would wait for the in-flight caps" if waiting else ""
+        logger().info(f"{self.ledger.model}: DRY RUN: would submit {batch} request(s) in {len(files)} "
                       f"batch(es){realtime_part}, estimated {costs.fmt_usd(estimate if n else 0)} at batch prices"
-                      f"{' (realtime at list prices)' if n_realtime else ''}; "
+                      f"{' (realtime at list prices)' if n_realtime else ''}{waiting_part}; "
                       f"{costs.fmt_usd(self.ledger.committed_usd())} already committed in flight; nothing was sent")
 
     def warn_if_prefix_too_short(self, provider) -> None:

@@ -1,7 +1,7 @@
-"""Submission: write each planned chunk as a JSONL file, record the intent, then call the provider.
+"""Submission: record the intents of the written request files (request_files.py), then call the provider.
 
 The order is the ledger's first invariant: the job intents and their 'queued' request rows are
-committed (all chunks at once) before the first upload, so no request can be billed without the ledger knowing it. The
+committed (all files at once) before the first upload, so no request can be billed without the ledger knowing it. The
 provider's batch metadata carries the job id, which lets a later run adopt a batch whose id was
 never recorded (a crash between `create` and the ledger write).
 
@@ -13,71 +13,40 @@ provider, so reconciliation asks it before anything is resent).
 from __future__ import annotations
 
 import os
-import tempfile
-
-import numpy as np
-import pyarrow as pa
 
 from dbt_llm_batch import crashpoints
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.planner import PLAN
+from dbt_llm_batch.request_files import RequestFile
 from dbt_llm_batch.providers.base import BatchProvider
 from dbt_llm_batch.providers.calls import ProviderUnavailable, describe, is_transient, status_of
 from dbt_llm_batch.runlog import logger
 
-WRITE_BATCH_ROWS = 10_000
-
-
-def write_jsonl(con, line_sql: str, chunk: int, path: str, rows: str = PLAN) -> int:
-    """Write one chunk's request lines to `path`, streaming; returns the number of lines.
-
-    Each line is built in SQL with its newline, so an Arrow batch of lines is already the file's
-    bytes: its value buffer is written as is, without a Python object per line.
-    """
-    reader = con.sql(
-        f"select {line_sql} || chr(10) as line from {rows} where chunk = {int(chunk)} order by custom_id"
-    ).to_arrow_reader(WRITE_BATCH_ROWS)
-    n = 0
-    with open(path, "wb") as f:
-        for batch in reader:
-            lines = batch.column(0)
-            if lines.type != pa.large_string():
-                lines = lines.cast(pa.large_string())
-            offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64)[lines.offset:lines.offset + len(lines) + 1]
-            f.write(memoryview(lines.buffers()[2])[offsets[0]:offsets[-1]])
-            n += len(lines)
-    return n
-
-
-def submit_chunks(ledger: Ledger, provider: BatchProvider, chunks: list[int], rows: str = PLAN) -> list[str]:
-    """Submit each given chunk of the plan as one batch; returns the provider batch ids. `rows` is
-    the plan with `prompt` and `row_json` (planner.plan_rows)."""
-    line_sql = provider.request_line_sql()
+def submit_chunks(ledger: Ledger, provider: BatchProvider, files: list[RequestFile], sent_rows: str) -> list[str]:
+    """Submit each written request file as one batch; returns the provider batch ids. `sent_rows` is
+    the plan's rows with the file (`chunk`) and `line` each was written to (request_files.sent_rows)."""
     batch_ids = []
-    job_ids = ledger.write_intents(provider.name, provider.config.model, rows, chunks)
+    job_ids = ledger.write_intents(provider.name, provider.config.model, sent_rows, [f.chunk for f in files])
     crashpoints.reach("after_intents")
     attempted = 0
     try:
-        with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
-            for chunk, job_id in job_ids.items():
-                path = os.path.join(directory, f"requests-{chunk}.jsonl")
-                write_jsonl(ledger.con, line_sql, chunk, path, rows)
-                attempted += 1
-                # From here the provider may have the batch: reconciliation asks it (an 'intent'
-                # never got this far and is voided without asking).
-                ledger.update_job(job_id, status="submitting")
-                try:
-                    submission = provider.submit(path, token=job_id, model_name=ledger.model)
-                except Exception as exc:
-                    if not (isinstance(exc, ProviderUnavailable) or is_transient(exc)):
-                        _void_if_refused(ledger, job_id, exc)
-                        raise
-                    _stop_after_failed_create(ledger, job_id, exc)
-                    break
-                crashpoints.reach("after_create")
-                ledger.record_submission(job_id, submission.batch_id, submission.input_file_id, submission.status)
-                batch_ids.append(submission.batch_id)
-                os.remove(path)  # prompts do not linger on disk
+        for request_file in files:
+            job_id = job_ids[request_file.chunk]
+            attempted += 1
+            # From here the provider may have the batch: reconciliation asks it (an 'intent'
+            # never got this far and is voided without asking).
+            ledger.update_job(job_id, status="submitting")
+            try:
+                submission = provider.submit(request_file.path, token=job_id, model_name=ledger.model)
+            except Exception as exc:
+                if not (isinstance(exc, ProviderUnavailable) or is_transient(exc)):
+                    _void_if_refused(ledger, job_id, exc)
+                    raise
+                _stop_after_failed_create(ledger, job_id, exc)
+                break
+            crashpoints.reach("after_create")
+            ledger.record_submission(job_id, submission.batch_id, submission.input_file_id, submission.status)
+            batch_ids.append(submission.batch_id)
+            os.remove(request_file.path)  # prompts do not linger on disk
     except BaseException:
         # The failing chunk is left to reconciliation (it may have reached the provider); chunks never
         # attempted go back to waiting, so nothing is lost even for rows the model no longer selects.

@@ -70,12 +70,13 @@ def test_lines_named_by_validation_fail_alone_the_rest_resubmit(project, emulato
     emulator.complete_all()
     first = sorted_batches(emulator)[0]
     assert first["status"] == "failed"
-    # The lines the provider named are the 1-based positions, in the uploaded file, of rows 2 and 4.
+    # The lines the provider named are the 1-based positions, in the uploaded file, of rows 2 and 4,
+    # and the ledger recorded each request's line in that file.
     lines = sorted(e["line"] for e in first["errors"]["data"])
-    ids = [c for (c,) in project.query("select custom_id from main.llm_batch_requests order by custom_id")]
-    prompts = dict(project.query("select custom_id, json_extract_string(row_json, '$.prompt') "
-                                 "from main.llm_batch_requests"))
-    assert sorted(prompts[ids[n - 1]] for n in lines) == ["row 2", "row 4"]
+    prompt_of_line = dict(project.query("select file_line, json_extract_string(row_json, '$.prompt') "
+                                        "from main.llm_batch_requests"))
+    assert sorted(prompt_of_line) == [1, 2, 3, 4, 5, 6]
+    assert sorted(prompt_of_line[n] for n in lines) == ["row 2", "row 4"]
 
     run(project)  # harvest: rows 2 and 4 fail with the provider's message; the others go again
     assert table(project) == {

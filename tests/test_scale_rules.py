@@ -3,56 +3,82 @@ limits, in-flight caps that make work wait in the ledger, and a no-op run that w
 
 from __future__ import annotations
 
+import json
+
 import duckdb
 import pytest
 from helpers import batch_counts, triage_model
 
-from dbt_llm_batch import planner, submit
+from dbt_llm_batch import planner, request_files
 from dbt_llm_batch.config import parse_config
+from dbt_llm_batch.errors import InputError
 from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
 
 
 @pytest.fixture
 def plan_con():
-    """A connection holding a plan of 10 requests whose request lines are exactly 300 bytes each."""
+    """A connection holding a plan of 10 requests whose request lines are exactly 300 bytes each,
+    each estimated at 5 input tokens, with the columns planner.plan_rows gives."""
     con = duckdb.connect()
     provider = OpenAIBatchProvider(parse_config({"unique_key": "id", "llm_model": "m"}))
     line_sql = provider.request_line_sql()
     base = con.execute(f"select strlen({line_sql}) from (select 'r_00' as custom_id, '' as prompt)").fetchall()[0][0]
     con.execute(f"""create temp table {planner.PLAN} as
                     select 'r_' || lpad(i::varchar, 2, '0') as custom_id, repeat('x', {299 - base}) as prompt,
-                           0 as chunk, 5::bigint as estimated_input_tokens, null::bigint as line_bytes
+                           i as plan_row, 5::bigint as estimated_input_tokens,
+                           0.001::decimal(18, 9) as estimated_cost_usd
                     from range(10) t(i)""")
     return con, line_sql
 
 
-def chunk_sizes(con) -> list[int]:
-    return [r[0] for r in con.execute(f"select count(*) from {planner.PLAN} group by chunk order by chunk").fetchall()]
+def write(con, line_sql, directory=None, max_requests=50_000, max_bytes=10**9, room=None):
+    """Request files for the plan; returns [(requests, bytes)] per file."""
+    files = request_files.write_request_files(con, line_sql, planner.PLAN, directory, max_requests, max_bytes,
+                                              room or request_files.Room())
+    return [(f.requests, f.bytes) for f in files]
 
 
-def test_chunks_exactly_at_the_byte_limit(plan_con, tmp_path):
+def test_files_exactly_at_the_byte_limit(plan_con, tmp_path):
     con, line_sql = plan_con
     # 300 bytes per line with its newline: 3 lines fill 900 bytes exactly; a 4th would not fit.
-    assert planner.assign_chunks(con, line_sql, max_requests=50_000, max_bytes=900) == 4
-    assert chunk_sizes(con) == [3, 3, 3, 1]
+    assert write(con, line_sql, str(tmp_path), max_bytes=900) == [(3, 900), (3, 900), (3, 900), (1, 300)]
+    lines_written = []
     for chunk in range(4):
-        path = tmp_path / f"{chunk}.jsonl"
-        lines = submit.write_jsonl(con, line_sql, chunk, str(path))
-        assert path.stat().st_size == 300 * lines <= 900
+        path = tmp_path / f"requests-{chunk}.jsonl"
+        lines = path.read_bytes().splitlines(keepends=True)
+        assert path.stat().st_size == 300 * len(lines) <= 900
+        lines_written += [json.loads(line)["custom_id"] for line in lines]
+        # The ledger learns each request's file and 1-based line, which validation errors name.
+        recorded = con.execute(f"""select p.custom_id from {request_files.SENT} s join {planner.PLAN} p using (plan_row)
+                                   where s.chunk = ? order by s.line""", [chunk]).fetchall()
+        assert [r[0] for r in recorded] == [json.loads(line)["custom_id"] for line in lines]
+    assert sorted(lines_written) == [f"r_{i:02d}" for i in range(10)]  # each request exactly once
     # One byte less and only two lines fit.
-    assert planner.assign_chunks(con, line_sql, max_requests=50_000, max_bytes=899) == 5
-    assert chunk_sizes(con) == [2, 2, 2, 2, 2]
+    assert write(con, line_sql, max_bytes=899) == [(2, 600)] * 5
 
 
-def test_chunks_exactly_at_the_count_and_token_limits(plan_con):
+def test_a_request_over_the_byte_limit_on_its_own_is_refused(plan_con):
     con, line_sql = plan_con
-    assert planner.assign_chunks(con, line_sql, max_requests=5, max_bytes=10**9) == 2
-    assert chunk_sizes(con) == [5, 5]
-    assert planner.assign_chunks(con, line_sql, max_requests=4, max_bytes=10**9) == 3
-    assert chunk_sizes(con) == [4, 4, 2]
-    # Each request is estimated at 5 input tokens: a 15-token cap holds 3 of them per chunk.
-    assert planner.assign_chunks(con, line_sql, max_requests=50_000, max_bytes=10**9, max_tokens=15) == 4
-    assert chunk_sizes(con) == [3, 3, 3, 1]
+    with pytest.raises(InputError, match="300 bytes, larger than the provider's batch limit \\(299 bytes\\)"):
+        write(con, line_sql, max_bytes=299)
+
+
+def test_files_exactly_at_the_count_and_token_limits(plan_con):
+    con, line_sql = plan_con
+    assert [n for n, _ in write(con, line_sql, max_requests=5)] == [5, 5]
+    assert [n for n, _ in write(con, line_sql, max_requests=4)] == [4, 4, 2]
+    # Each request is estimated at 5 input tokens: 15 tokens of room hold 3 of them, then the rest waits.
+    assert [n for n, _ in write(con, line_sql, room=request_files.Room(tokens=15))] == [3]
+    assert con.execute(f"select count(*) from {request_files.SENT}").fetchall() == [(3,)]
+    # Room for two batches of at most 4: 8 requests go, 2 wait.
+    assert [n for n, _ in write(con, line_sql, max_requests=4, room=request_files.Room(batches=2))] == [4, 4]
+    assert [n for n, _ in write(con, line_sql, room=request_files.Room(requests=7))] == [7]
+
+
+def test_a_request_over_the_token_cap_goes_alone_only_when_nothing_is_in_flight(plan_con):
+    con, line_sql = plan_con
+    assert [n for n, _ in write(con, line_sql, room=request_files.Room(tokens=4))] == [1]
+    assert write(con, line_sql, room=request_files.Room(tokens=4, nothing_in_flight=False)) == []
 
 
 def test_a_third_batch_waits_in_the_ledger_when_the_cap_is_two(project, emulator, monkeypatch):
@@ -63,7 +89,7 @@ def test_a_third_batch_waits_in_the_ledger_when_the_cap_is_two(project, emulator
     assert batch_counts(emulator) == [2, 2]
     assert project.query("select count(*) from main.llm_batch_requests where status = 'deferred'") == [(2,)]
     log = (project.root / "logs" / "dbt.log").read_text()
-    assert "2 request(s) in 1 batch(es) wait in the ledger for a later run" in log
+    assert "2 request(s) wait in the ledger for a later run: the in-flight caps are reached" in log
 
     project.dbt("run", "-s", "triage")  # both batches still open: nothing more may go
     assert batch_counts(emulator) == [2, 2]

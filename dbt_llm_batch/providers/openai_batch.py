@@ -108,7 +108,7 @@ class OpenAIBatchProvider(BatchProvider):
             error = "; ".join(f"{e.code}: {e.message}" + (f" (line {e.line})" if e.line else "")
                               for e in b.errors.data)
             # Validation errors that name lines fail those requests alone (the rest are resubmitted).
-            # `line` is 1-based, counted over the file we uploaded, which is ordered by custom_id.
+            # `line` is 1-based, counted over the file we uploaded (the ledger's file_line).
             line_errors = {e.line: f"{e.code}: {e.message}" if e.code else e.message
                            for e in b.errors.data if e.line is not None}
             token_limit = any(e.code == "token_limit_exceeded" for e in b.errors.data)

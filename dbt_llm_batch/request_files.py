@@ -1,0 +1,177 @@
+"""Request files: the plan's batch requests written as provider-sized JSONL files in one streamed pass.
+
+Each request line is built once, in SQL (the provider's request_line_sql), and streamed as Arrow
+batches whose value buffer is already the file's bytes: no Python object per line, and memory
+bounded by one Arrow batch whatever the plan's size.
+
+Lines are split into files greedily, in the order DuckDB streams them: a file ends before the line
+that would take it over the provider's per-batch request count or bytes. The in-flight caps are
+applied in the same pass (`Room`): writing stops at the first line no file may take, and that line
+and the rest of the plan wait in the ledger (deferred). A capped run builds only the lines it sends.
+
+Which plan rows went into which file, at which line, is recorded in the temp table SENT
+(plan_row, chunk, line): the ledger's intents are written from it, and `line` (1-based) is what an
+OpenAI validation error names (batch_failures.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from decimal import Decimal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dbt_llm_batch.errors import InputError
+
+SENT = "__llm_sent"
+STREAM_BATCH_ROWS = 10_000
+
+
+@dataclass
+class Room:
+    """What the in-flight caps leave for this run (None: no cap)."""
+    batches: int | None = None
+    requests: int | None = None
+    tokens: int | None = None
+    # With nothing in flight, a single request estimated over the token cap may go alone in a file;
+    # otherwise it could never be sent.
+    nothing_in_flight: bool = True
+
+
+@dataclass
+class RequestFile:
+    chunk: int
+    path: str | None  # None when nothing is written (a dry run only counts)
+    requests: int = 0
+    bytes: int = 0
+    tokens: int = 0
+    cost: Decimal | None = None
+
+
+class _Writer:
+    """The greedy split, batch by batch; holds the file being filled and what was sent so far."""
+
+    def __init__(self, con, directory, max_requests, max_bytes, room: Room):
+        self.con, self.directory = con, directory
+        self.max_requests, self.max_bytes, self.room = max_requests, max_bytes, room
+        self.files: list[RequestFile] = []
+        self.current: RequestFile | None = None
+        self.handle = None
+        self.requests = self.tokens = 0  # over all files
+        self.sent_rows, self.sent_chunks, self.sent_lines = [], [], []
+
+    def take(self, batch: pa.RecordBatch) -> bool:
+        """Write as much of `batch` as the limits allow; False once writing must stop."""
+        lines = batch.column("line")
+        if lines.type != pa.large_string():
+            lines = lines.cast(pa.large_string())
+        offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64)[lines.offset:lines.offset + len(lines) + 1]
+        sizes = np.diff(offsets)
+        tokens = batch.column("tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+        pos = 0
+        while pos < len(sizes):
+            if self.current is None and not self._open():
+                return False
+            n = self._fitting(sizes[pos:], tokens[pos:])
+            if n == 0:
+                if self.current.requests:  # full: the next line starts a new file
+                    self._close()
+                    continue
+                if sizes[pos] > self.max_bytes:
+                    raise InputError(f"a request is {int(sizes[pos])} bytes, larger than the provider's batch limit "
+                                     f"({self.max_bytes} bytes) on its own; nothing was sent. Shorten that prompt.")
+                if not (self.room.nothing_in_flight and self.requests == 0):
+                    return False  # the in-flight caps are reached: the rest waits
+                n = 1  # over the token cap alone, with nothing in flight: it goes by itself
+            self._write(batch, lines, offsets, pos, n, int(sizes[pos:pos + n].sum()), int(tokens[pos:pos + n].sum()))
+            pos += n
+        return True
+
+    def _fitting(self, sizes, tokens) -> int:
+        """How many of the next lines the current file takes."""
+        f = self.current
+        n = self.max_requests - f.requests
+        if self.room.requests is not None:
+            n = min(n, self.room.requests - self.requests)
+        n = min(n, int(np.searchsorted(np.cumsum(sizes), self.max_bytes - f.bytes, side="right")))
+        if self.room.tokens is not None:
+            n = min(n, int(np.searchsorted(np.cumsum(tokens), self.room.tokens - self.tokens, side="right")))
+        return max(n, 0)
+
+    def _open(self) -> bool:
+        if self.room.batches is not None and len(self.files) >= self.room.batches:
+            return False
+        chunk = len(self.files)
+        path = os.path.join(self.directory, f"requests-{chunk}.jsonl") if self.directory else None
+        self.current = RequestFile(chunk=chunk, path=path)
+        self.handle = open(path, "wb") if path else None
+        return True
+
+    def _write(self, batch, lines, offsets, pos, n, size, tokens) -> None:
+        f = self.current
+        if self.handle:
+            self.handle.write(memoryview(lines.buffers()[2])[offsets[pos]:offsets[pos + n]])
+        self.sent_rows.append(batch.column("plan_row").slice(pos, n))
+        self.sent_chunks.append(np.full(n, f.chunk, dtype=np.int32))
+        self.sent_lines.append(np.arange(f.requests + 1, f.requests + n + 1, dtype=np.int32))
+        cost = pc.sum(batch.column("cost").slice(pos, n)).as_py()
+        if cost is not None:
+            f.cost = (f.cost or Decimal(0)) + cost
+        f.requests, f.bytes, f.tokens = f.requests + n, f.bytes + size, f.tokens + tokens
+        self.requests, self.tokens = self.requests + n, self.tokens + tokens
+
+    def _close(self) -> None:
+        if self.handle:
+            self.handle.close()
+            self.handle = None
+        if self.current.requests:
+            self.files.append(self.current)
+        elif self.current.path:
+            os.remove(self.current.path)
+        self.current = None
+
+    def record_sent(self) -> None:
+        rows = pa.concat_arrays([a.cast(pa.int64()) for a in self.sent_rows]) if self.sent_rows else pa.array([], pa.int64())
+        sent = pa.table({"plan_row": rows,
+                         "chunk": np.concatenate(self.sent_chunks) if self.sent_chunks else np.array([], np.int32),
+                         "line": np.concatenate(self.sent_lines) if self.sent_lines else np.array([], np.int32)})
+        self.con.register("__llm_sent_arrow", sent)
+        try:
+            self.con.execute(f"create or replace temp table {SENT} as select * from __llm_sent_arrow")
+        finally:
+            self.con.unregister("__llm_sent_arrow")
+
+
+def sent_rows(rows: str) -> str:
+    """`rows` (planner.plan_rows) that were written, with their file (`chunk`) and `line`."""
+    return f"(select p.*, s.chunk, s.line from {rows} p join {SENT} s using (plan_row))"
+
+
+def unsent_rows(rows: str, first_unsent_chunk: int) -> str:
+    """`rows` not written, or written to a file from `first_unsent_chunk` on (never submitted)."""
+    return f"""(select p.* from {rows} p
+               where p.plan_row not in (select plan_row from {SENT} where chunk < {int(first_unsent_chunk)}))"""
+
+
+def write_request_files(con, line_sql: str, rows: str, directory: str | None, max_requests: int, max_bytes: int,
+                        room: Room) -> list[RequestFile]:
+    """Write the batch requests of `rows` (planner.plan_rows) into files under `directory` (None: only
+    count), within the provider's per-batch limits and the in-flight `room`; returns the files, and
+    records the rows written in SENT. Rows not written wait for a later run."""
+    writer = _Writer(con, directory, max_requests, max_bytes, room)
+    reader = con.sql(f"""select plan_row, estimated_input_tokens as tokens, estimated_cost_usd as cost,
+                                {line_sql} || chr(10) as line
+                         from {rows}""").to_arrow_reader(STREAM_BATCH_ROWS)
+    try:
+        for batch in reader:
+            if not writer.take(batch):
+                break
+    finally:
+        reader.close()
+        if writer.current is not None:
+            writer._close()
+    writer.record_sent()
+    return writer.files
