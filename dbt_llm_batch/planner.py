@@ -172,7 +172,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                        max(not_before) as not_before,  -- a back-off (token limit) holds the key until then
                        count(*) filter (where status = 'held') as held  -- cancelled by an operator (operator.py)
                 from {requests}
-                where model = ? and status <> 'deferred'
+                -- only the selected keys' history: a run's cost follows what it selects, not the ledger
+                where model = ? and status <> 'deferred' and key in (select key from {DESIRED})
                 group by key, fingerprint),
             fresh as (
                 select d.row_id, d.key, d.fingerprint, d.prompt_chars, coalesce(h.n_requests, 0) as seq,
