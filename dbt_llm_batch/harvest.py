@@ -148,15 +148,21 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
         "void_reason": pa.array(reasons, pa.string()), "backoff_seconds": pa.array(backoffs, pa.int64())})
     con.register("__llm_ended", ended)
     con.register("__llm_line_errors", batch_failures.line_errors_table(jobs))
+    scope = f"job_id in (select job_id from __llm_ended) {'and source = ?' if source else ''}"
+    # A duplicated line must not settle a request twice (prefer a success). Duplicates are rare and
+    # cheap to rule out on the stored custom_ids; ranking every line is not.
+    duplicated = con.execute(f"select count(*) > count(distinct (job_id, custom_id)) from {results} where {scope}",
+                             [source] if source else []).fetchall()[0][0]
+    one_per_id = "select * from lines"
+    if duplicated:
+        one_per_id += " qualify row_number() over (partition by job_id, custom_id order by (outcome = 'ok') desc, source) = 1"
     con.execute(
         f"""create or replace temp table __llm_outcomes as
             with parsed as (
                 select json_transform(raw, '{json.dumps(provider.result_structure)}') as r, source, job_id
-                from {results} where job_id in (select job_id from __llm_ended) {"and source = ?" if source else ""}),
+                from {results} where {scope}),
             lines as (select {provider.outcomes_sql('r')}, source, job_id from parsed),
-            one_per_id as (  -- a duplicated line must not settle a request twice; prefer a success
-                select * from lines
-                qualify row_number() over (partition by job_id, custom_id order by (outcome = 'ok') desc, source) = 1),
+            one_per_id as ({one_per_id}),
             checked as (
                 select *, case when outcome = 'ok' then {answer_problem_sql(config)} end as problem
                 from one_per_id),

@@ -50,8 +50,8 @@ def check_existing_table(con, target: str, expected, alter: bool = True) -> None
             f"Run `dbt run --full-refresh -s <model>`: it rebuilds the table from the ledger and sends nothing.")
 
 
-def _row_select(config: ModelConfig, input_columns, source: str, current_rows: bool) -> str:
-    """The table's rows from winners in `source`. Selected columns come from the request's stored row;
+def _row_select(ledger: Ledger, config: ModelConfig, input_columns, current_rows: bool) -> str:
+    """The table's rows for the winners in EMIT. Selected columns come from the request's stored row;
     with `current_rows`, the key's current row fills columns the stored one lacks (a full refresh
     after the model's SELECT gained or renamed a column)."""
     structure = json.dumps({name: typ for name, typ in input_columns}).replace("'", "''")
@@ -72,29 +72,28 @@ def _row_select(config: ModelConfig, input_columns, source: str, current_rows: b
         select unnest(json_transform({row}, '{structure}')),
                {', '.join(outputs)},
                w.status, w.error, w.finish_reason, w.input_tokens, w.output_tokens,
-               coalesce(w.job_model, {model_literal}), w.batch_id, w.fingerprint, w.completed_at,
+               coalesce(j.llm_model, {model_literal}), j.batch_id, w.fingerprint, w.completed_at,
                w.cached_tokens, w.cache_write_tokens, w.cost_usd, w.realtime_cost_usd, case when w.job_id is not null then coalesce(w.route, 'batch') end
-        from {source} w {joins}"""
+        from {EMIT} e join {ledger.table('llm_batch_requests')} w on w.custom_id = e.custom_id and w.model = {_literal(ledger.model)}
+             left join {ledger.table('llm_batch_jobs')} j on j.job_id = w.job_id {joins}"""
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
 
 
 def _winners(ledger: Ledger, keys_sql: str) -> str:
     """Per key in `keys_sql`, the request whose row belongs in the table: among the key's final
     requests, one for the fingerprint the model selects now if there is one, else the one queued last."""
-    requests, model = ledger.table('llm_batch_requests'), ledger.model.replace("'", "''")
-    # The ranking reads only narrow columns; the wide ones (row_json, answer) are fetched for the
-    # winners alone, so a million-row merge does not sort a million stored rows.
+    # Narrow columns only: the wide ones (row_json, answer) are read once, by the insert (_row_select),
+    # so a million-row merge neither sorts nor copies a million stored rows.
     return f"""
-        with winner as (
-            select r.custom_id
-            from {requests} r left join {DESIRED} d on d.key = r.key
-            where r.model = '{model}' and r.is_final and r.key in ({keys_sql})
-            qualify row_number() over (partition by r.key
-                                       order by (r.fingerprint = d.fingerprint) desc nulls last, r.queued_at desc,
-                                                r.seq desc) = 1)
-        select r.*, j.batch_id, j.llm_model as job_model
-        from {requests} r semi join winner w on r.custom_id = w.custom_id
-             left join {ledger.table('llm_batch_jobs')} j using (job_id)
-        where r.model = '{model}' and r.is_final"""
+        select r.custom_id, r.key, r.status, r.emitted
+        from {ledger.table('llm_batch_requests')} r left join {DESIRED} d on d.key = r.key
+        where r.model = {_literal(ledger.model)} and r.is_final and r.key in ({keys_sql})
+        qualify row_number() over (partition by r.key
+                                   order by (r.fingerprint = d.fingerprint) desc nulls last, r.queued_at desc,
+                                            r.seq desc) = 1"""
 
 
 def _compression(name: str, typ: str, config: ModelConfig) -> str:
@@ -140,7 +139,7 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
                 con.execute(f"create or replace table {target} ({ddl})")
             else:
                 con.execute(f"delete from {target} where {target_key} in (select key from {EMIT})")
-            con.execute(f"insert into {target} {_row_select(config, input_columns, EMIT, current_rows=rebuild)}")
+            con.execute(f"insert into {target} {_row_select(ledger, config, input_columns, current_rows=rebuild)}")
             con.execute(
                 f"""update {requests} set emitted = case when custom_id in (select custom_id from {EMIT})
                                                          then 'merged' else 'superseded' end
