@@ -1,14 +1,16 @@
 """Scale benchmark (not a test): the real planner, submitter, ingester and merge on N rows, each next
 to a plain-DuckDB baseline timed in the same process, so the ratios hold on a noisy machine.
 
-    .venv/bin/python benchmarks/scale.py               # 1,000,000 rows, plus peak memory at 100k and 1M
-    .venv/bin/python benchmarks/scale.py --rows 100000 --no-memory
+    .venv/bin/python benchmarks/scale.py               # 1,000,000 rows, 3 rounds, plus peak memory at 100k and 1M
+    .venv/bin/python benchmarks/scale.py --rows 100000 --no-memory --repeat 1
 
 (a) plan + ledger insert + JSONL write   vs  COPY (SELECT ...) TO ... (FORMAT json) of the same lines
 (b) ingest of N result lines into the ledger and the typed output columns
                                          vs  read_json plus the same extraction into a table
 (c) a no-op run on the N-row ledger      vs  a run of the same model selecting no rows
-(d) peak memory (max RSS of a child process running a, b, c) at 100,000 and at N rows, with DuckDB's
+Each round runs on a fresh database file; the median ratio over the rounds is reported.
+(d) peak memory (max RSS of a child process running a, b, c) at 100,000 and at N rows, next to its
+    max RSS once only the input is loaded (the input relation itself), with DuckDB's
     memory_limit at 1GB (--memory-limit; DuckDB otherwise caches pages up to 80% of RAM, which is
     its cache, not what the pipeline needs)
 The real code runs through runner.ModelRun with an offline provider (OfflineProvider): no network;
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -144,6 +147,7 @@ def run_once(n: int, memory_limit: str | None = None) -> dict:
         figures["input_mb"] = con.execute("select sum(strlen(prompt)) / 1e6 from src").fetchall()[0][0]
         con.execute(f"create temp table {planner.INPUT} as select * from src")
         Ledger(con, "main", "main.bench").migrate()  # one-time setup of the ledger tables, not timed
+        figures["input_rss_mb"] = max_rss_mb()  # the input relation loaded: what (d) is measured against
 
         figures["a_baseline_s"], _ = timed(lambda: baseline_copy(con, directory))
         figures["a_plugin_s"], submitted = timed(lambda: plan_and_write(con, config, directory))
@@ -162,24 +166,36 @@ def run_once(n: int, memory_limit: str | None = None) -> dict:
         figures["c_empty_s"], _ = timed(lambda: run("select * from src where false"))
         figures["c_noop_s"], summary = timed(lambda: run("select * from src"))
         assert summary.submitted == 0 and summary.merged == 0
-    figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    figures["peak_rss_mb"] = max_rss_mb()
     return figures
 
 
-def report(f: dict) -> None:
-    print(f"rows: {f['rows']:,}   input prompts: {f['input_mb']:.0f} MB")
-    print(f"(a) plan + ledger insert + JSONL write: {f['a_plugin_s']:.2f} s   COPY ... (FORMAT json) baseline: "
-          f"{f['a_baseline_s']:.2f} s   ratio {f['a_plugin_s'] / f['a_baseline_s']:.2f}x")
-    print(f"(b) ingest into ledger + typed columns: {f['b_plugin_s']:.2f} s   read_json + extraction baseline: "
-          f"{f['b_baseline_s']:.2f} s   ratio {f['b_plugin_s'] / f['b_baseline_s']:.2f}x")
-    print(f"(c) no-op run on the ledger: {f['c_noop_s']:.2f} s   empty model run: {f['c_empty_s']:.2f} s   "
-          f"difference {f['c_noop_s'] - f['c_empty_s']:+.2f} s")
+def max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def report(rounds: list[dict]) -> None:
+    """Each round's figures, then the median of each ratio (and of the no-op difference)."""
+    print(f"rows: {rounds[0]['rows']:,}   input prompts: {rounds[0]['input_mb']:.0f} MB   rounds: {len(rounds)}")
+    for i, f in enumerate(rounds, 1):
+        print(f"round {i}: (a) plugin {f['a_plugin_s']:.2f} s / COPY baseline {f['a_baseline_s']:.2f} s = "
+              f"{f['a_plugin_s'] / f['a_baseline_s']:.2f}x   (b) plugin {f['b_plugin_s']:.2f} s / read_json baseline "
+              f"{f['b_baseline_s']:.2f} s = {f['b_plugin_s'] / f['b_baseline_s']:.2f}x   (c) no-op {f['c_noop_s']:.2f} s"
+              f" - empty model {f['c_empty_s']:.2f} s = {f['c_noop_s'] - f['c_empty_s']:+.2f} s")
+    median = lambda values: statistics.median(values)  # noqa: E731
+    print(f"(a) plan + ledger insert + JSONL write vs COPY ... (FORMAT json): median ratio "
+          f"{median([f['a_plugin_s'] / f['a_baseline_s'] for f in rounds]):.2f}x")
+    print(f"(b) ingest into ledger + typed columns vs read_json + extraction: median ratio "
+          f"{median([f['b_plugin_s'] / f['b_baseline_s'] for f in rounds]):.2f}x")
+    print(f"(c) no-op run on the ledger vs empty model run: median difference "
+          f"{median([f['c_noop_s'] - f['c_empty_s'] for f in rounds]):+.2f} s")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--no-memory", action="store_true", help="skip (d), the child processes")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of (a), (b), (c), each on a fresh database")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory-limit", default="1GB",
                         help="DuckDB memory_limit for the (d) runs (default 1GB; 'none' for DuckDB's default)")
@@ -196,10 +212,10 @@ def main() -> int:
                                   "--memory-limit", args.memory_limit], check=True,
                                  capture_output=True, text=True).stdout.strip().splitlines()[-1]
             f = json.loads(out)
-            print(f"(d) peak memory at {n:,} rows: {f['peak_rss_mb']:.0f} MB max RSS "
-                  f"(input prompts {f['input_mb']:.0f} MB; DuckDB memory_limit {args.memory_limit}; "
-                  f"a {f['a_plugin_s']:.1f} s, b {f['b_plugin_s']:.1f} s)", flush=True)
-    report(run_once(args.rows))
+            print(f"(d) peak memory at {n:,} rows: {f['peak_rss_mb']:.0f} MB max RSS; with only the input loaded "
+                  f"{f['input_rss_mb']:.0f} MB, so the pipeline adds {f['peak_rss_mb'] - f['input_rss_mb']:+.0f} MB "
+                  f"(input prompts {f['input_mb']:.0f} MB; DuckDB memory_limit {args.memory_limit})", flush=True)
+    report([run_once(args.rows) for _ in range(args.repeat)])
     return 0
 
 

@@ -114,7 +114,8 @@ class _Writer:
         f = self.current
         if self.handle:
             self.handle.write(memoryview(lines.buffers()[2])[offsets[pos]:offsets[pos + n]])
-        self.sent_rows.append(batch.column("plan_row").slice(pos, n))
+        # A copy: a slice would keep the whole Arrow batch (its lines included) alive until the end.
+        self.sent_rows.append(batch.column("plan_row").slice(pos, n).to_numpy(zero_copy_only=False).astype(np.int64))
         self.sent_chunks.append(np.full(n, f.chunk, dtype=np.int32))
         self.sent_lines.append(np.arange(f.requests + 1, f.requests + n + 1, dtype=np.int32))
         cost = pc.sum(batch.column("cost").slice(pos, n)).as_py()
@@ -134,8 +135,7 @@ class _Writer:
         self.current = None
 
     def record_sent(self) -> None:
-        rows = pa.concat_arrays([a.cast(pa.int64()) for a in self.sent_rows]) if self.sent_rows else pa.array([], pa.int64())
-        sent = pa.table({"plan_row": rows,
+        sent = pa.table({"plan_row": np.concatenate(self.sent_rows) if self.sent_rows else np.array([], np.int64),
                          "chunk": np.concatenate(self.sent_chunks) if self.sent_chunks else np.array([], np.int32),
                          "line": np.concatenate(self.sent_lines) if self.sent_lines else np.array([], np.int32)})
         self.con.register("__llm_sent_arrow", sent)
