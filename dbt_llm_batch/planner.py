@@ -163,7 +163,13 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         estimated_cost = costs.estimated_cost_sql(config, price, route_sql="route", chars_sql="prompt_chars")
     con.execute(
         f"""create or replace temp table {PLAN} as
-            with history as (
+            with candidates as (  -- selected rows with no answer, request in flight or hold for their prompt
+                select * from {DESIRED} d
+                where d.has_prompt and not exists (
+                    select 1 from {requests} b
+                    where b.model = ? and b.status in ('queued', 'submitted', 'succeeded', 'held')
+                      and b.key = d.key and b.fingerprint = d.fingerprint)),
+            history as (
                 select key, fingerprint, count(*) as n_requests,
                        count(*) filter (where status in ('queued', 'submitted')) as in_flight,
                        count(*) filter (where status = 'succeeded') as succeeded,
@@ -172,15 +178,14 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                        max(not_before) as not_before,  -- a back-off (token limit) holds the key until then
                        count(*) filter (where status = 'held') as held  -- cancelled by an operator (operator.py)
                 from {requests}
-                -- only the selected keys' history: a run's cost follows what it selects, not the ledger
-                where model = ? and status <> 'deferred' and key in (select key from {DESIRED})
+                -- only the candidates' history: a run with nothing new aggregates nothing
+                where model = ? and status <> 'deferred' and key in (select key from candidates)
                 group by key, fingerprint),
             fresh as (
                 select d.row_id, d.key, d.fingerprint, d.prompt_chars, coalesce(h.n_requests, 0) as seq,
                        case when d.realtime or coalesce(h.failed, 0) >= ? then 'realtime' else 'batch' end as route
-                from {DESIRED} d left join history h using (key, fingerprint)
-                where d.has_prompt
-                  and coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0 and coalesce(h.held, 0) = 0
+                from candidates d left join history h using (key, fingerprint)
+                where coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0 and coalesce(h.held, 0) = 0
                   and (coalesce(h.failed, 0) < ?
                        -- llm_fallback = 'realtime': batch attempts used up, one more try in realtime
                        or (? and coalesce(h.realtime_tried, 0) = 0))
@@ -194,7 +199,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                   union all
                   select null, key, fingerprint, seq, custom_id, prompt, row_json, ?, prompt_chars
                   from __llm_deferred)""",
-        [ledger.model, config.max_attempts, config.max_attempts, config.fallback == "realtime", ledger.model,
+        [ledger.model, ledger.model, config.max_attempts, config.max_attempts, config.fallback == "realtime", ledger.model,
          "realtime" if config.self_hosted else "batch"])
     con.execute("drop table __llm_deferred")
     return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
