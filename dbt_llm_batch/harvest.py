@@ -113,20 +113,14 @@ def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
     download stores nothing (and is fetched again next run); one large append is written straight
     to the database file rather than through DuckDB's log."""
     con = ledger.con
-    files = pa.table({"path": [p for _, _, p in downloads], "job_id": [j for j, _, _ in downloads],
-                      "source": [s for _, s, _ in downloads]})
+    # One statement for all files (not one per file): each file's lines carry its job and source.
+    selects = " union all ".join(
+        "select json ->> 'custom_id', ?, ?, ?, json, now() from read_ndjson_objects(?)" for _ in downloads)
+    params = [value for job_id, source, path in downloads for value in (ledger.model, job_id, source, path)]
 
-    def write():  # one statement for all files: DuckDB reads them in parallel
-        con.register("__llm_downloads", files)
-        try:
-            with transaction(con):
-                con.execute(
-                    f"""insert into {ledger.table('llm_batch_results')}
-                        select r.json ->> 'custom_id', ?, d.job_id, d.source, r.json, now()
-                        from read_ndjson_objects(?, filename = true) r join __llm_downloads d on d.path = r.filename""",
-                    [ledger.model, files.column("path").to_pylist()])
-        finally:
-            con.unregister("__llm_downloads")
+    def write():
+        with transaction(con):
+            con.execute(f"insert into {ledger.table('llm_batch_results')} {selects}", params)
     if downloads:
         retry_on_conflict(write)
 

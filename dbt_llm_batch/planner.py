@@ -152,12 +152,21 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
     stored_prompt = "json_extract_string(row_json, ?)"
     if dict(columns).get(config.prompt_column, "").upper() == "BLOB":  # stored as DuckDB's escaped text
         stored_prompt = f"decode(cast({stored_prompt} as blob))"
+    path = "$." + json.dumps(config.prompt_column)
+    # A waiting request whose stored row lacks the prompt column (the model's prompt column changed
+    # since) cannot be sent: it fails alone, with the reason, instead of waiting forever.
+    ledger.execute(
+        f"""update {requests} set status = 'failed', is_final = true, completed_at = now(),
+              error = 'waited over an in-flight cap, but its stored row has no prompt column ' || ? ||
+                      ' (the model''s prompt column changed); nothing was sent'
+            where model = ? and status = 'deferred' and key not in (select key from {DESIRED})
+              and json_extract_string(row_json, ?) is null""", [config.prompt_column, ledger.model, path])
     con.execute(
         f"""create or replace temp table __llm_deferred as
             select key, fingerprint, seq, custom_id, row_json,
                    {stored_prompt} as prompt, length({stored_prompt}) as prompt_chars from {requests}
             where model = ? and status = 'deferred' and key not in (select key from {DESIRED})""",
-        ["$." + json.dumps(config.prompt_column)] * 2 + [ledger.model])
+        [path, path, ledger.model])
     estimated_cost = "null::decimal(18, 9)"
     if price is not None:
         estimated_cost = costs.estimated_cost_sql(config, price, route_sql="route", chars_sql="prompt_chars")

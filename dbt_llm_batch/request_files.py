@@ -70,7 +70,9 @@ class _Writer:
             lines = lines.cast(pa.large_string())
         offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64)[lines.offset:lines.offset + len(lines) + 1]
         sizes = np.diff(offsets)
-        tokens = batch.column("tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+        if lines.null_count:  # planner.build_plan fails requests without a prompt before they get here
+            raise ValueError("dbt-llm-batch bug: a planned request has no request line")
+        tokens = pc.fill_null(batch.column("tokens"), 0).to_numpy(zero_copy_only=False).astype(np.int64)
         pos = 0
         while pos < len(sizes):
             if self.current is None and not self._open():
@@ -83,7 +85,7 @@ class _Writer:
                 if sizes[pos] > self.max_bytes:
                     raise InputError(f"a request is {int(sizes[pos])} bytes, larger than the provider's batch limit "
                                      f"({self.max_bytes} bytes) on its own; nothing was sent. Shorten that prompt.")
-                if not (self.room.nothing_in_flight and self.requests == 0):
+                if not (self.room.nothing_in_flight and self.requests == 0 and self.room.requests != 0):
                     return False  # the in-flight caps are reached: the rest waits
                 n = 1  # over the token cap alone, with nothing in flight: it goes by itself
             self._write(batch, lines, offsets, pos, n, int(sizes[pos:pos + n].sum()), int(tokens[pos:pos + n].sum()))

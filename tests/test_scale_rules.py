@@ -79,6 +79,7 @@ def test_a_request_over_the_token_cap_goes_alone_only_when_nothing_is_in_flight(
     con, line_sql = plan_con
     assert [n for n, _ in write(con, line_sql, room=request_files.Room(tokens=4))] == [1]
     assert write(con, line_sql, room=request_files.Room(tokens=4, nothing_in_flight=False)) == []
+    assert write(con, line_sql, room=request_files.Room(tokens=4, requests=0)) == []
 
 
 def test_a_third_batch_waits_in_the_ledger_when_the_cap_is_two(project, emulator, monkeypatch):
@@ -123,3 +124,28 @@ def test_a_run_with_nothing_new_sends_and_writes_nothing(project, emulator):
     project.dbt("run", "-s", "triage")
     assert emulator.stats()["calls"] == calls
     assert ledger_snapshot(project) == before
+
+
+def test_a_waiting_request_whose_stored_row_lost_its_prompt_column_fails_alone(project, emulator, monkeypatch):
+    """Rows over a cap wait with their row as JSON. If the model's prompt column is renamed before they
+    are sent, a later run that no longer selects them cannot build their request: they fail alone,
+    with the reason, and every other row is still sent and merged."""
+    monkeypatch.setattr(OpenAIBatchProvider, "max_requests_per_batch", 2)  # 6 rows -> 3 batches
+    project.write("models/triage.sql", triage_model(extra_config="llm_max_batches_in_flight = 1,"))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    deferred_keys = [k[0].strip('[]"') for k in project.query(
+        "select key from main.llm_batch_requests where status = 'deferred' order by key")]
+    assert len(deferred_keys) == 4
+    emulator.complete_all()
+    renamed = triage_model(extra_config="llm_max_batches_in_flight = 1, llm_prompt_column = 'ticket_text',",
+                           where="where ticket_id not in (" + ", ".join(deferred_keys) + ")"
+                           ).replace(" as prompt\n", " as ticket_text\n")
+    project.write("models/triage.sql", renamed)
+    project.dbt("run", "-s", "triage", "--full-refresh")  # the table's columns changed: rebuilt, nothing sent
+    project.dbt("run", "-s", "triage")
+    failed = project.query("select count(*), min(error) from main.llm_batch_requests where status = 'failed'")
+    assert failed == [(4, "waited over an in-flight cap, but its stored row has no prompt column ticket_text "
+                          "(the model's prompt column changed); nothing was sent")]
+    assert project.query("select count(*) from main.llm_batch_requests where status = 'deferred'") == [(0,)]
+    assert batch_counts(emulator) == [2], "nothing that cannot be built is sent"
