@@ -9,6 +9,7 @@ the next run finds the stored lines and settles from them.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 
@@ -113,14 +114,30 @@ def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
     download stores nothing (and is fetched again next run); one large append is written straight
     to the database file rather than through DuckDB's log."""
     con = ledger.con
-    # One statement for all files (not one per file): each file's lines carry its job and source.
-    selects = " union all ".join(
-        "select json ->> 'custom_id', ?, ?, ?, json, now() from read_ndjson_objects(?)" for _ in downloads)
-    params = [value for job_id, source, path in downloads for value in (ledger.model, job_id, source, path)]
+    results = ledger.table("llm_batch_results")
+    files = pa.table({"path": [p for _, _, p in downloads], "job_id": [j for j, _, _ in downloads],
+                      "source": [s for _, s, _ in downloads],
+                      "has_lines": [os.path.getsize(p) > 0 for _, _, p in downloads]})
 
-    def write():
-        with transaction(con):
-            con.execute(f"insert into {ledger.table('llm_batch_results')} {selects}", params)
+    def write():  # one statement for all files, which DuckDB reads in parallel
+        con.register("__llm_downloads", files)
+        try:
+            with transaction(con):
+                con.execute(
+                    f"""insert into {results}
+                        select r.json ->> 'custom_id', ?, d.job_id, d.source, r.json, now()
+                        from read_ndjson_objects(?, filename = true) r join __llm_downloads d on d.path = r.filename""",
+                    [ledger.model, files.column("path").to_pylist()])
+                # Lines are matched to their file by the name DuckDB reports; a file whose lines all went
+                # unmatched would look like a batch without results: refuse, and store nothing.
+                lost = con.execute(f"""select path from __llm_downloads d where has_lines and not exists
+                                       (select 1 from {results} r where r.job_id = d.job_id and r.source = d.source)"""
+                                   ).fetchall()
+                if lost:
+                    raise RuntimeError(f"dbt-llm-batch bug: the result lines of {lost[0][0]} could not be matched to "
+                                       f"their batch; nothing was stored, and the next run downloads them again")
+        finally:
+            con.unregister("__llm_downloads")
     if downloads:
         retry_on_conflict(write)
 

@@ -2,7 +2,8 @@
 
 Each request line is built once, in SQL (the provider's request_line_sql), and streamed as Arrow
 batches whose value buffer is already the file's bytes: no Python object per line, and memory
-bounded by one Arrow batch whatever the plan's size.
+bounded by a few Arrow batches whatever the plan's size. Files are written on a background thread,
+so building lines and writing them overlap.
 
 Lines are split into files greedily, in the order DuckDB streams them: a file ends before the line
 that would take it over the provider's per-batch request count or bytes. The in-flight caps are
@@ -17,6 +18,8 @@ OpenAI validation error names (batch_failures.py).
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -51,6 +54,46 @@ class RequestFile:
     cost: Decimal | None = None
 
 
+class _BackgroundWrites(threading.Thread):
+    """Writes and closes files in order on a thread of its own, so DuckDB builds the next batch of
+    lines while this one is written (the GIL is released by both). At most QUEUED batches wait."""
+
+    QUEUED = 4
+
+    def __init__(self):
+        super().__init__(name="dbt-llm-batch-request-files", daemon=True)
+        self.jobs: queue.Queue = queue.Queue(maxsize=self.QUEUED)
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            handle, data = job
+            try:
+                if data is None:
+                    handle.close()  # always, even after an error: no handle is left open
+                elif self.error is None:
+                    handle.write(data)
+            except BaseException as exc:  # raised in the caller's thread by check()
+                self.error = exc
+
+    def write(self, handle, data) -> None:
+        self.check()
+        self.jobs.put((handle, data))
+
+    def close(self, handle) -> None:
+        self.jobs.put((handle, None))
+
+    def finish(self) -> None:
+        self.jobs.put(None)
+        self.join()
+        self.check()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
 class _Writer:
     """The greedy split, batch by batch; holds the file being filled and what was sent so far."""
 
@@ -59,7 +102,8 @@ class _Writer:
         self.max_requests, self.max_bytes, self.room = max_requests, max_bytes, room
         self.files: list[RequestFile] = []
         self.current: RequestFile | None = None
-        self.handle = None
+        self.handle = None  # the current file, opened at its first line
+        self.writes = _BackgroundWrites() if directory else None
         self.requests = self.tokens = 0  # over all files
         self.sent_rows, self.sent_chunks, self.sent_lines = [], [], []
 
@@ -109,13 +153,15 @@ class _Writer:
         chunk = len(self.files)
         path = os.path.join(self.directory, f"requests-{chunk}.jsonl") if self.directory else None
         self.current = RequestFile(chunk=chunk, path=path)
-        self.handle = open(path, "wb") if path else None
         return True
 
     def _write(self, batch, lines, offsets, pos, n, size, tokens) -> None:
         f = self.current
-        if self.handle:
-            self.handle.write(memoryview(lines.buffers()[2])[offsets[pos]:offsets[pos + n]])
+        if f.path:
+            if self.handle is None:
+                self.handle = open(f.path, "wb")
+            # The view keeps this batch's buffer alive until written (at most QUEUED batches).
+            self.writes.write(self.handle, memoryview(lines.buffers()[2])[offsets[pos]:offsets[pos + n]])
         # A copy: a slice would keep the whole Arrow batch (its lines included) alive until the end.
         self.sent_rows.append(batch.column("plan_row").slice(pos, n).to_numpy(zero_copy_only=False).astype(np.int64))
         self.sent_chunks.append(np.full(n, f.chunk, dtype=np.int32))
@@ -128,13 +174,18 @@ class _Writer:
 
     def _close(self) -> None:
         if self.handle:
-            self.handle.close()
+            self.writes.close(self.handle)
             self.handle = None
         if self.current.requests:
             self.files.append(self.current)
-        elif self.current.path:
-            os.remove(self.current.path)
         self.current = None
+
+    def finish(self) -> None:
+        """Close the file being filled and wait until every file is written."""
+        if self.current is not None:
+            self._close()
+        if self.writes:
+            self.writes.finish()
 
     def record_sent(self) -> None:
         sent = pa.table({"plan_row": np.concatenate(self.sent_rows) if self.sent_rows else np.array([], np.int64),
@@ -173,7 +224,6 @@ def write_request_files(con, line_sql: str, rows: str, directory: str | None, ma
                 break
     finally:
         reader.close()
-        if writer.current is not None:
-            writer._close()
+        writer.finish()
     writer.record_sent()
     return writer.files
