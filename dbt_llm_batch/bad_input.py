@@ -35,13 +35,14 @@ def context_limit(config: ModelConfig) -> int | None:
     return max(matches)[1] if matches else None
 
 
-def reject_unsendable(ledger: Ledger, config: ModelConfig, columns) -> int:
+def reject_unsendable(ledger: Ledger, config: ModelConfig, columns, record: bool = True) -> int:
     """Fail rows whose prompt bytes are not UTF-8 (a BLOB column) or whose estimated size is over the
-    model's context window; returns how many failures were newly recorded."""
+    model's context window; returns how many failures were newly recorded. With `record` False (a dry
+    run) nothing is written to the ledger: the rows are only kept out of the plan, and counted."""
     prompt = f"i.{q(config.prompt_column)}"
     n = 0
     if dict(columns).get(config.prompt_column, "").upper() == "BLOB":
-        n += _reject(ledger, columns, f"{prompt} is not null and try(decode({prompt})) is null",
+        n += _reject(ledger, columns, record, f"{prompt} is not null and try(decode({prompt})) is null",
                      f"'prompt column {config.prompt_column} (a BLOB) holds bytes that are not valid UTF-8 text; "
                      f"nothing was sent. Decode or convert it to text in the model''s SQL (for example from "
                      f"Latin-1), or filter such rows out'")
@@ -54,7 +55,7 @@ def reject_unsendable(ledger: Ledger, config: ModelConfig, columns) -> int:
         output_name = "llm_max_tokens" if config.max_tokens else "the default max_tokens"
         estimate = f"cast({costs.estimated_input_tokens_sql(config, text)} as bigint)"
         source = "llm_max_context_tokens" if config.max_context_tokens else f"the context window of {config.model}"
-        n += _reject(ledger, columns, f"{estimate} + {output} > {limit}",
+        n += _reject(ledger, columns, record, f"{estimate} + {output} > {limit}",
                      f"""'prompt is too long: estimated ' || {estimate} || ' input tokens + {output} output tokens '
                          || '({output_name}) = ' || ({estimate} + {output}) || ', over {limit} tokens ({source}); '
                          || 'nothing was sent. Shorten the prompt, or set llm_max_context_tokens if the model '
@@ -62,14 +63,20 @@ def reject_unsendable(ledger: Ledger, config: ModelConfig, columns) -> int:
     return n
 
 
-def _reject(ledger: Ledger, columns, condition: str, error_sql: str) -> int:
+def _reject(ledger: Ledger, columns, record: bool, condition: str, error_sql: str) -> int:
     """Record a final failure for each sendable row matching `condition` (once per key and
-    fingerprint), and take all matching rows out of this run's plan."""
+    fingerprint; with `record` False, none: returns how many match), and take all matching rows out
+    of this run's plan."""
     requests = ledger.table("llm_batch_requests")
     ledger.execute(f"""create or replace temp table __llm_unsendable as
                        select d.row_id, d.key, d.fingerprint, {error_sql} as error, {row_json_sql(columns, 'i.')} as row_json
                        from {DESIRED} d join {INPUT} i on i.rowid = d.row_id
                        where d.has_prompt and ({condition})""")
+    if not record:
+        n = ledger.execute("select count(*) from __llm_unsendable").fetchall()[0][0]
+        ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from __llm_unsendable)")
+        ledger.execute("drop table __llm_unsendable")
+        return n
     n = ledger.execute(
         f"""insert into {requests} (custom_id, model, key, fingerprint, seq, status, is_final, error, row_json,
               queued_at, completed_at)

@@ -357,6 +357,8 @@ class ModelRun:
 
     def dry_run_report(self) -> None:
         """Plan and estimate only: no provider call, no ledger row, no table change."""
+        # Rows a real run would fail before sending (bad_input.py) are kept out of the plan, not recorded.
+        unsendable = bad_input.reject_unsendable(self.ledger, self.config, self.input_columns, record=False)
         n = self.plan()
         n_realtime, realtime_estimate = self.split_realtime() if n else (0, None)
         files = self.write_request_files(None) if n > n_realtime else []
@@ -368,6 +370,8 @@ class ModelRun:
         realtime_part = f" and {n_realtime} in realtime" if n_realtime else ""
         waiting = n - n_realtime - batch
         waiting_part = f"; {waiting} would wait for the in-flight caps" if waiting else ""
+        if unsendable:
+            waiting_part += f"; {unsendable} would fail without being sent (prompt not sendable)"
         logger().info(f"{self.ledger.model}: DRY RUN: would submit {batch} request(s) in {len(files)} "
                       f"batch(es){realtime_part}, estimated {costs.fmt_usd(estimate if n else 0)} at batch prices"
                       f"{' (realtime at list prices)' if n_realtime else ''}{waiting_part}; "

@@ -110,6 +110,19 @@ def test_a_blob_prompt_is_sent_as_text_and_bytes_that_are_not_utf8_fail_alone(pr
     assert batch_counts(emulator) == [5]
 
 
+def test_a_dry_run_keeps_unsendable_rows_out_of_the_plan_and_records_nothing(project, emulator):
+    prompt = ("case when ticket_id = 4 then '\\xFF\\xFEnot text'::blob "
+              "else encode('Café ' || subject) end")
+    project.write(MODEL, model_sql("openai", prompt, extra="llm_dry_run=true,"))
+    project.dbt("seed")
+    project.dbt("run", *SELECT)
+    log = (project.root / "logs" / "dbt.log").read_text()
+    assert "DRY RUN: would submit 5 request(s) in 1 batch(es)" in log
+    assert "; 1 would fail without being sent (prompt not sendable)" in log
+    assert project.query("select count(*) from main.llm_batch_requests") == [(0,)]
+    assert emulator.stats()["calls"] == {}
+
+
 @pytest.mark.parametrize("value, message", [
     (-1, "llm_max_context_tokens must be >= 1, got -1"),
     ("yes", "llm_delete_provider_files must be true or false, got 'yes'")])
