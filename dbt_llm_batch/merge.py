@@ -74,7 +74,8 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns, current_rows
                w.status, w.error, w.finish_reason, w.input_tokens, w.output_tokens,
                coalesce(j.llm_model, {model_literal}), j.batch_id, w.fingerprint, w.completed_at,
                w.cached_tokens, w.cache_write_tokens, w.cost_usd, w.realtime_cost_usd, case when w.job_id is not null then coalesce(w.route, 'batch') end
-        from {EMIT} e join {ledger.table('llm_batch_requests')} w on w.custom_id = e.custom_id and w.model = {_literal(ledger.model)}
+        from {EMIT} e join {ledger.table('llm_batch_requests')} w
+             on w.custom_id = e.custom_id and w.model = {_literal(ledger.model)} and w.is_final
              left join {ledger.table('llm_batch_jobs')} j on j.job_id = w.job_id {joins}"""
 
 
