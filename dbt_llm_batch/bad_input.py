@@ -7,10 +7,12 @@ once its input is fixed (a new fingerprint) or, for the context window, once the
 
 from __future__ import annotations
 
+import json
+
 from dbt_llm_batch import costs
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.planner import DESIRED, INPUT, q, row_json_sql
+from dbt_llm_batch.planner import DESIRED, INPUT, prompt_is_blob, q, row_json_sql
 
 # Context windows in tokens (input + output), by provider and model-name prefix (the longest listed
 # prefix wins, as for prices); llm_max_context_tokens overrides. Sources: the providers' model pages.
@@ -41,7 +43,7 @@ def reject_unsendable(ledger: Ledger, config: ModelConfig, columns, record: bool
     run) nothing is written to the ledger: the rows are only kept out of the plan, and counted."""
     prompt = f"i.{q(config.prompt_column)}"
     n = 0
-    if dict(columns).get(config.prompt_column, "").upper() == "BLOB":
+    if prompt_is_blob(config, columns):
         n += _reject(ledger, columns, record, f"{prompt} is not null and try(decode({prompt})) is null",
                      f"'prompt column {config.prompt_column} (a BLOB) holds bytes that are not valid UTF-8 text; "
                      f"nothing was sent. Decode or convert it to text in the model''s SQL (for example from "
@@ -53,7 +55,7 @@ def reject_unsendable(ledger: Ledger, config: ModelConfig, columns, record: bool
     if limit:
         output = config.max_tokens or DEFAULT_OUTPUT_TOKENS.get(config.provider, 0)
         output_name = "llm_max_tokens" if config.max_tokens else "the default max_tokens"
-        estimate = f"cast({costs.estimated_input_tokens_sql(config, text)} as bigint)"
+        estimate = costs.estimated_input_tokens_sql(config, text)
         source = "llm_max_context_tokens" if config.max_context_tokens else f"the context window of {config.model}"
         n += _reject(ledger, columns, record, f"{estimate} + {output} > {limit}",
                      f"""'prompt is too long: estimated ' || {estimate} || ' input tokens + {output} output tokens '
@@ -90,3 +92,16 @@ def _reject(ledger: Ledger, columns, record: bool, condition: str, error_sql: st
     ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from __llm_unsendable)")
     ledger.execute("drop table __llm_unsendable")
     return n
+
+
+def reject_deferred_without_prompt(ledger: Ledger, config: ModelConfig) -> int:
+    """A request waiting over an in-flight cap whose stored row lacks the prompt column (the model's
+    prompt column changed since) cannot be sent: it fails alone, with the reason, instead of waiting
+    forever. (The planner leaves such requests out; a dry run records nothing.)"""
+    return ledger.execute(
+        f"""update {ledger.table('llm_batch_requests')} set status = 'failed', is_final = true, completed_at = now(),
+              error = 'waited over an in-flight cap, but its stored row has no prompt column ' || ? ||
+                      ' (the model''s prompt column changed); nothing was sent'
+            where model = ? and status = 'deferred' and key not in (select key from {DESIRED})
+              and json_extract_string(row_json, ?) is null""",
+        [config.prompt_column, ledger.model, "$." + json.dumps(config.prompt_column)]).fetchall()[0][0]

@@ -96,7 +96,7 @@ def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
     length and whether it goes to the realtime path. No copy of the prompt or the row: those are read from the
     input when a row is actually sent."""
     prompt_chars = prompt_text_sql(config, columns)
-    if prompt_chars.startswith("decode("):  # not-UTF-8 BLOBs fail later, alone (bad_input.reject_unsendable)
+    if prompt_is_blob(config, columns):  # not-UTF-8 BLOBs fail later, alone (bad_input.reject_unsendable)
         prompt_chars = f"try({prompt_chars})"
     if config.self_hosted:
         realtime = "true"
@@ -150,22 +150,15 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
     # Deferred requests of keys selected now are planned afresh from the current rows; the others keep
     # their stored prompt and row. They stay in the ledger until sent (write_intents) or re-deferred (defer).
     stored_prompt = "json_extract_string(row_json, ?)"
-    if dict(columns).get(config.prompt_column, "").upper() == "BLOB":  # stored as DuckDB's escaped text
+    if prompt_is_blob(config, columns):  # stored as DuckDB's escaped text
         stored_prompt = f"decode(cast({stored_prompt} as blob))"
     path = "$." + json.dumps(config.prompt_column)
-    # A waiting request whose stored row lacks the prompt column (the model's prompt column changed
-    # since) cannot be sent: it fails alone, with the reason, instead of waiting forever.
-    ledger.execute(
-        f"""update {requests} set status = 'failed', is_final = true, completed_at = now(),
-              error = 'waited over an in-flight cap, but its stored row has no prompt column ' || ? ||
-                      ' (the model''s prompt column changed); nothing was sent'
-            where model = ? and status = 'deferred' and key not in (select key from {DESIRED})
-              and json_extract_string(row_json, ?) is null""", [config.prompt_column, ledger.model, path])
-    con.execute(
+    con.execute(  # one whose stored row lacks the prompt column cannot be sent (bad_input.reject_deferred_without_prompt)
         f"""create or replace temp table __llm_deferred as
-            select key, fingerprint, seq, custom_id, row_json,
-                   {stored_prompt} as prompt, length({stored_prompt}) as prompt_chars from {requests}
-            where model = ? and status = 'deferred' and key not in (select key from {DESIRED})""",
+            select * from (select key, fingerprint, seq, custom_id, row_json,
+                                  {stored_prompt} as prompt, length({stored_prompt}) as prompt_chars from {requests}
+                           where model = ? and status = 'deferred' and key not in (select key from {DESIRED}))
+            where prompt is not null""",
         [path, path, ledger.model])
     estimated_cost = "null::decimal(18, 9)"
     if price is not None:
@@ -214,11 +207,15 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
     return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
 
 
+def prompt_is_blob(config: ModelConfig, columns) -> bool:
+    return dict(columns).get(config.prompt_column, "").upper() == "BLOB"
+
+
 def prompt_text_sql(config: ModelConfig, columns, alias: str = "") -> str:
     """The prompt as the text sent. A BLOB prompt column is decoded as UTF-8 (rows whose bytes are
     not UTF-8 fail before planning, bad_input.reject_unsendable); a cast would send escapes like \\xC3."""
     column = f"{alias}{q(config.prompt_column)}"
-    if dict(columns).get(config.prompt_column, "").upper() == "BLOB":
+    if prompt_is_blob(config, columns):
         return f"decode({column})"
     return f"cast({column} as varchar)"
 

@@ -166,6 +166,7 @@ class ModelRun:
         self.ledger.finalize_exhausted(self.config.max_attempts)
         self.summary.rejected_prompts = planner.reject_empty_prompts(self.ledger, INPUT, self.input_columns)
         self.summary.rejected_prompts += bad_input.reject_unsendable(self.ledger, self.config, self.input_columns)
+        self.summary.rejected_prompts += bad_input.reject_deferred_without_prompt(self.ledger, self.config)
         while True:
             if self.provider_unavailable():
                 return

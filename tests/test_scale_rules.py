@@ -142,10 +142,13 @@ def test_a_waiting_request_whose_stored_row_lost_its_prompt_column_fails_alone(p
                            where="where ticket_id not in (" + ", ".join(deferred_keys) + ")"
                            ).replace(" as prompt\n", " as ticket_text\n")
     project.write("models/triage.sql", renamed)
-    project.dbt("run", "-s", "triage", "--full-refresh")  # the table's columns changed: rebuilt, nothing sent
-    project.dbt("run", "-s", "triage")
+    # The table's columns changed: a full refresh rebuilds it and sends nothing; the waiting requests
+    # that can no longer be built fail there, like any row that cannot be sent.
+    project.dbt("run", "-s", "triage", "--full-refresh")
     failed = project.query("select count(*), min(error) from main.llm_batch_requests where status = 'failed'")
     assert failed == [(4, "waited over an in-flight cap, but its stored row has no prompt column ticket_text "
                           "(the model's prompt column changed); nothing was sent")]
     assert project.query("select count(*) from main.llm_batch_requests where status = 'deferred'") == [(0,)]
+    project.dbt("run", "-s", "triage")
     assert batch_counts(emulator) == [2], "nothing that cannot be built is sent"
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(2,)]
