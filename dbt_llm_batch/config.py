@@ -6,6 +6,7 @@ request. The fingerprint covers exactly what can change an answer; see `answer_d
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import json
@@ -122,6 +123,9 @@ class ModelConfig:
     retry_budget_seconds: float = 300  # retrying 429 / 5xx / timeouts, from a run's first failure on
     max_context_tokens: int | None = None  # None: the known context window of llm_model, if any
     delete_provider_files: bool = True
+    # The fingerprint prefix earlier versions computed for this config from the key order dbt's parse
+    # gave (see legacy_fingerprint_prefix); None when it equals fingerprint_prefix().
+    legacy_prefix: str | None = None
 
     @property
     def self_hosted(self) -> bool:
@@ -158,8 +162,43 @@ class ModelConfig:
 
     def fingerprint_prefix(self) -> str:
         """Hash of the constant part; a row's fingerprint is md5(prefix || prompt), computed in SQL."""
-        canonical = json.dumps(self.answer_defining_fields(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        return _prefix_hash(self.answer_defining_fields())
+
+
+def _prefix_hash(fields: dict) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def canonical(value: Any) -> Any:
+    """`value` with every dict's keys sorted, recursively (lists keep their order).
+
+    dbt's static parser returns a config() dict in a different key order on each full parse (every
+    CI checkout does one), so nothing that reaches a request, a fingerprint or the table's shape may
+    follow the order a dict arrives in: where order carries no meaning, it is sorted.
+    """
+    if isinstance(value, dict):
+        return {k: canonical(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    return value
+
+
+def legacy_fingerprint_prefix(config: ModelConfig, raw_output, raw_examples) -> str | None:
+    """The prefix versions before canonical configs computed: the output schema's `required` list and
+    dict example answers followed the order dbt's parse gave. For a model whose parse order was
+    stable (any int or float in config() makes dbt render it in the order written), the ledger's
+    fingerprints are these; planner.adopt_legacy_fingerprints renames them to the canonical ones, so
+    upgrading does not ask any row again. None when both prefixes are the same."""
+    fields = config.answer_defining_fields()
+    if config.structured and isinstance(raw_output, dict):
+        fields["output_schema"]["required"] = [name for name in raw_output]
+    if isinstance(raw_examples, list):
+        fields["examples"] = [[e["input"], e["output"] if isinstance(e["output"], str) else
+                               json.dumps(e["output"], ensure_ascii=False, separators=(",", ":"))]
+                              for e in raw_examples]
+    legacy = _prefix_hash(fields)
+    return None if legacy == config.fingerprint_prefix() else legacy
 
 
 def parse_config(raw: dict) -> ModelConfig:
@@ -206,6 +245,7 @@ def parse_config(raw: dict) -> ModelConfig:
     if not isinstance(params, dict):
         errors.append("llm_params must be a dict of extra request parameters")
         params = {}
+    params = canonical(params)
     for reserved in RESERVED_PARAMS:
         if reserved in params:
             errors.append(f"llm_params may not set '{reserved}': use the llm_* key for it instead")
@@ -223,7 +263,7 @@ def parse_config(raw: dict) -> ModelConfig:
 
     if errors:
         raise ConfigError("invalid llm_batch config:\n  - " + "\n  - ".join(errors))
-    return ModelConfig(
+    config = ModelConfig(
         unique_key=keys,
         provider=cfg["llm_provider"],
         model=cfg["llm_model"],
@@ -231,7 +271,7 @@ def parse_config(raw: dict) -> ModelConfig:
         system=cfg["llm_system"],
         examples=examples,
         cache_prefix=cache_prefix,
-        output=cfg["llm_output"],
+        output=canonical(cfg["llm_output"]),
         output_columns=output_columns,
         max_tokens=cfg["llm_max_tokens"],
         temperature=None if cfg["llm_temperature"] is None else float(cfg["llm_temperature"]),
@@ -254,6 +294,8 @@ def parse_config(raw: dict) -> ModelConfig:
         max_context_tokens=cfg["llm_max_context_tokens"],
         delete_provider_files=cfg["llm_delete_provider_files"],
     )
+    legacy = legacy_fingerprint_prefix(config, cfg["llm_output"], cfg["llm_examples"]) if examples or config.output else None
+    return dataclasses.replace(config, legacy_prefix=legacy) if legacy else config
 
 
 def _parse_realtime(cfg, errors) -> tuple[str, ...]:
@@ -296,7 +338,8 @@ def _check_number(errors, cfg, name, types, minimum=None, maximum=None):
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, types):
-        errors.append(f"{name} must be a number, got {value!r}")
+        kind = "an integer" if types is int else "a number"
+        errors.append(f"{name} must be {kind}, got {value!r}")
     elif (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         bounds = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
         errors.append(f"{name} must be {bounds}, got {value!r}")
@@ -310,15 +353,27 @@ def _parse_output(output, errors) -> tuple[OutputColumn, ...]:
                       "'number', 'boolean' or a list of allowed strings)")
         return ()
     columns = []
-    for name, spec in output.items():
+    reserved = {name.lower() for name, _ in STATUS_COLUMNS}
+    seen: dict[str, str] = {}
+    # Sorted: dbt's parse does not keep a config() dict's order (see canonical), so a new table's
+    # output columns are in name order; an existing table keeps its own order (merge.py).
+    for name, spec in sorted(output.items(), key=lambda item: str(item[0])):
         if not isinstance(name, str) or not name.isidentifier():
             errors.append(f"llm_output column name {name!r} must be a plain identifier")
+        elif name.lower() in reserved or name.lower() == "rowid":
+            errors.append(f"llm_output column '{name}' has the name of a column dbt-llm-batch adds to every table "
+                          f"({', '.join(n for n, _ in STATUS_COLUMNS)}): choose another name")
+        elif name.lower() in seen:
+            errors.append(f"llm_output columns '{seen[name.lower()]}' and '{name}' differ only in case, which "
+                          "DuckDB column names do not: rename one")
         elif isinstance(spec, list):
+            seen[name.lower()] = name
             if not spec or not all(isinstance(v, str) for v in spec) or len(set(spec)) != len(spec):
                 errors.append(f"llm_output['{name}'] enum must be a non-empty list of distinct strings")
             else:
                 columns.append(OutputColumn(name, "VARCHAR", {"type": "string", "enum": list(spec)}, tuple(spec)))
         elif spec in OUTPUT_TYPES:
+            seen[name.lower()] = name
             duckdb_type, schema = OUTPUT_TYPES[spec]
             columns.append(OutputColumn(name, duckdb_type, schema))
         else:
@@ -338,7 +393,7 @@ def _parse_examples(examples, errors) -> tuple[tuple[str, str], ...]:
             errors.append(f"llm_examples[{i}] must be a dict with exactly 'input' (a string) and 'output'")
             continue
         output = example["output"]
-        if not isinstance(output, str):
-            output = json.dumps(output, ensure_ascii=False, separators=(",", ":"))
+        if not isinstance(output, str):  # keys sorted, like the output schema's properties (see canonical)
+            output = json.dumps(output, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
         pairs.append((example["input"], output))
     return tuple(pairs)

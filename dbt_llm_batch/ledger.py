@@ -205,10 +205,10 @@ class Ledger:
     def open_jobs(self) -> list[dict]:
         """Jobs of this model that may still yield results: intents and unharvested batches."""
         rows = self.con.execute(
-            f"""select job_id, batch_id, status, provider, created_at from {self.table('llm_batch_jobs')}
+            f"""select job_id, batch_id, status, provider, created_at, llm_model from {self.table('llm_batch_jobs')}
                 where model = ? and harvested_at is null and status <> 'voided'
                 order by created_at""", [self.model]).fetchall()
-        return [dict(zip(("job_id", "batch_id", "status", "provider", "created_at"), r)) for r in rows]
+        return [dict(zip(("job_id", "batch_id", "status", "provider", "created_at", "llm_model"), r)) for r in rows]
 
     def write_intents(self, provider: str, llm_model: str, plan_rows: str, chunks: list[int],
                       status: str = "intent") -> dict[int, str]:

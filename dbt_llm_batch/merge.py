@@ -13,7 +13,7 @@ import json
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
-from dbt_llm_batch.planner import DESIRED, INPUT, describe, key_sql, q, row_json_sql
+from dbt_llm_batch.planner import DESIRED, INPUT, describe, key_sql, q
 
 
 EMIT = "__llm_emit"
@@ -31,30 +31,47 @@ def relation_exists(con, schema: str, name: str) -> bool:
 
 
 def check_existing_table(con, target: str, expected, alter: bool = True) -> None:
-    """An incremental run appends rows of the same shape; a changed shape needs a full refresh.
+    """An incremental run writes rows of the same columns; a changed set of columns needs a full refresh.
 
-    Status columns added by a newer dbt-llm-batch are appended to an existing table (NULL for old rows).
+    Columns are compared as a set: the table's own order wins (rows are inserted by name), so the
+    order a parse produced for llm_output, or a reordered SELECT, never asks for a rebuild. Status
+    columns added by a newer dbt-llm-batch are appended to an existing table (NULL for old rows).
     """
     actual = describe(con, target)
-    missing = expected[len(actual):]
-    if [c.lower() for c, _ in actual] == [c.lower() for c, _ in expected[:len(actual)]] and \
-            all(col in STATUS_COLUMNS for col in missing) and alter:
+    have = {c.lower() for c, _ in actual}
+    missing = [(n, t) for n, t in expected if n.lower() not in have]
+    if missing and alter and all(col in STATUS_COLUMNS for col in missing):
         for name, typ in missing:
             con.execute(f"alter table {target} add column {q(name)} {typ}")
         actual = describe(con, target)
-    if [(n.lower(), t) for n, t in actual] != [(n.lower(), t) for n, t in expected]:
+    table, model = {(n.lower(), t) for n, t in actual}, {(n.lower(), t) for n, t in expected}
+    if table != model:
+        fmt = lambda cols: ", ".join(f"{n} {t}" for n, t in sorted(cols)) or "none"  # noqa: E731
         raise ConfigError(
             f"the columns of {target} changed (the model's SELECT, unique_key or llm_output changed):\n"
-            f"  table has: {', '.join(f'{n} {t}' for n, t in actual)}\n"
-            f"  model now: {', '.join(f'{n} {t}' for n, t in expected)}\n"
+            f"  only in the table: {fmt(table - model)}\n"
+            f"  only in the model: {fmt(model - table)}\n"
             f"Run `dbt run --full-refresh -s <model>`: it rebuilds the table from the ledger and sends nothing.")
 
 
-def _row_select(ledger: Ledger, config: ModelConfig, input_columns, current_rows: bool) -> str:
-    """The table's rows for the winners in EMIT. Selected columns come from the request's stored row;
-    with `current_rows`, the key's current row fills columns the stored one lacks (a full refresh
-    after the model's SELECT gained or renamed a column)."""
-    structure = json.dumps({name: typ for name, typ in input_columns}).replace("'", "''")
+# Types DuckDB's JSON reader cannot read back: stored as their text and cast (planner.row_json_sql).
+TEXT_ROUND_TRIP = ("BIT",)
+
+
+def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
+    """The table's rows for the winners in EMIT, with named columns (inserted by name). Selected
+    columns come from the request's stored row, read back with json_transform, which keeps every
+    value exact (a DECIMAL(38,9) included); a column the stored row lacks (the SELECT gained it
+    since) comes from the key's current row. Incremental runs and full refreshes use the same rule."""
+    structure = json.dumps({name: "VARCHAR" if typ in TEXT_ROUND_TRIP else typ
+                            for name, typ in input_columns}).replace("'", "''")
+    selected = []
+    for name, typ in input_columns:
+        stored = f"w.stored.{q(name)}"
+        if typ in TEXT_ROUND_TRIP:
+            stored = f"cast({stored} as {typ})"
+        selected.append(f"case when list_contains(w.stored_keys, {_literal(name)}) then {stored} "
+                        f"else i.{q(name)} end as {q(name)}")
     outputs = []
     for col in config.output_columns:
         if config.structured:
@@ -62,21 +79,19 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns, current_rows
         else:
             value = "w.answer"
         outputs.append(f"case when w.status = 'succeeded' then {value} end as {q(col.name)}")
-    model_literal = "'" + config.model.replace("'", "''") + "'"
-    row = "w.row_json"
-    joins = ""
-    if current_rows:
-        row = f"json_merge_patch(coalesce({row_json_sql(input_columns, 'i.')}, '{{}}'), w.row_json)"
-        joins = f"left join {DESIRED} d on d.key = w.key left join {INPUT} i on i.rowid = d.row_id"
+    model_literal = _literal(config.model)
+    status_values = ["w.status", "w.error", "w.finish_reason", "w.input_tokens", "w.output_tokens",
+                     f"coalesce(j.llm_model, {model_literal})", "j.batch_id", "w.fingerprint", "w.completed_at",
+                     "w.cached_tokens", "w.cache_write_tokens", "w.cost_usd", "w.realtime_cost_usd",
+                     "case when w.job_id is not null then coalesce(w.route, 'batch') end"]
+    status = [f"{value} as {q(name)}" for value, (name, _) in zip(status_values, STATUS_COLUMNS, strict=True)]
     return f"""
-        select unnest(json_transform({row}, '{structure}')),
-               {', '.join(outputs)},
-               w.status, w.error, w.finish_reason, w.input_tokens, w.output_tokens,
-               coalesce(j.llm_model, {model_literal}), j.batch_id, w.fingerprint, w.completed_at,
-               w.cached_tokens, w.cache_write_tokens, w.cost_usd, w.realtime_cost_usd, case when w.job_id is not null then coalesce(w.route, 'batch') end
-        from {EMIT} e join {ledger.table('llm_batch_requests')} w
-             on w.custom_id = e.custom_id and w.model = {_literal(ledger.model)} and w.is_final
-             left join {ledger.table('llm_batch_jobs')} j on j.job_id = w.job_id {joins}"""
+        select {', '.join(selected + outputs + status)}
+        from (select r.*, json_transform(r.row_json, '{structure}') as stored, json_keys(r.row_json) as stored_keys
+              from {EMIT} e join {ledger.table('llm_batch_requests')} r
+                   on r.custom_id = e.custom_id and r.model = {_literal(ledger.model)} and r.is_final) w
+             left join {ledger.table('llm_batch_jobs')} j on j.job_id = w.job_id
+             left join {DESIRED} d on d.key = w.key left join {INPUT} i on i.rowid = d.row_id"""
 
 
 def _literal(text: str) -> str:
@@ -140,7 +155,7 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
                 con.execute(f"create or replace table {target} ({ddl})")
             else:
                 con.execute(f"delete from {target} where {target_key} in (select key from {EMIT})")
-            con.execute(f"insert into {target} {_row_select(ledger, config, input_columns, current_rows=rebuild)}")
+            con.execute(f"insert into {target} by name {_row_select(ledger, config, input_columns)}")
             con.execute(
                 f"""update {requests} set emitted = case when custom_id in (select custom_id from {EMIT})
                                                          then 'merged' else 'superseded' end

@@ -153,20 +153,20 @@ def requeue_model(con, schema: str, model: str) -> tuple[int, int]:
     return n, unsent
 
 
-def delete_provider_files(ledger: Ledger, provider_name: str, get_provider_client, enabled: bool) -> None:
+def delete_provider_files(ledger: Ledger, client_for, enabled: bool) -> None:
     """After results are stored: delete each harvested batch's input and result files at the provider.
     Recorded on the job; a failure is logged (and retried next run) and never fails the run.
-    `get_provider_client()` gives the run's provider: called only when there is something to delete."""
+    `client_for(job)` gives the provider the job was submitted through (the model may have switched
+    provider since): called only when there is something to delete."""
     if not enabled:
         return
     jobs = ledger.con.execute(
-        f"""select job_id, batch_id, input_file_id, output_file_id, error_file_id from {ledger.table('llm_batch_jobs')}
-            where model = ? and provider = ? and harvested_at is not null and batch_id is not null
-              and files_deleted_at is null""", [ledger.model, provider_name]).fetchall()
-    if not jobs:
-        return
-    provider = get_provider_client()
-    for job_id, batch_id, *file_ids in jobs:
+        f"""select job_id, batch_id, provider, llm_model, input_file_id, output_file_id, error_file_id
+            from {ledger.table('llm_batch_jobs')}
+            where model = ? and harvested_at is not null and batch_id is not null and files_deleted_at is null
+              and provider <> 'openai_compatible'""", [ledger.model]).fetchall()
+    for job_id, batch_id, provider_name, llm_model, *file_ids in jobs:
+        provider = client_for({"provider": provider_name, "llm_model": llm_model})
         try:
             provider.delete_files(batch_id, [f for f in file_ids if f])
         except Exception as exc:

@@ -123,6 +123,25 @@ def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
                           f"the model's columns ({', '.join(c for c, _ in columns)}): {exc}; nothing was sent") from None
 
 
+def adopt_legacy_fingerprints(ledger: Ledger, config: ModelConfig) -> int:
+    """Rename this model's ledger fingerprints computed the way earlier versions did (the output
+    schema's `required` list and dict examples in the order dbt's parse gave: config.legacy_prefix)
+    to the canonical ones, for the keys selected now; returns how many requests were renamed. The
+    request sent was the same apart from that order, so its answer stands and nothing is asked again."""
+    if not config.legacy_prefix:
+        return 0
+    requests = ledger.table("llm_batch_requests")
+    if not ledger.con.execute(f"select count(*) from {requests} where model = ?", [ledger.model]).fetchall()[0][0]:
+        return 0
+    prompt = f"coalesce(cast({q(config.prompt_column)} as varchar), '')"
+    return ledger.execute(
+        f"""update {requests} r set fingerprint = d.fingerprint
+            from (select d.key, d.fingerprint, md5(? || {prompt}) as legacy
+                  from {DESIRED} d join {INPUT} i on i.rowid = d.row_id) d
+            where r.model = ? and r.key = d.key and r.fingerprint = d.legacy""",
+        [config.legacy_prefix, ledger.model]).fetchall()[0][0]
+
+
 def reject_empty_prompts(ledger: Ledger, input_rel: str, columns) -> int:
     """Rows with a NULL or empty prompt fail alone, without a request: record them as final failures."""
     return ledger.execute(

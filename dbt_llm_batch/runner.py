@@ -6,6 +6,7 @@ with the job's DuckDB connection. Returns a RunSummary; the run log gets one lin
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from dataclasses import dataclass
@@ -112,8 +113,13 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
     else:
         run.lock = locks.ModelLock(run.ledger)
         run.lock.acquire()  # before anything is harvested, planned or sent; released also on failure
+        refused = None
         try:
-            run.execute(full_refresh)
+            planner.adopt_legacy_fingerprints(run.ledger, config)
+            try:
+                run.execute(full_refresh)
+            except BudgetError as exc:
+                refused = exc  # what is already final is merged first; the run still fails, saying so
             crashpoints.reach("before_merge")
             run.summary.merged, run.summary.failed = merge.merge(run.ledger, config, target, input_columns,
                                                                      rebuild=full_refresh or not exists)
@@ -121,6 +127,8 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
             run.lock.release()
         run.finish_summary()
         logger().info(run.summary.line())
+        if refused is not None:
+            raise BudgetError(f"{refused} (Results that were final are merged: {run.summary.merged} row(s).)")
     for name in (INPUT, planner.DESIRED, planner.PLAN, REALTIME_PLAN, request_files.SENT):
         con.execute(f"drop table if exists {name}")
     return run.summary
@@ -140,6 +148,7 @@ class ModelRun:
         costs.load_prices(con, config.price_table)
         self.price = costs.price_of(con, config.provider, config.model)
         self._provider = provider  # None: created on first use (benchmarks pass one that stays offline)
+        self._job_providers: dict[tuple[str, str], object] = {}  # (provider, model) of older jobs -> client
         # One realtime budget for the whole run, however many rounds llm_wait_seconds makes.
         self.realtime_deadline = time.monotonic() + config.realtime_budget_seconds
         self._warned_unavailable = False
@@ -158,6 +167,28 @@ class ModelRun:
             self._provider = get_provider(self.config.provider)(self.config)
             self._provider.check_credentials()
         return self._provider
+
+    def provider_for(self, job: dict):
+        """The provider a job was submitted through, with the model it was submitted for: a batch in
+        flight is polled, harvested, priced and cleaned up there even after the model's llm_provider
+        or llm_model changed (a batch asked of the new provider does not exist there)."""
+        provider_name, llm_model = job["provider"], job.get("llm_model") or self.config.model
+        if (provider_name, llm_model) == (self.config.provider, self.config.model):
+            return self.provider
+        key = (provider_name, llm_model)
+        if key not in self._job_providers:
+            config = dataclasses.replace(self.config, provider=provider_name, model=llm_model)
+            client = get_provider(provider_name)(config)
+            client.check_credentials()
+            self._job_providers[key] = client
+        return self._job_providers[key]
+
+    def price_for(self, job: dict) -> dict | None:
+        """The price of the provider and model a job was sent with (not the model's current ones)."""
+        provider_name, llm_model = job["provider"], job.get("llm_model") or self.config.model
+        if (provider_name, llm_model) == (self.config.provider, self.config.model):
+            return self.price
+        return costs.price_of(self.con, provider_name, llm_model)
 
     def execute(self, full_refresh: bool) -> None:
         deadline = time.monotonic() + self.config.wait_seconds
@@ -182,9 +213,11 @@ class ModelRun:
     def provider_unavailable(self) -> bool:
         """True once the provider kept failing for llm_retry_budget_seconds: the run then stops asking
         it (open batches stay pending, nothing new is submitted) and succeeds with a warning."""
-        calls = self._provider.calls if self._provider is not None else None
-        if calls is None or not calls.spent:
+        spent = [p.calls for p in [self._provider, *self._job_providers.values()]
+                 if p is not None and p.calls is not None and p.calls.spent]
+        if not spent:
             return False
+        calls = spent[0]
         if not self._warned_unavailable:
             self._warned_unavailable = True
             logger().warning(f"{self.ledger.model}: the provider kept failing for llm_retry_budget_seconds="
@@ -198,8 +231,10 @@ class ModelRun:
             return
         for job in [j for j in jobs if j["status"] == "realtime"]:
             # Its lines are in the format of the provider that ran it, which the model may have changed since.
-            job_provider = get_provider(job["provider"])(self.config)
-            realtime.settle_interrupted(self.ledger, job_provider, job["job_id"], self.price)
+            job_config = dataclasses.replace(self.config, provider=job["provider"],
+                                             model=job["llm_model"] or self.config.model)
+            realtime.settle_interrupted(self.ledger, get_provider(job["provider"])(job_config), job["job_id"],
+                                        self.price_for(job))
             logger().warning(f"{self.ledger.model}: a realtime run was interrupted; its stored answers are kept and "
                              f"the requests it had not finished are sent again")
         for job in [j for j in jobs if j["status"] in ("intent", "submitting")]:
@@ -208,17 +243,23 @@ class ModelRun:
             except ProviderUnavailable:
                 break  # left as it is; provider_unavailable() reports it
         submitted = [j for j in self.ledger.open_jobs() if j["batch_id"]]
-        stats = harvest.poll_and_harvest(self.ledger, self.provider, self.config, submitted, self.price)
-        self.summary.harvested_batches += stats["harvested_jobs"]
-        if stats["harvested_jobs"] and self.price is None:
-            logger().warning(f"{self.ledger.model}: no price known for {self.config.provider} model "
-                             f"'{self.config.model}': cost is recorded as unknown (NULL). Add it with llm_price_table.")
+        by_sender: dict[tuple[str, str], list[dict]] = {}
+        for job in submitted:  # each through the provider and model it was submitted with
+            by_sender.setdefault((job["provider"], job["llm_model"] or self.config.model), []).append(job)
+        for (provider_name, llm_model), jobs in by_sender.items():
+            if self.provider_unavailable():
+                break
+            provider, price = self.provider_for(jobs[0]), self.price_for(jobs[0])
+            stats = harvest.poll_and_harvest(self.ledger, provider, provider.config, jobs, price)
+            self.summary.harvested_batches += stats["harvested_jobs"]
+            if stats["harvested_jobs"] and price is None:
+                logger().warning(f"{self.ledger.model}: no price known for {provider_name} model "
+                                 f"'{llm_model}': cost is recorded as unknown (NULL). Add it with llm_price_table.")
 
     def after_harvest(self) -> None:
         """Hold what an operator's cancel left unanswered; delete stored batches' files at the provider."""
         operator.hold_cancelled(self.ledger)
-        operator.delete_provider_files(self.ledger, self.config.provider, lambda: self.provider,
-                                       self.config.delete_provider_files)
+        operator.delete_provider_files(self.ledger, self.provider_for, self.config.delete_provider_files)
 
     def reconcile(self, job: dict) -> None:
         """An intent without a batch id: the run died around `create`. Adopt the batch, void the intent
@@ -230,7 +271,7 @@ class ModelRun:
             return
         custom_ids = {r[0] for r in self.con.execute(
             f"select custom_id from {ledger.table('llm_batch_requests')} where job_id = ?", [job["job_id"]]).fetchall()}
-        found = self.provider.find_submission(job["job_id"], job["created_at"].timestamp(), custom_ids)
+        found = self.provider_for(job).find_submission(job["job_id"], job["created_at"].timestamp(), custom_ids)
         if found == UNRESOLVED:
             logger().warning(f"{ledger.model}: submission {job['job_id']} was interrupted and cannot be matched to "
                              f"a provider batch yet; its {len(custom_ids)} request(s) are held, not resent")

@@ -1,0 +1,150 @@
+"""Edits and re-parses between runs never pay twice and never lose a paid batch.
+
+Each test is one way a user changes a project between runs: a fresh parse (every CI checkout), a
+provider or model switched while a batch is in flight, a key changed, a model renamed.
+"""
+
+from __future__ import annotations
+
+import json
+
+from conftest import failure_messages
+from helpers import batch_counts
+
+# Several keys and no int or float anywhere in config(): dbt's static parser then reads config()
+# itself, and returns its dicts in a different key order on each full parse.
+ORDER_MODEL = """
+{{ config(
+    materialized = 'llm_batch',
+    unique_key = 'ticket_id',
+    llm_system = 'Extract fields from the ticket.',
+    llm_output = {'category': ['billing', 'bug', 'how_to', 'feature_request', 'other'],
+                  'summary': 'text', 'language': 'text', 'sentiment': 'text',
+                  'product': 'text'},
+    llm_examples = [{'input': 'Subject: hi', 'output': {'category': 'other', 'summary': 'hello',
+                     'language': 'en', 'sentiment': 'neutral', 'product': 'none'}}],
+    llm_params = {'seed': 'x', 'user': 'dbt', 'metadata': {'b': 'x', 'a': 'y', 'c': 'z'}},
+) }}
+select ticket_id, subject, 'Subject: ' || subject || chr(10) || body as prompt
+from {{ ref('support_tickets') }}
+"""
+
+
+def test_a_full_reparse_never_resends_or_breaks_the_table(project, emulator):
+    """dbt's static parser returns config() dicts in another key order on each full parse: nothing
+    that reaches a request, a fingerprint or the table's shape may depend on that order."""
+    project.dbt("seed")
+    project.write("models/extract.sql", ORDER_MODEL.replace("'seed': 'x', ", ""))
+    project.dbt("run", "-s", "extract")
+    emulator.complete_all()
+    project.dbt("run", "-s", "extract")
+    assert project.query("select count(*) from main.extract where llm_status = 'succeeded'") == [(6,)]
+    orders = set()
+    for _ in range(4):
+        project.dbt("parse", "--no-partial-parse")
+        manifest = json.loads((project.root / "target" / "manifest.json").read_text())
+        node = next(n for n in manifest["nodes"].values() if n["name"] == "extract")
+        orders.add(tuple(node["config"]["llm_output"]))
+        project.dbt("run", "-s", "extract")
+    emulator.complete_all()
+    project.dbt("run", "-s", "extract")
+    assert batch_counts(emulator) == [6], "a re-parse sent rows again"
+    assert emulator.stats()["request_lines"] == 6
+    assert project.query("select count(*) from main.extract where llm_status = 'succeeded'") == [(6,)]
+    # The table's output columns are in the same order whatever order the parse produced.
+    columns = [r[0] for r in project.query("select column_name from information_schema.columns "
+                                             "where table_name = 'extract' order by ordinal_position")]
+    assert columns[3:8] == sorted(columns[3:8]) == ["category", "language", "product", "sentiment", "summary"]
+    assert len(orders) > 1, f"the parses gave one order only: {orders}"
+
+
+def batches_of(emulator, face: str) -> list[dict]:
+    from helpers import is_anthropic, sorted_batches
+    return [b for b in sorted_batches(emulator) if is_anthropic(b) == (face == "anthropic")]
+
+
+def test_switching_provider_with_a_batch_in_flight_harvests_it_where_it_was_sent(project, emulator):
+    """The batch in flight is polled, harvested and priced through the provider and model it was
+    sent with: its paid answers reach the table and it is billed once."""
+    from helpers import triage_model
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model().replace("gpt-4o-mini", "gpt-4o"))
+    project.dbt("run", "-s", "triage")
+    [openai_batch] = batches_of(emulator, "openai")
+    project.write("models/triage.sql", triage_model(provider="anthropic"))
+    project.dbt("run", "-s", "triage")  # polls the OpenAI batch at OpenAI; sends the new fingerprints to Anthropic
+    emulator.advance(openai_batch["id"], "completed")
+    project.dbt("run", "-s", "triage")
+    rows = project.query("select llm_model, llm_status, llm_batch_id, llm_cost_usd, llm_input_tokens, llm_output_tokens "
+                         "from main.triage order by ticket_id")
+    assert [r[:3] for r in rows] == [("gpt-4o", "succeeded", openai_batch["id"])] * 6, \
+        "the OpenAI answers merge while the Anthropic batch is in flight"
+    # Priced at gpt-4o, the model the batch was sent with (not claude-sonnet-4-5, nor gpt-4o-mini).
+    for *_, cost, tokens_in, tokens_out in rows:
+        assert float(cost) == (tokens_in * 2.50 + tokens_out * 10.00) / 1e6 * 0.5
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select distinct llm_model from main.triage") == [("claude-sonnet-4-5",)]
+    assert emulator.stats()["batches_by_face"] == {"openai": 1, "anthropic": 1}
+    assert emulator.stats()["request_lines"] == 12, "each provider was asked each row once"
+    assert project.query("select count(*) from main.llm_batch_jobs where harvested_at is null") == [(0,)]
+    assert project.query("select count(*) from main.llm_batch_jobs where files_deleted_at is null") == [(0,)], \
+        "the OpenAI batch's files are deleted at OpenAI too"
+
+
+def test_reserved_output_names_are_refused_before_anything_is_sent(project, emulator):
+    from helpers import triage_model
+    project.dbt("seed")
+    for name in ("llm_error", "LLM_Status", "llm_batch_id"):
+        model = triage_model().replace("llm_output = {", "llm_output = {" + f'"{name}": "text", ')
+        project.write("models/triage.sql", model)
+        message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
+        assert f"llm_output column '{name}' has the name of a column dbt-llm-batch adds" in message
+    assert emulator.stats()["calls"] == {}
+
+
+def test_a_budget_refusal_still_merges_what_is_final(project, emulator):
+    """Finished, paid results reach the table; only the new work is refused (and the run fails)."""
+    from helpers import triage_model
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model(where="where ticket_id <= 3"))
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.write("models/triage.sql", triage_model(extra_config="llm_max_cost_usd = 0.0000001,"))
+    message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
+    assert "refusing to submit 3 request(s)" in message and "merged: 3 row(s)" in message
+    assert project.query("select ticket_id, llm_status from main.triage order by 1") == \
+        [(1, "succeeded"), (2, "succeeded"), (3, "succeeded")]
+    assert emulator.stats()["request_lines"] == 3
+
+
+SELECTED_TYPES = """
+    123456789.123456789::decimal(38,9) as amount, 170141183460469231731687303715884105727::hugeint as huge,
+    18446744073709551615::ubigint as ubig, 0.1::double as ratio, 'nan'::double as not_a_number,
+    '\\xC3\\x28'::blob as raw, interval '3 days 2 hours' as span, '2024-01-01 12:34:56.123456+02'::timestamptz as at_tz,
+    '12:34:56.789'::time as clock, [1.5, 2.5]::decimal(10,2)[] as amounts, {'a': 1.25::decimal(20,10)} as nested,
+    map {'k': 1} as mapping, 1.1::real as single, '2024-01-01 12:34:56.123456789'::timestamp_ns as at_ns,
+    'a"b\\c' as quoted, 5::bit as bits, [1, 2]::integer[2] as pair, 'infinity'::date as forever"""
+
+
+def test_selected_values_round_trip_exactly_in_incremental_runs_and_full_refreshes(project, emulator):
+    """The table shows each selected value exactly as selected, whichever way it was written; a column
+    added while requests were in flight is filled the same way by both."""
+    from helpers import triage_model
+    project.dbt("seed")
+    base = triage_model().replace("select ticket_id, subject,", f"select ticket_id, subject, {SELECTED_TYPES},")
+    project.write("models/triage.sql", base)
+    project.dbt("run", "-s", "triage")
+    added = base.replace("select ticket_id, subject,", "select ticket_id, subject, 'new' as added,")
+    project.write("models/triage.sql", added)
+    project.dbt("run", "-s", "triage", "--full-refresh")  # the column comes while the batch is in flight
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")  # an incremental merge
+    columns = "amount, huge, ubig, ratio, not_a_number, raw, span, at_tz, clock, amounts, nested, mapping, single, " \
+              "at_ns, quoted, bits, pair, forever, added"
+    as_text = ", ".join(f"cast({c} as varchar)" for c in columns.split(", "))  # NaN equals itself as text
+    want = project.query(f"select {as_text} from (select {SELECTED_TYPES}, 'new' as added)")
+    assert project.query(f"select distinct {as_text} from main.triage") == want
+    project.dbt("run", "-s", "triage", "--full-refresh")  # rebuilt from the ledger
+    assert project.query(f"select distinct {as_text} from main.triage") == want
+    assert project.query("select typeof(amount), typeof(bits) from main.triage limit 1") == [("DECIMAL(38,9)", "BIT")]
