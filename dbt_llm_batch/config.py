@@ -57,6 +57,7 @@ DEFAULTS: dict[str, Any] = {
     "llm_max_attempts": 3,
     "llm_wait_seconds": 0,
     "llm_ledger_schema": None,
+    "llm_ledger_identity": None,  # the name the ledger records the model under; default schema.name
     "llm_max_cost_usd": None,
     "llm_dry_run": False,
     "llm_price_table": None,
@@ -109,6 +110,7 @@ class ModelConfig:
     max_attempts: int = 3
     wait_seconds: float = 0
     ledger_schema: str | None = None
+    ledger_identity: str | None = None  # keeps a model's ledger across a rename of its file
     max_cost_usd: float | None = None  # per model per run, counting what is already in flight
     dry_run: bool = False
     price_table: str | None = None  # the user's price rows (a relation), overriding the shipped table
@@ -239,6 +241,9 @@ def parse_config(raw: dict) -> ModelConfig:
         errors.append(f"llm_delete_provider_files must be true or false, got {cfg['llm_delete_provider_files']!r}")
     if not isinstance(cfg["llm_dry_run"], bool):
         errors.append(f"llm_dry_run must be true or false, got {cfg['llm_dry_run']!r}")
+    identity = cfg["llm_ledger_identity"]
+    if identity is not None and (not isinstance(identity, str) or not identity.strip()):
+        errors.append("llm_ledger_identity must be a name, e.g. the model's old 'schema.name' after a rename")
     if cfg["llm_price_table"] is not None and not isinstance(cfg["llm_price_table"], str):
         errors.append("llm_price_table must be the name of a relation, e.g. 'main.llm_prices'")
     params = cfg["llm_params"]
@@ -279,6 +284,7 @@ def parse_config(raw: dict) -> ModelConfig:
         max_attempts=cfg["llm_max_attempts"],
         wait_seconds=float(cfg["llm_wait_seconds"]),
         ledger_schema=cfg["llm_ledger_schema"],
+        ledger_identity=cfg["llm_ledger_identity"],
         max_cost_usd=None if cfg["llm_max_cost_usd"] is None else float(cfg["llm_max_cost_usd"]),
         dry_run=cfg["llm_dry_run"],
         price_table=cfg["llm_price_table"],

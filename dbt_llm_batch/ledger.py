@@ -126,6 +126,10 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     # A request's line (1-based) in its job's request file, which OpenAI validation errors name
     # (batch_failures.py); NULL for requests written before version 9 (custom_id order) and realtime ones.
     (9, ["alter table {s}.llm_batch_requests add column file_line integer"]),
+    # Each model's key columns as of its last run (identity.py): a changed unique_key re-keys the
+    # stored requests instead of asking every row again.
+    (10, ["""create table if not exists {s}.llm_batch_models (
+               model varchar primary key, key_columns varchar, updated_at timestamptz)"""]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

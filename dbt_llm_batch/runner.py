@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from decimal import Decimal
 
-from dbt_llm_batch import (bad_input, costs, crashpoints, harvest, locks, merge, operator, planner, realtime,
+from dbt_llm_batch import (bad_input, costs, crashpoints, harvest, identity, locks, merge, operator, planner, realtime,
                            request_files, submit)
 from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.errors import BudgetError
@@ -101,7 +101,7 @@ def run_model(con, *, schema: str, identifier: str, target: str, raw_config: dic
 
 def _run(con, schema, identifier, target, config, full_refresh, project) -> RunSummary:
     """The run itself, on the connection that holds the model's rows (see run_model)."""
-    run = ModelRun(con, config, schema, f"{schema}.{identifier}", project)
+    run = ModelRun(con, config, schema, identity.ledger_identity(config, schema, identifier), project)
     input_columns = run.input_columns = planner.check_input(con, INPUT, config)
     exists = merge.relation_exists(con, schema, identifier)
     if not full_refresh and exists:
@@ -116,6 +116,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
         refused = None
         try:
             planner.adopt_legacy_fingerprints(run.ledger, config)
+            identity.reconcile_key(run.ledger, config, input_columns)
             try:
                 run.execute(full_refresh)
             except BudgetError as exc:

@@ -148,3 +148,49 @@ def test_selected_values_round_trip_exactly_in_incremental_runs_and_full_refresh
     project.dbt("run", "-s", "triage", "--full-refresh")  # rebuilt from the ledger
     assert project.query(f"select distinct {as_text} from main.triage") == want
     assert project.query("select typeof(amount), typeof(bits) from main.triage limit 1") == [("DECIMAL(38,9)", "BIT")]
+
+
+def test_changing_unique_key_with_a_batch_in_flight_rekeys_the_ledger(project, emulator):
+    """No duplicate rows, nothing asked again: stored requests take the new key from their stored row,
+    or (when the stored row lacks the new key's column) from the selected row with the same prompt."""
+    from helpers import triage_model
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model())
+    project.dbt("run", "-s", "triage")  # in flight, keyed by ticket_id
+    project.write("models/triage.sql", triage_model().replace("unique_key = 'ticket_id'", "unique_key = 'subject'"))
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*), count(distinct subject), count(*) filter (where llm_status = 'succeeded') "
+                         "from main.triage") == [(6, 6, 6)]
+    # A key column the stored rows never had: matched by the prompt, during a full refresh.
+    by_code = triage_model().replace("unique_key = 'ticket_id'", "unique_key = 'code'").replace(
+        "select ticket_id,", "select 'T-' || ticket_id as code, ticket_id,")
+    project.write("models/triage.sql", by_code)
+    project.dbt("run", "-s", "triage", "--full-refresh")
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*), count(distinct code), count(*) filter (where llm_status = 'succeeded') "
+                         "from main.triage") == [(6, 6, 6)]
+    assert emulator.stats()["request_lines"] == 6, "changing the key asked nothing again"
+
+
+def test_a_renamed_model_keeps_its_answers_with_llm_ledger_identity(project, emulator):
+    from helpers import triage_model
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model())
+    project.dbt("run", "-s", "triage")
+    (project.root / "models" / "triage.sql").unlink()
+    # Renamed without saying so: the run says, before sending, that another model has these answers.
+    project.write("models/triage_v2.sql", triage_model(where="where ticket_id = 1"))
+    project.dbt("run", "-s", "triage_v2")
+    log = (project.root / "logs" / "dbt.log").read_text()
+    assert "1 of its requests were already answered for model 'main.triage'" in log
+    assert "set llm_ledger_identity = 'main.triage'" in log
+    # With the identity, the renamed model takes over the ledger, its batch in flight included.
+    (project.root / "models" / "triage_v2.sql").unlink()
+    project.write("models/triage_v3.sql", triage_model(extra_config="llm_ledger_identity = 'main.triage',"))
+    project.dbt("run", "-s", "triage_v3")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage_v3")
+    assert project.query("select count(*) filter (where llm_status = 'succeeded') from main.triage_v3") == [(6,)]
+    assert emulator.stats()["request_lines"] == 7, "six by the first name, one by the unannounced rename"

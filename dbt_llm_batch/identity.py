@@ -1,0 +1,108 @@
+"""A model's identity in the ledger: the name its requests are recorded under, and its key columns.
+
+The ledger records requests under the model's `schema.name`, or under `llm_ledger_identity` when the
+model sets one (to keep a model's answers across a rename of its file). Each request's key is the
+value of `unique_key`, so changing `unique_key` would otherwise strand every stored answer under a
+key the model no longer produces: every row would be asked again, and batches in flight would merge
+rows under the old key next to the new ones. Here, before anything is planned:
+- the stored requests are re-keyed to the new key: from their stored row when it has the new key's
+  columns, else by their fingerprint (the same prompt and settings as exactly one selected row);
+- requests that match no selected row are set aside under `<identity> (unique_key <old columns>)`:
+  still harvested and costed, never merged.
+"""
+
+from __future__ import annotations
+
+import json
+
+from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
+from dbt_llm_batch.planner import DESIRED, q
+from dbt_llm_batch.runlog import logger
+
+
+def ledger_identity(config: ModelConfig, schema: str, identifier: str) -> str:
+    return config.ledger_identity or f"{schema}.{identifier}"
+
+
+def reconcile_key(ledger: Ledger, config: ModelConfig, input_columns) -> None:
+    """Record the model's key columns; when they changed since the last run, re-key the ledger."""
+    con, models = ledger.con, ledger.table("llm_batch_models")
+    current = json.dumps(list(config.unique_key))
+    row = con.execute(f"select key_columns from {models} where model = ?", [ledger.model]).fetchall()
+    if row and row[0][0] == current:
+        return
+    requests = ledger.table("llm_batch_requests")
+    stored = json.loads(row[0][0]) if row else None
+    n = con.execute(f"select count(*) from {requests} where model = ?", [ledger.model]).fetchall()[0][0]
+    if stored is None and not n:
+        _warn_if_renamed(ledger, config)
+    if stored is not None and n:
+        _rekey(ledger, config, input_columns, stored)
+
+    def write():
+        with transaction(con):
+            con.execute(f"delete from {models} where model = ?", [ledger.model])
+            con.execute(f"insert into {models} values (?, ?, now())", [ledger.model, current])
+    retry_on_conflict(write)
+
+
+def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str]) -> None:
+    con, requests = ledger.con, ledger.table("llm_batch_requests")
+    types = dict(input_columns)
+    structure = json.dumps({k: types[k] for k in config.unique_key}).replace("'", "''")
+    names = "[" + ", ".join("'" + k.replace("'", "''") + "'" for k in config.unique_key) + "]"
+    from_row = "to_json([" + ", ".join(f"cast(s.{q(k)} as varchar)" for k in config.unique_key) + "])"
+    con.execute(
+        f"""create or replace temp table __llm_rekey as
+            select r.custom_id, r.status,
+                   coalesce(case when list_has_all(json_keys(r.row_json), {names})
+                                 then {from_row} end, d.key) as new_key
+            from (select *, json_transform(row_json, '{structure}') as s from {requests} where model = ?) r
+                 left join (select fingerprint, any_value(key) as key from {DESIRED}
+                            group by fingerprint having count(*) = 1) d using (fingerprint)""", [ledger.model])
+    rekeyed, aside = con.execute("select count(new_key), count(*) - count(new_key) from __llm_rekey").fetchall()[0]
+    aside_model = f"{ledger.model} (unique_key {', '.join(old_key)})"
+
+    def write():
+        with transaction(con):
+            con.execute(f"""update {requests} r set key = k.new_key from __llm_rekey k
+                            where r.model = ? and r.custom_id = k.custom_id and k.new_key is not null""",
+                        [ledger.model])
+            # Never sent: nothing to keep. The rest keep their history (and in-flight ones are still
+            # harvested through their job), under a name the merge never reads.
+            con.execute(f"""delete from {requests} where model = ? and status = 'deferred' and custom_id in
+                            (select custom_id from __llm_rekey where new_key is null)""", [ledger.model])
+            con.execute(f"""update {requests} set model = ? where model = ? and custom_id in
+                            (select custom_id from __llm_rekey where new_key is null)""", [aside_model, ledger.model])
+    try:
+        retry_on_conflict(write)
+    finally:
+        con.execute("drop table if exists __llm_rekey")
+    message = (f"{ledger.model}: unique_key changed from ({', '.join(old_key)}) to ({', '.join(config.unique_key)}): "
+               f"{rekeyed} stored request(s) now carry the new key (nothing is asked again for them)")
+    if aside:
+        logger().warning(message + f"; {aside} match no selected row and are kept aside as model '{aside_model}' "
+                                   "(harvested and costed, never merged). Selected rows without an answer are "
+                                   "sent now.")
+    else:
+        logger().info(message)
+
+
+def _warn_if_renamed(ledger: Ledger, config: ModelConfig) -> None:
+    """A model's first run: say so before paying when another model of this ledger already has the
+    answers (the same prompts and settings), which is what renaming a model's file looks like."""
+    if config.ledger_identity:
+        return  # chosen explicitly
+    others = ledger.con.execute(
+        f"""select model, count(distinct fingerprint) from {ledger.table('llm_batch_requests')}
+            where model <> ? and status in ('succeeded', 'queued', 'submitted')
+              and fingerprint in (select fingerprint from {DESIRED})
+            group by model order by 2 desc limit 1""", [ledger.model]).fetchall()
+    if others:
+        other, n = others[0]
+        logger().warning(
+            f"{ledger.model}: first run of this model, and {n} of its requests were already answered for model "
+            f"'{other}' (the same prompts and settings): they are sent and paid again now. If you renamed the "
+            f"model, set llm_ledger_identity = '{other}' in its config to keep that model's answers and batches "
+            f"in flight (set it to '{ledger.model}' to silence this).")
