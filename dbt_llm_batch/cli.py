@@ -10,14 +10,22 @@ import duckdb
 
 def status(database: str, schema: str) -> int:
     """Print in-flight batches (with age) and, per model, requests by status."""
+    import os
+    if os.path.isdir(database):
+        print(f"{database} is a directory: pass the DuckDB file your dbt profile writes (its `path`)", file=sys.stderr)
+        return 2
+    if not os.path.exists(database):
+        print(f"no DuckDB file at {database}: pass the file your dbt profile writes (its `path`)", file=sys.stderr)
+        return 2
     try:
         con = duckdb.connect(database, read_only=True)
     except duckdb.ConnectionException:
         # This process already has the file open read-write (a notebook, or dbt in-process): share it.
         con = duckdb.connect(database)
     except duckdb.IOException as exc:
-        from dbt_llm_batch.duckdb_plugin import lock_conflict_message
-        print(f"cannot open {database}: " + lock_conflict_message(database, str(exc)), file=sys.stderr)
+        from dbt_llm_batch.duckdb_plugin import is_lock_conflict, lock_conflict_message
+        why = lock_conflict_message(database, str(exc)) if is_lock_conflict(exc) else str(exc)
+        print(f"cannot open {database}: {why}", file=sys.stderr)
         return 2
     s = f'"{schema}"'
     exists = con.execute("select count(*) from information_schema.tables where table_schema = ? "

@@ -72,6 +72,7 @@ DEFAULTS: dict[str, Any] = {
     "llm_fallback": None,  # 'realtime'
     "llm_realtime_budget_seconds": 600,  # a run stops starting realtime requests after this; the rest wait
     "llm_retry_budget_seconds": 300,  # per run: how long throttled / failing provider calls are retried
+    "llm_on_unavailable": "warn",  # a provider down for the whole retry budget: 'warn' (dbt warning) or 'error'
     "llm_max_context_tokens": None,  # the model's context window; default from bad_input.CONTEXT_TOKENS
     "llm_delete_provider_files": True,  # delete input/result files at the provider once results are stored
 }
@@ -123,6 +124,7 @@ class ModelConfig:
     fallback: str | None = None
     realtime_budget_seconds: float = 600
     retry_budget_seconds: float = 300  # retrying 429 / 5xx / timeouts, from a run's first failure on
+    on_unavailable: str = "warn"  # 'warn' | 'error': what a run does when the provider stayed down
     max_context_tokens: int | None = None  # None: the known context window of llm_model, if any
     delete_provider_files: bool = True
     # The fingerprint prefix earlier versions computed for this config from the key order dbt's parse
@@ -241,6 +243,8 @@ def parse_config(raw: dict) -> ModelConfig:
         errors.append(f"llm_delete_provider_files must be true or false, got {cfg['llm_delete_provider_files']!r}")
     if not isinstance(cfg["llm_dry_run"], bool):
         errors.append(f"llm_dry_run must be true or false, got {cfg['llm_dry_run']!r}")
+    if cfg["llm_on_unavailable"] not in ("warn", "error"):
+        errors.append(f"llm_on_unavailable must be 'warn' or 'error', got {cfg['llm_on_unavailable']!r}")
     identity = cfg["llm_ledger_identity"]
     if identity is not None and (not isinstance(identity, str) or not identity.strip()):
         errors.append("llm_ledger_identity must be a name, e.g. the model's old 'schema.name' after a rename")
@@ -297,6 +301,7 @@ def parse_config(raw: dict) -> ModelConfig:
         fallback=cfg["llm_fallback"],
         realtime_budget_seconds=float(cfg["llm_realtime_budget_seconds"]),
         retry_budget_seconds=float(cfg["llm_retry_budget_seconds"]),
+        on_unavailable=cfg["llm_on_unavailable"],
         max_context_tokens=cfg["llm_max_context_tokens"],
         delete_provider_files=cfg["llm_delete_provider_files"],
     )

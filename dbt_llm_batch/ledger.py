@@ -130,6 +130,23 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     # stored requests instead of asking every row again.
     (10, ["""create table if not exists {s}.llm_batch_models (
                model varchar primary key, key_columns varchar, updated_at timestamptz)"""]),
+    # Progress shows what waits besides what is in flight: requests over an in-flight cap or in a
+    # back-off (deferred, or voided until not_before), and requests held after a cancel.
+    (11, ["""create or replace view {s}.llm_batch_progress as
+            select model,
+                   count(distinct key) filter (where is_final and status = 'succeeded') as keys_succeeded,
+                   count(distinct key) filter (where is_final and status = 'failed') as keys_failed,
+                   count(*) filter (where status in ('queued', 'submitted')) as requests_pending,
+                   count(*) filter (where status = 'deferred'
+                                       or (status = 'voided' and not_before > now())) as requests_waiting,
+                   count(*) filter (where status = 'held') as requests_held,
+                   count(*) filter (where status = 'failed' and not is_final) as failed_will_retry,
+                   date_trunc('second', now() - min(queued_at) filter (where status in ('queued', 'submitted')))
+                       as oldest_pending_age,
+                   coalesce(sum(estimated_cost_usd) filter (where status in ('queued', 'submitted')), 0)
+                       as committed_not_billed_usd,
+                   sum(cost_usd) as cost_usd, sum(realtime_cost_usd) as realtime_cost_usd
+            from {s}.llm_batch_requests group by model"""]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -340,6 +357,13 @@ class Ledger:
         return self.con.execute(
             f"""select coalesce(sum(estimated_cost_usd), 0) from {self.table('llm_batch_requests')}
                 where status in ('queued', 'submitted') {scope}""", [] if all_models else [self.model]).fetchall()[0][0]
+
+    def waiting_counts(self) -> tuple[int, int]:
+        """(requests waiting for a back-off, requests held after a cancel) of this model."""
+        return tuple(self.con.execute(
+            f"""select count(*) filter (where status = 'voided' and not_before > now()),
+                       count(*) filter (where status = 'held')
+                from {self.table('llm_batch_requests')} where model = ?""", [self.model]).fetchall()[0])
 
     def pending_count(self) -> int:
         return self.con.execute(

@@ -15,12 +15,13 @@ from decimal import Decimal
 from dbt_llm_batch import (bad_input, costs, crashpoints, harvest, identity, locks, merge, operator, planner, realtime,
                            request_files, submit)
 from dbt_llm_batch.config import ModelConfig, parse_config
-from dbt_llm_batch.errors import BudgetError
+from dbt_llm_batch.errors import BudgetError, ProviderError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.planner import INPUT
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.providers.base import UNRESOLVED
 from dbt_llm_batch.providers.calls import ProviderUnavailable
+from dbt_llm_batch import runlog
 from dbt_llm_batch.runlog import logger
 
 REALTIME_PLAN = "__llm_realtime_plan"  # the plan's realtime rows (ModelRun.split_realtime)
@@ -37,6 +38,8 @@ class RunSummary:
     harvested_batches: int = 0
     rejected_prompts: int = 0
     deferred: int = 0  # over an in-flight cap: waiting in the ledger for a later run
+    backed_off: int = 0  # waiting for a back-off (token limit, failed batch) before they are sent again
+    held: int = 0  # held after a cancel, until `dbt-llm-batch release`
     estimated_usd: object = None  # estimate of what this run submitted (Decimal), None without a price
     cost_usd: object = None  # actual cost of what this run harvested, at batch prices
     realtime_usd: object = None  # the same tokens at realtime prices
@@ -50,6 +53,8 @@ class RunSummary:
                 f"(estimated {estimated}); harvested {self.harvested_batches} batch(es) "
                 f"(cost {costs.fmt_usd(self.cost_usd)}{saved}); merged {self.merged} row(s) ({self.failed} failed); "
                 f"pending {self.pending}" + (f"; deferred {self.deferred} (in-flight cap)" if self.deferred else "")
+                + (f"; waiting {self.backed_off} (back-off)" if self.backed_off else "")
+                + (f"; held {self.held} (release with `dbt-llm-batch release`)" if self.held else "")
                 + (self.realtime_part() if self.realtime else ""))
 
     def realtime_part(self) -> str:
@@ -128,6 +133,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
             run.lock.release()
         run.finish_summary()
         logger().info(run.summary.line())
+        run.report_unavailable()
         if refused is not None:
             raise BudgetError(f"{refused} (Results that were final are merged: {run.summary.merged} row(s).)")
     for name in (INPUT, planner.DESIRED, planner.PLAN, REALTIME_PLAN, request_files.SENT):
@@ -152,7 +158,7 @@ class ModelRun:
         self._job_providers: dict[tuple[str, str], object] = {}  # (provider, model) of older jobs -> client
         # One realtime budget for the whole run, however many rounds llm_wait_seconds makes.
         self.realtime_deadline = time.monotonic() + config.realtime_budget_seconds
-        self._warned_unavailable = False
+        self.unavailable_error: str | None = None  # set once a provider stayed down for the retry budget
         self.lock = None  # locks.ModelLock, held while the run writes (set by _run)
         self.input_columns: list[tuple[str, str]] = []  # the model's selected columns, set by run_model
 
@@ -205,7 +211,7 @@ class ModelRun:
             if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing
                 self.plan_and_submit()
             if self.config.wait_seconds <= 0 or not self.ledger.open_jobs():
-                self.provider_unavailable()  # warns if a call of this run gave up
+                self.provider_unavailable()  # notes whether a call of this run gave up
                 return
             self.wait(deadline)
             if time.monotonic() >= deadline:
@@ -213,18 +219,29 @@ class ModelRun:
 
     def provider_unavailable(self) -> bool:
         """True once the provider kept failing for llm_retry_budget_seconds: the run then stops asking
-        it (open batches stay pending, nothing new is submitted) and succeeds with a warning."""
+        it (open batches stay pending, nothing new is submitted); the run ends with a dbt warning, or
+        fails with llm_on_unavailable='error' (report_unavailable)."""
         spent = [p.calls for p in [self._provider, *self._job_providers.values()]
                  if p is not None and p.calls is not None and p.calls.spent]
         if not spent:
             return False
-        calls = spent[0]
-        if not self._warned_unavailable:
-            self._warned_unavailable = True
-            logger().warning(f"{self.ledger.model}: the provider kept failing for llm_retry_budget_seconds="
-                             f"{self.config.retry_budget_seconds:g} ({calls.last_error}); open batches stay "
-                             f"pending and nothing new was submitted; the next run carries on")
+        self.unavailable_error = self.unavailable_error or spent[0].last_error
         return True
+
+    def report_unavailable(self) -> None:
+        """After the merge: say plainly that the provider stayed down (a dbt warning, which a nightly
+        job sees in its summary and --warn-error turns into a failure), or fail the run if asked."""
+        if not self.unavailable_error:
+            return
+        waiting = self.ledger.pending_count() + self.ledger.deferred_count()
+        sent = (f"only {self.summary.submitted} request(s) were submitted" if self.summary.submitted
+                else "nothing was sent")
+        message = (f"{self.ledger.model}: the provider kept failing for llm_retry_budget_seconds="
+                   f"{self.config.retry_budget_seconds:g} ({self.unavailable_error}); {sent} this run, open "
+                   f"batches stay pending, and the next run carries on ({waiting} request(s) pending or waiting)")
+        if self.config.on_unavailable == "error":
+            raise ProviderError(message + ". (llm_on_unavailable='error' makes this fail the run.)")
+        runlog.warn_user(message)
 
     def harvest_open(self) -> None:
         jobs = self.ledger.open_jobs()
@@ -451,6 +468,8 @@ class ModelRun:
     def finish_summary(self) -> None:
         s = self.summary
         s.pending = self.ledger.pending_count()
+        s.backed_off, s.held = self.ledger.waiting_counts()
+        s.deferred = self.ledger.deferred_count()
         cost, realtime = self.con.execute(
             f"""select sum(cost_usd), sum(realtime_cost_usd) from {self.ledger.table('llm_batch_requests')}
                 where model = ? and completed_at >= ?""", [self.ledger.model, self.started]).fetchall()[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from conftest import failure_messages
-from helpers import batch_counts
+from helpers import TRIAGE_SYSTEM as TRIAGE_SYSTEM_FOR_LEGACY, batch_counts
 
 # Several keys and no int or float anywhere in config(): dbt's static parser then reads config()
 # itself, and returns its dicts in a different key order on each full parse.
@@ -194,3 +194,93 @@ def test_a_renamed_model_keeps_its_answers_with_llm_ledger_identity(project, emu
     project.dbt("run", "-s", "triage_v3")
     assert project.query("select count(*) filter (where llm_status = 'succeeded') from main.triage_v3") == [(6,)]
     assert emulator.stats()["request_lines"] == 7, "six by the first name, one by the unannounced rename"
+
+
+def test_a_provider_down_all_run_is_a_dbt_warning_or_an_error_on_request(project, emulator):
+    """A nightly job must not stay green while sending nothing: the run ends with a dbt warning
+    (which --warn-error turns into a failure), or fails with llm_on_unavailable='error'."""
+    from helpers import triage_model
+    project.dbt("seed")
+    emulator.add_fault(endpoint="POST /v1/files", kind="http_error", status_code=503, times=None)
+    project.write("models/triage.sql", triage_model(extra_config="llm_retry_budget_seconds = 1,"))
+    project.dbt("run", "-s", "triage")
+    log = (project.root / "logs" / "dbt.log").read_text()
+    warning = next(line for line in log.splitlines() if "the provider kept failing" in line)
+    assert "[warn ]" in warning or "WARNING" in warning.upper()
+    assert "nothing was sent this run" in warning and "6 request(s) pending or waiting" in warning
+    strict = project.dbt("run", "-s", "triage", "--warn-error-options", '{"error": ["JinjaLogWarning"]}',
+                         expect_ok=False)
+    assert not strict.success and "nothing was sent this run" in failure_messages(strict)
+    project.write("models/triage.sql", triage_model(
+        extra_config="llm_retry_budget_seconds = 1, llm_on_unavailable = 'error',"))
+    message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
+    assert "nothing was sent this run" in message and "llm_on_unavailable='error'" in message
+    assert emulator.stats()["batches_created"] == 0
+
+
+def test_status_names_a_missing_file_or_a_directory(tmp_path, capsys):
+    from dbt_llm_batch import cli
+    assert cli.main(["status", "--database", str(tmp_path / "nope.duckdb")]) == 2
+    assert f"no DuckDB file at {tmp_path / 'nope.duckdb'}" in capsys.readouterr().err
+    assert cli.main(["status", "--database", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_config_messages_name_what_is_expected():
+    import pytest
+    from dbt_llm_batch.config import parse_config
+    from dbt_llm_batch.errors import ConfigError
+    cases = [({"llm_max_tokens": 100.5}, "llm_max_tokens must be an integer, got 100.5"),
+             ({"llm_temperature": "hot"}, "llm_temperature must be a number, got 'hot'"),
+             ({"llm_output": {"a": "text", "A": "text"}}, "llm_output columns 'A' and 'a' differ only in case"),
+             ({"llm_on_unavailable": "ignore"}, "llm_on_unavailable must be 'warn' or 'error', got 'ignore'"),
+             ({"llm_ledger_identity": ""}, "llm_ledger_identity must be a name")]
+    for extra, message in cases:
+        with pytest.raises(ConfigError) as err:
+            parse_config({"unique_key": "id", "llm_model": "gpt-4o-mini", **extra})
+        assert message in str(err.value)
+
+
+def test_canonical_config_does_not_depend_on_dict_order():
+    from dbt_llm_batch.config import parse_config
+    output = {"b": "text", "a": ["x", "y"], "c": "integer"}
+    examples = [{"input": "i", "output": {"c": 1, "b": "t", "a": "x"}}]
+    params = {"z": {"q": 1, "p": 2}, "metadata": {"y": "1", "x": "2"}}
+    one = parse_config({"unique_key": "id", "llm_model": "m", "llm_output": output, "llm_examples": examples,
+                        "llm_params": params})
+    flipped = {k: output[k] for k in reversed(output)}
+    two = parse_config({"unique_key": "id", "llm_model": "m", "llm_output": flipped,
+                        "llm_examples": [{"input": "i", "output": {"a": "x", "b": "t", "c": 1}}],
+                        "llm_params": {"metadata": {"x": "2", "y": "1"}, "z": {"p": 2, "q": 1}}})
+    assert one.fingerprint_prefix() == two.fingerprint_prefix()
+    assert [c.name for c in one.output_columns] == [c.name for c in two.output_columns] == ["a", "b", "c"]
+    assert one.output_json_schema() == two.output_json_schema() and one.examples == two.examples
+    assert list(one.params) == list(two.params) == ["metadata", "z"]
+    # The order the config was written in (stable when dbt renders config() itself) gave the
+    # fingerprints earlier versions stored: they are recognised, so an upgrade asks nothing again.
+    assert one.legacy_prefix != two.legacy_prefix and None not in (one.legacy_prefix, two.legacy_prefix)
+
+
+def test_upgrading_keeps_fingerprints_written_in_the_configs_own_order(project, emulator):
+    """Earlier versions hashed the output schema's `required` list in config order: a ledger they
+    wrote is recognised (its fingerprints renamed), so the upgrade asks nothing again."""
+    from helpers import TRIAGE_OUTPUT, triage_model
+    from dbt_llm_batch.config import parse_config
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model())
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    config = parse_config({"unique_key": "ticket_id", "llm_model": "gpt-4o-mini", "llm_output": TRIAGE_OUTPUT,
+                           "llm_system": TRIAGE_SYSTEM_FOR_LEGACY, "llm_max_tokens": 200})
+    assert config.legacy_prefix, "the triage output is not in name order, so the two prefixes differ"
+    project.release_database()
+    project.query("update main.llm_batch_requests set fingerprint = md5(? || json_extract_string(row_json, '$.prompt'))",
+                  [config.legacy_prefix])  # what the earlier version stored
+    project.dbt("run", "-s", "triage")
+    assert batch_counts(emulator) == [6], "the upgrade asked nothing again"
+    assert project.query("select count(*) from main.llm_batch_requests where fingerprint = md5(? || "
+                         "json_extract_string(row_json, '$.prompt'))", [config.fingerprint_prefix()]) == [(6,)]
+
+
+

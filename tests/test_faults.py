@@ -120,6 +120,8 @@ def test_token_limit_backs_off_doubling_then_resubmits_without_using_attempts(pr
     run(project)  # still backing off
     assert batch_counts(emulator) == [6]
     assert "6 request(s) wait for the token-limit back-off and will be resubmitted after" in log_text(project)
+    assert "pending 0; waiting 6 (back-off)" in log_text(project), "the run line shows what waits"
+    assert project.query("select requests_pending, requests_waiting from main.llm_batch_progress") == [(0, 6)]
 
     end_backoff(project)
     run(project)

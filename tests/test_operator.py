@@ -44,6 +44,8 @@ def test_cancel_harvests_the_finished_half_holds_the_rest_until_released(project
     project.dbt("run", *SELECT)
     assert batch_counts(emulator) == [6]  # nothing resent
     assert statuses(project) == {"succeeded": 3, "held": 3}
+    assert "pending 0; held 3 (release with `dbt-llm-batch release`)" in (project.root / "logs" / "dbt.log").read_text()
+    assert project.query("select requests_pending, requests_held from main.llm_batch_progress") == [(0, 3)]
     rows = project.query("select t.llm_status, s.subject, s.body, t.category, t.urgent, t.summary "
                          "from main.triage t join main.support_tickets s using (ticket_id)")
     assert len(rows) == 3 and all(r[0] == "succeeded" for r in rows)
