@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from decimal import Decimal
 
-from dbt_llm_batch import (bad_input, costs, crashpoints, harvest, identity, locks, merge, operator, planner, realtime,
+from dbt_llm_batch import (bad_input, costs, crashpoints, harvest, identity, interrupt, locks, merge, operator, planner, realtime,
                            request_files, submit)
 from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.errors import BudgetError, ProviderError
@@ -462,7 +462,7 @@ class ModelRun:
             logger().info(f"{self.ledger.model}: waiting for {len(open_jobs)} batch(es), "
                           f"{self.ledger.pending_count()} request(s) pending, "
                           f"{max(0, int(deadline - time.monotonic()))} s left of llm_wait_seconds")
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            interrupt.sleep(min(delay, max(0.0, deadline - time.monotonic())))  # Ctrl-C ends it at once
             delay = min(delay * 2, 30.0)
 
     def finish_summary(self) -> None:

@@ -284,3 +284,42 @@ def test_upgrading_keeps_fingerprints_written_in_the_configs_own_order(project, 
 
 
 
+
+
+def test_ctrl_c_stops_waiting_at_once_and_loses_nothing(project, emulator):
+    """Ctrl-C during llm_wait_seconds stops the run within a poll slice, not when the wait runs out;
+    the lock is released and the batch in flight is harvested by the next run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from helpers import triage_model
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model(extra_config="llm_wait_seconds = 3600,"))
+    project.release_database()
+    log = project.root / "logs" / "dbt.log"
+    log.unlink(missing_ok=True)
+    dbt = Path(sys.executable).parent / "dbt"
+    proc = subprocess.Popen([str(dbt), "run", "-s", "triage", "--project-dir", str(project.root),
+                             "--profiles-dir", str(project.root)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + 240
+        while not (log.exists() and "waiting for 1 batch(es)" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never started waiting"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)  # llm_wait_seconds is an hour: only the interrupt ends it in time
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert project.query("select count(*) from main.llm_batch_locks") == [(0,)], "the lock was released"
+    emulator.complete_all()
+    project.write("models/triage.sql", triage_model())
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+    assert batch_counts(emulator) == [6]
