@@ -126,6 +126,11 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     # A request's line (1-based) in its job's request file, which OpenAI validation errors name
     # (batch_failures.py); NULL for requests written before version 9 (custom_id order) and realtime ones.
     (9, ["alter table {s}.llm_batch_requests add column file_line integer"]),
+    # Why a failure is not retried like the others (batch_failures.py): 'deterministic' (the same
+    # request would fail the same way: final at once), 'batch_failed' (voided by a batch failure that
+    # named no request: counts towards giving up), 'gave_up' (failed after too many of those).
+    # Keys with a 'deterministic' or 'gave_up' failure are not planned again for that fingerprint.
+    (10, ["alter table {s}.llm_batch_requests add column failure_kind varchar"]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

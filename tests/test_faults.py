@@ -119,7 +119,7 @@ def test_token_limit_backs_off_doubling_then_resubmits_without_using_attempts(pr
     assert "its 6 request(s) will be resubmitted after" in log_text(project)
     run(project)  # still backing off
     assert batch_counts(emulator) == [6]
-    assert "6 request(s) wait for the token-limit back-off and will be resubmitted after" in log_text(project)
+    assert "6 request(s) wait for a back-off (token limit, or a failed batch) and will be resubmitted after" in log_text(project)
 
     end_backoff(project)
     run(project)

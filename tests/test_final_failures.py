@@ -145,7 +145,7 @@ def test_a_batch_failure_naming_no_line_backs_off_then_gives_up(project, emulato
                              "given up after 3)")]
     run(project)
     assert batch_counts(emulator) == [6], "nothing resubmitted during the back-off"
-    assert "6 request(s) wait for a back-off and will be resubmitted after" in log_text(project)
+    assert "6 request(s) wait for a back-off (token limit, or a failed batch) and will be resubmitted after" in log_text(project)
 
     end_backoff(project)
     run(project)
