@@ -108,7 +108,10 @@ def settle_batch_failures(con, requests: str, model: str, priced: bool) -> None:
                 select r.custom_id, r.job_id, r.key, r.fingerprint, r.seq,
                        coalesce(e.error, 'batch ' || e.status || ' with no error given') as error
                 from {requests} r join __llm_ended e using (job_id)
-                where e.plain_failure and r.status in ('queued', 'submitted')),
+                where r.status in ('queued', 'submitted')
+                  -- validation named lines, none of them this job's requests: as good as naming none
+                  and (e.plain_failure or (e.line_errors and not exists (
+                          select 1 from {requests} x where x.job_id = e.job_id and x.failure_kind = 'deterministic')))),
             history as (
                 select key, fingerprint, seq, failure_kind from {requests}
                 where model = ? and status <> 'deferred' and (key, fingerprint) in (select (key, fingerprint) from settling)),

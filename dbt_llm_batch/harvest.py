@@ -162,6 +162,7 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
     ended = pa.table({
         "job_id": [j for j, _ in jobs], "status": [s.status for _, s in jobs], "error": [s.error for _, s in jobs],
         "plain_failure": [batch_failures.is_plain_failure(s) for _, s in jobs],
+        "line_errors": [bool(s.line_errors) for _, s in jobs],
         "output_file_id": [s.output_file_id for _, s in jobs], "error_file_id": [s.error_file_id for _, s in jobs],
         "void_reason": pa.array(reasons, pa.string()), "backoff_seconds": pa.array(backoffs, pa.int64())})
     con.register("__llm_ended", ended)

@@ -61,6 +61,10 @@ def statuses(project) -> list[tuple]:
 
 # -- 1. validation errors that name lines -------------------------------------------------------
 
+NOT_RETRIED = (" (not retried: the provider rejected this request line itself, which would be rejected again; "
+               "fix the prompt or the model's config)")
+
+
 def test_lines_named_by_validation_fail_alone_the_rest_resubmit(project, emulator):
     setup(project, "openai", "llm_max_attempts=1,")
     emulator.add_fault(kind="invalid_line", prompt_contains="row 2", times=None, code="invalid_value",
@@ -80,8 +84,8 @@ def test_lines_named_by_validation_fail_alone_the_rest_resubmit(project, emulato
 
     run(project)  # harvest: rows 2 and 4 fail with the provider's message; the others go again
     assert table(project) == {
-        2: ("failed", "invalid_value: Invalid value for 'messages[1].content': rejected by the test.", None),
-        4: ("failed", "invalid_request: Line 4 is bad.", None)}
+        2: ("failed", "invalid_value: Invalid value for 'messages[1].content': rejected by the test." + NOT_RETRIED, None),
+        4: ("failed", "invalid_request: Line 4 is bad." + NOT_RETRIED, None)}
     assert batch_counts(emulator) == [6, 4], "exactly the rows not at fault are resubmitted"
     voided = project.query("select count(*), min(error) from main.llm_batch_requests where status = 'voided'")
     assert voided == [(4, "the batch failed validation on other request lines; this request was not at fault "

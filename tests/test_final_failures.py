@@ -209,3 +209,23 @@ def test_an_error_file_that_cannot_be_fetched_settles_nothing_of_its_batch(proje
     run(project)
     assert_all_succeeded(project)
     assert emulator.stats()["request_lines"] == 7
+
+
+def test_validation_naming_only_lines_the_batch_never_had_counts_as_naming_none(project, emulator):
+    setup(project, "openai")
+    emulator.add_fault(kind="invalid_line", prompt_contains="row 2", times=1, message="Line is bad.")
+    run(project)
+    emulator.complete_all()
+    batch = sorted_batches(emulator)[0]
+    face = {f.name: f for f in emulator.faces}["openai"]
+    face.runs[batch["id"]].obj["errors"]["data"][0]["line"] = 99  # a provider naming a line out of range
+    run(project)  # no request is at fault by name: backed off like any failed batch, not resubmitted at once
+    assert batch_counts(emulator) == [6]
+    assert project.query("select count(*), min(failure_kind) from main.llm_batch_requests "
+                         "where status = 'voided' and not_before > now()") == [(6, "batch_failed")]
+    end_backoff(project)
+    run(project)
+    emulator.complete_all()
+    run(project)
+    assert_all_succeeded(project)
+    assert batch_counts(emulator) == [6, 6]
