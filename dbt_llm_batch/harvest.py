@@ -32,7 +32,7 @@ def answer_problem_sql(config: ModelConfig) -> str:
     """SQL giving why an 'ok' answer is unusable (or NULL): cut off, not JSON, wrong field types.
     A cut-off answer is final at once (settle): the same request would be cut off again."""
     if config.max_tokens is None:
-        limit, fix = "the model's output limit", "Set llm_max_tokens higher (that asks again), or shorten the prompt"
+        limit, fix = "the model''s output limit", "Set llm_max_tokens higher (that asks again), or shorten the prompt"
     else:
         limit, fix = f"llm_max_tokens={config.max_tokens}", "Raise llm_max_tokens (that asks again)"
     checks = [("truncated",
