@@ -1,11 +1,17 @@
 """Batch-level failures that are not the requests' fault, or only some requests' fault.
 
 - OpenAI validation errors that name input lines (`Batch.errors.data[].line`): the named requests
-  fail with the provider's message (an attempt used); the others did nothing wrong and are voided,
-  to be resubmitted without using an attempt. `line` is 1-based over the request file; each
-  request's line is recorded in the ledger (`file_line`, request_files.py).
+  fail with the provider's message, final at once (the same line would fail validation again, and
+  fail its whole batch with it: retrying it would hold the good rows for another batch window);
+  the others did nothing wrong and are voided, to be resubmitted without using an attempt. `line`
+  is 1-based over the request file; each request's line is recorded in the ledger (`file_line`,
+  request_files.py).
 - `token_limit_exceeded` (OpenAI's enqueued-token limit): the batch's requests are voided with a
   `not_before` the planner honours: 10 min, doubling with each consecutive occurrence, at most 6 h.
+- Any other failed batch (errors that name no line): nothing says whether it was the provider's
+  passing trouble or something about these requests, so they are voided with the same growing
+  back-off, and after GIVE_UP_AFTER such failures in a row of the same request they fail, final,
+  with what the provider said and what to do (fix, then `dbt-llm-batch requeue`).
 All of it runs inside harvest.settle's transaction, so it is settled exactly once.
 """
 
@@ -19,6 +25,9 @@ from dbt_llm_batch.runlog import logger as run_log
 BACKOFF_FIRST_SECONDS = 600
 BACKOFF_MAX_SECONDS = 6 * 3600
 TOKEN_LIMIT = "token_limit_exceeded"
+GIVE_UP_AFTER = 3  # consecutive batch failures naming no request, of one (key, fingerprint)
+LINE_REJECTED = ("not retried: the provider rejected this request line itself, which would be rejected again; "
+                 "fix the prompt or the model's config")
 
 
 def backoff_seconds(occurrence: int) -> int:
@@ -68,26 +77,75 @@ def line_errors_table(jobs: list[tuple[str, BatchState]]) -> pa.Table:
                      "message": pa.array([r[2] for r in rows], pa.string())})
 
 
-def fail_named_lines(con, requests: str, max_attempts: int) -> None:
-    """Fail the requests whose lines validation named (table __llm_line_errors), with its message.
-    Like any failure it uses an attempt, and is final once the attempts are used up."""
+def fail_named_lines(con, requests: str) -> None:
+    """Fail the requests whose lines validation named (table __llm_line_errors), with its message:
+    final at once, since the same line would fail validation again (and take its batch down again)."""
     con.execute(
-        f"""update {requests} r set status = 'failed', error = x.message, completed_at = now(),
-              is_final = x.earlier_failures + 1 >= ?
-            from (select n.custom_id, n.job_id, e.message,
-                         (select count(*) from {requests} p where p.model = n.model and p.key = n.key
-                            and p.fingerprint = n.fingerprint and p.status = 'failed') as earlier_failures
-                  from (select custom_id, job_id, model, key, fingerprint,
+        f"""update {requests} r set status = 'failed', completed_at = now(), is_final = true,
+              failure_kind = 'deterministic', error = x.message || ' (' || ? || ')'
+            from (select n.custom_id, n.job_id, e.message
+                  from (select custom_id, job_id,
                                -- ledgers before version 9 wrote request files in custom_id order
                                coalesce(file_line, row_number() over (partition by job_id order by custom_id)) as line
                         from {requests} where job_id in (select job_id from __llm_line_errors)) n
                   join __llm_line_errors e using (job_id, line)) x
             where r.custom_id = x.custom_id and r.job_id = x.job_id and r.status in ('queued', 'submitted')""",
-        [max_attempts])
+        [LINE_REJECTED])
+
+
+def is_plain_failure(state: BatchState) -> bool:
+    """A batch that failed as a whole, naming no request and not on the token limit."""
+    return state.status == "failed" and not state.token_limit and not state.line_errors and not state.results_gone
+
+
+def settle_batch_failures(con, requests: str, model: str, priced: bool) -> None:
+    """The unanswered requests of plainly failed batches (__llm_ended.plain_failure): voided with a
+    growing back-off, or, at the GIVE_UP_AFTER-th such failure in a row of the same (key,
+    fingerprint), failed and final (until `dbt-llm-batch requeue`). Unbilled: cost $0."""
+    con.execute(
+        f"""create or replace temp table __llm_batch_failed as
+            with settling as (
+                select r.custom_id, r.job_id, r.key, r.fingerprint, r.seq,
+                       coalesce(e.error, 'batch ' || e.status || ' with no error given') as error
+                from {requests} r join __llm_ended e using (job_id)
+                where r.status in ('queued', 'submitted')
+                  -- validation named lines, none of them this job's requests: as good as naming none
+                  and (e.plain_failure or (e.line_errors and not exists (
+                          select 1 from {requests} x where x.job_id = e.job_id and x.failure_kind = 'deterministic')))),
+            history as (
+                select key, fingerprint, seq, failure_kind from {requests}
+                where model = ? and status <> 'deferred' and (key, fingerprint) in (select (key, fingerprint) from settling)),
+            last_other as (  -- the latest earlier request that did not end in such a failure: the streak starts after it
+                select s.custom_id, max(h.seq) as seq from settling s join history h using (key, fingerprint)
+                where h.seq < s.seq and h.failure_kind is distinct from 'batch_failed' group by s.custom_id)
+            select s.custom_id, s.job_id, s.error, 1 + count(h.seq) as occurrence
+            from settling s left join last_other l using (custom_id)
+                 left join history h on h.key = s.key and h.fingerprint = s.fingerprint and h.seq < s.seq
+                                     and h.seq > coalesce(l.seq, -1) and h.failure_kind = 'batch_failed'
+            group by all""", [model])
+    wait = f"least({BACKOFF_FIRST_SECONDS} * pow(2, f.occurrence - 1), {BACKOFF_MAX_SECONDS})::bigint"
+    con.execute(
+        f"""update {requests} r set completed_at = now(),
+              status = case when f.occurrence >= {GIVE_UP_AFTER} then 'failed' else 'voided' end,
+              is_final = f.occurrence >= {GIVE_UP_AFTER},
+              failure_kind = case when f.occurrence >= {GIVE_UP_AFTER} then 'gave_up' else 'batch_failed' end,
+              not_before = case when f.occurrence < {GIVE_UP_AFTER} then now() + to_seconds({wait}) end,
+              error = case when f.occurrence >= {GIVE_UP_AFTER}
+                  then 'the batch failed at the provider ' || f.occurrence || ' times in a row without naming a '
+                       || 'request (last: ' || f.error || '); not resubmitted. Fix the cause, then run '
+                       || '`dbt-llm-batch requeue --model ' || ? || '` to send these rows again'
+                  else f.error || ' (the batch failed without naming a request, ' || f.occurrence || ' time(s) in a '
+                       || 'row; resubmitted after a ' || ({wait} // 60) || '-minute back-off, given up after '
+                       || {GIVE_UP_AFTER} || ')' end
+              {", cost_usd = 0, realtime_cost_usd = 0" if priced else ""}
+            from __llm_batch_failed f where r.custom_id = f.custom_id and r.job_id = f.job_id""", [model])
+    con.execute("drop table __llm_batch_failed")
 
 
 def log_backoffs(ledger, jobs: list[tuple[str, BatchState]]) -> None:
     for job_id, state in jobs:
+        if is_plain_failure(state):
+            _log_plain_failure(ledger, job_id, state)
         if not state.token_limit:
             continue
         n, until = ledger.con.execute(
@@ -97,3 +155,18 @@ def log_backoffs(ledger, jobs: list[tuple[str, BatchState]]) -> None:
             run_log().warning(f"{ledger.model}: a batch failed on the provider's enqueued token limit "
                               f"(token_limit_exceeded); its {n} request(s) will be resubmitted after "
                               f"{until:%Y-%m-%d %H:%M:%S %Z}")
+
+
+def _log_plain_failure(ledger, job_id: str, state: BatchState) -> None:
+    voided, until, failed = ledger.con.execute(
+        f"""select count(*) filter (where status = 'voided'), max(not_before) filter (where status = 'voided'),
+                   count(*) filter (where status = 'failed' and failure_kind = 'gave_up')
+            from {ledger.table('llm_batch_requests')} where job_id = ?""", [job_id]).fetchall()[0]
+    said = state.error or "no error given"
+    if voided:
+        run_log().warning(f"{ledger.model}: a batch failed at the provider without naming a request ({said}); its "
+                          f"{voided} request(s) will be resubmitted after {until:%Y-%m-%d %H:%M:%S %Z}")
+    if failed:
+        run_log().warning(f"{ledger.model}: a batch failed at the provider {GIVE_UP_AFTER} times in a row without "
+                          f"naming a request ({said}): {failed} request(s) failed and are not resubmitted; fix the "
+                          f"cause, then run `dbt-llm-batch requeue --model {ledger.model}`")

@@ -29,9 +29,15 @@ GONE_AFTER_SECONDS = 25 * 3600
 
 
 def answer_problem_sql(config: ModelConfig) -> str:
-    """SQL giving why an 'ok' answer is unusable (or NULL): cut off, not JSON, wrong field types."""
+    """SQL giving why an 'ok' answer is unusable (or NULL): cut off, not JSON, wrong field types.
+    A cut-off answer is final at once (settle): the same request would be cut off again."""
+    if config.max_tokens is None:
+        limit, fix = "the model''s output limit", "Set llm_max_tokens higher (that asks again), or shorten the prompt"
+    else:
+        limit, fix = f"llm_max_tokens={config.max_tokens}", "Raise llm_max_tokens (that asks again)"
     checks = [("truncated",
-               f"'answer was cut off at llm_max_tokens={config.max_tokens} (finish reason ' || finish_reason || ')'")]
+               f"'answer was cut off at {limit} (finish reason ' || finish_reason || '); not retried: the same "
+               f"request would be cut off again. {fix}'")]
     if config.structured:
         checks += [("not coalesce(json_valid(answer), false)", "'answer is not valid JSON'"),
                    ("json_type(answer) <> 'OBJECT'", "'answer is not a JSON object'")]
@@ -155,6 +161,8 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
     reasons, backoffs = batch_failures.void_details(ledger, jobs)
     ended = pa.table({
         "job_id": [j for j, _ in jobs], "status": [s.status for _, s in jobs], "error": [s.error for _, s in jobs],
+        "plain_failure": [batch_failures.is_plain_failure(s) for _, s in jobs],
+        "line_errors": [bool(s.line_errors) for _, s in jobs],
         "output_file_id": [s.output_file_id for _, s in jobs], "error_file_id": [s.error_file_id for _, s in jobs],
         "void_reason": pa.array(reasons, pa.string()), "backoff_seconds": pa.array(backoffs, pa.int64())})
     con.register("__llm_ended", ended)
@@ -175,7 +183,12 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
             lines as (select {provider.outcomes_sql('r')}, source, job_id from parsed),
             one_per_id as ({one_per_id}),
             checked as (
-                select *, case when outcome = 'ok' then {answer_problem_sql(config)} end as problem
+                select *, case when outcome = 'ok' then {answer_problem_sql(config)} end as problem,
+                       -- the same request would fail the same way: final at once, never planned again.
+                       -- Not JSON / off-schema answers are not among them: sampled again (temperature,
+                       -- provider nondeterminism) they usually parse, so they keep llm_max_attempts.
+                       coalesce((outcome = 'ok' and truncated) or (outcome = 'error' and not_retried is not null),
+                                false) as permanent
                 from one_per_id),
             settling as (
                 select key, fingerprint, custom_id, job_id from {requests}
@@ -203,8 +216,12 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
                                     when o.outcome = 'ok' and o.problem is null then 'succeeded' else 'failed' end,
                       is_final = case when o.outcome = 'void' then false
                                       when o.outcome = 'ok' and o.problem is null then true
+                                      when o.permanent then true
                                       else o.earlier_failures + 1 >= ? end,
-                      error = case when o.outcome = 'ok' then o.problem else o.error end,
+                      error = case when o.outcome = 'ok' then o.problem
+                                   when o.permanent then coalesce(o.error, 'failed') || ' (' || o.not_retried || ')'
+                                   else o.error end,
+                      failure_kind = case when o.permanent then 'deterministic' end,
                       finish_reason = o.finish_reason, answer = o.answer,
                       input_tokens = o.input_tokens, output_tokens = o.output_tokens, cached_tokens = o.cached_tokens,
                       cache_write_tokens = o.cache_write_tokens, {cost}
@@ -213,7 +230,8 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
                 [config.max_attempts])
             if source:
                 return
-            batch_failures.fail_named_lines(con, requests, config.max_attempts)
+            batch_failures.fail_named_lines(con, requests)
+            batch_failures.settle_batch_failures(con, requests, ledger.model, price is not None)
             # Requests a batch ended without answering (batch-level failure, lost lines) were never
             # settled by the provider: they go back to the queue without using up an attempt.
             con.execute(

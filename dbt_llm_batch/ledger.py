@@ -147,6 +147,11 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                        as committed_not_billed_usd,
                    sum(cost_usd) as cost_usd, sum(realtime_cost_usd) as realtime_cost_usd
             from {s}.llm_batch_requests group by model"""]),
+    # Why a failure is not retried like the others (batch_failures.py): 'deterministic' (the same
+    # request would fail the same way: final at once), 'batch_failed' (voided by a batch failure that
+    # named no request: counts towards giving up), 'gave_up' (failed after too many of those).
+    # Keys with a 'deterministic' or 'gave_up' failure are not planned again for that fingerprint.
+    (12, ["alter table {s}.llm_batch_requests add column failure_kind varchar"]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

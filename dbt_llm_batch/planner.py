@@ -197,7 +197,10 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                        count(*) filter (where status = 'failed') as failed,
                        count(*) filter (where route = 'realtime' and status <> 'voided') as realtime_tried,
                        max(not_before) as not_before,  -- a back-off (token limit) holds the key until then
-                       count(*) filter (where status = 'held') as held  -- cancelled by an operator (operator.py)
+                       count(*) filter (where status = 'held') as held,  -- cancelled by an operator (operator.py)
+                       -- failed in a way no retry changes (batch_failures.py): not sent again for this fingerprint
+                       count(*) filter (where status = 'failed' and failure_kind in ('deterministic', 'gave_up'))
+                           as final_failed
                 from {requests}
                 -- only the candidates' history: a run with nothing new aggregates nothing
                 where model = ? and status <> 'deferred' and key in (select key from candidates)
@@ -207,6 +210,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                        case when d.realtime or coalesce(h.failed, 0) >= ? then 'realtime' else 'batch' end as route
                 from candidates d left join history h using (key, fingerprint)
                 where coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0 and coalesce(h.held, 0) = 0
+                  and coalesce(h.final_failed, 0) = 0
                   and (coalesce(h.failed, 0) < ?
                        -- llm_fallback = 'realtime': batch attempts used up, one more try in realtime
                        or (? and coalesce(h.realtime_tried, 0) = 0))

@@ -351,8 +351,8 @@ class ModelRun:
     def plan_and_submit(self) -> None:
         held, until = self.ledger.backed_off()
         if held:
-            logger().info(f"{self.ledger.model}: {held} request(s) wait for the token-limit back-off and will be "
-                          f"resubmitted after {until:%Y-%m-%d %H:%M:%S %Z}")
+            logger().info(f"{self.ledger.model}: {held} request(s) wait for a back-off (token limit, or a failed "
+                          f"batch) and will be resubmitted after {until:%Y-%m-%d %H:%M:%S %Z}")
         if self.plan() == 0:
             if self.ledger.has_deferred():  # superseded by answers the model's rows already have
                 self.ledger.defer(None)

@@ -61,6 +61,10 @@ def statuses(project) -> list[tuple]:
 
 # -- 1. validation errors that name lines -------------------------------------------------------
 
+NOT_RETRIED = (" (not retried: the provider rejected this request line itself, which would be rejected again; "
+               "fix the prompt or the model's config)")
+
+
 def test_lines_named_by_validation_fail_alone_the_rest_resubmit(project, emulator):
     setup(project, "openai", "llm_max_attempts=1,")
     emulator.add_fault(kind="invalid_line", prompt_contains="row 2", times=None, code="invalid_value",
@@ -80,8 +84,8 @@ def test_lines_named_by_validation_fail_alone_the_rest_resubmit(project, emulato
 
     run(project)  # harvest: rows 2 and 4 fail with the provider's message; the others go again
     assert table(project) == {
-        2: ("failed", "invalid_value: Invalid value for 'messages[1].content': rejected by the test.", None),
-        4: ("failed", "invalid_request: Line 4 is bad.", None)}
+        2: ("failed", "invalid_value: Invalid value for 'messages[1].content': rejected by the test." + NOT_RETRIED, None),
+        4: ("failed", "invalid_request: Line 4 is bad." + NOT_RETRIED, None)}
     assert batch_counts(emulator) == [6, 4], "exactly the rows not at fault are resubmitted"
     voided = project.query("select count(*), min(error) from main.llm_batch_requests where status = 'voided'")
     assert voided == [(4, "the batch failed validation on other request lines; this request was not at fault "
@@ -119,7 +123,7 @@ def test_token_limit_backs_off_doubling_then_resubmits_without_using_attempts(pr
     assert "its 6 request(s) will be resubmitted after" in log_text(project)
     run(project)  # still backing off
     assert batch_counts(emulator) == [6]
-    assert "6 request(s) wait for the token-limit back-off and will be resubmitted after" in log_text(project)
+    assert "6 request(s) wait for a back-off (token limit, or a failed batch) and will be resubmitted after" in log_text(project)
     assert "pending 0; waiting 6 (back-off)" in log_text(project), "the run line shows what waits"
     assert project.query("select requests_pending, requests_waiting from main.llm_batch_progress") == [(0, 6)]
 

@@ -58,8 +58,8 @@ def test_dropping_the_table_rebuilds_it_from_the_ledger(project, emulator):
 
 def test_lowering_max_attempts_makes_a_failed_row_final(project, emulator):
     project.dbt("seed")
-    emulator.add_fault(prompt_contains="Dark mode", kind="http_error", status_code=400,
-                       type="invalid_request_error", message="rejected", times=None)
+    emulator.add_fault(prompt_contains="Dark mode", kind="http_error", status_code=500,  # retryable
+                       type="server_error", message="rejected", times=None)
     project.write("models/triage.sql", triage_model(extra_config="llm_max_attempts = 3,"))
     project.dbt("run", "-s", "triage")
     emulator.complete_all()

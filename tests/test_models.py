@@ -228,7 +228,7 @@ def test_an_empty_prompt_fails_alone_without_a_request(project, emulator):
 
 
 def test_unusable_answers_fail_with_the_reason(project, emulator):
-    """An answer that is not the requested JSON, or is cut off at llm_max_tokens, is a failed attempt."""
+    """An answer that is not the requested JSON is a failed attempt; one cut off at llm_max_tokens is final."""
     project.dbt("seed")
     emulator.add_fault(prompt_contains="Dark mode", kind="content", content="not json", times=None)
     project.write("models/triage.sql", triage_model(extra_config="llm_max_attempts = 1,"))
@@ -244,7 +244,8 @@ select ticket_id, subject as prompt from {{ ref('support_tickets') }} where tick
     emulator.complete_all()
     project.dbt("run", "-s", "short")
     assert project.query("select llm_status, llm_error, llm_finish_reason from main.short") == [
-        ("failed", "answer was cut off at llm_max_tokens=2 (finish reason length)", "length")]
+        ("failed", "answer was cut off at llm_max_tokens=2 (finish reason length); not retried: the same request "
+                   "would be cut off again. Raise llm_max_tokens (that asks again)", "length")]
     # The raw, cut-off answer is kept in the ledger (2 tokens: the emulator's 8 characters).
     assert project.query("select answer from main.llm_batch_requests where model = 'main.short'") == [
         (expected_answer(None, "Refund not received", None)[:8],)]

@@ -84,9 +84,10 @@ def test_a_bad_realtime_expression_fails_before_anything_is_sent(project, emulat
 def test_exhausted_batch_attempts_fall_back_to_realtime(project, emulator):
     project.write("models/triage.sql", triage_model(extra_config="llm_max_attempts = 1, llm_fallback = 'realtime',"))
     project.dbt("seed")
-    # Ticket 3's request fails in the batch (once: the fault is used up by then).
-    emulator.add_fault(kind="http_error", prompt_contains="export all my projects", status_code=400,
-                       message="Invalid request: sandbox says no.", times=1)
+    # Ticket 3's request fails in the batch (once: the fault is used up by then) with a server error,
+    # which a retry can fix (a 400 would be final at once, with no fallback: the same request again).
+    emulator.add_fault(kind="http_error", prompt_contains="export all my projects", status_code=500,
+                       message="Upstream failure: sandbox says no.", times=1)
     project.dbt("run", "-s", "triage")
     emulator.complete_all()
     project.dbt("run", "-s", "triage")  # harvests the failure, sends it again in realtime, merges
@@ -98,7 +99,7 @@ def test_exhausted_batch_attempts_fall_back_to_realtime(project, emulator):
     assert sum(emulator.counters.realtime_prompts.values()) == 1
     history = project.query("""select route, status, error from main.llm_batch_requests
                                where key = '["3"]' order by queued_at""")
-    assert history == [("batch", "failed", "Invalid request: sandbox says no."), ("realtime", "succeeded", None)]
+    assert history == [("batch", "failed", "Upstream failure: sandbox says no."), ("realtime", "succeeded", None)]
     # The fallback is one more try: a realtime failure is final, and nothing is asked again after it.
     project.dbt("run", "-s", "triage")
     assert sum(emulator.counters.realtime_prompts.values()) == 1

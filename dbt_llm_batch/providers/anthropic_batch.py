@@ -12,8 +12,8 @@ import json
 import time
 from datetime import datetime
 
-from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, UNRESOLVED, BatchProvider, BatchState,
-                                          Submission, json_object_text, spliced_line_sql)
+from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, REFUSED, REJECTED, UNRESOLVED, BatchProvider,
+                                          BatchState, Submission, json_object_text, spliced_line_sql, sql_text)
 from dbt_llm_batch.providers.calls import status_of
 
 TOOL_NAME = "llm_output"
@@ -191,18 +191,26 @@ class AnthropicBatchProvider(BatchProvider):
             answer = f"array_to_string(list_transform(list_filter({blocks}, lambda b: b.type = 'text'), lambda b: b.text), '')"
         return f"""
             {r}.custom_id as custom_id,
-            case {result}.type when 'succeeded' then 'ok' when 'errored' then 'error' else 'void' end as outcome,
+            case when {message}.stop_reason = 'refusal' then 'error'
+                 when {result}.type = 'succeeded' then 'ok' when {result}.type = 'errored' then 'error' else 'void' end
+                as outcome,
             case when {result}.type = 'succeeded' then {answer} end as answer,
             {message}.stop_reason as finish_reason,
             coalesce({message}.stop_reason = 'max_tokens', false) as truncated,
-            coalesce({result}.error.error.message, {result}.error.message) as error,
+            coalesce({result}.error.error.message, {result}.error.message,
+                     case when {message}.stop_reason = 'refusal' then 'model refused (stop reason refusal)' end) as error,
             -- Anthropic's input_tokens excludes cache reads and writes: add them back, once each.
             case when {usage} is not null then coalesce({usage}.input_tokens, 0)
                  + coalesce({usage}.cache_creation_input_tokens, 0) + coalesce({usage}.cache_read_input_tokens, 0) end
                 as input_tokens,
             {usage}.output_tokens as output_tokens,
             {usage}.cache_read_input_tokens as cached_tokens,
-            {usage}.cache_creation_input_tokens as cache_write_tokens"""
+            {usage}.cache_creation_input_tokens as cache_write_tokens,
+            -- A refusal, and a request the API rejects as invalid, would come back the same; api_error,
+            -- overloaded_error and the like are transient.
+            case when {message}.stop_reason = 'refusal' then {sql_text(REFUSED)}
+                 when {result}.error.error.type in ('invalid_request_error', 'not_found_error', 'request_too_large')
+                 then {sql_text(REJECTED)} end as not_retried"""
 
 
 def _epoch(value) -> float:

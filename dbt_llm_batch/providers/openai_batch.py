@@ -10,8 +10,8 @@ import json
 import os
 
 from dbt_llm_batch import crashpoints
-from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, BatchProvider, BatchState, Submission,
-                                          json_object_text, spliced_line_sql)
+from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, REFUSED, REJECTED, BatchProvider, BatchState,
+                                          Submission, json_object_text, spliced_line_sql, sql_text)
 from dbt_llm_batch.providers.calls import status_of
 
 ENDPOINT = "/v1/chat/completions"
@@ -177,4 +177,8 @@ class OpenAIBatchProvider(BatchProvider):
             {body}.usage.prompt_tokens as input_tokens,
             {body}.usage.completion_tokens as output_tokens,
             {body}.usage.prompt_tokens_details.cached_tokens as cached_tokens,
-            {body}.usage.prompt_tokens_details.cache_write_tokens as cache_write_tokens"""
+            {body}.usage.prompt_tokens_details.cache_write_tokens as cache_write_tokens,
+            -- A refusal, and a request the API rejects (400 invalid_request_error, 404 unknown model,
+            -- 413 too large, 422), would come back the same; 408, 409, 429 and 5xx are transient.
+            case when {choice}.message.refusal is not null and {choice}.message.content is null then {sql_text(REFUSED)}
+                 when {r}.response.status_code in (400, 404, 413, 422) then {sql_text(REJECTED)} end as not_retried"""

@@ -269,6 +269,8 @@ class Faults:
     # "invalid_line": OpenAI validation rejects the lines whose prompt matches (Batch.errors.data
     # entries with their 1-based `line`); the batch ends `failed`. "disconnect": the endpoint drops
     # the connection without answering; "truncate": it answers with half the body, then drops it.
+    # "batch_failed": the next batch to leave validation ends `failed` with one Batch.errors.data
+    # entry that names no line (`code`, `message`), as for a problem with the file as a whole.
     VALIDATION_KINDS = ("invalid_line",)
     TRANSPORT_KINDS = ("disconnect", "truncate")
 
@@ -279,9 +281,11 @@ class Faults:
     def add(self, *, kind: str = "http_error", prompt_contains: str | None = None, endpoint: str | None = None,
             times: int | None = 1, status_code: int | None = None, type: str | None = None,
             message: str | None = None, code: str | None = None, param: str | None = None,
-            content: str | None = None, retry_after: float | None = None) -> dict:
-        if kind not in self.REQUEST_KINDS + self.VALIDATION_KINDS + self.TRANSPORT_KINDS + ("token_limit",):
+            content: str | None = None, retry_after: float | None = None, path_contains: str | None = None) -> dict:
+        if kind not in self.REQUEST_KINDS + self.VALIDATION_KINDS + self.TRANSPORT_KINDS + ("token_limit", "batch_failed"):
             raise ValueError(f"unknown fault kind {kind!r}")
+        if path_contains is not None and endpoint is None:  # e.g. one file's id on GET /v1/files/{id}/content
+            raise ValueError("'path_contains' narrows an endpoint fault: it needs an 'endpoint'")
         if endpoint is not None and kind not in ("http_error",) + self.TRANSPORT_KINDS:
             raise ValueError("endpoint faults must be kind 'http_error', 'disconnect' or 'truncate'")
         if kind in self.TRANSPORT_KINDS and endpoint is None:
@@ -292,8 +296,9 @@ class Faults:
             raise ValueError("'times' must be a positive integer or null")
         if status_code is not None and not 400 <= status_code <= 599:
             raise ValueError("'status_code' must be an HTTP error status (400-599)")
-        scope = "endpoint" if endpoint else {"token_limit": "batch", "invalid_line": "line"}.get(kind, "request")
-        fault = {"id": self._next_id, "scope": scope, "kind": kind, "endpoint": endpoint,
+        scope = "endpoint" if endpoint else {"token_limit": "batch", "invalid_line": "line",
+                                              "batch_failed": "batch_failure"}.get(kind, "request")
+        fault = {"id": self._next_id, "scope": scope, "kind": kind, "endpoint": endpoint, "path_contains": path_contains,
                  "prompt_contains": prompt_contains, "times": times,
                  "status_code": status_code or (500 if endpoint else 400), "type": type, "message": message,
                  "code": code, "param": param, "content": content, "retry_after": retry_after}
@@ -311,8 +316,9 @@ class Faults:
                 return fault
         return None
 
-    def take_endpoint(self, route_key: str) -> dict | None:
-        return self._take(lambda f: f["scope"] == "endpoint" and f["endpoint"] in (route_key, "*"))
+    def take_endpoint(self, route_key: str, path: str = "") -> dict | None:
+        return self._take(lambda f: f["scope"] == "endpoint" and f["endpoint"] in (route_key, "*")
+                          and (f["path_contains"] or "") in path)
 
     def take_request(self, prompt: str) -> dict | None:
         return self._take(lambda f: f["scope"] == "request" and (f["prompt_contains"] or "") in prompt)
@@ -322,6 +328,9 @@ class Faults:
 
     def take_token_limit(self) -> dict | None:
         return self._take(lambda f: f["scope"] == "batch")
+
+    def take_batch_failure(self) -> dict | None:
+        return self._take(lambda f: f["scope"] == "batch_failure")
 
     def list(self) -> list[dict]:
         return [dict(f) for f in self._items]

@@ -244,6 +244,9 @@ class Face(FilesMixin):
             errors = [batch_error("sandbox_forced_failure", None, "Batch failed on request of the sandbox controller.")]
         elif not errors and self.emu.fault_book.take_token_limit():
             errors = [batch_error("token_limit_exceeded", None, TOKEN_LIMIT.format(model=model))]
+        elif not errors and (failure := self.emu.fault_book.take_batch_failure()):
+            errors = [batch_error(failure["code"] or "invalid_request", None, failure["message"] or
+                                  "The batch could not be processed.", failure["param"])]
         if errors:
             run.obj["errors"] = {"object": "list", "data": errors}
             self._set_status(run, "failed", at)

@@ -269,7 +269,7 @@ class Emulator:
         presented = face.api_key_from(req.headers) or ""
         if not hmac.compare_digest(presented.encode(), self._api_key.encode()):
             return self._render_error(face, face.auth_error(presented))
-        fault = self.fault_book.take_endpoint(key)
+        fault = self.fault_book.take_endpoint(key, req.path)
         if fault and fault["kind"] == "disconnect":
             return Reply(0, b"", cut="disconnect")
         if fault and fault["kind"] == "http_error":
