@@ -271,6 +271,11 @@ class Faults:
     # the connection without answering; "truncate": it answers with half the body, then drops it.
     VALIDATION_KINDS = ("invalid_line",)
     TRANSPORT_KINDS = ("disconnect", "truncate")
+    # "proxy_error": a proxy or CDN in front of the API answers `status_code` (default 413) with an
+    # HTML page, not the provider's JSON envelope (Anthropic's errors docs: a 413 comes from Cloudflare).
+    # `when` ("before" | "after") says whether an endpoint fault fires before the handler runs (nothing
+    # happened) or after it (the batch was created, the answer billed; the client still sees the fault).
+    ENDPOINT_KINDS = ("http_error", "proxy_error", "disconnect", "truncate")
 
     def __init__(self) -> None:
         self._items: list[dict] = []
@@ -279,13 +284,17 @@ class Faults:
     def add(self, *, kind: str = "http_error", prompt_contains: str | None = None, endpoint: str | None = None,
             times: int | None = 1, status_code: int | None = None, type: str | None = None,
             message: str | None = None, code: str | None = None, param: str | None = None,
-            content: str | None = None, retry_after: float | None = None) -> dict:
-        if kind not in self.REQUEST_KINDS + self.VALIDATION_KINDS + self.TRANSPORT_KINDS + ("token_limit",):
+            content: str | None = None, retry_after: float | None = None, when: str = "before") -> dict:
+        if kind not in self.REQUEST_KINDS + self.VALIDATION_KINDS + self.ENDPOINT_KINDS + ("token_limit",):
             raise ValueError(f"unknown fault kind {kind!r}")
-        if endpoint is not None and kind not in ("http_error",) + self.TRANSPORT_KINDS:
-            raise ValueError("endpoint faults must be kind 'http_error', 'disconnect' or 'truncate'")
-        if kind in self.TRANSPORT_KINDS and endpoint is None:
+        if endpoint is not None and kind not in self.ENDPOINT_KINDS:
+            raise ValueError(f"endpoint faults must be one of the kinds {', '.join(self.ENDPOINT_KINDS)}")
+        if kind in self.ENDPOINT_KINDS[1:] and endpoint is None:
             raise ValueError(f"a {kind!r} fault needs an 'endpoint'")
+        if when not in ("before", "after"):
+            raise ValueError("'when' must be 'before' or 'after'")
+        if when == "after" and endpoint is None:
+            raise ValueError("only an endpoint fault can fire 'after' the handler")
         if kind == "content" and not isinstance(content, str):
             raise ValueError("a 'content' fault needs a string 'content'")
         if times is not None and (not isinstance(times, int) or times < 1):
@@ -295,8 +304,9 @@ class Faults:
         scope = "endpoint" if endpoint else {"token_limit": "batch", "invalid_line": "line"}.get(kind, "request")
         fault = {"id": self._next_id, "scope": scope, "kind": kind, "endpoint": endpoint,
                  "prompt_contains": prompt_contains, "times": times,
-                 "status_code": status_code or (500 if endpoint else 400), "type": type, "message": message,
-                 "code": code, "param": param, "content": content, "retry_after": retry_after}
+                 "status_code": status_code or (413 if kind == "proxy_error" else 500 if endpoint else 400),
+                 "type": type, "message": message, "code": code, "param": param, "content": content,
+                 "retry_after": retry_after, "when": when}
         self._next_id += 1
         self._items.append(fault)
         return dict(fault)

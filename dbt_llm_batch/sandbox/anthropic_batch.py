@@ -58,6 +58,7 @@ class Job:
 class Face:
     """The Anthropic face: routes, envelopes and batch lifecycle (protocol in server.py)."""
     name = "anthropic"
+    server_error_type = "api_error"
     prefixes = ("/v1/messages",)
     request_id_header = "request-id"
 

@@ -56,6 +56,7 @@ class Run:
 class Face(FilesMixin):
     """The OpenAI face: routes, envelopes and batch lifecycle (protocol in server.py)."""
     name = "openai"
+    server_error_type = "server_error"
     prefixes = ("/v1",)
     request_id_header = "x-request-id"
 
