@@ -22,7 +22,7 @@ import string
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from .anthropic_messages import CUSTOM_ID, error_type_for, run_request
+from .anthropic_messages import CUSTOM_ID, error_type_for, read_params, run_request
 from .realtime import anthropic_create_message
 from .server import ApiError, Reply, Request
 
@@ -279,8 +279,10 @@ class Face:
                                         self.emu.min_cache_tokens, at, self._id)
             job.results.append(result)
             if usage is not None:  # only succeeded requests are billed
-                self.emu.counters.add_usage(self.name, **{k: usage[k] for k in (
+                self.emu.counters.add_usage(self.name, **{k: usage[k] or 0 for k in (
                     "input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")})
+                self.emu.counters.bill(self.name, "batch", read_params(item["params"]).prompt, job.obj["id"],
+                                       item["custom_id"])
 
     def _end(self, job: Job, leftover: str | None, at: float) -> None:
         """End processing; requests not run are `leftover` (canceled/expired) or run now (None)."""

@@ -17,7 +17,7 @@ import math
 import string
 from dataclasses import dataclass, field
 
-from .answers import answer_chat_request, batch_error, check_lines, faulted_lines
+from .answers import answer_chat_request, batch_error, chat_inputs, check_lines, faulted_lines
 from .caching import openai_cached_tokens
 from .realtime import openai_chat_completion
 from .openai_files import DAY, FilesMixin, list_page, require, ttl_seconds
@@ -282,6 +282,7 @@ class Face(FilesMixin):
         run.tokens[2] += done.cached_tokens
         self.emu.counters.add_usage("openai", prompt_tokens=done.prompt_tokens,
                                     completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens)
+        self.emu.counters.bill("openai", "batch", chat_inputs(line["body"]).prompt, run.obj["id"], line["custom_id"])
 
     def _line(self, line: dict, response: dict | None, error: dict | None = None) -> dict:
         return {"id": self._id("batch_req_", 32, HEX), "custom_id": line["custom_id"], "response": response,

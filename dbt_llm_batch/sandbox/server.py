@@ -202,6 +202,15 @@ class Emulator:
         with self._lock:
             return self.counters.snapshot()
 
+    def billed(self) -> list[dict]:
+        """Every request the sandbox billed, in order: {face, via ("batch" | "realtime"), batch_id,
+        custom_id (batch lines), prompt}. Billed means the provider charges it: a succeeded batch line
+        (also in a batch that later expired or was cancelled) or an answered realtime call, also one
+        whose answer an `after` fault kept from the client."""
+        with self._lock:
+            self._tick()
+            return [dict(b) for b in self.counters.billed]
+
     def batches(self) -> list[dict]:
         """Every batch of both faces as the provider serves (or, once deleted, last served) it, newest
         first. OpenAI batches have "object": "batch", Anthropic ones "type": "message_batch"."""
