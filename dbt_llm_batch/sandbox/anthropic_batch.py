@@ -131,6 +131,17 @@ class Face:
             seen[custom_id] = i
             _require("params" in item, f"requests.{i}.params: Field required")
             _require(isinstance(item["params"], dict), f"requests.{i}.params: Input should be a valid dictionary")
+        cap = self.emu.anthropic_max_queued_requests
+        if cap is not None:
+            # Anthropic rate limits: one cap on "batch requests in processing queue" per workspace, over
+            # every model; a create that would go over it is refused with a 429.
+            queued = sum(len(j.requests) for j in self.jobs.values()
+                         if j.obj["processing_status"] != "ended")
+            if queued + len(requests) > cap:
+                raise ApiError(429, f"Number of batch requests in the processing queue would exceed your "
+                                    f"organization's rate limit of {cap:,} queued requests ({queued:,} queued, "
+                                    f"{len(requests):,} in this batch). Please try again once some batches "
+                                    "have ended.", "rate_limit_error", headers={"retry-after": "60"})
         now = self.emu.now()
         obj = {"id": self._id("msgbatch_01", 22), "type": "message_batch", "processing_status": "in_progress",
                "request_counts": {"processing": len(requests), "succeeded": 0, "errored": 0, "canceled": 0,

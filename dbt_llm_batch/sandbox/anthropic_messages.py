@@ -13,7 +13,8 @@ provider validates them asynchronously): bad params give an `errored` result.
 - Usage: total input = estimate_input_tokens(characters of the system text and
   all message text), as for OpenAI. The cacheable prefix runs from the system
   blocks through the message blocks up to and including the LAST block with
-  `cache_control`; when ceil(its characters / 4) >= min_cache_tokens, the first
+  `cache_control`; when ceil(its characters / 4) >= the model's minimum
+  (caching.min_cache_tokens), the first
   request with that (model, tools, tool_choice, prefix) writes the cache
   (cache_creation_input_tokens) and later ones within the TTL read it
   (cache_read_input_tokens); `input_tokens` is the rest.
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .answers import Faults, count_tokens, expected_answer, simulate
-from .caching import PromptCache
+from .caching import PromptCache, min_cache_tokens
 
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 CACHE_TTLS = {"5m": 300, "1h": 3600}
@@ -153,12 +154,12 @@ def _read_cache_control(ask: Ask, params: dict, containers: list[tuple[str, str,
                                 sort_keys=True, ensure_ascii=False)
 
 
-def cache_usage(ask: Ask, total: int, cache: PromptCache, min_tokens: int, now: float) -> dict:
+def cache_usage(ask: Ask, total: int, cache: PromptCache, min_tokens: int | None, now: float) -> dict:
     """The usage fields about input, with the prompt cache read or written as the provider would."""
     usage = {"input_tokens": total, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
              "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}}
     prefix = count_tokens(ask.prefix_chars)
-    if ask.prefix_key is None or prefix < min_tokens:
+    if ask.prefix_key is None or prefix < min_cache_tokens("anthropic", ask.model, min_tokens):
         return usage
     if cache.use(ask.prefix_key, now, CACHE_TTLS[ask.ttl]):
         usage["cache_read_input_tokens"] = prefix
@@ -174,7 +175,7 @@ def errored(type_: str, message: str, new_id: Callable[..., str]) -> dict:
                                          "request_id": new_id("req_011C", 20)}}
 
 
-def run_request(params: object, faults: Faults, cache: PromptCache, min_cache_tokens: int, now: float,
+def run_request(params: object, faults: Faults, cache: PromptCache, min_tokens: int | None, now: float,
                 new_id: Callable[..., str]) -> tuple[dict, dict | None]:
     """Process one request -> (its `result` object, its billed usage or None when not billed)."""
     try:
@@ -201,7 +202,7 @@ def run_request(params: object, faults: Faults, cache: PromptCache, min_cache_to
             stop = "tool_use"
     if done.truncated:
         stop = "max_tokens"
-    usage = {**cache_usage(ask, done.prompt_tokens, cache, min_cache_tokens, now),
+    usage = {**cache_usage(ask, done.prompt_tokens, cache, min_tokens, now),
              "output_tokens": done.completion_tokens, "service_tier": "batch"}
     message = {"id": new_id("msg_01", 22), "type": "message", "role": "assistant", "model": ask.model,
                "content": content, "stop_reason": stop, "stop_sequence": None, "usage": usage}

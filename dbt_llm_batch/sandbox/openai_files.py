@@ -64,10 +64,13 @@ class FilesMixin:
         return dict(self._file(req.params["id"]))
 
     def delete_file(self, req: Request) -> dict:
-        file_id = self._file(req.params["id"])["id"]
-        self.deleted_contents[file_id] = self.contents[file_id]  # for Emulator.file_bytes (tests) only
-        del self.files[file_id], self.contents[file_id]
+        self._forget_file(self._file(req.params["id"])["id"])
         return {"id": req.params["id"], "object": "file", "deleted": True}
+
+    def _forget_file(self, file_id: str) -> None:
+        """Gone from the API (deleted by the client or by retention); kept for Emulator.file_bytes."""
+        self.deleted_contents[file_id] = self.contents.pop(file_id)
+        del self.files[file_id]
 
     def file_content(self, req: Request) -> Reply:
         return Reply(200, self.contents[self._file(req.params["id"])["id"]], "application/octet-stream")

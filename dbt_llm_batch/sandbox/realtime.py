@@ -22,7 +22,8 @@ def openai_chat_completion(face, req: Request) -> Reply:
     now = emu.now()
     status, payload, done = answer_chat_request(
         body, emu.fault_book, face._id, int(now),
-        lambda ask: openai_cached_tokens(emu.prompt_cache, body.get("model"), ask, emu.min_cache_tokens, now))
+        lambda ask: openai_cached_tokens(emu.prompt_cache, body.get("model"), ask, emu.min_cache_tokens, now,
+                                         emu.openai_cache_ttl_seconds))
     if done is not None:
         emu.counters.add_usage("openai", prompt_tokens=done.prompt_tokens,
                                completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens)

@@ -87,12 +87,22 @@ class Emulator:
     """In-process sandbox of the provider batch APIs, served on loopback."""
 
     def __init__(self, api_key: str, auto_advance_seconds: float | None = None, host: str = "127.0.0.1",
-                 port: int = 0, max_file_bytes: int = 200 * 1024 * 1024, max_requests_per_batch: int = 50000,
+                 port: int = 0, max_file_bytes: int = 200_000_000, max_requests_per_batch: int = 50000,
                  seed: int | None = None, max_message_batch_requests: int = 100_000,
-                 max_batch_bytes: int = 256 * 1024 * 1024, min_cache_tokens: int = 1024):
-        """One key serves both faces. OpenAI limits: `max_file_bytes`, `max_requests_per_batch`;
-        Anthropic limits: `max_message_batch_requests`, `max_batch_bytes`; both: `min_cache_tokens`
-        (the shortest prefix, in sandbox tokens, that the prompt cache stores)."""
+                 max_batch_bytes: int = 256_000_000, min_cache_tokens: int | None = None,
+                 openai_enqueued_token_limit: int | None = None, anthropic_max_queued_requests: int | None = None,
+                 openai_cache_ttl_seconds: float = 300, null_usage_details: bool = False):
+        """One key serves both faces.
+
+        OpenAI: `max_file_bytes` (a batch input file), `max_requests_per_batch`,
+        `openai_enqueued_token_limit` (prompt tokens enqueued per model over the organisation's batches in
+        progress; None: no limit), `openai_cache_ttl_seconds` (how long an unused cached prefix lives).
+        Anthropic: `max_message_batch_requests`, `max_batch_bytes` (a create body),
+        `anthropic_max_queued_requests` (requests of unended batches in the workspace; None: no cap).
+        Sizes are decimal megabytes, as the providers' docs state them (200 MB = 200,000,000 bytes).
+        Both: `min_cache_tokens` (the shortest prefix, in sandbox tokens, the prompt cache stores; None:
+        each provider's per-model minimum, see caching.min_cache_tokens); `null_usage_details`: usage
+        details and Anthropic `cache_*` fields are null, as a vLLM server sends them by default."""
         if not api_key:
             raise ValueError("api_key must be a non-empty string")
         self._api_key = api_key
@@ -101,6 +111,10 @@ class Emulator:
         self.max_file_bytes, self.max_requests_per_batch = max_file_bytes, max_requests_per_batch
         self.max_message_batch_requests, self.max_batch_bytes = max_message_batch_requests, max_batch_bytes
         self.min_cache_tokens = min_cache_tokens
+        self.openai_enqueued_token_limit = openai_enqueued_token_limit
+        self.anthropic_max_queued_requests = anthropic_max_queued_requests
+        self.openai_cache_ttl_seconds = openai_cache_ttl_seconds
+        self.null_usage_details = null_usage_details
         self.seed = seed
         self.prompt_cache = PromptCache()
         self.log_requests = False  # the CLI turns this on; never logs headers
