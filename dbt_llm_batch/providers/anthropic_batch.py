@@ -124,6 +124,8 @@ class AnthropicBatchProvider(BatchProvider):
             if batch.processing_status != "ended":
                 undecided = True
                 continue
+            if batch.archived_at is not None:
+                continue  # its results are gone: it can confirm nothing
             try:
                 seen = {r.custom_id for r in self.client.messages.batches.results(batch.id)}
             except Exception as exc:
@@ -136,10 +138,14 @@ class AnthropicBatchProvider(BatchProvider):
 
     def poll(self, batch_id):
         b = self.calls.call(f"poll batch {batch_id}", lambda: self.client.messages.batches.retrieve(batch_id))
+        # `archived_at` set: the results are no longer available (kept 29 days after creation), whatever
+        # the results endpoint would answer; treated like its 404.
         return BatchState(status=b.processing_status, ended=b.processing_status == "ended",
-                          counts=b.request_counts.model_dump())
+                          counts=b.request_counts.model_dump(), results_gone=b.archived_at is not None)
 
     def download_results(self, state, batch_id, directory):
+        if state.results_gone:  # archived: nothing to fetch
+            return []
         path = f"{directory}/{batch_id}-results.jsonl"
 
         def download():  # a stream cut off midway raises; the retry rewrites the file from the start

@@ -149,13 +149,16 @@ def simulate(answer: str, prompt_chars: int, max_tokens: int | None) -> Completi
 
 
 def answer_chat_request(body: dict, faults: "Faults", new_id: Callable[..., str], created: int,
-                        cached_tokens: Callable[[ChatInputs], int] | None = None) -> tuple[int, dict, Completion | None]:
+                        cached_tokens: Callable[[ChatInputs], int] | None = None,
+                        null_details: bool = False) -> tuple[int, dict, Completion | None]:
     """Run one /v1/chat/completions request as the sandbox "model" would.
 
     Returns (status code, response body, completion or None on error); error
     bodies use the OpenAI envelope. A fault matching the prompt wins over the
     normal answer: it either fails the request or replaces the content.
     `cached_tokens(inputs)` (the face's prompt cache) is asked only for requests that succeed.
+    `null_details`: the usage details objects are null (a vLLM server without
+    --enable-prompt-tokens-details sends them so).
     """
     try:
         ask = chat_inputs(body)
@@ -176,8 +179,9 @@ def answer_chat_request(body: dict, faults: "Faults", new_id: Callable[..., str]
                                              "annotations": []},
                      "logprobs": None, "finish_reason": "length" if done.truncated else "stop"}],
         "usage": {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                  "total_tokens": done.total_tokens, "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-                  "completion_tokens_details": {"reasoning_tokens": 0}},
+                  "total_tokens": done.total_tokens,
+                  "prompt_tokens_details": None if null_details else {"cached_tokens": done.cached_tokens},
+                  "completion_tokens_details": None if null_details else {"reasoning_tokens": 0}},
         "system_fingerprint": "fp_sandbox", "service_tier": "default"}, done
 
 

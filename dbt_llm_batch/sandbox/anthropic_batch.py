@@ -197,9 +197,10 @@ class Face:
         job = self._job(req.params["id"])
         _require(job.obj["processing_status"] == "ended", f"Message Batch {job.obj['id']} has not yet ended; "
                  "its results are available once processing_status is 'ended'.")
-        if job.jsonl is None:  # archived
-            raise ApiError(404, f"The results of Message Batch {job.obj['id']} are no longer available: batch "
-                                "results are kept for 29 days after creation.", "not_found_error")
+        if job.jsonl is None:  # archived; which status the provider answers then is not documented
+            status = self.emu.archived_results_status
+            raise ApiError(status, f"The results of Message Batch {job.obj['id']} are no longer available: batch "
+                                   "results are kept for 29 days after creation.", error_type_for(status))
         return Reply(200, job.jsonl, "application/binary")
 
     def _job(self, batch_id: str) -> Job:
@@ -287,7 +288,7 @@ class Face:
         while len(job.results) < target:
             item = job.requests[len(job.results)]
             result, usage = run_request(item["params"], self.emu.fault_book, self.emu.prompt_cache,
-                                        self.emu.min_cache_tokens, at, self._id)
+                                        self.emu.min_cache_tokens, at, self._id, self.emu.null_usage_details)
             job.results.append(result)
             if usage is not None:  # only succeeded requests are billed
                 self.emu.counters.add_usage(self.name, **{k: usage[k] or 0 for k in (

@@ -176,8 +176,10 @@ def errored(type_: str, message: str, new_id: Callable[..., str]) -> dict:
 
 
 def run_request(params: object, faults: Faults, cache: PromptCache, min_tokens: int | None, now: float,
-                new_id: Callable[..., str]) -> tuple[dict, dict | None]:
-    """Process one request -> (its `result` object, its billed usage or None when not billed)."""
+                new_id: Callable[..., str], null_details: bool = False) -> tuple[dict, dict | None]:
+    """Process one request -> (its `result` object, its billed usage or None when not billed).
+    `null_details`: the cache_* usage fields are null (the SDK types them optional; a vLLM server's
+    Anthropic endpoint leaves them so)."""
     try:
         if not isinstance(params, dict):
             raise BadParams("params: Input should be a valid dictionary")
@@ -204,6 +206,8 @@ def run_request(params: object, faults: Faults, cache: PromptCache, min_tokens: 
         stop = "max_tokens"
     usage = {**cache_usage(ask, done.prompt_tokens, cache, min_tokens, now),
              "output_tokens": done.completion_tokens, "service_tier": "batch"}
+    if null_details:
+        usage.update(cache_creation_input_tokens=None, cache_read_input_tokens=None, cache_creation=None)
     message = {"id": new_id("msg_01", 22), "type": "message", "role": "assistant", "model": ask.model,
                "content": content, "stop_reason": stop, "stop_sequence": None, "usage": usage}
     return {"type": "succeeded", "message": message}, usage

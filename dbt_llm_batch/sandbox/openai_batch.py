@@ -295,7 +295,7 @@ class Face(FilesMixin):
         status, body, done = answer_chat_request(
             line["body"], emu.fault_book, self._id, int(at),
             lambda ask: openai_cached_tokens(emu.prompt_cache, model, ask, emu.min_cache_tokens, at,
-                                             emu.openai_cache_ttl_seconds))
+                                             emu.openai_cache_ttl_seconds), emu.null_usage_details)
         result = self._line(line, {"status_code": status, "request_id": self._id("req_", 32, HEX), "body": body})
         counts = run.obj["request_counts"]
         if done is None:

@@ -115,6 +115,9 @@ class Emulator:
         self.anthropic_max_queued_requests = anthropic_max_queued_requests
         self.openai_cache_ttl_seconds = openai_cache_ttl_seconds
         self.null_usage_details = null_usage_details
+        # What the Anthropic results endpoint answers for an archived batch (`archived_at` set): the
+        # provider's docs do not say; 404 by default, settable so clients are shown to rely on archived_at.
+        self.archived_results_status = 404
         self.seed = seed
         self.prompt_cache = PromptCache()
         self.log_requests = False  # the CLI turns this on; never logs headers
