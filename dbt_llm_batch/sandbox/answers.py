@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .validation import Invalid, check_openai_chat
+
 
 def expected_answer(system: str | None, prompt: str, schema: dict | None) -> str:
     """The sandbox's answer for one request: a hash-derived placeholder.
@@ -61,7 +63,7 @@ def estimate_input_tokens(chars: int) -> int:
 class InvalidBody(ValueError):
     """A request body the provider would reject with a 400 (becomes an error line)."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
 
@@ -161,8 +163,9 @@ def answer_chat_request(body: dict, faults: "Faults", new_id: Callable[..., str]
     --enable-prompt-tokens-details sends them so).
     """
     try:
+        check_openai_chat(body)  # parameters and schemas, as the provider checks them
         ask = chat_inputs(body)
-    except InvalidBody as exc:
+    except (InvalidBody, Invalid) as exc:
         return 400, _error_body(str(exc), "invalid_request_error", exc.param, None), None
     fault = faults.take_request(ask.prompt)
     if fault and fault["kind"] == "http_error":

@@ -28,6 +28,7 @@ from typing import Callable
 
 from .answers import Faults, count_tokens, expected_answer, simulate
 from .caching import PromptCache, min_cache_tokens
+from .validation import Invalid, check_anthropic_params
 
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 CACHE_TTLS = {"5m": 300, "1h": 3600}
@@ -84,6 +85,10 @@ def _int(params: dict, name: str) -> int:
 
 def read_params(params: dict) -> Ask:
     """Check one request's params as the provider would and read what the answer depends on."""
+    try:
+        check_anthropic_params(params)
+    except Invalid as exc:
+        raise BadParams(str(exc)) from None
     if not isinstance(params.get("model"), str) or not params["model"]:
         raise BadParams("model: Field required")
     max_tokens = _int(params, "max_tokens")

@@ -17,7 +17,8 @@ import math
 import string
 from dataclasses import dataclass, field
 
-from .answers import answer_chat_request, batch_error, chat_inputs, check_lines, estimate_input_tokens, faulted_lines
+from .answers import (InvalidBody, answer_chat_request, batch_error, chat_inputs, check_lines, estimate_input_tokens,
+                      faulted_lines)
 from .caching import openai_cached_tokens
 from .realtime import openai_chat_completion
 from .openai_files import DAY, FilesMixin, list_page, require, ttl_seconds
@@ -254,7 +255,7 @@ class Face(FilesMixin):
     def _leave_validating(self, run: Run, at: float, force_fail: bool = False) -> bool:
         errors, requests, model = check_lines(run.data, run.obj["endpoint"], self.emu.max_requests_per_batch)
         errors = errors or faulted_lines(run.data, self.emu.fault_book)
-        tokens = sum(estimate_input_tokens(chat_inputs(r["body"]).prompt_chars) for r in requests) if not errors else 0
+        tokens = sum(_prompt_tokens(r["body"]) for r in requests) if not errors else 0
         if not errors and force_fail:
             errors = [batch_error("sandbox_forced_failure", None, "Batch failed on request of the sandbox controller.")]
         elif not errors and (self.emu.fault_book.take_token_limit() or self._over_token_limit(model, tokens)):
@@ -337,6 +338,14 @@ class Face(FilesMixin):
 
     def _id(self, prefix: str, length: int, alphabet: str = string.ascii_letters + string.digits) -> str:
         return prefix + "".join(self.emu.rng.choices(alphabet, k=length))
+
+
+def _prompt_tokens(body: dict) -> int:
+    """Prompt tokens a line enqueues (0 for a body that will fail when it runs)."""
+    try:
+        return estimate_input_tokens(chat_inputs(body).prompt_chars)
+    except InvalidBody:
+        return 0
 
 
 def _metadata(metadata: object) -> dict | None:
