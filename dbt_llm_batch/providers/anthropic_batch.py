@@ -1,7 +1,7 @@
 """Anthropic Message Batches, through the official `anthropic` SDK (`client.messages.batches`).
 
-The SDK reads ANTHROPIC_API_KEY and ANTHROPIC_BASE_URL at run time. Contract:
-../shared/reference/provider-contracts.md section 2. Differences from OpenAI that shape this module:
+The SDK reads ANTHROPIC_API_KEY and ANTHROPIC_BASE_URL at run time; behaviour follows the Anthropic
+Message Batches docs. Differences from OpenAI that shape this module:
 requests go inline in the create call (no file upload); results appear only once the whole batch
 ended; a batch carries no metadata, so an interrupted submission is recognised by its custom_ids.
 """
@@ -28,8 +28,9 @@ class AnthropicBatchProvider(BatchProvider):
     name = "anthropic"
     key_env_var = "ANTHROPIC_API_KEY"
     max_requests_per_batch = 100_000
-    # 256 MB for the whole create body: keep room for the JSON wrapper around the lines.
-    max_bytes_per_batch = 256 * 1024 * 1024 - 64 * 1024
+    # 256 MB for the whole create body (Anthropic batch docs), read as decimal megabytes, the lower of
+    # the two readings; keep room for the JSON wrapper around the lines.
+    max_bytes_per_batch = 256_000_000 - 64 * 1024
     # Batch requests in the processing queue: 100,000 at the lowest published tier.
     max_requests_in_flight = 100_000
 

@@ -1,6 +1,6 @@
 """Anthropic Message Batches face of the sandbox: routes, envelopes, lifecycle.
 
-Follows the provider contract (shared/reference/provider-contracts.md section 2):
+Follows the Anthropic Message Batches docs and SDK:
 - create answers `in_progress`; only the envelope (request count, custom_id
   pattern and uniqueness, body size) is checked synchronously; bad `params`
   become `errored` result lines (anthropic_messages.py).

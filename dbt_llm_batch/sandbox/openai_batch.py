@@ -1,6 +1,6 @@
 """OpenAI Files + Batches face of the sandbox: state, validation, results.
 
-Follows the provider contract (shared/reference/provider-contracts.md section 1):
+Follows the OpenAI Batch API docs and SDK:
 create answers `validating`, validation happens later and can end `failed`
 with `errors.data`; results go to an output file (successes) and an error file
 (failures), each in shuffled order; expiry and cancellation keep partial output.

@@ -1,7 +1,7 @@
 """OpenAI Files API of the sandbox (the OpenAI batch face mixes this in).
 
 Batch input files must be .jsonl with purpose "batch" and at most
-`max_file_bytes` (200 MB by default) or the upload gets a 400; result files are
+`max_file_bytes` (200 MB, decimal, by default) or the upload gets a 400; result files are
 stored with purpose "batch_output". Also holds the small helpers both OpenAI
 modules share: parameter checks and list pages.
 """
@@ -44,7 +44,7 @@ class FilesMixin:
         require(purpose in UPLOAD_PURPOSES, f"'{purpose}' is not one of {list(UPLOAD_PURPOSES)} - 'purpose'",
                 "purpose")
         filename, data = fields["file"][0] or "file", fields["file"][1]
-        require(len(data) <= (self.emu.max_file_bytes if purpose == "batch" else 512 * 1024 * 1024),
+        require(len(data) <= (self.emu.max_file_bytes if purpose == "batch" else 512_000_000),
                 "File is too large.")
         require(purpose != "batch" or filename.endswith(".jsonl"),
                 "Invalid file format for Batch API. Must be .jsonl", "file")

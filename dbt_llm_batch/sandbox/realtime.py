@@ -28,7 +28,7 @@ def openai_chat_completion(face, req: Request) -> Reply:
         emu.counters.add_usage("openai", prompt_tokens=done.prompt_tokens,
                                completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens)
         emu.counters.realtime_answered("openai", chat_inputs(body).prompt)
-    # Providers send retry-after with 429 and 5xx (provider-contracts.md, throttling).
+    # Providers send retry-after with 429 and 5xx (both SDKs honour it).
     headers = {"retry-after": "1"} if status == 429 or status >= 500 else {}
     return Reply(status, _json_bytes(payload), headers=headers)
 
