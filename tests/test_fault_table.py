@@ -12,9 +12,8 @@ the ledger. `pytest --collect-only -q tests/test_fault_table.py` lists the cases
 
 from __future__ import annotations
 
-import collections
-
 import pytest
+from helpers import billed_per_key
 from test_crash_recovery import succeeded_custom_ids
 from test_faults import run, setup
 
@@ -93,11 +92,11 @@ def assert_invariants(project, emulator) -> None:
     assert len(rows) == ROWS
     assert all(s == "succeeded" or (s == "failed" and e) for s, e in rows), rows
     returned = succeeded_custom_ids(emulator)
-    key_of = dict(project.query("select custom_id, key from main.llm_batch_requests"))
-    per_key = collections.Counter(key_of[c] for c in returned)
-    assert sorted(per_key.values()) == [1] * ROWS, f"billed as succeeded more than once: {per_key}"
     stored = {r[0] for r in project.query("select custom_id from main.llm_batch_results")}
     assert set(returned) <= stored, "a result the provider returned is missing from the ledger"
+    key_of_prompt = {prompt: a for a, prompt in project.query("select a, prompt from main.things")}
+    per_key = billed_per_key(emulator, key_of_prompt)  # finishes every open batch first
+    assert sorted(per_key.values()) == [1] * ROWS, f"billed more than once (or never): {per_key}"
 
 
 @pytest.mark.parametrize("provider_name,endpoint,fault", TRANSIENT)

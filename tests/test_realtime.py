@@ -4,11 +4,15 @@ against the emulator's realtime endpoints through the official SDKs."""
 
 from __future__ import annotations
 
+import itertools
+import threading
 from decimal import Decimal
 
 import pytest
 from helpers import TRIAGE_SYSTEM, batch_counts, batch_input_lines, expected_triage, sorted_batches, triage_model
 from test_crash_recovery import dbt_subprocess
+
+from dbt_llm_batch.sandbox.server import Reply
 
 URGENT = "llm_realtime_when = \"priority = 'urgent'\","
 
@@ -114,6 +118,8 @@ def replicas(api_key):
     yield engines
     for engine in engines:
         engine.stop()
+    for engine in engines:
+        engine.raise_internal_errors()
 
 
 def self_hosted_model(urls, extra: str = "") -> str:
@@ -177,20 +183,34 @@ def test_overload_is_retried_and_what_the_budget_does_not_reach_waits(project, r
 def test_a_run_killed_mid_way_asks_only_the_unfinished_rows_again(project, replicas, monkeypatch, api_key, tmp_path):
     monkeypatch.setenv("ENGINE_KEY", api_key)
     engine = replicas[0]
-    engine.realtime_latency = 0.15
+    # One request at a time; the engine answers the first and holds the rest until the killed run is
+    # gone, so the first group the run commits (and dies after) holds exactly one answer, however
+    # slow the machine. A held request is then dropped unanswered (never billed).
     project.write("models/triage.sql", self_hosted_model([engine.openai_base_url]).replace(
         "llm_concurrency = 4", "llm_concurrency = 1"))
+    answered, released, answer = itertools.count(), threading.Event(), engine.handle
+
+    def first_then_hold(method, path, headers, body):
+        if path.startswith("/v1/chat/completions") and next(answered) >= 1:
+            released.wait(timeout=300)  # bounded: a stuck test fails instead of hanging
+            return Reply(0, b"", cut="disconnect")
+        return answer(method, path, headers, body)
+    engine.handle = first_then_hold
     project.dbt("seed")
     project.release_database()
     marker = tmp_path / "marker"
-    killed = dbt_subprocess(project, {"DBT_LLM_BATCH_CRASH_AT": "after_realtime_group",
-                                      "DBT_LLM_BATCH_CRASH_MARKER": str(marker)})
+    try:
+        killed = dbt_subprocess(project, {"DBT_LLM_BATCH_CRASH_AT": "after_realtime_group",
+                                          "DBT_LLM_BATCH_CRASH_MARKER": str(marker)})
+    finally:
+        released.set()
+        engine.handle = answer
     assert killed.returncode == -9 and marker.read_text() == "after_realtime_group", killed.stdout[-2000:]
     texts = prompts(project)
     stored = {row[0] for row in project.query(
         """select cast(json_extract_string(key, '$[0]') as integer) from main.llm_batch_requests r
            where exists (select 1 from main.llm_batch_results l where l.custom_id = r.custom_id)""")}
-    assert 1 <= len(stored) < 6
+    assert len(stored) == 1
     asked_before = dict(engine.counters.realtime_prompts)
 
     project.dbt("run", "-s", "triage")
