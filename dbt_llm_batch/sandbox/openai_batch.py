@@ -229,6 +229,8 @@ class Face(FilesMixin):
                 # and reported as batch_expired; completed ones stay in the output file (and are billed).
                 if run.obj["status"] == "in_progress" or self._leave_validating(run, deadline):
                     self._finish(run, "expired", deadline)
+            if stage is not None and deadline is not None and now > deadline:
+                self._auto_advance(run, stage, now)  # finalizing / cancelling may end after the window
         for file_id in [i for i, f in self.files.items() if f["expires_at"] is not None and now >= f["expires_at"]]:
             self._forget_file(file_id)  # retention ended: the provider deleted it
 
