@@ -253,7 +253,7 @@ def test_openai_batch_expires_24h_after_creation(emu, client):
     assert len(client.files.content(expired.output_file_id).text.splitlines()) == 2
     never = client.batches.retrieve(waiting.id)
     assert never.status == "expired" and never.request_counts.failed == 1 and never.output_file_id is None
-    assert [b["custom_id"] for b in emu.billed()].__len__() == 2  # only the completed requests are billed
+    assert len(emu.billed()) == 2  # only the completed requests are billed
 
 
 def test_openai_files_are_deleted_when_their_retention_ends(emu, client):
