@@ -35,6 +35,7 @@ def emulator(monkeypatch, api_key):
     monkeypatch.setenv("ANTHROPIC_API_KEY", api_key)
     yield emu
     emu.stop()
+    emu.raise_internal_errors()  # a sandbox bug looks like a provider 500 the plugin survives: fail here
 
 
 @pytest.fixture(params=sorted(PROVIDER_MODELS))
@@ -50,6 +51,7 @@ def emu():
 
     with Emulator(SANDBOX_KEY, seed=7) as emulator:
         yield emulator
+    emulator.raise_internal_errors()
 
 
 class Project:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 
 from dbt_llm_batch.sandbox import expected_answer
@@ -66,3 +67,14 @@ def batch_counts(emu) -> list[int]:
     """Number of requests in each batch the emulator received, in creation order."""
     return [sum(b["request_counts"].values()) if is_anthropic(b) else len(batch_input_lines(emu, b))
             for b in sorted_batches(emu)]
+
+
+def billed_per_key(emulator, key_of_prompt: dict) -> collections.Counter:
+    """How many times the provider billed each key, by the sandbox's own record (Emulator.billed()).
+
+    Every batch still open is finished first: a batch the last run left behind bills when it ends. Then
+    everything billed counts: succeeded batch lines whatever the batch's final status (a line answered
+    before the batch expired or was cancelled is billed too) and realtime calls (also one whose answer
+    never reached the client). `key_of_prompt` maps each row's prompt to its key."""
+    emulator.complete_all()
+    return collections.Counter(key_of_prompt[b["prompt"]] for b in emulator.billed())

@@ -3,7 +3,6 @@ with nothing billed twice and nothing the provider returned missing from the led
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import subprocess
@@ -11,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TRIAGE_SYSTEM, expected_triage, is_anthropic, sorted_batches, triage_model
+from helpers import TRIAGE_SYSTEM, billed_per_key, expected_triage, is_anthropic, sorted_batches, triage_model
 
 from dbt_llm_batch.crashpoints import POINTS
 
@@ -69,11 +68,11 @@ def test_a_killed_run_is_finished_by_later_runs(project, emulator, provider_name
     for _, subject, body, category, urgent, summary, status in rows:
         assert status == "succeeded"
         assert (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}\n\n{body}")
-    # Nothing billed twice: each key was answered successfully exactly once by the provider.
-    returned = succeeded_custom_ids(emulator)
-    key_of = dict(project.query("select custom_id, key from main.llm_batch_requests"))
-    answers_per_key = collections.Counter(key_of[c] for c in returned)
-    assert sorted(answers_per_key.values()) == [1] * 6, answers_per_key
     # Nothing lost: every result the provider returned is stored in the ledger.
+    returned = succeeded_custom_ids(emulator)
     stored = {r[0] for r in project.query("select custom_id from main.llm_batch_results")}
     assert set(returned) <= stored
+    # Nothing billed twice: each key was billed exactly once, counting every batch (finished first) and call.
+    key_of_prompt = {f"Subject: {subject}\n\n{body}": key for key, subject, body, *_ in rows}
+    billed = billed_per_key(emulator, key_of_prompt)
+    assert sorted(billed.values()) == [1] * 6 and set(billed) == set(key_of_prompt.values()), billed

@@ -344,15 +344,17 @@ def test_control_endpoints_over_http(emu, client):
 
 
 def test_auto_advance_moves_batches_on_their_own():
-    with Emulator(KEY, auto_advance_seconds=0.05) as emu:
+    # The emulator's clock is stepped by the test (no sleeps, no deadline): each stage lasts 60 s of it.
+    with Emulator(KEY, auto_advance_seconds=60) as emu:
+        start = time.time()
+        emu.now = lambda: start
         client = openai.OpenAI(base_url=emu.openai_base_url, api_key=KEY, max_retries=0)
         batch = submit(client, [line("a", "x"), line("b", "y")])
-        seen = {batch.status}
-        deadline = time.monotonic() + 5
-        while batch.status != "completed" and time.monotonic() < deadline:
-            time.sleep(0.02)
+        seen = [batch.status]
+        for stage in range(1, 5):
+            emu.now = lambda stage=stage: start + 60 * stage + 1
             batch = client.batches.retrieve(batch.id)
-            seen.add(batch.status)
-        assert batch.status == "completed" and batch.request_counts.completed == 2
-        assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
-        assert {"validating", "completed"} <= seen
+            seen.append(batch.status)
+        assert seen == ["validating", "in_progress", "finalizing", "completed", "completed"]
+        assert batch.request_counts.completed == 2
+        assert batch.created_at < batch.in_progress_at < batch.finalizing_at < batch.completed_at

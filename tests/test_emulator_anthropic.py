@@ -271,12 +271,16 @@ def test_control_surface_covers_both_faces(emu, client):
 
 
 def test_auto_advance_ends_anthropic_batches():
-    with Emulator(KEY, auto_advance_seconds=0.05) as emu:
+    # The emulator's clock is stepped by the test (no sleeps, no deadline): the stage lasts 60 s of it.
+    with Emulator(KEY, auto_advance_seconds=60) as emu:
+        start = time.time()
+        emu.now = lambda: start
         client = anthropic.Anthropic(base_url=emu.base_url, api_key=KEY, max_retries=0)
         batch = client.messages.batches.create(requests=[req("a", "x"), req("b", "y")])
-        deadline = time.monotonic() + 5
-        while batch.processing_status != "ended" and time.monotonic() < deadline:
-            time.sleep(0.02)
-            batch = client.messages.batches.retrieve(batch.id)
+        emu.now = lambda: start + 30
+        halfway = client.messages.batches.retrieve(batch.id)
+        assert halfway.processing_status == "in_progress" and halfway.request_counts.processing == 2
+        emu.now = lambda: start + 61
+        batch = client.messages.batches.retrieve(batch.id)
         assert batch.processing_status == "ended" and batch.request_counts.succeeded == 2
         assert len(list(client.messages.batches.results(batch.id))) == 2

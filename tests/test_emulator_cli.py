@@ -3,24 +3,37 @@ never printed, and Ctrl-C stops it cleanly."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import anthropic
 import openai
+
+
+STARTUP_TIMEOUT = 120  # generous: an import on two loaded cores can take long; it only bounds a hang
 
 
 def start_cli(env, command=("-m", "dbt_llm_batch.sandbox")):
     """Start the CLI; return (process, banner text, base URL)."""
     proc = subprocess.Popen([sys.executable, *command, "--port", "0", "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    banner = ""
+    lines: queue.Queue = queue.Queue()  # read on a thread, so a CLI that hangs silently cannot hang the test
+    threading.Thread(target=lambda: [lines.put(x) for x in iter(proc.stdout.readline, "")] + [lines.put("")],
+                     daemon=True).start()
+    banner, deadline = "", time.monotonic() + STARTUP_TIMEOUT
     while "Press Ctrl-C" not in banner:
-        out = proc.stdout.readline()
+        try:
+            out = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            out = None
         if not out:
             proc.kill()
-            raise AssertionError(proc.stderr.read())
+            problem = "exited" if out == "" else f"printed no banner within {STARTUP_TIMEOUT} s"
+            raise AssertionError(f"the sandbox CLI {problem}:\n{banner}{proc.communicate(timeout=30)[1]}")
         banner += out
     base = next(x.split()[-1] for x in banner.splitlines() if x.strip().startswith("Base URL:"))
     return proc, banner, base

@@ -4,11 +4,15 @@ against the emulator's realtime endpoints through the official SDKs."""
 
 from __future__ import annotations
 
+import itertools
+import threading
 from decimal import Decimal
 
 import pytest
 from helpers import TRIAGE_SYSTEM, batch_counts, batch_input_lines, expected_triage, sorted_batches, triage_model
 from test_crash_recovery import dbt_subprocess
+
+from dbt_llm_batch.sandbox.server import Reply
 
 URGENT = "llm_realtime_when = \"priority = 'urgent'\","
 
@@ -115,6 +119,8 @@ def replicas(api_key):
     yield engines
     for engine in engines:
         engine.stop()
+    for engine in engines:
+        engine.raise_internal_errors()
 
 
 def self_hosted_model(urls, extra: str = "") -> str:
@@ -168,6 +174,8 @@ def test_overload_is_retried_and_what_the_budget_does_not_reach_waits(project, r
                                  f"error: HTTP 429 from {engine.openai_base_url}); sent again by the next run")]
     engine.clear_faults()
     engine.add_fault(endpoint="POST /v1/chat/completions", status_code=503, retry_after=0.1, times=2)
+    # The default budget (600 s) now: six answers and two retries need not fit in 1 s on a busy machine.
+    project.write("models/triage.sql", self_hosted_model([engine.openai_base_url]))
     project.dbt("run", "-s", "triage")  # the overload passed: two 503s are retried, every row answered
     assert project.query("select count(*), count(*) filter (where llm_status = 'succeeded') from main.triage") == [(6, 6)]
     assert engine.stats()["realtime_requests"]["openai"] == 6
@@ -178,20 +186,34 @@ def test_overload_is_retried_and_what_the_budget_does_not_reach_waits(project, r
 def test_a_run_killed_mid_way_asks_only_the_unfinished_rows_again(project, replicas, monkeypatch, api_key, tmp_path):
     monkeypatch.setenv("ENGINE_KEY", api_key)
     engine = replicas[0]
-    engine.realtime_latency = 0.15
+    # One request at a time; the engine answers the first and holds the rest until the killed run is
+    # gone, so the first group the run commits (and dies after) holds exactly one answer, however
+    # slow the machine. A held request is then dropped unanswered (never billed).
     project.write("models/triage.sql", self_hosted_model([engine.openai_base_url]).replace(
         "llm_concurrency = 4", "llm_concurrency = 1"))
+    answered, released, answer = itertools.count(), threading.Event(), engine.handle
+
+    def first_then_hold(method, path, headers, body):
+        if path.startswith("/v1/chat/completions") and next(answered) >= 1:
+            released.wait(timeout=300)  # bounded: a stuck test fails instead of hanging
+            return Reply(0, b"", cut="disconnect")
+        return answer(method, path, headers, body)
+    engine.handle = first_then_hold
     project.dbt("seed")
     project.release_database()
     marker = tmp_path / "marker"
-    killed = dbt_subprocess(project, {"DBT_LLM_BATCH_CRASH_AT": "after_realtime_group",
-                                      "DBT_LLM_BATCH_CRASH_MARKER": str(marker)})
+    try:
+        killed = dbt_subprocess(project, {"DBT_LLM_BATCH_CRASH_AT": "after_realtime_group",
+                                          "DBT_LLM_BATCH_CRASH_MARKER": str(marker)})
+    finally:
+        released.set()
+        engine.handle = answer
     assert killed.returncode == -9 and marker.read_text() == "after_realtime_group", killed.stdout[-2000:]
     texts = prompts(project)
     stored = {row[0] for row in project.query(
         """select cast(json_extract_string(key, '$[0]') as integer) from main.llm_batch_requests r
            where exists (select 1 from main.llm_batch_results l where l.custom_id = r.custom_id)""")}
-    assert 1 <= len(stored) < 6
+    assert len(stored) == 1
     asked_before = dict(engine.counters.realtime_prompts)
 
     project.dbt("run", "-s", "triage")
@@ -207,19 +229,28 @@ def test_a_budget_that_ends_before_every_row_started_leaves_the_rest_for_the_nex
                                                                                       api_key):
     monkeypatch.setenv("ENGINE_KEY", api_key)
     engine = replicas[0]
-    engine.realtime_latency = 0.6  # one at a time: about three rows fit in a 2 s budget
+    # One at a time: the first row is answered at once, the second only after 3 s, when the 2 s budget
+    # (which began before the first request) has surely passed, however slow the machine: no third
+    # request starts. (Held, not refused: a request started in time may finish late.)
+    answered, answer = itertools.count(), engine.handle
+
+    def second_is_slow(method, path, headers, body):
+        if path.startswith("/v1/chat/completions") and next(answered) == 1:
+            threading.Event().wait(3)
+        return answer(method, path, headers, body)
+    engine.handle = second_is_slow
     project.write("models/triage.sql", self_hosted_model([engine.openai_base_url], "llm_realtime_budget_seconds = 2,")
                   .replace("llm_concurrency = 4", "llm_concurrency = 1"))
     project.dbt("seed")
     project.dbt("run", "-s", "triage")
+    engine.handle = answer
     done = project.query("select count(*) from main.triage where llm_status = 'succeeded'")[0][0]
-    assert 1 <= done < 6
+    assert done == 2
     waiting = project.query("select count(*), min(error) from main.llm_batch_requests where status = 'voided'")
     assert waiting == [(6 - done, "no answer within the realtime time budget (llm_realtime_budget_seconds=2); "
                                   "sent again by the next run")]
     line = summary_line(project)
     assert f"{6 - done} left for the next run (llm_realtime_budget_seconds)" in line
-    engine.realtime_latency = 0.0
     project.dbt("run", "-s", "triage")
     assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
     assert engine.stats()["realtime_requests"]["openai"] == 6  # each row answered once

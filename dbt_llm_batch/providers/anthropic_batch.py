@@ -1,7 +1,7 @@
 """Anthropic Message Batches, through the official `anthropic` SDK (`client.messages.batches`).
 
-The SDK reads ANTHROPIC_API_KEY and ANTHROPIC_BASE_URL at run time. Contract:
-../shared/reference/provider-contracts.md section 2. Differences from OpenAI that shape this module:
+The SDK reads ANTHROPIC_API_KEY and ANTHROPIC_BASE_URL at run time; behaviour follows the Anthropic
+Message Batches docs. Differences from OpenAI that shape this module:
 requests go inline in the create call (no file upload); results appear only once the whole batch
 ended; a batch carries no metadata, so an interrupted submission is recognised by its custom_ids.
 """
@@ -28,8 +28,9 @@ class AnthropicBatchProvider(BatchProvider):
     name = "anthropic"
     key_env_var = "ANTHROPIC_API_KEY"
     max_requests_per_batch = 100_000
-    # 256 MB for the whole create body: keep room for the JSON wrapper around the lines.
-    max_bytes_per_batch = 256 * 1024 * 1024 - 64 * 1024
+    # 256 MB for the whole create body (Anthropic batch docs), read as decimal megabytes, the lower of
+    # the two readings; keep room for the JSON wrapper around the lines.
+    max_bytes_per_batch = 256_000_000 - 64 * 1024
     # Batch requests in the processing queue: 100,000 at the lowest published tier.
     max_requests_in_flight = 100_000
 
@@ -124,6 +125,8 @@ class AnthropicBatchProvider(BatchProvider):
             if batch.processing_status != "ended":
                 undecided = True
                 continue
+            if batch.archived_at is not None:
+                continue  # its results are gone: it can confirm nothing
             try:
                 seen = {r.custom_id for r in self.client.messages.batches.results(batch.id)}
             except Exception as exc:
@@ -136,10 +139,14 @@ class AnthropicBatchProvider(BatchProvider):
 
     def poll(self, batch_id):
         b = self.calls.call(f"poll batch {batch_id}", lambda: self.client.messages.batches.retrieve(batch_id))
+        # `archived_at` set: the results are no longer available (kept 29 days after creation), whatever
+        # the results endpoint would answer; treated like its 404.
         return BatchState(status=b.processing_status, ended=b.processing_status == "ended",
-                          counts=b.request_counts.model_dump())
+                          counts=b.request_counts.model_dump(), results_gone=b.archived_at is not None)
 
     def download_results(self, state, batch_id, directory):
+        if state.results_gone:  # archived: nothing to fetch
+            return []
         path = f"{directory}/{batch_id}-results.jsonl"
 
         def download():  # a stream cut off midway raises; the retry rewrites the file from the start

@@ -93,7 +93,7 @@ class BatchState:
     # OpenAI validation errors that name input lines: {1-based line of the request file: message}.
     line_errors: dict = field(default_factory=dict)
     token_limit: bool = False  # failed on the provider's enqueued-token limit: resubmit after a back-off
-    results_gone: bool = False  # set by download_results: a result file could no longer be fetched
+    results_gone: bool = False  # set by poll (archived) or download_results: results could no longer be fetched
 
 
 class BatchProvider(ABC):

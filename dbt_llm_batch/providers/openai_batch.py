@@ -1,7 +1,7 @@
 """OpenAI Files + Batch API, through the official `openai` SDK.
 
 The SDK reads OPENAI_API_KEY and OPENAI_BASE_URL from the environment at run time, which is also how
-tests point it at the local emulator. Contract: ../shared/reference/provider-contracts.md section 1.
+tests point it at the local emulator. Behaviour follows the OpenAI Batch API docs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ class OpenAIBatchProvider(BatchProvider):
     name = "openai"
     key_env_var = "OPENAI_API_KEY"
     max_requests_per_batch = 50_000
-    max_bytes_per_batch = 200 * 1024 * 1024
+    # "up to 200 MB" (OpenAI Batch API docs): read as decimal megabytes, the lower of the two readings,
+    # so a file under it is under the real limit either way.
+    max_bytes_per_batch = 200_000_000
     # Enqueued prompt tokens per model: 2,000,000 at usage tier 1 for gpt-4o-mini; going over fails
     # the batch with token_limit_exceeded. Raise llm_max_tokens_in_flight on a higher tier.
     default_max_tokens_in_flight = 2_000_000

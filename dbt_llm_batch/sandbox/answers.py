@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .validation import Invalid, check_openai_chat
+
 
 def expected_answer(system: str | None, prompt: str, schema: dict | None) -> str:
     """The sandbox's answer for one request: a hash-derived placeholder.
@@ -61,7 +63,7 @@ def estimate_input_tokens(chars: int) -> int:
 class InvalidBody(ValueError):
     """A request body the provider would reject with a 400 (becomes an error line)."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
 
@@ -149,17 +151,21 @@ def simulate(answer: str, prompt_chars: int, max_tokens: int | None) -> Completi
 
 
 def answer_chat_request(body: dict, faults: "Faults", new_id: Callable[..., str], created: int,
-                        cached_tokens: Callable[[ChatInputs], int] | None = None) -> tuple[int, dict, Completion | None]:
+                        cached_tokens: Callable[[ChatInputs], int] | None = None,
+                        null_details: bool = False) -> tuple[int, dict, Completion | None]:
     """Run one /v1/chat/completions request as the sandbox "model" would.
 
     Returns (status code, response body, completion or None on error); error
     bodies use the OpenAI envelope. A fault matching the prompt wins over the
     normal answer: it either fails the request or replaces the content.
     `cached_tokens(inputs)` (the face's prompt cache) is asked only for requests that succeed.
+    `null_details`: the usage details objects are null (a vLLM server without
+    --enable-prompt-tokens-details sends them so).
     """
     try:
+        check_openai_chat(body)  # parameters and schemas, as the provider checks them
         ask = chat_inputs(body)
-    except InvalidBody as exc:
+    except (InvalidBody, Invalid) as exc:
         return 400, _error_body(str(exc), "invalid_request_error", exc.param, None), None
     fault = faults.take_request(ask.prompt)
     if fault and fault["kind"] == "http_error":
@@ -176,8 +182,9 @@ def answer_chat_request(body: dict, faults: "Faults", new_id: Callable[..., str]
                                              "annotations": []},
                      "logprobs": None, "finish_reason": "length" if done.truncated else "stop"}],
         "usage": {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                  "total_tokens": done.total_tokens, "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-                  "completion_tokens_details": {"reasoning_tokens": 0}},
+                  "total_tokens": done.total_tokens,
+                  "prompt_tokens_details": None if null_details else {"cached_tokens": done.cached_tokens},
+                  "completion_tokens_details": None if null_details else {"reasoning_tokens": 0}},
         "system_fingerprint": "fp_sandbox", "service_tier": "default"}, done
 
 
@@ -273,6 +280,11 @@ class Faults:
     # entry that names no line (`code`, `message`), as for a problem with the file as a whole.
     VALIDATION_KINDS = ("invalid_line",)
     TRANSPORT_KINDS = ("disconnect", "truncate")
+    # "proxy_error": a proxy or CDN in front of the API answers `status_code` (default 413) with an
+    # HTML page, not the provider's JSON envelope (Anthropic's errors docs: a 413 comes from Cloudflare).
+    # `when` ("before" | "after") says whether an endpoint fault fires before the handler runs (nothing
+    # happened) or after it (the batch was created, the answer billed; the client still sees the fault).
+    ENDPOINT_KINDS = ("http_error", "proxy_error", "disconnect", "truncate")
 
     def __init__(self) -> None:
         self._items: list[dict] = []
@@ -281,15 +293,20 @@ class Faults:
     def add(self, *, kind: str = "http_error", prompt_contains: str | None = None, endpoint: str | None = None,
             times: int | None = 1, status_code: int | None = None, type: str | None = None,
             message: str | None = None, code: str | None = None, param: str | None = None,
-            content: str | None = None, retry_after: float | None = None, path_contains: str | None = None) -> dict:
-        if kind not in self.REQUEST_KINDS + self.VALIDATION_KINDS + self.TRANSPORT_KINDS + ("token_limit", "batch_failed"):
+            content: str | None = None, retry_after: float | None = None, when: str = "before",
+            path_contains: str | None = None) -> dict:
+        if kind not in self.REQUEST_KINDS + self.VALIDATION_KINDS + self.ENDPOINT_KINDS + ("token_limit", "batch_failed"):
             raise ValueError(f"unknown fault kind {kind!r}")
         if path_contains is not None and endpoint is None:  # e.g. one file's id on GET /v1/files/{id}/content
             raise ValueError("'path_contains' narrows an endpoint fault: it needs an 'endpoint'")
-        if endpoint is not None and kind not in ("http_error",) + self.TRANSPORT_KINDS:
-            raise ValueError("endpoint faults must be kind 'http_error', 'disconnect' or 'truncate'")
-        if kind in self.TRANSPORT_KINDS and endpoint is None:
+        if endpoint is not None and kind not in self.ENDPOINT_KINDS:
+            raise ValueError(f"endpoint faults must be one of the kinds {', '.join(self.ENDPOINT_KINDS)}")
+        if kind in self.ENDPOINT_KINDS[1:] and endpoint is None:
             raise ValueError(f"a {kind!r} fault needs an 'endpoint'")
+        if when not in ("before", "after"):
+            raise ValueError("'when' must be 'before' or 'after'")
+        if when == "after" and endpoint is None:
+            raise ValueError("only an endpoint fault can fire 'after' the handler")
         if kind == "content" and not isinstance(content, str):
             raise ValueError("a 'content' fault needs a string 'content'")
         if times is not None and (not isinstance(times, int) or times < 1):
@@ -300,8 +317,9 @@ class Faults:
                                               "batch_failed": "batch_failure"}.get(kind, "request")
         fault = {"id": self._next_id, "scope": scope, "kind": kind, "endpoint": endpoint, "path_contains": path_contains,
                  "prompt_contains": prompt_contains, "times": times,
-                 "status_code": status_code or (500 if endpoint else 400), "type": type, "message": message,
-                 "code": code, "param": param, "content": content, "retry_after": retry_after}
+                 "status_code": status_code or (413 if kind == "proxy_error" else 500 if endpoint else 400),
+                 "type": type, "message": message, "code": code, "param": param, "content": content,
+                 "retry_after": retry_after, "when": when}
         self._next_id += 1
         self._items.append(fault)
         return dict(fault)

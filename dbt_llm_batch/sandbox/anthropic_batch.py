@@ -1,6 +1,6 @@
 """Anthropic Message Batches face of the sandbox: routes, envelopes, lifecycle.
 
-Follows the provider contract (shared/reference/provider-contracts.md section 2):
+Follows the Anthropic Message Batches docs and SDK:
 - create answers `in_progress`; only the envelope (request count, custom_id
   pattern and uniqueness, body size) is checked synchronously; bad `params`
   become `errored` result lines (anthropic_messages.py).
@@ -22,7 +22,7 @@ import string
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from .anthropic_messages import CUSTOM_ID, error_type_for, run_request
+from .anthropic_messages import CUSTOM_ID, error_type_for, read_params, run_request
 from .realtime import anthropic_create_message
 from .server import ApiError, Reply, Request
 
@@ -58,6 +58,7 @@ class Job:
 class Face:
     """The Anthropic face: routes, envelopes and batch lifecycle (protocol in server.py)."""
     name = "anthropic"
+    server_error_type = "api_error"
     prefixes = ("/v1/messages",)
     request_id_header = "request-id"
 
@@ -130,6 +131,17 @@ class Face:
             seen[custom_id] = i
             _require("params" in item, f"requests.{i}.params: Field required")
             _require(isinstance(item["params"], dict), f"requests.{i}.params: Input should be a valid dictionary")
+        cap = self.emu.anthropic_max_queued_requests
+        if cap is not None:
+            # Anthropic rate limits: one cap on "batch requests in processing queue" per workspace, over
+            # every model; a create that would go over it is refused with a 429.
+            queued = sum(len(j.requests) for j in self.jobs.values()
+                         if j.obj["processing_status"] != "ended")
+            if queued + len(requests) > cap:
+                raise ApiError(429, f"Number of batch requests in the processing queue would exceed your "
+                                    f"organization's rate limit of {cap:,} queued requests ({queued:,} queued, "
+                                    f"{len(requests):,} in this batch). Please try again once some batches "
+                                    "have ended.", "rate_limit_error", headers={"retry-after": "60"})
         now = self.emu.now()
         obj = {"id": self._id("msgbatch_01", 22), "type": "message_batch", "processing_status": "in_progress",
                "request_counts": {"processing": len(requests), "succeeded": 0, "errored": 0, "canceled": 0,
@@ -185,9 +197,10 @@ class Face:
         job = self._job(req.params["id"])
         _require(job.obj["processing_status"] == "ended", f"Message Batch {job.obj['id']} has not yet ended; "
                  "its results are available once processing_status is 'ended'.")
-        if job.jsonl is None:  # archived
-            raise ApiError(404, f"The results of Message Batch {job.obj['id']} are no longer available: batch "
-                                "results are kept for 29 days after creation.", "not_found_error")
+        if job.jsonl is None:  # archived; which status the provider answers then is not documented
+            status = self.emu.archived_results_status
+            raise ApiError(status, f"The results of Message Batch {job.obj['id']} are no longer available: batch "
+                                   "results are kept for 29 days after creation.", error_type_for(status))
         return Reply(200, job.jsonl, "application/binary")
 
     def _job(self, batch_id: str) -> Job:
@@ -275,11 +288,13 @@ class Face:
         while len(job.results) < target:
             item = job.requests[len(job.results)]
             result, usage = run_request(item["params"], self.emu.fault_book, self.emu.prompt_cache,
-                                        self.emu.min_cache_tokens, at, self._id)
+                                        self.emu.min_cache_tokens, at, self._id, self.emu.null_usage_details)
             job.results.append(result)
             if usage is not None:  # only succeeded requests are billed
-                self.emu.counters.add_usage(self.name, **{k: usage[k] for k in (
+                self.emu.counters.add_usage(self.name, **{k: usage[k] or 0 for k in (
                     "input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")})
+                self.emu.counters.bill(self.name, "batch", read_params(item["params"]).prompt, job.obj["id"],
+                                       item["custom_id"])
 
     def _end(self, job: Job, leftover: str | None, at: float) -> None:
         """End processing; requests not run are `leftover` (canceled/expired) or run now (None)."""

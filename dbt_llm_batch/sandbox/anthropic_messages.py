@@ -13,7 +13,8 @@ provider validates them asynchronously): bad params give an `errored` result.
 - Usage: total input = estimate_input_tokens(characters of the system text and
   all message text), as for OpenAI. The cacheable prefix runs from the system
   blocks through the message blocks up to and including the LAST block with
-  `cache_control`; when ceil(its characters / 4) >= min_cache_tokens, the first
+  `cache_control`; when ceil(its characters / 4) >= the model's minimum
+  (caching.min_cache_tokens), the first
   request with that (model, tools, tool_choice, prefix) writes the cache
   (cache_creation_input_tokens) and later ones within the TTL read it
   (cache_read_input_tokens); `input_tokens` is the rest.
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .answers import Faults, count_tokens, expected_answer, simulate
-from .caching import PromptCache
+from .caching import PromptCache, min_cache_tokens
+from .validation import Invalid, check_anthropic_params
 
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 CACHE_TTLS = {"5m": 300, "1h": 3600}
@@ -83,6 +85,10 @@ def _int(params: dict, name: str) -> int:
 
 def read_params(params: dict) -> Ask:
     """Check one request's params as the provider would and read what the answer depends on."""
+    try:
+        check_anthropic_params(params)
+    except Invalid as exc:
+        raise BadParams(str(exc)) from None
     if not isinstance(params.get("model"), str) or not params["model"]:
         raise BadParams("model: Field required")
     max_tokens = _int(params, "max_tokens")
@@ -153,12 +159,12 @@ def _read_cache_control(ask: Ask, params: dict, containers: list[tuple[str, str,
                                 sort_keys=True, ensure_ascii=False)
 
 
-def cache_usage(ask: Ask, total: int, cache: PromptCache, min_tokens: int, now: float) -> dict:
+def cache_usage(ask: Ask, total: int, cache: PromptCache, min_tokens: int | None, now: float) -> dict:
     """The usage fields about input, with the prompt cache read or written as the provider would."""
     usage = {"input_tokens": total, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
              "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}}
     prefix = count_tokens(ask.prefix_chars)
-    if ask.prefix_key is None or prefix < min_tokens:
+    if ask.prefix_key is None or prefix < min_cache_tokens("anthropic", ask.model, min_tokens):
         return usage
     if cache.use(ask.prefix_key, now, CACHE_TTLS[ask.ttl]):
         usage["cache_read_input_tokens"] = prefix
@@ -174,9 +180,11 @@ def errored(type_: str, message: str, new_id: Callable[..., str]) -> dict:
                                          "request_id": new_id("req_011C", 20)}}
 
 
-def run_request(params: object, faults: Faults, cache: PromptCache, min_cache_tokens: int, now: float,
-                new_id: Callable[..., str]) -> tuple[dict, dict | None]:
-    """Process one request -> (its `result` object, its billed usage or None when not billed)."""
+def run_request(params: object, faults: Faults, cache: PromptCache, min_tokens: int | None, now: float,
+                new_id: Callable[..., str], null_details: bool = False) -> tuple[dict, dict | None]:
+    """Process one request -> (its `result` object, its billed usage or None when not billed).
+    `null_details`: the cache_* usage fields are null (the SDK types them optional; a vLLM server's
+    Anthropic endpoint leaves them so)."""
     try:
         if not isinstance(params, dict):
             raise BadParams("params: Input should be a valid dictionary")
@@ -201,8 +209,10 @@ def run_request(params: object, faults: Faults, cache: PromptCache, min_cache_to
             stop = "tool_use"
     if done.truncated:
         stop = "max_tokens"
-    usage = {**cache_usage(ask, done.prompt_tokens, cache, min_cache_tokens, now),
+    usage = {**cache_usage(ask, done.prompt_tokens, cache, min_tokens, now),
              "output_tokens": done.completion_tokens, "service_tier": "batch"}
+    if null_details:
+        usage.update(cache_creation_input_tokens=None, cache_read_input_tokens=None, cache_creation=None)
     message = {"id": new_id("msg_01", 22), "type": "message", "role": "assistant", "model": ask.model,
                "content": content, "stop_reason": stop, "stop_sequence": None, "usage": usage}
     return {"type": "succeeded", "message": message}, usage

@@ -50,8 +50,16 @@ def main(argv: list[str] | None = None) -> int:
                              f"else $ANTHROPIC_API_KEY, else {DEFAULT_KEY!r})")
     parser.add_argument("--auto-advance", type=float, default=None, metavar="SECONDS",
                         help="seconds each batch stage lasts (default: wait for /_emulator/ advance calls)")
-    parser.add_argument("--min-cache-tokens", type=int, default=1024, metavar="TOKENS",
-                        help="shortest prompt prefix the prompt cache stores (default: 1024)")
+    parser.add_argument("--min-cache-tokens", type=int, default=None, metavar="TOKENS",
+                        help="shortest prompt prefix the prompt cache stores (default: each provider's "
+                             "per-model minimum, 1024 tokens, 2048 for Anthropic Haiku models)")
+    parser.add_argument("--enqueued-token-limit", type=int, default=None, metavar="TOKENS",
+                        help="OpenAI: prompt tokens enqueued per model over the batches in progress; a batch "
+                             "over it fails with token_limit_exceeded (default: no limit)")
+    parser.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                        help="Anthropic: requests of unended batches; a create over it gets a 429 (default: no cap)")
+    parser.add_argument("--null-usage-details", action="store_true",
+                        help="usage details and cache_* fields are null, as a vLLM server sends them by default")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--quiet", action="store_true", help="do not log requests")
     args = parser.parse_args(argv)
@@ -61,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         api_key = DEFAULT_KEY
         print(f"No --api-key, OPENAI_API_KEY or ANTHROPIC_API_KEY given; the sandbox accepts the key '{DEFAULT_KEY}'.")
     emu = Emulator(api_key, auto_advance_seconds=args.auto_advance, host=args.host, port=args.port, seed=args.seed,
-                   min_cache_tokens=args.min_cache_tokens)
+                   min_cache_tokens=args.min_cache_tokens, openai_enqueued_token_limit=args.enqueued_token_limit,
+                   anthropic_max_queued_requests=args.max_queued_requests, null_usage_details=args.null_usage_details)
     emu.log_requests = not args.quiet
     emu.start()
     mode = (f"automatically, {args.auto_advance:g}s per stage" if args.auto_advance is not None

@@ -1,6 +1,6 @@
 """OpenAI Files + Batches face of the sandbox: state, validation, results.
 
-Follows the provider contract (shared/reference/provider-contracts.md section 1):
+Follows the OpenAI Batch API docs and SDK:
 create answers `validating`, validation happens later and can end `failed`
 with `errors.data`; results go to an output file (successes) and an error file
 (failures), each in shuffled order; expiry and cancellation keep partial output.
@@ -17,7 +17,8 @@ import math
 import string
 from dataclasses import dataclass, field
 
-from .answers import answer_chat_request, batch_error, check_lines, faulted_lines
+from .answers import (InvalidBody, answer_chat_request, batch_error, chat_inputs, check_lines, estimate_input_tokens,
+                      faulted_lines)
 from .caching import openai_cached_tokens
 from .realtime import openai_chat_completion
 from .openai_files import DAY, FilesMixin, list_page, require, ttl_seconds
@@ -30,7 +31,7 @@ EMULATED_ENDPOINTS = ("/v1/chat/completions",)
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 EXPIRED = {"code": "batch_expired",
            "message": "This request could not be executed before the completion window expired."}
-TOKEN_LIMIT = ("Enqueued token limit reached for {model} in organization org-sandbox. Limit: 2,000,000 enqueued "
+TOKEN_LIMIT = ("Enqueued token limit reached for {model} in organization org-sandbox. Limit: {limit:,} enqueued "
                "tokens. Please try again once some in_progress batches have been completed.")
 ENDPOINT_FAULTS = {  # status -> (message, type, code) as the real API words them
     429: ("Rate limit reached for requests", "requests", "rate_limit_exceeded"),
@@ -51,11 +52,13 @@ class Run:
     out_lines: list[dict] = field(default_factory=list)
     err_lines: list[dict] = field(default_factory=list)
     tokens: list[int] = field(default_factory=lambda: [0, 0, 0])  # prompt, completion, cached over successes
+    enqueued_tokens: int = 0  # prompt tokens of all its requests (the enqueued-token limit counts them)
 
 
 class Face(FilesMixin):
     """The OpenAI face: routes, envelopes and batch lifecycle (protocol in server.py)."""
     name = "openai"
+    server_error_type = "server_error"
     prefixes = ("/v1",)
     request_id_header = "x-request-id"
 
@@ -209,27 +212,41 @@ class Face(FilesMixin):
         if run.obj["status"] in OPEN:
             raise ValueError(f"batch {batch_id} has not ended; only an ended batch's results expire")
         for key in ("output_file_id", "error_file_id"):
-            self.files.pop(run.obj[key], None), self.contents.pop(run.obj[key], None)
+            if run.obj[key] in self.files:
+                self._forget_file(run.obj[key])
         return copy.deepcopy(run.obj)
 
     def tick(self, now: float) -> None:
-        """Auto-advance: each stage lasts `auto_advance_seconds`; catch up on any lag."""
+        """Auto-advance (each stage lasts `auto_advance_seconds`; catch up on any lag), the 24 h
+        completion window (`expires_at`), and file retention (`expires_at` of each file)."""
         stage = self.emu.auto_advance_seconds
-        if stage is None:  # batches move only when told to
-            return
         for run in self.runs.values():
-            while run.obj["status"] in OPEN:
-                status, due = run.obj["status"], run.stage_started + stage
-                if status == "in_progress":  # requests complete steadily through the stage
-                    self._run_until(run, 1.0 if stage <= 0 else min(1.0, (now - run.stage_started) / stage), due)
-                if now < due:
-                    break
-                if status == "validating":
-                    self._leave_validating(run, due)
-                elif status == "in_progress":
-                    self._set_status(run, "finalizing", due)
-                else:  # finalizing or cancelling
-                    self._finish(run, "completed" if status == "finalizing" else "cancelled", due)
+            deadline = run.obj["expires_at"]
+            if stage is not None:  # otherwise batches move only when told to
+                self._auto_advance(run, stage, now if deadline is None else min(now, deadline))
+            if deadline is not None and now >= deadline and run.obj["status"] in ("validating", "in_progress"):
+                # OpenAI Batch guide: unfinished requests of a batch not done within 24 h are cancelled
+                # and reported as batch_expired; completed ones stay in the output file (and are billed).
+                if run.obj["status"] == "in_progress" or self._leave_validating(run, deadline):
+                    self._finish(run, "expired", deadline)
+            if stage is not None and deadline is not None and now > deadline:
+                self._auto_advance(run, stage, now)  # finalizing / cancelling may end after the window
+        for file_id in [i for i, f in self.files.items() if f["expires_at"] is not None and now >= f["expires_at"]]:
+            self._forget_file(file_id)  # retention ended: the provider deleted it
+
+    def _auto_advance(self, run: Run, stage: float, now: float) -> None:
+        while run.obj["status"] in OPEN:
+            status, due = run.obj["status"], run.stage_started + stage
+            if status == "in_progress":  # requests complete steadily through the stage
+                self._run_until(run, 1.0 if stage <= 0 else min(1.0, (now - run.stage_started) / stage), due)
+            if now < due:
+                break
+            if status == "validating":
+                self._leave_validating(run, due)
+            elif status == "in_progress":
+                self._set_status(run, "finalizing", due)
+            else:  # finalizing or cancelling
+                self._finish(run, "completed" if status == "finalizing" else "cancelled", due)
 
     # -- Batches: lifecycle ------------------------------------------------------------
     def _set_status(self, run: Run, status: str, at: float) -> None:
@@ -240,10 +257,12 @@ class Face(FilesMixin):
     def _leave_validating(self, run: Run, at: float, force_fail: bool = False) -> bool:
         errors, requests, model = check_lines(run.data, run.obj["endpoint"], self.emu.max_requests_per_batch)
         errors = errors or faulted_lines(run.data, self.emu.fault_book)
+        tokens = sum(_prompt_tokens(r["body"]) for r in requests) if not errors else 0
         if not errors and force_fail:
             errors = [batch_error("sandbox_forced_failure", None, "Batch failed on request of the sandbox controller.")]
-        elif not errors and self.emu.fault_book.take_token_limit():
-            errors = [batch_error("token_limit_exceeded", None, TOKEN_LIMIT.format(model=model))]
+        elif not errors and (self.emu.fault_book.take_token_limit() or self._over_token_limit(model, tokens)):
+            errors = [batch_error("token_limit_exceeded", None, TOKEN_LIMIT.format(
+                model=model, limit=self.emu.openai_enqueued_token_limit or 2_000_000))]
         elif not errors and (failure := self.emu.fault_book.take_batch_failure()):
             errors = [batch_error(failure["code"] or "invalid_request", None, failure["message"] or
                                   "The batch could not be processed.", failure["param"])]
@@ -251,12 +270,23 @@ class Face(FilesMixin):
             run.obj["errors"] = {"object": "list", "data": errors}
             self._set_status(run, "failed", at)
             return False
-        run.requests, run.obj["model"] = requests, model
+        run.requests, run.obj["model"], run.enqueued_tokens = requests, model, tokens
         run.obj["request_counts"]["total"] = len(requests)
         run.todo = list(range(len(requests)))
         self.emu.rng.shuffle(run.todo)  # the provider does not run requests in file order
         self._set_status(run, "in_progress", at)
         return True
+
+    def _over_token_limit(self, model: str | None, tokens: int) -> bool:
+        """OpenAI Batch guide: an organisation may have at most so many prompt tokens enqueued per model
+        (over all its batches in progress); a batch over it fails validation with token_limit_exceeded
+        (create itself does not raise)."""
+        limit = self.emu.openai_enqueued_token_limit
+        if limit is None:
+            return False
+        enqueued = sum(r.enqueued_tokens for r in self.runs.values()
+                       if r.obj["model"] == model and r.obj["status"] in ("in_progress", "finalizing", "cancelling"))
+        return enqueued + tokens > limit
 
     def _run_until(self, run: Run, fraction: float, at: float) -> None:
         """Run requests until `fraction` of the batch is done (never undoes work)."""
@@ -270,7 +300,8 @@ class Face(FilesMixin):
         model, emu = line["body"].get("model"), self.emu
         status, body, done = answer_chat_request(
             line["body"], emu.fault_book, self._id, int(at),
-            lambda ask: openai_cached_tokens(emu.prompt_cache, model, ask, emu.min_cache_tokens, at))
+            lambda ask: openai_cached_tokens(emu.prompt_cache, model, ask, emu.min_cache_tokens, at,
+                                             emu.openai_cache_ttl_seconds), emu.null_usage_details)
         result = self._line(line, {"status_code": status, "request_id": self._id("req_", 32, HEX), "body": body})
         counts = run.obj["request_counts"]
         if done is None:
@@ -284,6 +315,7 @@ class Face(FilesMixin):
         run.tokens[2] += done.cached_tokens
         self.emu.counters.add_usage("openai", prompt_tokens=done.prompt_tokens,
                                     completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens)
+        self.emu.counters.bill("openai", "batch", chat_inputs(line["body"]).prompt, run.obj["id"], line["custom_id"])
 
     def _line(self, line: dict, response: dict | None, error: dict | None = None) -> dict:
         return {"id": self._id("batch_req_", 32, HEX), "custom_id": line["custom_id"], "response": response,
@@ -311,6 +343,14 @@ class Face(FilesMixin):
 
     def _id(self, prefix: str, length: int, alphabet: str = string.ascii_letters + string.digits) -> str:
         return prefix + "".join(self.emu.rng.choices(alphabet, k=length))
+
+
+def _prompt_tokens(body: dict) -> int:
+    """Prompt tokens a line enqueues (0 for a body that will fail when it runs)."""
+    try:
+        return estimate_input_tokens(chat_inputs(body).prompt_chars)
+    except InvalidBody:
+        return 0
 
 
 def _metadata(metadata: object) -> dict | None:

@@ -1,7 +1,7 @@
 """OpenAI Files API of the sandbox (the OpenAI batch face mixes this in).
 
 Batch input files must be .jsonl with purpose "batch" and at most
-`max_file_bytes` (200 MB by default) or the upload gets a 400; result files are
+`max_file_bytes` (200 MB, decimal, by default) or the upload gets a 400; result files are
 stored with purpose "batch_output". Also holds the small helpers both OpenAI
 modules share: parameter checks and list pages.
 """
@@ -44,7 +44,7 @@ class FilesMixin:
         require(purpose in UPLOAD_PURPOSES, f"'{purpose}' is not one of {list(UPLOAD_PURPOSES)} - 'purpose'",
                 "purpose")
         filename, data = fields["file"][0] or "file", fields["file"][1]
-        require(len(data) <= (self.emu.max_file_bytes if purpose == "batch" else 512 * 1024 * 1024),
+        require(len(data) <= (self.emu.max_file_bytes if purpose == "batch" else 512_000_000),
                 "File is too large.")
         require(purpose != "batch" or filename.endswith(".jsonl"),
                 "Invalid file format for Batch API. Must be .jsonl", "file")
@@ -64,10 +64,13 @@ class FilesMixin:
         return dict(self._file(req.params["id"]))
 
     def delete_file(self, req: Request) -> dict:
-        file_id = self._file(req.params["id"])["id"]
-        self.deleted_contents[file_id] = self.contents[file_id]  # for Emulator.file_bytes (tests) only
-        del self.files[file_id], self.contents[file_id]
+        self._forget_file(self._file(req.params["id"])["id"])
         return {"id": req.params["id"], "object": "file", "deleted": True}
+
+    def _forget_file(self, file_id: str) -> None:
+        """Gone from the API (deleted by the client or by retention); kept for Emulator.file_bytes."""
+        self.deleted_contents[file_id] = self.contents.pop(file_id)
+        del self.files[file_id]
 
     def file_content(self, req: Request) -> Reply:
         return Reply(200, self.contents[self._file(req.params["id"])["id"]], "application/octet-stream")

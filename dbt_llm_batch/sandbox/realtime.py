@@ -22,26 +22,28 @@ def openai_chat_completion(face, req: Request) -> Reply:
     now = emu.now()
     status, payload, done = answer_chat_request(
         body, emu.fault_book, face._id, int(now),
-        lambda ask: openai_cached_tokens(emu.prompt_cache, body.get("model"), ask, emu.min_cache_tokens, now))
+        lambda ask: openai_cached_tokens(emu.prompt_cache, body.get("model"), ask, emu.min_cache_tokens, now,
+                                         emu.openai_cache_ttl_seconds), emu.null_usage_details)
     if done is not None:
         emu.counters.add_usage("openai", prompt_tokens=done.prompt_tokens,
                                completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens)
         emu.counters.realtime_answered("openai", chat_inputs(body).prompt)
-    # Providers send retry-after with 429 and 5xx (provider-contracts.md, throttling).
+    # Providers send retry-after with 429 and 5xx (both SDKs honour it).
     headers = {"retry-after": "1"} if status == 429 or status >= 500 else {}
     return Reply(status, _json_bytes(payload), headers=headers)
 
 
 def anthropic_create_message(face, req: Request) -> dict:
     params, emu = req.json(), face.emu
-    result, usage = run_request(params, emu.fault_book, emu.prompt_cache, emu.min_cache_tokens, emu.now(), face._id)
+    result, usage = run_request(params, emu.fault_book, emu.prompt_cache, emu.min_cache_tokens, emu.now(), face._id,
+                                emu.null_usage_details)
     if result["type"] != "succeeded":
         error = result["error"]["error"]
         status = STATUS_OF_TYPE.get(error["type"], 400)
         raise ApiError(status, error["message"], error["type"],
                        headers={"retry-after": "1"} if status == 429 or status >= 500 else None)
     usage["service_tier"] = "standard"
-    emu.counters.add_usage(face.name, **{k: usage[k] for k in (
+    emu.counters.add_usage(face.name, **{k: usage[k] or 0 for k in (
         "input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")})
     try:
         emu.counters.realtime_answered(face.name, read_params(params).prompt)

@@ -5,7 +5,7 @@ Files+Batches at `<base>/v1`, Anthropic Message Batches at `<base>`). A face is
 built as `Face(emulator)` and provides: `name` (its key in stats), `routes`
 (list of METHOD, "/v1/path/{id}", handler), `prefixes`, `request_id_header`,
 `api_key_from(headers)`, `auth_error(presented_key)`, `route_not_found(method, path)`,
-`endpoint_fault_error(fault)` (these three return ApiError),
+`endpoint_fault_error(fault)` (these three return ApiError), `server_error_type` (the error type of a 500),
 `error_payload(err, request_id)`, and the batch hooks `reset()`, `tick(now)`
 (called before every request and control call, with or without auto-advance),
 `owns(id)`, `advance(id, to, done_fraction)`, `expire_results(id)`, `complete_all()`, `batch_list()`.
@@ -13,8 +13,9 @@ Optional: `edge_check(req)` -> ApiError or None, run before auth (what a CDN in
 front of the provider rejects, e.g. Anthropic's 413).
 Handlers take a `Request` and return a dict (200 JSON), bytes (200 raw) or a
 `Reply`, raising `ApiError` for provider errors. This module holds what all
-faces share: auth, endpoint faults, call statistics, the prompt cache, one
-lock. The CLI is in cli.py.
+faces share: auth, endpoint faults (before or after the handler ran), call statistics,
+the prompt cache, one lock, and the record of the sandbox's own bugs (`internal_errors`:
+the test fixtures fail a test that hit one). The CLI is in cli.py.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -38,6 +40,7 @@ from .stats import Counters
 # Faces are imported by name when an Emulator is built: they import the shared
 # helpers below, so a top-level import here would be circular.
 REALTIME_PATHS = ("/v1/chat/completions", "/v1/messages")
+PROXY_PAGES = {413: "413 Request Entity Too Large", 502: "502 Bad Gateway", 504: "504 Gateway Time-out"}
 FACE_MODULES = ("dbt_llm_batch.sandbox.openai_batch", "dbt_llm_batch.sandbox.anthropic_batch")
 
 
@@ -84,12 +87,22 @@ class Emulator:
     """In-process sandbox of the provider batch APIs, served on loopback."""
 
     def __init__(self, api_key: str, auto_advance_seconds: float | None = None, host: str = "127.0.0.1",
-                 port: int = 0, max_file_bytes: int = 200 * 1024 * 1024, max_requests_per_batch: int = 50000,
+                 port: int = 0, max_file_bytes: int = 200_000_000, max_requests_per_batch: int = 50000,
                  seed: int | None = None, max_message_batch_requests: int = 100_000,
-                 max_batch_bytes: int = 256 * 1024 * 1024, min_cache_tokens: int = 1024):
-        """One key serves both faces. OpenAI limits: `max_file_bytes`, `max_requests_per_batch`;
-        Anthropic limits: `max_message_batch_requests`, `max_batch_bytes`; both: `min_cache_tokens`
-        (the shortest prefix, in sandbox tokens, that the prompt cache stores)."""
+                 max_batch_bytes: int = 256_000_000, min_cache_tokens: int | None = None,
+                 openai_enqueued_token_limit: int | None = None, anthropic_max_queued_requests: int | None = None,
+                 openai_cache_ttl_seconds: float = 300, null_usage_details: bool = False):
+        """One key serves both faces.
+
+        OpenAI: `max_file_bytes` (a batch input file), `max_requests_per_batch`,
+        `openai_enqueued_token_limit` (prompt tokens enqueued per model over the organisation's batches in
+        progress; None: no limit), `openai_cache_ttl_seconds` (how long an unused cached prefix lives).
+        Anthropic: `max_message_batch_requests`, `max_batch_bytes` (a create body),
+        `anthropic_max_queued_requests` (requests of unended batches in the workspace; None: no cap).
+        Sizes are decimal megabytes, as the providers' docs state them (200 MB = 200,000,000 bytes).
+        Both: `min_cache_tokens` (the shortest prefix, in sandbox tokens, the prompt cache stores; None:
+        each provider's per-model minimum, see caching.min_cache_tokens); `null_usage_details`: usage
+        details and Anthropic `cache_*` fields are null, as a vLLM server sends them by default."""
         if not api_key:
             raise ValueError("api_key must be a non-empty string")
         self._api_key = api_key
@@ -98,6 +111,13 @@ class Emulator:
         self.max_file_bytes, self.max_requests_per_batch = max_file_bytes, max_requests_per_batch
         self.max_message_batch_requests, self.max_batch_bytes = max_message_batch_requests, max_batch_bytes
         self.min_cache_tokens = min_cache_tokens
+        self.openai_enqueued_token_limit = openai_enqueued_token_limit
+        self.anthropic_max_queued_requests = anthropic_max_queued_requests
+        self.openai_cache_ttl_seconds = openai_cache_ttl_seconds
+        self.null_usage_details = null_usage_details
+        # What the Anthropic results endpoint answers for an archived batch (`archived_at` set): the
+        # provider's docs do not say; 404 by default, settable so clients are shown to rely on archived_at.
+        self.archived_results_status = 404
         self.seed = seed
         self.prompt_cache = PromptCache()
         self.log_requests = False  # the CLI turns this on; never logs headers
@@ -106,6 +126,7 @@ class Emulator:
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.fault_book, self.counters, self.rng = Faults(), Counters(), random.Random(seed)
+        self.internal_errors: list[str] = []  # tracebacks of sandbox bugs (see raise_internal_errors)
         self.faces = [importlib.import_module(m).Face(self) for m in FACE_MODULES]
         self._routes = [(face, method, _compile(pattern), f"{method} {pattern}", handler)
                         for face in self.faces for method, pattern, handler in face.routes]
@@ -198,6 +219,15 @@ class Emulator:
         with self._lock:
             return self.counters.snapshot()
 
+    def billed(self) -> list[dict]:
+        """Every request the sandbox billed, in order: {face, via ("batch" | "realtime"), batch_id,
+        custom_id (batch lines), prompt}. Billed means the provider charges it: a succeeded batch line
+        (also in a batch that later expired or was cancelled) or an answered realtime call, also one
+        whose answer an `after` fault kept from the client."""
+        with self._lock:
+            self._tick()
+            return [dict(b) for b in self.counters.billed]
+
     def batches(self) -> list[dict]:
         """Every batch of both faces as the provider serves (or, once deleted, last served) it, newest
         first. OpenAI batches have "object": "batch", Anthropic ones "type": "message_batch"."""
@@ -243,6 +273,33 @@ class Emulator:
     # -- HTTP dispatch ------------------------------------------------------------
     def handle(self, method: str, raw_path: str, headers: dict[str, str], body: bytes) -> Reply:
         """Answer one HTTP request (socket-free, so it is easy to reason about)."""
+        try:
+            return self._dispatch(method, raw_path, headers, body)
+        except Exception as exc:
+            return self.internal_error(urlsplit(raw_path).path, exc)
+
+    def internal_error(self, path: str, exc: BaseException) -> Reply:
+        """A bug in the sandbox: recorded (tests fail on it, see raise_internal_errors) and answered as a
+        500 in the envelope of the face the path belongs to."""
+        self.internal_errors.append("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        face = self._face_for(path)
+        err = ApiError(500, f"sandbox internal error: {exc!r}", face.server_error_type,
+                       headers={"x-should-retry": "false"})
+        return self._render_error(face, err)
+
+    def raise_internal_errors(self) -> None:
+        """Fail loudly if any request hit a bug in the sandbox: a client sees such a bug as a provider 500,
+        which a robust client survives, so a test would otherwise pass over it."""
+        if self.internal_errors:
+            raise AssertionError(f"the sandbox failed inside {len(self.internal_errors)} time(s); first:\n"
+                                 + self.internal_errors[0])
+
+    def _face_for(self, path: str):
+        # The face owning the longest matching prefix (/v1/messages vs /v1) answers for a path.
+        owners = [(len(p), i) for i, f in enumerate(self.faces) for p in f.prefixes if path.startswith(p)]
+        return self.faces[max(owners)[1] if owners else 0]
+
+    def _dispatch(self, method: str, raw_path: str, headers: dict[str, str], body: bytes) -> Reply:
         url = urlsplit(raw_path)
         if url.path.startswith("/_emulator/"):
             return self._control(method, url.path, body)
@@ -256,9 +313,7 @@ class Emulator:
                     req.params = m.groupdict()
                     return self._call(face, handler, req, key)
             self.counters.calls[f"{method} <unmatched>"] += 1
-            # The face owning the longest matching prefix words the 404 (/v1/messages vs /v1).
-            owners = [(len(p), i) for i, f in enumerate(self.faces) for p in f.prefixes if url.path.startswith(p)]
-            face = self.faces[max(owners)[1] if owners else 0]
+            face = self._face_for(url.path)
             return self._render_error(face, face.route_not_found(method, url.path))
 
     def _call(self, face, handler, req: Request, key: str) -> Reply:
@@ -270,17 +325,16 @@ class Emulator:
         if not hmac.compare_digest(presented.encode(), self._api_key.encode()):
             return self._render_error(face, face.auth_error(presented))
         fault = self.fault_book.take_endpoint(key, req.path)
-        if fault and fault["kind"] == "disconnect":
-            return Reply(0, b"", cut="disconnect")
-        if fault and fault["kind"] == "http_error":
-            err = face.endpoint_fault_error(fault)
-            if fault["retry_after"] is not None:
-                err.headers["retry-after"] = f"{fault['retry_after']:g}"
-            return self._render_error(face, err)
+        if fault and fault["when"] == "before" and fault["kind"] != "truncate":
+            return self._fault_reply(face, fault)  # nothing happened: the handler never ran
         try:
             result = handler(req)
         except ApiError as err:
-            return self._render_error(face, err)
+            result = self._render_error(face, err)
+        if fault and fault["when"] == "after" and fault["kind"] != "truncate":
+            # The work is done (a batch created, an answer billed) and the client still sees a failure,
+            # as after a real 5xx / gateway timeout / reset that follows the provider's own commit.
+            return self._fault_reply(face, fault)
         request_id = self._request_id()
         if isinstance(result, bytes):
             result = Reply(200, result, "application/octet-stream")
@@ -290,6 +344,20 @@ class Emulator:
         if fault and fault["kind"] == "truncate":
             result.cut = "truncate"
         return result
+
+    def _fault_reply(self, face, fault: dict) -> Reply:
+        if fault["kind"] == "disconnect":
+            return Reply(0, b"", cut="disconnect")
+        if fault["kind"] == "proxy_error":  # a proxy in front of the API answers: a page, not JSON
+            status = fault["status_code"]
+            text = fault["message"] or PROXY_PAGES.get(status, f"{status} Error")
+            body = (f"<html>\r\n<head><title>{text}</title></head>\r\n<body>\r\n<center><h1>{text}</h1></center>"
+                    "\r\n<hr><center>cloudflare</center>\r\n</body>\r\n</html>\r\n").encode()
+            return Reply(status, body, "text/html")
+        err = face.endpoint_fault_error(fault)
+        if fault["retry_after"] is not None:
+            err.headers["retry-after"] = f"{fault['retry_after']:g}"
+        return self._render_error(face, err)
 
     def _render_error(self, face, err: ApiError) -> Reply:
         request_id = self._request_id()
@@ -346,8 +414,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             reply = emulator.handle(self.command, self.path, headers, self._read_body(headers))
         except Exception as exc:  # a sandbox bug must not look like a hung provider
-            reply = Reply(500, _json_bytes({"error": {"message": f"sandbox internal error: {exc!r}",
-                                                      "type": "server_error", "param": None, "code": None}}))
+            reply = emulator.internal_error(urlsplit(self.path).path, exc)
         if reply.cut == "disconnect":  # like a reset connection: no status line at all
             self.close_connection = True
             return

@@ -22,6 +22,8 @@ class Counters:
         self.creation_order: dict[str, int] = {}  # batch id -> sequence, to list both faces newest first
         self.realtime_requests: Counter[str] = Counter()  # billed realtime answers per face
         self.realtime_prompts: Counter[tuple[str, str]] = Counter()  # (face, prompt) -> billed answers
+        # Every billed request, batch line or realtime call, in billing order (Emulator.billed()).
+        self.billed: list[dict] = []
 
     def new_batch(self, face: str, batch_id: str, request_lines: int) -> None:
         self.batches_created += 1
@@ -36,6 +38,10 @@ class Counters:
     def realtime_answered(self, face: str, prompt: str) -> None:
         self.realtime_requests[face] += 1
         self.realtime_prompts[(face, prompt)] += 1
+        self.bill(face, "realtime", prompt)
+
+    def bill(self, face: str, via: str, prompt: str, batch_id: str | None = None, custom_id: str | None = None) -> None:
+        self.billed.append({"face": face, "via": via, "batch_id": batch_id, "custom_id": custom_id, "prompt": prompt})
 
     def snapshot(self) -> dict:
         oai = self.usage["openai"]
