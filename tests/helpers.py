@@ -11,11 +11,12 @@ TRIAGE_SYSTEM = ("You triage customer support tickets. Answer with the category,
                  "and a one-line summary.")
 TRIAGE_OUTPUT = {"category": ["billing", "bug", "how_to", "feature_request", "other"],
                  "urgent": "boolean", "summary": "text"}
+# As sent: the plugin sorts the output columns by name (dbt's parse does not keep a dict's order).
 TRIAGE_SCHEMA = {
     "type": "object",
     "properties": {"category": {"type": "string", "enum": TRIAGE_OUTPUT["category"]},
-                   "urgent": {"type": "boolean"}, "summary": {"type": "string"}},
-    "required": ["category", "urgent", "summary"],
+                   "summary": {"type": "string"}, "urgent": {"type": "boolean"}},
+    "required": ["category", "summary", "urgent"],
     "additionalProperties": False,
 }
 
