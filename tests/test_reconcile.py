@@ -10,6 +10,9 @@ from __future__ import annotations
 import collections
 import json
 import socket
+import subprocess
+import sys
+import tempfile
 
 import anthropic
 import openai
@@ -17,6 +20,7 @@ import pytest
 from helpers import PROVIDER_MODELS, TRIAGE_SYSTEM, batch_counts, expected_triage, sorted_batches, triage_model
 from test_crash_recovery import dbt_subprocess, succeeded_custom_ids
 
+from dbt_llm_batch import tempdirs
 from dbt_llm_batch.cli import main as cli
 
 MODEL, SELECT = "models/triage.sql", ["-s", "triage"]
@@ -158,7 +162,9 @@ def test_a_held_submission_is_shown_and_released_with_a_warning(project, emulato
     assert "dbt-llm-batch release" in log_text(project)
     rc, out, _ = command(project, capsys, "status")
     assert rc == 0 and "Interrupted submissions held by reconciliation" in out
-    assert "│ main.triage │" in out.split("Interrupted submissions held by reconciliation")[1].split("\n\n")[0]
+    section = out.split("Interrupted submissions held by reconciliation")[1].split("Cost per model")[0]
+    job_id = project.query("select job_id from main.llm_batch_jobs")[0][0]
+    assert "main.triage" in section and job_id in section and "submitting" in section
 
     rc, out, _ = command(project, capsys, "release")
     assert rc == 0
@@ -242,6 +248,56 @@ def test_an_interrupted_submission_with_only_decoys_is_resent(project, emulator,
     assert ours not in decoys
     assert [r[0] for r in project.query("select status from main.llm_batch_jobs order by created_at")] == \
         ["voided", "validating" if provider == "openai" else "in_progress"]
+    emulator.complete_all()
+    project.dbt("run", *SELECT)
+    assert_all_answered_once(project, emulator)
+
+
+# -- D: nothing left on disk or at the provider by a killed run -----------------------------------
+
+def ours(directory) -> list:
+    return [p for p in directory.iterdir() if p.name.startswith("dbt_llm_batch_")]
+
+
+def test_a_killed_runs_request_files_are_removed_by_the_next_run(project, emulator, tmp_path, monkeypatch):
+    """Killed mid-submission, a run leaves its request files (the prompts) in $TMPDIR: the next run
+    removes the directories of processes that no longer exist, and only those."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # recomputed from TMPDIR
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        live_dir = tmp / f"dbt_llm_batch_{live.pid}_{tempdirs._host()}_abc"
+        live_dir.mkdir()
+        project.write(MODEL, triage_model())
+        project.dbt("seed")
+        kill_at(project, tmp_path, "after_upload")
+        left = [p for p in ours(tmp) if p != live_dir]
+        assert len(left) == 1 and "Subject: " in (left[0] / "requests-0.jsonl").read_text()
+        project.dbt("run", *SELECT)
+        assert ours(tmp) == [live_dir], "a live process's directory is left alone"
+    finally:
+        live.kill()
+        live.wait()
+
+
+# -- F: which call failed ---------------------------------------------------------------------------
+
+def test_a_failed_upload_is_reported_as_an_upload_and_resent(project, emulator):
+    project.write(MODEL, triage_model(extra_config="llm_retry_budget_seconds = 0,"))
+    project.dbt("seed")
+    emulator.add_fault(endpoint="POST /v1/files", status_code=500, times=1)
+    project.dbt("run", *SELECT)
+    log = log_text(project)
+    assert "main.triage: uploading the request file failed (" in log
+    assert "upload the request file: HTTP 500" in log
+    assert "no batch was created, so its requests are sent again by the next run" in log
+    assert "creating a batch failed" not in log
+    assert emulator.stats()["calls"].get("POST /v1/batches", 0) == 0
+    assert jobs(project) == [("uploading", False)]
+    project.dbt("run", *SELECT)  # `create` was never called: no batch to wait for
+    assert batch_counts(emulator) == [6]
     emulator.complete_all()
     project.dbt("run", *SELECT)
     assert_all_answered_once(project, emulator)
