@@ -140,9 +140,17 @@ def reconcile(ledger: Ledger, get_provider, job: dict, run_started) -> None:
         return
     since = job["created_at"].timestamp()
     if job["status"] == "uploading":  # `create` was never called: no batch can exist
-        known = ledger.con.execute(f"select input_file_id from {ledger.table('llm_batch_jobs')} where job_id = ?",
-                                   [job["job_id"]]).fetchall()[0][0]
-        void_submission(ledger, job["job_id"], NEVER_SENT, known or get_provider().find_upload(job["job_id"], since))
+        file_id = ledger.con.execute(f"select input_file_id from {ledger.table('llm_batch_jobs')} where job_id = ?",
+                                     [job["job_id"]]).fetchall()[0][0]
+        if file_id is None:
+            try:  # an upload whose answer never reached the ledger: found by its name, to delete it
+                file_id = get_provider().find_upload(job["job_id"], since)
+            except ProviderUnavailable:
+                raise  # asked again by the next run
+            except Exception as exc:  # a file left behind costs nothing: never fail the run for it
+                logger().warning(f"{ledger.model}: could not look for the file an interrupted upload of "
+                                 f"{job['job_id']} may have left at the provider ({describe(exc)})")
+        void_submission(ledger, job["job_id"], NEVER_SENT, file_id)
         return
     if job["created_at"] >= run_started:
         # This run's own failed `create`: the provider may still be creating it, so it is asked by

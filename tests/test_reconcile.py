@@ -228,6 +228,9 @@ def test_the_interrupted_batch_is_adopted_among_ended_decoys_of_the_same_size(pr
     assert project.query("select batch_id from main.llm_batch_jobs") == [(ours,)]
     assert len(batch_counts(emulator)) == len(decoys) + 1, "nothing was sent again"
     assert_all_answered_once(project, emulator)
+    if provider == "openai":  # the adopted batch's files are deleted once harvested, like any other's
+        adopted = [b for b in emulator.batches() if b["id"] == ours][0]
+        assert {adopted["input_file_id"], adopted["output_file_id"]}.isdisjoint(openai_files(emulator))
 
 
 def test_an_interrupted_submission_with_only_decoys_is_resent(project, emulator, provider):
