@@ -60,8 +60,11 @@ class OfflineProvider(OpenAIBatchProvider):
         super().__init__(config)
         self.directory = directory
 
-    def submit(self, jsonl_path, token, model_name):
-        return Submission(batch_id=f"batch_{token}", status="validating", input_file_id=f"file_{token}")
+    def upload(self, jsonl_path, token):
+        return f"file_{token}"
+
+    def create(self, jsonl_path, file_id, token, model_name):
+        return Submission(batch_id=f"batch_{token}", status="validating", input_file_id=file_id)
 
     def poll(self, batch_id):
         return BatchState(status="completed", ended=True, output_file_id=f"out_{batch_id}")

@@ -42,6 +42,22 @@ def status(database: str, schema: str) -> int:
     if held.fetchall():
         print("Held after `dbt-llm-batch cancel` (sent again after `dbt-llm-batch release`):")
         held.show(max_width=200)
+    interrupted = con.sql(f"""select model, job_id, status, request_count as requests,
+                                     date_trunc('second', now() - created_at) as age, error
+                              from {s}.llm_batch_jobs where batch_id is null and harvested_at is null
+                                and status in ('intent', 'uploading', 'submitting') order by created_at""")
+    if interrupted.fetchall():
+        print("Interrupted submissions held by reconciliation (not resent while a provider batch may be theirs; "
+              "`dbt-llm-batch release` sends them again, paid twice if such a batch was theirs):")
+        interrupted.show(max_width=200)
+    orphans = con.sql(f"""select model, count(*) as requests from {s}.llm_batch_requests
+                          where status in ('queued', 'submitted')
+                            and job_id not in (select job_id from {s}.llm_batch_jobs)
+                          group by model order by model""")
+    if orphans.fetchall():
+        print("In-flight requests whose job is missing from llm_batch_jobs (never polled nor resent; "
+              "`dbt-llm-batch release` sends them again):")
+        orphans.show(max_width=200)
     print("Cost per model and day (savings = realtime cost - batch cost):")
     con.sql(f"""select model, provider, day, rows_succeeded, rows_failed, cost_usd, realtime_cost_usd, savings_usd,
                        committed_not_billed_usd from {s}.llm_batch_costs order by model, day""").show(max_width=200)
@@ -51,7 +67,7 @@ def status(database: str, schema: str) -> int:
 # Operator actions (dbt_llm_batch/operator.py), each on one model of one ledger.
 OPERATOR_COMMANDS = {
     "cancel": "cancel the model's in-flight batches at the provider; their unanswered requests are held",
-    "release": "let the next run send the model's held (cancelled) requests",
+    "release": "let the next run send the model's held requests (cancelled, or of interrupted submissions)",
     "requeue": "give the model's failed requests a fresh set of attempts, without changing config",
     "unlock": "remove the model's run lock left by a dead process",
 }

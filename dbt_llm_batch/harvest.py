@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 
 import pyarrow as pa
 
-from dbt_llm_batch import batch_failures, costs, crashpoints
+from dbt_llm_batch import batch_failures, costs, crashpoints, tempdirs
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
@@ -64,7 +63,7 @@ def poll_and_harvest(ledger: Ledger, provider: BatchProvider, config: ModelConfi
     Returns counts for the run summary."""
     stats = {"harvested_jobs": 0, "still_pending_jobs": 0, "unknown_results": 0}
     ended = []
-    with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
+    with tempdirs.private_dir() as directory:
         downloads = []
         for job in jobs:
             try:

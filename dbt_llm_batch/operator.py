@@ -4,7 +4,9 @@
   (who, when, the provider's status); the next `dbt run` of the model harvests what the batches had
   finished, and holds the requests they left unanswered (`held`): they are not sent again until
   `release`, or until their prompt or answer-defining config changes (a new fingerprint).
-- `release`: make held requests eligible again.
+- `release`: make held requests eligible again; also those of interrupted submissions that
+  reconciliation holds, and in-flight requests whose job row is missing (with a warning: if their
+  batch did run at the provider, they are paid twice).
 - `requeue`: give a model's failed requests a fresh set of attempts without changing its config.
   The failures stay in the ledger (status `requeued`, error and answer kept); they stop counting.
 - `unlock`: remove a dead run's lock (locks.py).
@@ -26,15 +28,18 @@ import duckdb
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.duckdb_plugin import is_lock_conflict, lock_conflict_message
 from dbt_llm_batch.errors import LlmBatchError
-from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.ledger import IN_FLIGHT, Ledger
 from dbt_llm_batch.locks import database_path, unlock
 from dbt_llm_batch.providers import get_provider
+from dbt_llm_batch.runlog import logger as run_log
 
 log = logging.getLogger("dbt_llm_batch")
 
 # Request statuses a cancelled batch leaves on requests it did not answer (harvest.settle writes
 # 'voided'; the others are the provider words a harvest may record).
 UNANSWERED = ("voided", "canceled", "cancelled", "expired")
+# Job statuses of a submission whose batch id is not known (submit.py).
+INTERRUPTED = ("intent", "uploading", "submitting")
 
 
 class OperatorError(LlmBatchError):
@@ -129,14 +134,51 @@ def hold_cancelled(ledger: Ledger) -> int:
               and j.harvested_at is not null and r.status in {UNANSWERED}""", [ledger.model]).fetchall()[0][0]
 
 
-def release_model(con, schema: str, model: str) -> int:
-    """Held requests become 'released': like 'voided', planned again without using up an attempt (a
-    status of its own, so hold_cancelled does not hold them again); returns how many."""
+def release_model(con, schema: str, model: str) -> tuple[int, int, int, int]:
+    """Make the model's requests that no run will send eligible again, as 'released' (like 'voided':
+    planned again without using up an attempt; a status of its own, so hold_cancelled does not hold
+    them again): the held ones (after a cancel), those of interrupted submissions reconciliation holds
+    (no batch id: the provider may or may not have their batch), and in-flight ones whose job row is
+    missing. Returns (held, interrupted requests, interrupted submissions, job missing)."""
     ledger = resolve_model(con, schema, model)
-    return ledger.execute(
-        f"""update {ledger.table('llm_batch_requests')} set status = 'released',
-              error = error || '; released by ' || ? || ' at ' || strftime(now(), '%Y-%m-%d %H:%M:%S')
-            where model = ? and status = 'held'""", [operator_name(), ledger.model]).fetchall()[0][0]
+    requests, jobs = ledger.table("llm_batch_requests"), ledger.table("llm_batch_jobs")
+    note = "'; released by ' || ? || ' at ' || strftime(now(), '%Y-%m-%d %H:%M:%S')"
+    who = operator_name()
+    held = ledger.execute(f"update {requests} set status = 'released', error = error || {note} "
+                          f"where model = ? and status = 'held'", [who, ledger.model]).fetchall()[0][0]
+    interrupted = [r[0] for r in con.execute(
+        f"""select job_id from {jobs} where model = ? and batch_id is null and harvested_at is null
+              and status in {INTERRUPTED}""", [ledger.model]).fetchall()]
+    freed = 0
+    for job_id in interrupted:
+        freed += ledger.execute(
+            f"""update {requests} set status = 'released',
+                  error = 'its submission ' || job_id || ' was interrupted, never matched to a provider batch' || {note}
+                where job_id = ? and status in {IN_FLIGHT}""", [who, job_id]).fetchall()[0][0]
+        ledger.update_job(job_id, status="voided", error=f"released by {who}")
+    orphans = ledger.execute(
+        f"""update {requests} set status = 'released',
+              error = 'its job ' || job_id || ' is missing from llm_batch_jobs' || {note}
+            where model = ? and status in {IN_FLIGHT} and job_id not in (select job_id from {jobs})""",
+        [who, ledger.model]).fetchall()[0][0]
+    return held, freed, len(interrupted), orphans
+
+
+def warn_missing_jobs(ledger: Ledger) -> int:
+    """Warn about in-flight requests whose job row is gone (deleted by hand?): no run polls or resends
+    them. Returns how many."""
+    jobs = ledger.table("llm_batch_jobs")
+    n = ledger.con.execute(
+        f"""select count(*) from {ledger.table('llm_batch_requests')}
+            where model = ? and status in {IN_FLIGHT} and job_id not in (select job_id from {jobs})""",
+        [ledger.model]).fetchall()[0][0]
+    if n:
+        run_log().warning(
+            f"{ledger.model}: {n} request(s) are in flight under a job missing from llm_batch_jobs (was its row "
+            f"deleted?): no run polls them or sends them again. If their batch never ran (or you accept paying "
+            f"again), send them with `dbt-llm-batch release --database {database_path(ledger.con)} --schema "
+            f"{ledger.schema} --model {ledger.model}`")
+    return n
 
 
 def requeue_model(con, schema: str, model: str) -> tuple[int, int]:
@@ -160,17 +202,21 @@ def delete_provider_files(ledger: Ledger, client_for, enabled: bool) -> None:
     provider since): called only when there is something to delete."""
     if not enabled:
         return
+    # Harvested batches; and voided submissions that uploaded a file but never made a batch with it.
     jobs = ledger.con.execute(
         f"""select job_id, batch_id, provider, llm_model, input_file_id, output_file_id, error_file_id
             from {ledger.table('llm_batch_jobs')}
-            where model = ? and harvested_at is not null and batch_id is not null and files_deleted_at is null
-              and provider <> 'openai_compatible'""", [ledger.model]).fetchall()
+            where model = ? and files_deleted_at is null and provider <> 'openai_compatible'
+              and ((harvested_at is not null and batch_id is not null)
+                   or (status = 'voided' and batch_id is null and input_file_id is not null))""",
+        [ledger.model]).fetchall()
     for job_id, batch_id, provider_name, llm_model, *file_ids in jobs:
         provider = client_for({"provider": provider_name, "llm_model": llm_model})
         try:
             provider.delete_files(batch_id, [f for f in file_ids if f])
         except Exception as exc:
-            log.warning(f"{ledger.model}: could not delete the files of batch {batch_id} at {provider.name} "
+            what = f"batch {batch_id}" if batch_id else f"interrupted submission {job_id}"
+            log.warning(f"{ledger.model}: could not delete the files of {what} at {provider.name} "
                         f"({type(exc).__name__}: {exc}); the results are stored, the next run tries again")
             ledger.update_job(job_id, files_delete_error=f"{type(exc).__name__}: {exc}"[:1000])
             continue
@@ -189,8 +235,16 @@ def command(args) -> int:
             if args.command == "cancel":
                 print("\n".join(cancel_model(con, args.schema, args.model)))
             elif args.command == "release":
-                n = release_model(con, args.schema, args.model)
-                print(f"released {n} held request(s) of {args.model}: the next run sends them")
+                held, freed, submissions, orphans = release_model(con, args.schema, args.model)
+                if held or not (submissions or orphans):
+                    print(f"released {held} held request(s) of {args.model}: the next run sends them")
+                if submissions:
+                    print(f"released {freed} request(s) of {submissions} interrupted submission(s) that no "
+                          f"provider batch was matched to: the next run sends them. WARNING: if a submission did "
+                          f"reach the provider, its batch still runs and those requests are paid twice")
+                if orphans:
+                    print(f"released {orphans} request(s) whose job is missing from llm_batch_jobs: the next run "
+                          f"sends them. WARNING: if their batch ran at the provider, they are paid twice")
             elif args.command == "requeue":
                 n, unsent = requeue_model(con, args.schema, args.model)
                 print(f"requeued {n} failed request(s) of {args.model}: the next run sends them again, with "

@@ -7,19 +7,17 @@ with the job's DuckDB connection. Returns a RunSummary; the run log gets one lin
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 import time
 from dataclasses import dataclass
 from decimal import Decimal
 
-from dbt_llm_batch import (bad_input, costs, crashpoints, harvest, identity, interrupt, locks, merge, operator, planner, realtime,
-                           request_files, submit)
+from dbt_llm_batch import (bad_input, costs, crashpoints, harvest, identity, interrupt, locks, merge, operator, planner,
+                           realtime, request_files, submit, tempdirs)
 from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.errors import BudgetError, ProviderError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.planner import INPUT
 from dbt_llm_batch.providers import get_provider
-from dbt_llm_batch.providers.base import UNRESOLVED
 from dbt_llm_batch.providers.calls import ProviderUnavailable
 from dbt_llm_batch import runlog
 from dbt_llm_batch.runlog import logger
@@ -116,6 +114,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
     if run.dry_run:
         run.dry_run_report()
     else:
+        tempdirs.remove_stale()  # prompts and answers a killed run left on disk
         run.lock = locks.ModelLock(run.ledger)
         run.lock.acquire()  # before anything is harvested, planned or sent; released also on failure
         refused = None
@@ -255,7 +254,7 @@ class ModelRun:
                                         self.price_for(job))
             logger().warning(f"{self.ledger.model}: a realtime run was interrupted; its stored answers are kept and "
                              f"the requests it had not finished are sent again")
-        for job in [j for j in jobs if j["status"] in ("intent", "submitting")]:
+        for job in [j for j in jobs if j["status"] in ("intent", "uploading", "submitting")]:
             try:
                 self.reconcile(job)
             except ProviderUnavailable:
@@ -277,28 +276,14 @@ class ModelRun:
     def after_harvest(self) -> None:
         """Hold what an operator's cancel left unanswered; delete stored batches' files at the provider."""
         operator.hold_cancelled(self.ledger)
+        operator.warn_missing_jobs(self.ledger)
         operator.delete_provider_files(self.ledger, self.provider_for, self.config.delete_provider_files)
 
     def reconcile(self, job: dict) -> None:
-        """An intent without a batch id: the run died around `create`. Adopt the batch, void the intent
-        if it never reached the provider, or leave it (and its requests) alone until that can be told."""
-        ledger = self.ledger
-        if job["status"] == "intent":  # the run died before asking the provider (submit.py)
-            ledger.void_job(job["job_id"], "submission interrupted before reaching the provider")
-            ledger.update_job(job["job_id"], status="voided")
-            return
-        custom_ids = {r[0] for r in self.con.execute(
-            f"select custom_id from {ledger.table('llm_batch_requests')} where job_id = ?", [job["job_id"]]).fetchall()}
-        found = self.provider_for(job).find_submission(job["job_id"], job["created_at"].timestamp(), custom_ids)
-        if found == UNRESOLVED:
-            logger().warning(f"{ledger.model}: submission {job['job_id']} was interrupted and cannot be matched to "
-                             f"a provider batch yet; its {len(custom_ids)} request(s) are held, not resent")
-        elif found:
-            ledger.record_submission(job["job_id"], found.batch_id, found.input_file_id, found.status)
-            logger().info(f"{ledger.model}: adopted batch {found.batch_id} submitted by an interrupted run")
-        else:
-            ledger.void_job(job["job_id"], "submission interrupted before reaching the provider")
-            ledger.update_job(job["job_id"], status="voided")
+        """An intent without a batch id: the run died around `create` (or it failed). Adopt the batch,
+        void the intent if no batch can be it, or hold it while one that could be it has not ended.
+        Asked of the provider the job was submitted through (the model may have switched since)."""
+        submit.reconcile(self.ledger, lambda: self.provider_for(job), job, self.started)
 
     def plan(self) -> int:
         """Build the plan, each request with its estimated input tokens (and cost, when priced)."""
@@ -358,7 +343,7 @@ class ModelRun:
                 self.ledger.defer(None)
             return
         n_realtime, realtime_estimate = self.split_realtime()
-        with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_") as directory:
+        with tempdirs.private_dir() as directory:
             files = self.write_request_files(directory)
             n = sum(f.requests for f in files) + n_realtime
             estimate = None
@@ -371,6 +356,9 @@ class ModelRun:
                 provider = self.provider
                 self.warn_if_prefix_too_short(provider)
                 batch_ids = submit.submit_chunks(self.ledger, provider, files, request_files.sent_rows(self.rows))
+                # A file uploaded for a create that was refused is not left at the provider.
+                operator.delete_provider_files(self.ledger, self.config.provider, lambda: provider,
+                                               self.config.delete_provider_files)
                 sent = files[:len(batch_ids)]  # a failed create stops the run's submissions (submit.py)
                 self.summary.submitted += sum(f.requests for f in sent)
                 self.summary.batches += len(batch_ids)

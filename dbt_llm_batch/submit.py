@@ -1,4 +1,5 @@
-"""Submission: record the intents of the written request files (request_files.py), then call the provider.
+"""Submission: record the intents of the written request files (request_files.py), then call the provider;
+and reconciliation of the submissions a run could not finish.
 
 The order is the ledger's first invariant: the job intents and their 'queued' request rows are
 committed (all files at once) before the first upload, so no request can be billed without the ledger knowing it. The
@@ -6,8 +7,10 @@ provider's batch metadata carries the job id, which lets a later run adopt a bat
 never recorded (a crash between `create` and the ledger write).
 
 Job statuses before the batch id is known: 'intent' (written, the provider never asked: voided at
-once by the next run) and 'submitting' (the upload or `create` was called: it may exist at the
-provider, so reconciliation asks it before anything is resent).
+once by the next run), 'uploading' (the request file's upload was called, `create` was not: no
+batch can exist, so it is voided too, and a file the upload left at the provider is deleted) and
+'submitting' (`create` was called: it may exist at the provider, so reconciliation asks it before
+anything is resent).
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ import os
 
 from dbt_llm_batch import crashpoints
 from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.locks import database_path
 from dbt_llm_batch.request_files import RequestFile
-from dbt_llm_batch.providers.base import BatchProvider
+from dbt_llm_batch.providers.base import UNRESOLVED, BatchProvider
 from dbt_llm_batch.providers.calls import ProviderUnavailable, describe, is_transient, status_of
 from dbt_llm_batch.runlog import logger
+
+NEVER_SENT = "submission interrupted before reaching the provider"
+
 
 def submit_chunks(ledger: Ledger, provider: BatchProvider, files: list[RequestFile], sent_rows: str) -> list[str]:
     """Submit each written request file as one batch; returns the provider batch ids. `sent_rows` is
@@ -32,11 +39,21 @@ def submit_chunks(ledger: Ledger, provider: BatchProvider, files: list[RequestFi
         for request_file in files:
             job_id = job_ids[request_file.chunk]
             attempted += 1
-            # From here the provider may have the batch: reconciliation asks it (an 'intent'
-            # never got this far and is voided without asking).
-            ledger.update_job(job_id, status="submitting")
+            # From here a file may be at the provider, but no batch: `create` was not called.
+            ledger.update_job(job_id, status="uploading")
             try:
-                submission = provider.submit(request_file.path, token=job_id, model_name=ledger.model)
+                file_id = provider.upload(request_file.path, token=job_id)
+            except Exception as exc:
+                if not (isinstance(exc, ProviderUnavailable) or is_transient(exc)):
+                    raise
+                _stop_after_failed_upload(ledger, job_id, exc)
+                break
+            crashpoints.reach("after_upload")
+            # From here the provider may have the batch: reconciliation asks it before anything is resent.
+            ledger.update_job(job_id, status="submitting", input_file_id=file_id)
+            crashpoints.reach("before_create")
+            try:
+                submission = provider.create(request_file.path, file_id, token=job_id, model_name=ledger.model)
             except Exception as exc:
                 if not (isinstance(exc, ProviderUnavailable) or is_transient(exc)):
                     _void_if_refused(ledger, job_id, exc)
@@ -57,14 +74,32 @@ def submit_chunks(ledger: Ledger, provider: BatchProvider, files: list[RequestFi
     return batch_ids
 
 
+def never_sent(exc: BaseException) -> bool:
+    """The connection was refused: the request never left this machine (both SDKs raise their
+    APIConnectionError with the socket's ConnectionRefusedError as its cause). A timeout or a
+    connection dropped later proves nothing: the request may have arrived."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _void_if_refused(ledger: Ledger, job_id: str, exc: BaseException) -> bool:
-    """A 4xx answer to `create` (429 included) means the provider refused it: no batch exists, so the
-    requests go back to the queue at once. A 5xx, a timeout or a dropped connection proves nothing:
-    the batch may exist, and reconciliation finds out."""
+    """A 4xx answer to `create` (429 included) means the provider refused it, and a refused connection
+    means it never got it: no batch exists, so the requests go back to the queue at once (an
+    uploaded file is deleted by the run, operator.delete_provider_files). A 5xx, a timeout or a
+    dropped connection proves nothing: the batch may exist, and reconciliation finds out."""
     status = status_of(exc)
-    if status is None or status >= 500:
+    if status is None and never_sent(exc):
+        reason = f"the provider could not be reached ({describe(exc)}): nothing was sent; resubmitted"
+    elif status is None or status >= 500:
         return False
-    ledger.void_job(job_id, f"the provider refused the batch ({describe(exc)}); resubmitted")
+    else:
+        reason = f"the provider refused the batch ({describe(exc)}); resubmitted"
+    ledger.void_job(job_id, reason)
     ledger.update_job(job_id, status="voided", error=describe(exc))
     return True
 
@@ -74,6 +109,68 @@ def _stop_after_failed_create(ledger: Ledger, job_id: str, exc: BaseException) -
     if _void_if_refused(ledger, job_id, exc):
         fate = "its requests will be resubmitted by the next run"
     else:
+        ledger.update_job(job_id, error=describe(exc))
         fate = "it may have reached the provider, so its requests are held until reconciliation can tell"
     logger().warning(f"{ledger.model}: creating a batch failed ({describe(exc)}); {fate}; the remaining chunks "
                      "wait for the next run")
+
+
+def _stop_after_failed_upload(ledger: Ledger, job_id: str, exc: BaseException) -> None:
+    """The upload kept failing: no batch was created. The job stays 'uploading' for reconciliation,
+    which voids it and deletes a file the provider may have kept."""
+    ledger.update_job(job_id, error=describe(exc))
+    logger().warning(f"{ledger.model}: uploading the request file failed ({describe(exc)}); no batch was created, "
+                     "so its requests are sent again by the next run; the remaining chunks wait for the next run")
+
+
+def void_submission(ledger: Ledger, job_id: str, reason: str, input_file_id: str | None = None) -> None:
+    """The submission never made a batch: its requests are planned again (no attempt used). A file it
+    uploaded is recorded on the job, and deleted at the provider (operator.delete_provider_files)."""
+    ledger.void_job(job_id, reason)
+    fields = {"input_file_id": input_file_id} if input_file_id else {}
+    ledger.update_job(job_id, status="voided", **fields)
+
+
+def reconcile(ledger: Ledger, get_provider, job: dict, run_started) -> None:
+    """A job without a batch id whose run died (or whose upload or `create` failed). Adopt its batch,
+    void it when no batch at the provider can be it, or hold it (leave it, and its requests, alone)
+    while a batch that could be it has not ended. `get_provider()` gives the run's provider."""
+    if job["status"] == "intent":  # the run died before asking the provider (submit_chunks)
+        void_submission(ledger, job["job_id"], NEVER_SENT)
+        return
+    since = job["created_at"].timestamp()
+    if job["status"] == "uploading":  # `create` was never called: no batch can exist
+        file_id = ledger.con.execute(f"select input_file_id from {ledger.table('llm_batch_jobs')} where job_id = ?",
+                                     [job["job_id"]]).fetchall()[0][0]
+        if file_id is None:
+            try:  # an upload whose answer never reached the ledger: found by its name, to delete it
+                file_id = get_provider().find_upload(job["job_id"], since)
+            except ProviderUnavailable:
+                raise  # asked again by the next run
+            except Exception as exc:  # a file left behind costs nothing: never fail the run for it
+                logger().warning(f"{ledger.model}: could not look for the file an interrupted upload of "
+                                 f"{job['job_id']} may have left at the provider ({describe(exc)})")
+        void_submission(ledger, job["job_id"], NEVER_SENT, file_id)
+        return
+    if job["created_at"] >= run_started:
+        # This run's own failed `create`: the provider may still be creating it, so it is asked by
+        # the next run, not seconds later by this one's wait loop.
+        return
+    requests, jobs = ledger.table("llm_batch_requests"), ledger.table("llm_batch_jobs")
+    custom_ids = {r[0] for r in ledger.con.execute(f"select custom_id from {requests} where job_id = ?",
+                                                   [job["job_id"]]).fetchall()}
+    known = frozenset(r[0] for r in ledger.con.execute(f"select batch_id from {jobs} where batch_id is not null")
+                      .fetchall())
+    found = get_provider().find_submission(job["job_id"], since, custom_ids, known_batch_ids=known)
+    if found == UNRESOLVED:
+        logger().warning(
+            f"{ledger.model}: submission {job['job_id']} was interrupted and cannot be matched to a provider batch "
+            f"yet (a batch of the same size created since then has not ended): its {len(custom_ids)} request(s) "
+            f"are held, not resent, until that batch ends and its custom_ids confirm or rule it out. To send them "
+            f"now: `dbt-llm-batch release --database {database_path(ledger.con)} --schema {ledger.schema} --model "
+            f"{ledger.model}` (if that batch is this submission, they are paid twice)")
+    elif found:
+        ledger.record_submission(job["job_id"], found.batch_id, found.input_file_id, found.status)
+        logger().info(f"{ledger.model}: adopted batch {found.batch_id} submitted by an interrupted run")
+    else:
+        void_submission(ledger, job["job_id"], "submission interrupted; no batch at the provider is it; resubmitted")

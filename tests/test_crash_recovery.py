@@ -76,3 +76,58 @@ def test_a_killed_run_is_finished_by_later_runs(project, emulator, provider_name
     key_of_prompt = {f"Subject: {subject}\n\n{body}": key for key, subject, body, *_ in rows}
     billed = billed_per_key(emulator, key_of_prompt)
     assert sorted(billed.values()) == [1] * 6 and set(billed) == set(key_of_prompt.values()), billed
+
+
+# A model whose plan splits into three batches of two: each provider's per-batch request limit is set
+# to 2 inside the killed dbt process (the tests' own runs set it with monkeypatch).
+SMALL_BATCHES = """
+import sys
+from dbt_llm_batch.providers.anthropic_batch import AnthropicBatchProvider
+from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
+OpenAIBatchProvider.max_requests_per_batch = AnthropicBatchProvider.max_requests_per_batch = 2
+from dbt.cli.main import dbtRunner
+sys.exit(0 if dbtRunner().invoke(sys.argv[1:]).success else 1)
+"""
+
+
+@pytest.mark.parametrize("provider_name", ["openai", "anthropic"])
+@pytest.mark.parametrize("point,occurrence", [("after_create", 1), ("after_create", 2), ("after_intents", 1)])
+def test_a_run_killed_between_two_chunks_bills_each_key_once(project, emulator, provider_name, point, occurrence,
+                                                             tmp_path, monkeypatch):
+    from dbt_llm_batch.providers.anthropic_batch import AnthropicBatchProvider
+    from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
+    for cls in (OpenAIBatchProvider, AnthropicBatchProvider):
+        monkeypatch.setattr(cls, "max_requests_per_batch", 2)
+    project.write("models/triage.sql", triage_model(provider=provider_name))
+    project.dbt("seed")
+    marker = tmp_path / "crash-marker"
+    project.release_database()
+    killed = subprocess.run(
+        [sys.executable, "-c", SMALL_BATCHES, "run", "-s", "triage", "--project-dir", str(project.root),
+         "--profiles-dir", str(project.root)],
+        env={**os.environ, "DBT_LLM_BATCH_CRASH_AT": point, "DBT_LLM_BATCH_CRASH_OCCURRENCE": str(occurrence),
+             "DBT_LLM_BATCH_CRASH_MARKER": str(marker)}, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stdout[-2000:]
+    assert marker.read_text() == point
+    # Killed right after chunk k's create: k batches exist, none of the later chunks was sent.
+    created = occurrence if point == "after_create" else 0
+    assert [sum(b["request_counts"].values()) if is_anthropic(b) else None for b in sorted_batches(emulator)] == \
+        [(2 if provider_name == "anthropic" else None)] * created
+
+    for _ in range(3):
+        project.dbt("run", "-s", "triage")
+        emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+
+    rows = project.query("""select s.subject, s.body, t.category, t.urgent, t.summary, t.llm_status
+                            from main.triage t join main.support_tickets s using (ticket_id)""")
+    assert len(rows) == 6
+    for subject, body, category, urgent, summary, status in rows:
+        assert status == "succeeded"
+        assert (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}\n\n{body}")
+    # Each key billed exactly once, counting every batch (finished first) and call.
+    key_of_prompt = {f"Subject: {s}\n\n{b}": k for k, s, b in project.query(
+        "select ticket_id, subject, body from main.support_tickets")}
+    billed = billed_per_key(emulator, key_of_prompt)
+    assert sorted(billed.values()) == [1] * 6 and set(billed) == set(key_of_prompt.values()), billed
+    assert sum(1 for _ in sorted_batches(emulator)) == 3, "three batches of two, none sent twice"

@@ -58,8 +58,8 @@ PERSISTENT = cases(["overloaded"], skip=CREATE + DELETE)  # create is never retr
 
 
 def pass_a_day(project) -> None:
-    """Nightly runs are a day apart: a submission held because its create may have reached the
-    provider (Anthropic, no candidate batch) is then past its 24 h + grace hold."""
+    """Nightly runs are a day apart: an interrupted submission's intent is then a day old, and
+    reconciliation looks at every batch the provider created since."""
     project.release_database()
     project.query("update main.llm_batch_jobs set created_at = created_at - interval 26 hour "
                   "where status = 'submitting' and batch_id is null")

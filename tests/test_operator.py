@@ -192,3 +192,31 @@ def test_a_failed_delete_is_logged_and_never_fails_the_run(project, emulator):
     project.dbt("run", *SELECT)  # tried again on the next run
     assert project.query("select files_deleted_at is not null, files_delete_error from main.llm_batch_jobs") == \
         [(True, None)]
+
+
+def test_requests_whose_job_row_was_deleted_are_reported_and_released(project, emulator, capsys):
+    """A deleted llm_batch_jobs row leaves its requests in flight that no run polls or resends: every
+    run warns, naming the count and the command; `status` shows them; `release` frees them."""
+    project.write(MODEL, triage_model())
+    project.dbt("seed")
+    project.dbt("run", *SELECT)
+    project.release_database()
+    project.query("delete from main.llm_batch_jobs")
+    project.dbt("run", *SELECT)
+    log = (project.root / "logs" / "dbt.log").read_text()
+    assert "main.triage: 6 request(s) are in flight under a job missing from llm_batch_jobs" in log
+    assert "`dbt-llm-batch release --database " in log and " --schema main --model main.triage`" in log
+    assert batch_counts(emulator) == [6]  # nothing is resent on its own: their batch may be running
+    rc, out, _ = command(project, capsys, "status")
+    assert rc == 0 and "In-flight requests whose job is missing from llm_batch_jobs" in out
+
+    rc, out, _ = command(project, capsys, "release")
+    assert rc == 0
+    assert ("released 6 request(s) whose job is missing from llm_batch_jobs: the next run sends them. "
+            "WARNING: if their batch ran at the provider, they are paid twice") in out
+    project.dbt("run", *SELECT)
+    assert batch_counts(emulator) == [6, 6]
+    emulator.complete_all()
+    project.dbt("run", *SELECT)
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+    assert statuses(project) == {"released": 6, "succeeded": 6}

@@ -9,7 +9,6 @@ ended; a batch carries no metadata, so an interrupted submission is recognised b
 from __future__ import annotations
 
 import json
-import time
 from datetime import datetime
 
 from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, REFUSED, REJECTED, UNRESOLVED, BatchProvider,
@@ -19,9 +18,9 @@ from dbt_llm_batch.providers.calls import status_of
 TOOL_NAME = "llm_output"
 # Anthropic requires max_tokens; used when llm_max_tokens is not set.
 DEFAULT_MAX_TOKENS = 1024
-# An interrupted submission with no candidate batch is held this long after its intent: a batch
-# ends within 24 h, plus an hour of grace for clock skew and list lag. Then it provably never ran.
-HOLD_SECONDS = 25 * 3600
+# A batch created up to this long before the intent (by the provider's clock) may still be the
+# submission's: room for a difference between this machine's clock and the provider's.
+CLOCK_GRACE_SECONDS = 300
 
 
 class AnthropicBatchProvider(BatchProvider):
@@ -96,28 +95,28 @@ class AnthropicBatchProvider(BatchProvider):
     def request_line_sql(self) -> str:
         return spliced_line_sql({"custom_id": CUSTOM_ID_MARK, "params": self.params()})
 
-    def submit(self, jsonl_path, token, model_name):
+    def create(self, jsonl_path, file_id, token, model_name):
         # The network edge: the SDK takes the requests as a list.
         with open(jsonl_path, encoding="utf-8") as f:
             requests = [json.loads(line) for line in f if line.strip()]
-        # Not idempotent: no SDK retry (see OpenAIBatchProvider.submit); reconciliation covers a lost response.
+        # Not idempotent: no SDK retry (see OpenAIBatchProvider.create); reconciliation covers a lost response.
         batch = self.client.messages.batches.create(requests=requests)
         return Submission(batch_id=batch.id, status=batch.processing_status)
 
-    def find_submission(self, token, since_epoch, custom_ids):
-        """No metadata on Anthropic batches: a candidate is a batch created since the intent with the
-        same request count; once it ended, its result custom_ids confirm (or rule out) it. With no
-        confirming batch the requests stay held (UNRESOLVED) until HOLD_SECONDS after the intent."""
-        found = self.calls.call("list message batches", lambda: self._find(since_epoch, custom_ids))
-        if found is None and time.time() - since_epoch < HOLD_SECONDS:
-            return UNRESOLVED
-        return found
+    def find_submission(self, token, since_epoch, custom_ids, known_batch_ids=frozenset()):
+        """No metadata on Anthropic batches: a candidate is a batch created since the intent (less
+        CLOCK_GRACE_SECONDS) with the same request count that no other job of the ledger owns; once
+        it ended, its result custom_ids confirm it (adopted) or rule it out. UNRESOLVED (held) only
+        while a candidate has not ended; with none left, None: no batch can be this submission."""
+        return self.calls.call("list message batches", lambda: self._find(since_epoch, custom_ids, known_batch_ids))
 
-    def _find(self, since_epoch, custom_ids):
+    def _find(self, since_epoch, custom_ids, known_batch_ids):
         undecided = False
-        for batch in self.client.messages.batches.list(limit=100):  # newest first
-            if _epoch(batch.created_at) < since_epoch - 3600:  # tolerate clock skew
+        for batch in self.client.messages.batches.list(limit=100):  # newest first; the SDK pages on
+            if _epoch(batch.created_at) < since_epoch - CLOCK_GRACE_SECONDS:
                 break
+            if batch.id in known_batch_ids:
+                continue
             counts = batch.request_counts
             total = counts.processing + counts.succeeded + counts.errored + counts.canceled + counts.expired
             if total != len(custom_ids):

@@ -121,15 +121,34 @@ class BatchProvider(ABC):
     def request_line_sql(self) -> str:
         """A DuckDB expression over columns `custom_id` and `prompt` giving one JSONL request line."""
 
-    @abstractmethod
-    def submit(self, jsonl_path: str, token: str, model_name: str) -> Submission:
-        """Upload the request file and create one batch tagged with `token`."""
+    # Submitting is two calls, so that the ledger knows which one failed or was interrupted: an
+    # upload (idempotent; nothing is billed until a batch uses the file) and a `create` (not
+    # idempotent: never retried, see submit.py).
+    def upload(self, jsonl_path: str, token: str) -> str | None:
+        """Upload the request file, named after `token`; returns its file id. None: the provider takes
+        the requests inline with `create` (nothing to upload)."""
+        return None
 
     @abstractmethod
-    def find_submission(self, token: str, since_epoch: float, custom_ids: set[str]) -> Submission | str | None:
+    def create(self, jsonl_path: str, file_id: str | None, token: str, model_name: str) -> Submission:
+        """Create one batch tagged with `token`, of the uploaded `file_id` (or of the file's lines)."""
+
+    def submit(self, jsonl_path: str, token: str, model_name: str) -> Submission:
+        """Upload the request file and create one batch tagged with `token` (both phases at once)."""
+        return self.create(jsonl_path, self.upload(jsonl_path, token), token, model_name)
+
+    def find_upload(self, token: str, since_epoch: float) -> str | None:
+        """After a crash between the upload and the ledger write: the id of the file uploaded for this
+        job (named after `token`), to delete it; None if there is none (or nothing is uploaded)."""
+        return None
+
+    @abstractmethod
+    def find_submission(self, token: str, since_epoch: float, custom_ids: set[str],
+                        known_batch_ids: frozenset = frozenset()) -> Submission | str | None:
         """After a crash between `create` and the ledger write: the batch created for this job
-        (tagged with `token`, or holding exactly `custom_ids`), None if it provably never reached
-        the provider, or UNRESOLVED if that cannot be told yet (then nothing is resent)."""
+        (tagged with `token`, or holding exactly `custom_ids`; never one of `known_batch_ids`, which
+        the ledger already gives to other jobs), None if no batch at the provider can be it, or
+        UNRESOLVED while one that could be it has not ended (then nothing is resent)."""
 
     @abstractmethod
     def poll(self, batch_id: str) -> BatchState:

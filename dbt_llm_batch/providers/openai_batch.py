@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 
-from dbt_llm_batch import crashpoints
 from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, REFUSED, REJECTED, BatchProvider, BatchState,
                                           Submission, json_object_text, spliced_line_sql, sql_text)
 from dbt_llm_batch.providers.calls import status_of
@@ -17,6 +16,12 @@ from dbt_llm_batch.providers.calls import status_of
 ENDPOINT = "/v1/chat/completions"
 TOKEN_KEY = "dbt_llm_batch_token"  # batch metadata key carrying the ledger's job id
 ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+def upload_name(token: str) -> str:
+    """The uploaded request file's name: the job id, so an upload whose id the ledger never learned
+    (a run killed right after it) can be found and deleted."""
+    return f"dbt_llm_batch-{token}.jsonl"
 
 
 class OpenAIBatchProvider(BatchProvider):
@@ -78,28 +83,40 @@ class OpenAIBatchProvider(BatchProvider):
         body = json_object_text(text) or json.dumps({"error": {"message": f"HTTP {status}: {text[:500]}"}})
         return f'{{"custom_id":{json.dumps(custom_id)},"response":{{"status_code":{int(status)},"body":{body}}},"error":null}}'
 
-    def submit(self, jsonl_path, token, model_name):
+    def upload(self, jsonl_path, token):
         def upload():  # safe to repeat: an unused input file bills nothing
             with open(jsonl_path, "rb") as f:
-                return self.client.files.create(file=(os.path.basename(jsonl_path), f), purpose="batch")
-        uploaded = self.calls.call("upload the request file", upload)
-        crashpoints.reach("after_upload")
+                return self.client.files.create(file=(upload_name(token), f), purpose="batch")
+        return self.calls.call("upload the request file", upload).id
+
+    def create(self, jsonl_path, file_id, token, model_name):
         # `create` is not idempotent: never retried (a retry after a lost response would create and
         # bill a second batch; the client has no SDK retries). A failure here is left to
         # submit.py and reconciliation.
         batch = self.client.batches.create(
-            input_file_id=uploaded.id, endpoint=ENDPOINT, completion_window="24h",
+            input_file_id=file_id, endpoint=ENDPOINT, completion_window="24h",
             metadata={TOKEN_KEY: token, "dbt_model": model_name[:512]})
-        return Submission(batch_id=batch.id, status=batch.status, input_file_id=uploaded.id)
+        return Submission(batch_id=batch.id, status=batch.status, input_file_id=file_id)
 
-    def find_submission(self, token, since_epoch, custom_ids):
+    def find_upload(self, token, since_epoch):
+        name = upload_name(token)
+
+        def find():
+            # Every page: the Files API's order is not relied on (the SDK pages on).
+            for f in self.client.files.list(purpose="batch"):
+                if f.filename == name and f.created_at >= since_epoch - 3600:
+                    return f.id
+            return None
+        return self.calls.call("list files", find)
+
+    def find_submission(self, token, since_epoch, custom_ids, known_batch_ids=frozenset()):
         return self.calls.call("list batches", lambda: self._find(token, since_epoch))
 
     def _find(self, token, since_epoch):
         for batch in self.client.batches.list(limit=100):  # newest first; the SDK pages on
             if (batch.metadata or {}).get(TOKEN_KEY) == token:
                 return Submission(batch_id=batch.id, status=batch.status, input_file_id=batch.input_file_id)
-            if batch.created_at < since_epoch - 3600:
+            if batch.created_at < since_epoch - 3600:  # tolerate clock skew
                 return None
         return None
 

@@ -29,10 +29,16 @@ class OpenAICompatibleProvider(OpenAIBatchProvider):
         from dbt_llm_batch.providers.engine_http import engine_transports
         return engine_transports(self.config.base_urls, self.config.api_key_env)
 
-    def submit(self, jsonl_path, token, model_name):
+    def upload(self, jsonl_path, token):
         raise NotImplementedError("a self-hosted engine has no batch API; its rows are sent in realtime")
 
-    def find_submission(self, token, since_epoch, custom_ids):
+    def create(self, jsonl_path, file_id, token, model_name):
+        raise NotImplementedError("a self-hosted engine has no batch API; its rows are sent in realtime")
+
+    def find_upload(self, token, since_epoch):
+        return None
+
+    def find_submission(self, token, since_epoch, custom_ids, known_batch_ids=frozenset()):
         return None  # never submits batches, so an intent of this provider never reached one
 
     def poll(self, batch_id):
