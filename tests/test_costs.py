@@ -153,3 +153,40 @@ select * from {{ ref('things') }}""")
         ("succeeded", None, None)]
     assert "no price known for openai model 'gpt-from-the-future'" in (project.root / "logs" / "dbt.log").read_text()
     assert project.query("select rows_without_price from main.llm_batch_costs") == [(1,)]
+
+
+def test_realtime_rows_count_at_list_price_toward_the_budget(costed, emulator, provider):
+    # Row 3 goes realtime, at list price (no batch discount); rows 1 and 2 are batched.
+    # openai: 149 * $2 + 50 * $8 = $698 and 154 * $2 + $400 = $708 per million at list price, half in batch;
+    #   row 3 at list price: 159 * $2 + $400 = $718. (349 + 354 + 718) -> $0.001421.
+    # anthropic: (1197 + 1212) / 2 + 1227 = $2,431.5 per million -> $0.0024315 (shown rounded: $0.002432).
+    # All three at batch prices would be $0.001062 / $0.001818: under these budgets.
+    estimate, budget = {"openai": ("$0.001421", "0.0012"), "anthropic": ("$0.002432", "0.0020")}[provider]
+    write_questions(costed, [1, 2, 3])
+    costed.dbt("seed")
+    costed.write("models/costed.sql", costed_model(provider, f"llm_realtime_when='id = 3', llm_max_cost_usd={budget}"))
+    message = failure_messages(costed.dbt("run", "-s", "costed", expect_ok=False))
+    assert (f"refusing to submit 3 request(s): estimated {estimate} plus $0.000000 already in flight exceeds "
+            f"llm_max_cost_usd (this model) = ${budget}00; nothing was sent") in message
+    assert emulator.stats()["calls"] == {}  # no batch, and no realtime request either
+    assert costed.query("select count(*) from main.llm_batch_requests") == [(0,)]
+
+    # Without the realtime row the same budget lets the batch go.
+    costed.write("models/costed.sql", costed_model(provider, f"llm_max_cost_usd={budget}"))
+    costed.dbt("run", "-s", "costed")
+    assert len(emulator.batches()) == 1 and emulator.stats()["realtime_requests"][provider] == 0
+
+
+def test_a_budget_on_an_unpriced_model_refuses_before_any_call(project, emulator, provider):
+    project.write("models/things.sql", "select 1 as id, 'hello' as prompt union all select 2, 'urgent hello'")
+    project.write("models/unpriced.sql", f"""
+{{{{ config(materialized='llm_batch', unique_key='id', llm_provider='{provider}', llm_model='model-from-the-future',
+            llm_max_cost_usd=5, llm_realtime_when="prompt like 'urgent%'") }}}}
+select * from {{{{ ref('things') }}}}""")
+    project.dbt("run", "-s", "things")
+    message = failure_messages(project.dbt("run", "-s", "unpriced", expect_ok=False))
+    assert (f"llm_max_cost_usd (this model) is set to $5.000000 but there is no price for {provider} model "
+            f"'model-from-the-future', so the cost of 2 request(s) cannot be estimated; nothing was sent. "
+            f"Add a price with llm_price_table.") in message
+    assert emulator.stats()["calls"] == {}
+    assert project.query("select count(*) from main.llm_batch_requests") == [(0,)]
