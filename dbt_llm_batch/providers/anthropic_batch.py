@@ -177,7 +177,9 @@ class AnthropicBatchProvider(BatchProvider):
                    "message": {"content": [{"type": "VARCHAR", "text": "VARCHAR", "input": "JSON"}],
                                "stop_reason": "VARCHAR",
                                "usage": {"input_tokens": "BIGINT", "output_tokens": "BIGINT",
-                                         "cache_creation_input_tokens": "BIGINT", "cache_read_input_tokens": "BIGINT"}},
+                                         "cache_creation_input_tokens": "BIGINT", "cache_read_input_tokens": "BIGINT",
+                                         "cache_creation": {"ephemeral_5m_input_tokens": "BIGINT",
+                                                            "ephemeral_1h_input_tokens": "BIGINT"}}},
                    "error": {"type": "VARCHAR", "message": "VARCHAR", "error": {"type": "VARCHAR", "message": "VARCHAR"}}},
     }
 
@@ -202,7 +204,10 @@ class AnthropicBatchProvider(BatchProvider):
                 as input_tokens,
             {usage}.output_tokens as output_tokens,
             {usage}.cache_read_input_tokens as cached_tokens,
-            {usage}.cache_creation_input_tokens as cache_write_tokens"""
+            {usage}.cache_creation_input_tokens as cache_write_tokens,
+            -- The 1 h TTL's share of the writes (usage.cache_creation), billed at 2x input, not 1.25x.
+            case when {usage} is not null then coalesce({usage}.cache_creation.ephemeral_1h_input_tokens, 0) end
+                as cache_write_1h_tokens"""
 
 
 def _epoch(value) -> float:

@@ -21,11 +21,13 @@ from dbt_llm_batch.providers.calls import CallBudget
 #   custom_id, outcome ('ok' | 'error' | 'void'), answer (text, or the JSON of a structured answer),
 #   finish_reason (the provider's word), truncated (the answer was cut off at the token limit), error,
 #   input_tokens (ALL input tokens, cache reads and writes included), output_tokens,
-#   cached_tokens (cache reads), cache_write_tokens (cache writes)
+#   cached_tokens (cache reads), cache_write_tokens (cache writes, of every TTL),
+#   cache_write_1h_tokens (the cache writes with Anthropic's 1 h TTL, billed at a higher rate; NULL elsewhere)
 # 'void' is an outcome that says nothing about the request itself (expired, cancelled before it
 # ran): the request is sent again without using up an attempt.
 OUTCOME_COLUMNS = ("custom_id", "outcome", "answer", "finish_reason", "truncated", "error",
-                   "input_tokens", "output_tokens", "cached_tokens", "cache_write_tokens")
+                   "input_tokens", "output_tokens", "cached_tokens", "cache_write_tokens",
+                   "cache_write_1h_tokens")
 
 # find_submission's answer when it cannot yet tell whether a submission reached the provider.
 UNRESOLVED = "unresolved"

@@ -177,4 +177,5 @@ class OpenAIBatchProvider(BatchProvider):
             {body}.usage.prompt_tokens as input_tokens,
             {body}.usage.completion_tokens as output_tokens,
             {body}.usage.prompt_tokens_details.cached_tokens as cached_tokens,
-            {body}.usage.prompt_tokens_details.cache_write_tokens as cache_write_tokens"""
+            {body}.usage.prompt_tokens_details.cache_write_tokens as cache_write_tokens,
+            null::bigint as cache_write_1h_tokens"""
