@@ -96,7 +96,9 @@ def run_realtime(ledger: Ledger, provider: BatchProvider, rows: str, price: dict
     harvest.settle(ledger, provider, config, [(job_id, BatchState(status="completed", ended=True, error=reason))], price)
     if fatal:
         raise ProviderError(f"{ledger.model}: {fatal}. {outcome.answered} answer(s) were kept; the "
-                            f"{unsent} request(s) without one are sent again by the next run (no attempt used).")
+                            f"{unsent} request(s) without one are sent again by the next run (no attempt used)"
+                            + (f"; {outcome.given_up} whose reply was lost after sending (possibly billed) failed "
+                               f"as an attempt" if outcome.given_up else "") + ".")
     outcome.unsent = unsent
     outcome.succeeded, outcome.failed = ledger.con.execute(
         f"""select count(*) filter (where status = 'succeeded'), count(*) filter (where status = 'failed')

@@ -311,6 +311,8 @@ def test_a_reply_lost_after_the_provider_answered_is_sent_once_more_and_counted(
     assert project.query("select status, possibly_billed from main.llm_batch_requests") == [("succeeded", 1)]
     assert project.query("select sum(possibly_billed) from main.llm_batch_costs where route = 'realtime'") == [(1,)]
     assert project.query("select possibly_billed from main.llm_batch_progress") == [(1,)]
+    assert summary_line(project).endswith("1 succeeded, 0 failed, 1 retried, 1 reply(ies) lost after sending "
+                                          "(possibly billed)")
 
     project.dbt("run", "-s", "triage")  # answered: never asked again
     assert billed(emulator, provider, prompt) == 2
@@ -335,3 +337,29 @@ def test_a_reply_lost_twice_fails_the_row_and_is_never_sent_a_third_time(project
 
     project.dbt("run", "-s", "triage")  # the attempt is used up: not sent again, however often dbt runs
     assert billed(emulator, provider, prompt) == 2
+
+
+def test_only_failures_after_the_request_went_out_count_as_possibly_billed():
+    """How an SDK failure is read: the SDKs wrap the HTTP library's error (httpx2) as the cause of
+    APIConnectionError / APITimeoutError. Not connected or not written: nothing can have been billed."""
+    import httpx2 as httpx
+    import openai
+    from dbt_llm_batch.providers.realtime_transport import reached_the_provider
+    request = httpx.Request("POST", "https://api.example/v1/chat/completions")
+
+    def sdk_error(cause, timeout=False):
+        try:
+            try:
+                raise cause
+            except Exception as exc:
+                raise (openai.APITimeoutError(request=request) if timeout
+                       else openai.APIConnectionError(request=request)) from exc
+        except openai.APIConnectionError as exc:
+            return exc
+
+    for cause, timeout in ((httpx.ConnectError("refused"), False), (httpx.ConnectTimeout("slow"), True),
+                           (httpx.PoolTimeout("busy"), True), (httpx.WriteError("reset"), False)):
+        assert not reached_the_provider(sdk_error(cause, timeout)), cause
+    for cause, timeout in ((httpx.ReadTimeout("no answer"), True), (httpx.ReadError("reset"), False),
+                           (httpx.RemoteProtocolError("peer closed connection"), False)):
+        assert reached_the_provider(sdk_error(cause, timeout)), cause
