@@ -4,6 +4,9 @@ Prices are per million tokens (unit 'token'); `batch_discount` is the share take
 processing (0.5 = half price). A request's realtime cost is its tokens at list price; its cost is
 that times (1 - batch_discount). Cached tokens are priced at the cache rates, and each token counts
 once: input_tokens includes cache reads and writes, so only the rest is priced at the input rate.
+Cache writes with Anthropic's 1 h TTL (cache_write_1h_tokens, part of cache_write_tokens) have their
+own rate, cache_write_1h_per_mtok: 2x the input price by Anthropic's prompt-caching pricing (a 5 min
+write is 1.25x), which is also what a price table without that column (older user tables) gets.
 Amounts are DECIMAL(18, 9) dollars: exact to well below a millionth of a dollar.
 A model without a price has NULL cost (and a warning), never $0.
 """
@@ -24,16 +27,28 @@ DEFAULT_OUTPUT_ESTIMATE = 1000
 MESSAGE_OVERHEAD_TOKENS = 8
 
 
+ONE_HOUR_WRITE_MULTIPLIER = 2  # a 1 h cache write, times the input price, when the table names no rate
+
+
 def load_prices(con, user_table: str | None) -> None:
-    """The shipped price table, with the user's rows (same columns) replacing or extending it."""
-    columns = ("provider, model, unit, cast(input_per_mtok as decimal(18,6)) as input_per_mtok, "
-               "cast(output_per_mtok as decimal(18,6)) as output_per_mtok, "
-               "cast(coalesce(cache_write_per_mtok, input_per_mtok) as decimal(18,6)) as cache_write_per_mtok, "
-               "cast(coalesce(cache_read_per_mtok, input_per_mtok) as decimal(18,6)) as cache_read_per_mtok, "
-               "cast(batch_discount as decimal(6,4)) as batch_discount")
+    """The shipped price table, with the user's rows (same columns) replacing or extending it. The
+    1 h cache-write column is optional in a user's table."""
+    def columns(one_hour_column: bool) -> str:
+        one_hour = f"{ONE_HOUR_WRITE_MULTIPLIER} * cast(input_per_mtok as decimal(18,6))"
+        if one_hour_column:
+            one_hour = f"coalesce(cast(cache_write_1h_per_mtok as decimal(18,6)), {one_hour})"
+        return ("provider, model, unit, cast(input_per_mtok as decimal(18,6)) as input_per_mtok, "
+                "cast(output_per_mtok as decimal(18,6)) as output_per_mtok, "
+                "cast(coalesce(cache_write_per_mtok, input_per_mtok) as decimal(18,6)) as cache_write_per_mtok, "
+                f"cast({one_hour} as decimal(18,6)) as cache_write_1h_per_mtok, "
+                "cast(coalesce(cache_read_per_mtok, input_per_mtok) as decimal(18,6)) as cache_read_per_mtok, "
+                "cast(batch_discount as decimal(6,4)) as batch_discount")
     path = PRICES_CSV.as_posix().replace("'", "''")
-    shipped = f"select {columns}, 1 as priority from read_csv('{path}', header = true, all_varchar = true)"
-    user = f" union all by name select {columns}, 0 as priority from {user_table}" if user_table else ""
+    shipped = f"select {columns(True)}, 1 as priority from read_csv('{path}', header = true, all_varchar = true)"
+    user = ""
+    if user_table:
+        names = {d[0].lower() for d in con.execute(f"select * from {user_table} limit 0").description}
+        user = f" union all by name select {columns('cache_write_1h_per_mtok' in names)}, 0 as priority from {user_table}"
     con.execute(f"""create or replace temp table {PRICES} as
                     select * exclude (priority) from ({shipped}{user})
                     qualify row_number() over (partition by provider, model order by priority) = 1""")
@@ -44,20 +59,22 @@ def price_of(con, provider: str, model: str) -> dict | None:
     such as 'gpt-4o-mini-2024-07-18' take the price of 'gpt-4o-mini'); an empty model prices every
     model of its provider (the shipped zero price of a self-hosted engine)."""
     rows = con.execute(f"""select input_per_mtok, output_per_mtok, cache_write_per_mtok, cache_read_per_mtok,
-                                  batch_discount from {PRICES}
+                                  batch_discount, cache_write_1h_per_mtok from {PRICES}
                            where provider = ? and unit = 'token' and starts_with(?, coalesce(model, ''))
                            order by length(coalesce(model, '')) desc limit 1""", [provider, model]).fetchall()
     if not rows:
         return None
-    return dict(zip(("input", "output", "cache_write", "cache_read", "batch_discount"), rows[0]))
+    return dict(zip(("input", "output", "cache_write", "cache_read", "batch_discount", "cache_write_1h"), rows[0]))
 
 
 def realtime_cost_sql(price: dict, alias: str = "") -> str:
     """SQL: a request's cost at list (realtime) prices, from its normalised usage columns."""
     t = lambda c: f"coalesce({alias}{c}, 0)"  # noqa: E731
     uncached = f"({t('input_tokens')} - {t('cached_tokens')} - {t('cache_write_tokens')})"
+    five_minute_writes = f"({t('cache_write_tokens')} - {t('cache_write_1h_tokens')})"
     total = (f"{uncached} * {price['input']} + {t('cached_tokens')} * {price['cache_read']} + "
-             f"{t('cache_write_tokens')} * {price['cache_write']} + {t('output_tokens')} * {price['output']}")
+             f"{five_minute_writes} * {price['cache_write']} + {t('cache_write_1h_tokens')} * {price['cache_write_1h']} + "
+             f"{t('output_tokens')} * {price['output']}")
     return f"cast(({total}) / 1000000 as {MONEY})"
 
 

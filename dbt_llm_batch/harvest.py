@@ -223,7 +223,7 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
                       failure_kind = case when o.permanent then 'deterministic' end,
                       finish_reason = o.finish_reason, answer = o.answer,
                       input_tokens = o.input_tokens, output_tokens = o.output_tokens, cached_tokens = o.cached_tokens,
-                      cache_write_tokens = o.cache_write_tokens, {cost}
+                      cache_write_tokens = o.cache_write_tokens, cache_write_1h_tokens = o.cache_write_1h_tokens, {cost}
                       completed_at = now()
                     from __llm_outcomes o where r.custom_id = o.custom_id and r.job_id = o.job_id""",
                 [config.max_attempts])

@@ -130,9 +130,39 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     # stored requests instead of asking every row again.
     (10, ["""create table if not exists {s}.llm_batch_models (
                model varchar primary key, key_columns varchar, updated_at timestamptz)"""]),
-    # Progress shows what waits besides what is in flight: requests over an in-flight cap or in a
-    # back-off (deferred, or voided until not_before), and requests held after a cancel.
-    (11, ["""create or replace view {s}.llm_batch_progress as
+    # Why a failure is not retried like the others (batch_failures.py): 'deterministic' (the same
+    # request would fail the same way: final at once), 'batch_failed' (voided by a batch failure that
+    # named no request: counts towards giving up), 'gave_up' (failed after too many of those).
+    # Keys with a 'deterministic' or 'gave_up' failure are not planned again for that fingerprint.
+    (11, ["alter table {s}.llm_batch_requests add column failure_kind varchar"]),
+    # possibly_billed: sends of a realtime request whose reply was lost after it went out (each may
+    # have been billed without an answer: the realtime endpoints take no idempotency key; realtime.py).
+    # cache_write_1h_tokens: the part of cache_write_tokens written with the 1 h TTL (Anthropic bills
+    # it at a higher rate than the 5 min writes; costs.py). Both counted in the views. Progress also
+    # shows what waits besides what is in flight: requests over an in-flight cap or in a back-off
+    # (deferred, or voided until not_before), and requests held after a cancel.
+    (12, ["alter table {s}.llm_batch_requests add column possibly_billed integer",
+          "alter table {s}.llm_batch_requests add column cache_write_1h_tokens bigint",
+          """create or replace view {s}.llm_batch_costs as
+            select r.model, j.provider, coalesce(j.llm_model, '') as llm_model,
+                   cast(coalesce(r.completed_at, r.queued_at) as date) as day,
+                   count(*) filter (where r.status = 'succeeded') as rows_succeeded,
+                   count(*) filter (where r.status = 'failed') as rows_failed,
+                   count(*) filter (where r.status in ('queued', 'submitted')) as rows_pending,
+                   sum(r.input_tokens) as input_tokens, sum(r.output_tokens) as output_tokens,
+                   sum(r.cached_tokens) as cache_read_tokens, sum(r.cache_write_tokens) as cache_write_tokens,
+                   sum(r.cost_usd) as cost_usd, sum(r.realtime_cost_usd) as realtime_cost_usd,
+                   sum(r.realtime_cost_usd) - sum(r.cost_usd) as savings_usd,
+                   coalesce(sum(r.estimated_cost_usd) filter (where r.status in ('queued', 'submitted')), 0)
+                       as committed_not_billed_usd,
+                   count(*) filter (where r.status in ('succeeded', 'failed') and r.job_id is not null
+                                    and r.cost_usd is null) as rows_without_price,
+                   coalesce(r.route, 'batch') as route,
+                   coalesce(sum(r.possibly_billed), 0) as possibly_billed,
+                   sum(r.cache_write_1h_tokens) as cache_write_1h_tokens
+            from {s}.llm_batch_requests r left join {s}.llm_batch_jobs j using (job_id)
+            group by all""",
+          """create or replace view {s}.llm_batch_progress as
             select model,
                    count(distinct key) filter (where is_final and status = 'succeeded') as keys_succeeded,
                    count(distinct key) filter (where is_final and status = 'failed') as keys_failed,
@@ -145,13 +175,9 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                        as oldest_pending_age,
                    coalesce(sum(estimated_cost_usd) filter (where status in ('queued', 'submitted')), 0)
                        as committed_not_billed_usd,
-                   sum(cost_usd) as cost_usd, sum(realtime_cost_usd) as realtime_cost_usd
+                   sum(cost_usd) as cost_usd, sum(realtime_cost_usd) as realtime_cost_usd,
+                   coalesce(sum(possibly_billed), 0) as possibly_billed
             from {s}.llm_batch_requests group by model"""]),
-    # Why a failure is not retried like the others (batch_failures.py): 'deterministic' (the same
-    # request would fail the same way: final at once), 'batch_failed' (voided by a batch failure that
-    # named no request: counts towards giving up), 'gave_up' (failed after too many of those).
-    # Keys with a 'deterministic' or 'gave_up' failure are not planned again for that fingerprint.
-    (12, ["alter table {s}.llm_batch_requests add column failure_kind varchar"]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -11,6 +11,14 @@ was in flight; the next run settles what was stored and sends the rest again (ru
 Back-off: 429, 5xx and timeouts are retried after `retry-after` (or an exponential delay) while the
 run's llm_realtime_budget_seconds lasts; after that no new request starts, and what is left is
 voided (no attempt used) and sent by a later run.
+
+Lost replies: a hosted provider's realtime endpoint takes no idempotency key, so a request whose reply
+is lost after it was sent (dropped connection, cut-off body, timeout while waiting) may have been
+answered and billed. Each such loss is committed to the request's `possibly_billed` count before
+anything else is sent for it; the request is sent at most once more (MAX_LOST_REPLIES), and one that
+ends the run without an answer after a lost reply fails (using up an attempt) instead of being voided,
+so no run sends it again without counting it. A self-hosted engine bills nothing: its transport
+retries such failures like any other.
 """
 
 from __future__ import annotations
@@ -27,13 +35,15 @@ from dbt_llm_batch import crashpoints, harvest
 from dbt_llm_batch.errors import ProviderError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
-from dbt_llm_batch.providers.realtime_transport import RETRYABLE, FatalReply, TransientError
+from dbt_llm_batch.providers.realtime_transport import RETRYABLE, FatalReply, LostReply, TransientError
 
 FLUSH_SECONDS = 0.2  # most time between an answer arriving and its commit to the ledger
 FETCH_ROWS = 1000  # request bodies read from DuckDB at a time
 MAX_RETRY_DELAY = 30.0
 REQUEST_GRACE_SECONDS = 30.0  # a request started before the deadline may take this much longer
 UNREACHABLE_AFTER = 3  # connection failures, with no connection ever made, before a replica is given up
+MAX_LOST_REPLIES = 2  # sends of one request whose reply was lost (each possibly billed) before it fails
+GAVE_UP = object()  # _ask's answer for a request given up after a lost reply (failed at the job's end)
 
 
 @dataclass
@@ -44,6 +54,8 @@ class RealtimeOutcome:
     failed: int = 0
     unsent: int = 0  # left for a later run: the time budget ran out
     retries: int = 0
+    lost_replies: int = 0  # replies lost after sending (each possibly billed)
+    given_up: int = 0  # requests failed after a lost reply, never answered
     last_transient: str | None = None  # the last 429/5xx/timeout seen, for the log
     seconds: float = 0.0
 
@@ -71,7 +83,8 @@ def run_realtime(ledger: Ledger, provider: BatchProvider, rows: str, price: dict
     finally:
         bodies.close()  # rows never started leave the reader open, which would block the connection
         writer.close()
-    unsent = outcome.requests - outcome.answered
+    fail_possibly_billed(ledger, job_id)
+    unsent = outcome.requests - outcome.answered - outcome.given_up
     if fatal:
         reason = f"not answered: {fatal}; sent again by the next run"
     else:
@@ -83,7 +96,9 @@ def run_realtime(ledger: Ledger, provider: BatchProvider, rows: str, price: dict
     harvest.settle(ledger, provider, config, [(job_id, BatchState(status="completed", ended=True, error=reason))], price)
     if fatal:
         raise ProviderError(f"{ledger.model}: {fatal}. {outcome.answered} answer(s) were kept; the "
-                            f"{unsent} request(s) without one are sent again by the next run (no attempt used).")
+                            f"{unsent} request(s) without one are sent again by the next run (no attempt used)"
+                            + (f"; {outcome.given_up} whose reply was lost after sending (possibly billed) failed "
+                               f"as an attempt" if outcome.given_up else "") + ".")
     outcome.unsent = unsent
     outcome.succeeded, outcome.failed = ledger.con.execute(
         f"""select count(*) filter (where status = 'succeeded'), count(*) filter (where status = 'failed')
@@ -99,6 +114,7 @@ def settle_interrupted(ledger: Ledger, provider: BatchProvider, job_id: str, pri
     state = BatchState(status="interrupted", ended=True,
                        error="the run sending it in realtime was interrupted before an answer was stored; "
                              "it is sent again")
+    fail_possibly_billed(ledger, job_id)
     harvest.settle(ledger, provider, provider.config, [(job_id, state)], price)
 
 
@@ -122,13 +138,20 @@ async def _send_all(provider, bodies, writer: "ResultWriter", outcome: RealtimeO
         while not stop and time.monotonic() < deadline and (row := next_row()) is not None:
             custom_id, body = row
             try:
-                reply = await _ask(transports, body.encode(), deadline, outcome, stop)
+                reply = await _ask(transports, body.encode(), deadline, outcome, stop,
+                                   lambda: record_lost(custom_id))
             except FatalReply as exc:
                 stop.append(exc)
                 return
-            if reply is not None:
+            if reply is GAVE_UP:
+                outcome.given_up += 1
+            elif reply is not None:
                 writer.add(custom_id, provider.realtime_result_line(custom_id, reply.status, reply.text))
                 outcome.answered += 1
+
+    async def record_lost(custom_id: str) -> None:
+        # Committed (on the writer's thread, after the groups before it) before the request is sent again.
+        await loop.run_in_executor(pool, writer.mark_lost, custom_id)
 
     loop = asyncio.get_running_loop()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm_realtime_writer") as pool:
@@ -146,12 +169,15 @@ async def _send_all(provider, bodies, writer: "ResultWriter", outcome: RealtimeO
         raise stop[0]
 
 
-async def _ask(transports, body: bytes, deadline: float, outcome: RealtimeOutcome, stop: list):
+async def _ask(transports, body: bytes, deadline: float, outcome: RealtimeOutcome, stop: list, record_lost):
     """Send one request, retrying 429/5xx/timeouts within the budget (after `retry-after`, never
     sooner than an exponential back-off, and on another replica when there is one); returns the final
     reply, or None when the budget ran out first. A reply that no retry can change (a rejected key, an
-    unknown model or URL) raises FatalReply: the run stops instead of failing every row with it."""
+    unknown model or URL) raises FatalReply: the run stops instead of failing every row with it.
+    A reply lost after sending is recorded (`await record_lost()`) and retried at most once; returns
+    GAVE_UP when it is not answered after one (see the module's docstring)."""
     delay = 0.5
+    lost = 0
     while True:
         transport = pick(transports)
         server_wait = None
@@ -164,6 +190,13 @@ async def _ask(transports, body: bytes, deadline: float, outcome: RealtimeOutcom
                 transport.cooldown_until = 0.0
                 return reply
             server_wait, outcome.last_transient = reply.retry_after, f"HTTP {reply.status} from {transport.name}"
+        except LostReply as exc:
+            outcome.last_transient = f"reply lost: {exc} ({transport.name})"
+            outcome.lost_replies += 1
+            lost += 1
+            await record_lost()
+            if lost >= MAX_LOST_REPLIES:
+                return GAVE_UP
         except TransientError as exc:
             outcome.last_transient = f"{exc} ({transport.name})"
             if transport.never_connected and transport.failures >= UNREACHABLE_AFTER:
@@ -174,7 +207,7 @@ async def _ask(transports, body: bytes, deadline: float, outcome: RealtimeOutcom
         wait = max(server_wait or 0.0, delay * (1 + random.random() / 4))
         transport.cooldown_until = time.monotonic() + wait  # the next try goes to another replica if any
         if time.monotonic() + wait >= deadline or stop:
-            return None
+            return GAVE_UP if lost else None
         outcome.retries += 1
         await asyncio.sleep(wait)
         delay = min(delay * 2, MAX_RETRY_DELAY)
@@ -235,5 +268,33 @@ class ResultWriter:
                        source=source)
         crashpoints.reach("after_realtime_group")
 
+    def mark_lost(self, custom_id: str) -> None:
+        """One more send of this request whose reply was lost (possibly billed), committed now."""
+        self.ledger.execute(f"""update {self.ledger.table('llm_batch_requests')}
+                                set possibly_billed = coalesce(possibly_billed, 0) + 1
+                                where custom_id = ? and job_id = ?""", [custom_id, self.job_id])
+
     def close(self) -> None:
         self.cursor.close()
+
+
+def fail_possibly_billed(ledger: Ledger, job_id: str) -> None:
+    """Store a failure line for each of the job's unanswered requests whose reply was lost after
+    sending: it then fails when the job is settled (using up an attempt) instead of being voided and
+    sent again for free, which could pay for it any number of times. The line is in both providers'
+    error shapes at once (OpenAI reads body.error.message, Anthropic result.error.error.message)."""
+    requests, results = ledger.table("llm_batch_requests"), ledger.table("llm_batch_results")
+    ledger.execute(
+        f"""insert into {results}
+            select custom_id, model, job_id, 'realtime-lost',
+                   json_object('custom_id', custom_id, 'error', null,
+                               'response', json_object('status_code', 0, 'body', envelope),
+                               'result', json_object('type', 'errored', 'error', envelope)), now()
+            from (select custom_id, model, job_id, json_object('type', 'error', 'error', json_object(
+                             'type', 'lost_reply', 'message', 'the reply was lost after the request was sent, '
+                             || possibly_billed || ' time(s) (each may have been billed); counted as a failed '
+                             || 'attempt instead of being sent again')) as envelope
+                  from {requests} r
+                  where job_id = ? and status in ('queued', 'submitted') and possibly_billed > 0
+                    and not exists (select 1 from {results} l where l.job_id = r.job_id and l.custom_id = r.custom_id))""",
+        [job_id])

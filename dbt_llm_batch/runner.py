@@ -58,8 +58,9 @@ class RunSummary:
     def realtime_part(self) -> str:
         r = self.realtime
         left = f", {r.unsent} left for the next run (llm_realtime_budget_seconds)" if r.unsent else ""
+        lost = f", {r.lost_replies} reply(ies) lost after sending (possibly billed)" if r.lost_replies else ""
         return (f"; realtime {r.requests} request(s) in {r.seconds:.1f} s: {r.succeeded} succeeded, "
-                f"{r.failed} failed{left}" + (f", {r.retries} retried" if r.retries else ""))
+                f"{r.failed} failed{left}" + (f", {r.retries} retried" if r.retries else "") + lost)
 
 
 def load_input(con, sql: str | None, df):
@@ -391,12 +392,17 @@ class ModelRun:
         heartbeat = (lambda ledger: locks.ModelLock(ledger, owner=self.lock.owner).heartbeat()) if self.lock else None
         outcome = realtime.run_realtime(self.ledger, self.provider, rows, self.price, self.realtime_deadline,
                                         heartbeat)
+        lost = outcome.lost_replies  # this round's
         previous = self.summary.realtime
         if previous:  # a second round (llm_wait_seconds): add up
-            for name in ("requests", "answered", "succeeded", "failed", "retries"):
+            for name in ("requests", "answered", "succeeded", "failed", "retries", "lost_replies", "given_up"):
                 setattr(outcome, name, getattr(outcome, name) + getattr(previous, name))
             outcome.seconds += previous.seconds
         self.summary.realtime = outcome
+        if lost:
+            logger().warning(f"{self.ledger.model}: {lost} realtime reply(ies) were lost after the "
+                             f"request was sent (last: {outcome.last_transient}); the provider may have billed "
+                             f"them without an answer: see possibly_billed in llm_batch_costs")
         if outcome.unsent:
             logger().warning(f"{self.ledger.model}: {outcome.unsent} realtime request(s) were not sent within "
                              f"llm_realtime_budget_seconds={self.config.realtime_budget_seconds:g}"

@@ -153,3 +153,99 @@ select * from {{ ref('things') }}""")
         ("succeeded", None, None)]
     assert "no price known for openai model 'gpt-from-the-future'" in (project.root / "logs" / "dbt.log").read_text()
     assert project.query("select rows_without_price from main.llm_batch_costs") == [(1,)]
+
+
+def test_realtime_rows_count_at_list_price_toward_the_budget(costed, emulator, provider):
+    # Row 3 goes realtime, at list price (no batch discount); rows 1 and 2 are batched.
+    # openai: 149 * $2 + 50 * $8 = $698 and 154 * $2 + $400 = $708 per million at list price, half in batch;
+    #   row 3 at list price: 159 * $2 + $400 = $718. (349 + 354 + 718) -> $0.001421.
+    # anthropic: (1197 + 1212) / 2 + 1227 = $2,431.5 per million -> $0.0024315 (shown rounded: $0.002432).
+    # All three at batch prices would be $0.001062 / $0.001818: under these budgets.
+    estimate, budget = {"openai": ("$0.001421", "0.0012"), "anthropic": ("$0.002432", "0.0020")}[provider]
+    write_questions(costed, [1, 2, 3])
+    costed.dbt("seed")
+    costed.write("models/costed.sql", costed_model(provider, f"llm_realtime_when='id = 3', llm_max_cost_usd={budget}"))
+    message = failure_messages(costed.dbt("run", "-s", "costed", expect_ok=False))
+    assert (f"refusing to submit 3 request(s): estimated {estimate} plus $0.000000 already in flight exceeds "
+            f"llm_max_cost_usd (this model) = ${budget}00; nothing was sent") in message
+    assert emulator.stats()["calls"] == {}  # no batch, and no realtime request either
+    assert costed.query("select count(*) from main.llm_batch_requests") == [(0,)]
+
+    # Without the realtime row the same budget lets the batch go.
+    costed.write("models/costed.sql", costed_model(provider, f"llm_max_cost_usd={budget}"))
+    costed.dbt("run", "-s", "costed")
+    assert len(emulator.batches()) == 1 and emulator.stats()["realtime_requests"][provider] == 0
+
+
+def test_a_budget_on_an_unpriced_model_refuses_before_any_call(project, emulator, provider):
+    project.write("models/things.sql", "select 1 as id, 'hello' as prompt union all select 2, 'urgent hello'")
+    project.write("models/unpriced.sql", f"""
+{{{{ config(materialized='llm_batch', unique_key='id', llm_provider='{provider}', llm_model='model-from-the-future',
+            llm_max_cost_usd=5, llm_realtime_when="prompt like 'urgent%'") }}}}
+select * from {{{{ ref('things') }}}}""")
+    project.dbt("run", "-s", "things")
+    message = failure_messages(project.dbt("run", "-s", "unpriced", expect_ok=False))
+    assert (f"llm_max_cost_usd (this model) is set to $5.000000 but there is no price for {provider} model "
+            f"'model-from-the-future', so the cost of 2 request(s) cannot be estimated; nothing was sent. "
+            f"Add a price with llm_price_table.") in message
+    assert emulator.stats()["calls"] == {}
+    assert project.query("select count(*) from main.llm_batch_requests") == [(0,)]
+
+
+# The test price table with a 1 h cache-write column (a user table may also leave it out: see below).
+PRICES_1H = PRICES.replace("cache_read_per_mtok,", "cache_read_per_mtok,cache_write_1h_per_mtok,").replace(
+    "8.00,0,1.00,", "8.00,0,1.00,0,").replace("15.00,3.75,0.30,", "15.00,3.75,0.30,6.60,")
+
+
+@pytest.mark.parametrize("route", ["batch", "realtime"])
+def test_one_hour_cache_writes_are_priced_at_the_one_hour_rate(project, emulator, route):
+    """Anthropic bills a 1 h cache write at 2x the input price (a 5 min one at 1.25x). The batch case
+    prices it from a user price table with the old columns (no 1 h rate: 2x input, $6); the realtime
+    case from one that names the rate ($6.60)."""
+    emulator.min_cache_tokens = 128
+    project.write("seeds/llm_prices.csv", PRICES if route == "batch" else PRICES_1H)
+    extra = "llm_realtime_when='true'," if route == "realtime" else ""
+    project.write("models/costed.sql", costed_model("anthropic", extra).replace("llm_cache_prefix=true",
+                                                                                "llm_cache_prefix='1h'"))
+    write_questions(project, [1, 2])
+    project.dbt("seed")
+    project.dbt("run", "-s", "costed")
+    emulator.complete_all()
+    project.dbt("run", "-s", "costed")
+    rows = {r[0]: r[1:] for r in project.query("""select id, llm_input_tokens, llm_cache_read_tokens,
+        llm_cache_write_tokens, llm_cost_usd, llm_realtime_cost_usd from main.costed order by id""")}
+    ledger = dict(project.query("""select json_extract_string(key, '$[0]'), cache_write_1h_tokens
+                                   from main.llm_batch_requests"""))
+    # One of the two rows wrote the 128-token prefix with the 1 h TTL, the other read it.
+    writer = next(i for i, r in rows.items() if r[2] == 128)
+    reader = 3 - writer
+    assert ledger == {str(writer): 128, str(reader): 0}
+    uncached = rows[writer][0] - 128
+    one_hour = {"batch": Decimal("6.00"), "realtime": Decimal("6.60")}[route]
+    at_list = (uncached * 3 + 128 * one_hour + 7 * 15) / Decimal(1_000_000)
+    assert rows[writer][4] == at_list  # realtime cost: list price
+    assert rows[writer][3] == (at_list / 2 if route == "batch" else at_list)
+    assert project.query("select sum(cache_write_1h_tokens), sum(cache_write_tokens) from main.llm_batch_costs") == [
+        (128, 128)]
+
+
+def test_a_billed_failed_attempt_shows_its_cost_in_the_views(costed, emulator, provider):
+    # The answer runs past llm_max_tokens=50: cut off, so the attempt fails, but the provider billed it
+    # (133 input and 50 output tokens).
+    emulator.add_fault(kind="content", prompt_contains="invoice", content="x" * 400, times=None)
+    costed.write("models/costed.sql", costed_model(provider, "llm_max_attempts=1"))
+    write_questions(costed, [1])
+    costed.dbt("seed")
+    costed.dbt("run", "-s", "costed")
+    emulator.complete_all()
+    costed.dbt("run", "-s", "costed")
+    assert costed.query("select llm_status, llm_error from main.costed") == [
+        ("failed", "answer was cut off at llm_max_tokens=50 (finish reason "
+                   + ("length)" if provider == "openai" else "max_tokens)"))]
+    # openai: 133 * $2 + 50 * $8 = $666 per million; anthropic (writes the 128-token prefix, 5 min):
+    # 5 * $3 + 128 * $3.75 + 50 * $15 = $1,245 per million. Half of that in batch.
+    realtime = {"openai": Decimal("0.000666"), "anthropic": Decimal("0.001245")}[provider]
+    view = costed.query("""select rows_failed, rows_succeeded, input_tokens, output_tokens, cost_usd, realtime_cost_usd
+                           from main.llm_batch_costs where model = 'main.costed'""")
+    assert view == [(1, 0, 133, 50, realtime / 2, realtime)]
+    assert costed.query("select cost_usd from main.llm_batch_progress") == [(realtime / 2,)]

@@ -317,3 +317,81 @@ def test_retry_after_zero_still_backs_off(project, replicas, monkeypatch, api_ke
     calls = engine.stats()["calls"]["POST /v1/chat/completions"]
     assert 2 <= calls <= 10, calls  # exponential back-off from 0.5 s, not a tight loop (it was 443 calls)
     assert project.query("select distinct status from main.llm_batch_requests") == [("voided",)]
+
+
+REALTIME_ENDPOINT = {"openai": "POST /v1/chat/completions", "anthropic": "POST /v1/messages"}
+TICKET_1 = "llm_realtime_when = 'ticket_id = 1',"  # one realtime row: which send a fault hits is certain
+
+
+def billed(emulator, provider, prompt: str) -> int:
+    """How many times the sandbox answered (and so billed) this prompt on its realtime endpoint."""
+    return emulator.counters.realtime_prompts[(provider, prompt)]
+
+
+def test_a_reply_lost_after_the_provider_answered_is_sent_once_more_and_counted(project, emulator, provider):
+    # The provider answers (and bills) ticket 1, then the connection drops half-way through the reply.
+    emulator.add_fault(endpoint=REALTIME_ENDPOINT[provider], kind="truncate", times=1)
+    project.write("models/triage.sql", triage_model(provider=provider, extra_config=TICKET_1,
+                                                    where="where ticket_id = 1"))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    prompt = prompts(project, "ticket_id = 1")[1]
+    # Sent once more (the answer is wanted now), so billed exactly twice: the lost reply and the answer.
+    assert billed(emulator, provider, prompt) == 2
+    assert table(project)[1][3:5] == ("succeeded", "realtime")
+    # The ledger says one send may have been paid for without an answer, and the views count it.
+    assert project.query("select status, possibly_billed from main.llm_batch_requests") == [("succeeded", 1)]
+    assert project.query("select sum(possibly_billed) from main.llm_batch_costs where route = 'realtime'") == [(1,)]
+    assert project.query("select possibly_billed from main.llm_batch_progress") == [(1,)]
+    assert summary_line(project).endswith("1 succeeded, 0 failed, 1 retried, 1 reply(ies) lost after sending "
+                                          "(possibly billed)")
+
+    project.dbt("run", "-s", "triage")  # answered: never asked again
+    assert billed(emulator, provider, prompt) == 2
+
+
+def test_a_reply_lost_twice_fails_the_row_and_is_never_sent_a_third_time(project, emulator, provider):
+    # Every reply is lost after the provider answered it.
+    emulator.add_fault(endpoint=REALTIME_ENDPOINT[provider], kind="truncate", times=None)
+    project.write("models/triage.sql", triage_model(provider=provider, extra_config=TICKET_1 + " llm_max_attempts = 1,",
+                                                    where="where ticket_id = 1"))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    prompt = prompts(project, "ticket_id = 1")[1]
+    assert billed(emulator, provider, prompt) == 2
+    status, error = table(project)[1][3], project.query("select llm_error from main.triage")[0][0]
+    assert status == "failed"
+    assert error == ("the reply was lost after the request was sent, 2 time(s) (each may have been billed); "
+                     "counted as a failed attempt instead of being sent again")
+    assert project.query("select status, is_final, possibly_billed from main.llm_batch_requests") == [
+        ("failed", True, 2)]
+    assert project.query("select sum(rows_failed), sum(possibly_billed) from main.llm_batch_costs") == [(1, 2)]
+
+    project.dbt("run", "-s", "triage")  # the attempt is used up: not sent again, however often dbt runs
+    assert billed(emulator, provider, prompt) == 2
+
+
+def test_only_failures_after_the_request_went_out_count_as_possibly_billed():
+    """How an SDK failure is read: the SDKs wrap the HTTP library's error (httpx2) as the cause of
+    APIConnectionError / APITimeoutError. Not connected or not written: nothing can have been billed."""
+    import httpx2 as httpx
+    import openai
+    from dbt_llm_batch.providers.realtime_transport import reached_the_provider
+    request = httpx.Request("POST", "https://api.example/v1/chat/completions")
+
+    def sdk_error(cause, timeout=False):
+        try:
+            try:
+                raise cause
+            except Exception as exc:
+                raise (openai.APITimeoutError(request=request) if timeout
+                       else openai.APIConnectionError(request=request)) from exc
+        except openai.APIConnectionError as exc:
+            return exc
+
+    for cause, timeout in ((httpx.ConnectError("refused"), False), (httpx.ConnectTimeout("slow"), True),
+                           (httpx.PoolTimeout("busy"), True), (httpx.WriteError("reset"), False)):
+        assert not reached_the_provider(sdk_error(cause, timeout)), cause
+    for cause, timeout in ((httpx.ReadTimeout("no answer"), True), (httpx.ReadError("reset"), False),
+                           (httpx.RemoteProtocolError("peer closed connection"), False)):
+        assert reached_the_provider(sdk_error(cause, timeout)), cause

@@ -183,7 +183,9 @@ class AnthropicBatchProvider(BatchProvider):
                    "message": {"content": [{"type": "VARCHAR", "text": "VARCHAR", "input": "JSON"}],
                                "stop_reason": "VARCHAR",
                                "usage": {"input_tokens": "BIGINT", "output_tokens": "BIGINT",
-                                         "cache_creation_input_tokens": "BIGINT", "cache_read_input_tokens": "BIGINT"}},
+                                         "cache_creation_input_tokens": "BIGINT", "cache_read_input_tokens": "BIGINT",
+                                         "cache_creation": {"ephemeral_5m_input_tokens": "BIGINT",
+                                                            "ephemeral_1h_input_tokens": "BIGINT"}}},
                    "error": {"type": "VARCHAR", "message": "VARCHAR", "error": {"type": "VARCHAR", "message": "VARCHAR"}}},
     }
 
@@ -216,7 +218,10 @@ class AnthropicBatchProvider(BatchProvider):
             -- overloaded_error and the like are transient.
             case when {message}.stop_reason = 'refusal' then {sql_text(REFUSED)}
                  when {result}.error.error.type in ('invalid_request_error', 'not_found_error', 'request_too_large')
-                 then {sql_text(REJECTED)} end as not_retried"""
+                 then {sql_text(REJECTED)} end as not_retried,
+            -- The 1 h TTL's share of the writes (usage.cache_creation), billed at 2x input, not 1.25x.
+            case when {usage} is not null then coalesce({usage}.cache_creation.ephemeral_1h_input_tokens, 0) end
+                as cache_write_1h_tokens"""
 
 
 def _epoch(value) -> float:

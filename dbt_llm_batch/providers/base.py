@@ -21,13 +21,15 @@ from dbt_llm_batch.providers.calls import CallBudget
 #   custom_id, outcome ('ok' | 'error' | 'void'), answer (text, or the JSON of a structured answer),
 #   finish_reason (the provider's word), truncated (the answer was cut off at the token limit), error,
 #   input_tokens (ALL input tokens, cache reads and writes included), output_tokens,
-#   cached_tokens (cache reads), cache_write_tokens (cache writes),
+#   cached_tokens (cache reads), cache_write_tokens (cache writes, of every TTL),
 #   not_retried (for an 'error': why the same request would fail the same way again, e.g. the
-#   provider rejected it as invalid or the model refused; NULL for a failure a retry may fix)
+#   provider rejected it as invalid or the model refused; NULL for a failure a retry may fix),
+#   cache_write_1h_tokens (the cache writes with Anthropic's 1 h TTL, billed at a higher rate; NULL elsewhere)
 # 'void' is an outcome that says nothing about the request itself (expired, cancelled before it
 # ran): the request is sent again without using up an attempt.
 OUTCOME_COLUMNS = ("custom_id", "outcome", "answer", "finish_reason", "truncated", "error",
-                   "input_tokens", "output_tokens", "cached_tokens", "cache_write_tokens", "not_retried")
+                   "input_tokens", "output_tokens", "cached_tokens", "cache_write_tokens", "not_retried",
+                   "cache_write_1h_tokens")
 
 # Why an error outcome is final at once (providers' outcomes_sql): retrying would pay for the same failure.
 REJECTED = ("not retried: the provider rejected the request itself, which would be rejected again; "

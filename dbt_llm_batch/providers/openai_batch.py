@@ -200,4 +200,5 @@ class OpenAIBatchProvider(BatchProvider):
             -- A refusal, and a request the API rejects (400 invalid_request_error, 404 unknown model,
             -- 413 too large, 422), would come back the same; 408, 409, 429 and 5xx are transient.
             case when {choice}.message.refusal is not null and {choice}.message.content is null then {sql_text(REFUSED)}
-                 when {r}.response.status_code in (400, 404, 413, 422) then {sql_text(REJECTED)} end as not_retried"""
+                 when {r}.response.status_code in (400, 404, 413, 422) then {sql_text(REJECTED)} end as not_retried,
+            null::bigint as cache_write_1h_tokens"""

@@ -26,6 +26,31 @@ class TransientError(Exception):
     """No reply (timeout, refused or dropped connection): the request may be tried again."""
 
 
+class LostReply(TransientError):
+    """The request went out but its reply did not arrive whole (the connection dropped or timed out
+    while waiting, or the body was cut off): the provider may have answered it, and billed it.
+    The providers' realtime endpoints take no idempotency key, so sending it again may pay twice
+    (realtime.py sends such a request at most once more)."""
+
+
+# Failures of the HTTP library (httpx, or the httpx2 the installed SDKs use) that happen before the
+# whole request was sent, so nothing can have been billed; matched by name, not by import. Any other
+# failure (a read timeout, a dropped connection, a cut-off body, one the SDK does not explain) is
+# taken as a reply lost after sending.
+NOT_SENT = {"ConnectError", "ConnectTimeout", "PoolTimeout", "WriteError", "WriteTimeout", "UnsupportedProtocol",
+            "ProxyError", "LocalProtocolError"}
+
+
+def reached_the_provider(exc: BaseException) -> bool:
+    """Whether the request behind an SDK connection/timeout error may have reached the provider."""
+    cause = exc.__cause__
+    while cause is not None:
+        if any(cls.__name__ in NOT_SENT for cls in type(cause).__mro__):
+            return False
+        cause = cause.__cause__
+    return True
+
+
 class FatalReply(Exception):
     """A reply that fails every request alike: the run stops; no row is marked failed for it."""
 
@@ -89,9 +114,13 @@ class SdkTransport(Transport):
         except self.errors.APIStatusError as exc:
             reply = Reply(exc.status_code, exc.response.text, retry_after_seconds(exc.response.headers))
         except (self.errors.APITimeoutError, self.errors.APIConnectionError) as exc:
+            what = f"{type(exc).__name__}: {exc}" + (f" ({type(exc.__cause__).__name__})" if exc.__cause__ else "")
+            if reached_the_provider(exc):
+                self.never_connected, self.failures = False, 0  # it connected: the server is there
+                raise LostReply(what) from None
             if not isinstance(exc, self.errors.APITimeoutError):
                 self.failures += 1
-            raise TransientError(f"{type(exc).__name__}: {exc}") from None
+            raise TransientError(what) from None
         finally:
             self.outstanding -= 1
         self.never_connected, self.failures = False, 0
