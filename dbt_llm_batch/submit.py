@@ -45,6 +45,9 @@ def submit_chunks(ledger: Ledger, provider: BatchProvider, files: list[RequestFi
                 file_id = provider.upload(request_file.path, token=job_id)
             except Exception as exc:
                 if not (isinstance(exc, ProviderUnavailable) or is_transient(exc)):
+                    # Refused (a 4xx): no file and no batch exist; the requests go back to the queue.
+                    void_submission(ledger, job_id, f"the provider refused the upload ({describe(exc)}); resubmitted")
+                    ledger.update_job(job_id, error=describe(exc))
                     raise
                 _stop_after_failed_upload(ledger, job_id, exc)
                 break
