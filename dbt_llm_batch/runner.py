@@ -358,8 +358,7 @@ class ModelRun:
                 self.warn_if_prefix_too_short(provider)
                 batch_ids = submit.submit_chunks(self.ledger, provider, files, request_files.sent_rows(self.rows))
                 # A file uploaded for a create that was refused is not left at the provider.
-                operator.delete_provider_files(self.ledger, self.config.provider, lambda: provider,
-                                               self.config.delete_provider_files)
+                operator.delete_provider_files(self.ledger, self.provider_for, self.config.delete_provider_files)
                 sent = files[:len(batch_ids)]  # a failed create stops the run's submissions (submit.py)
                 self.summary.submitted += sum(f.requests for f in sent)
                 self.summary.batches += len(batch_ids)
