@@ -1,6 +1,6 @@
 """The ledger: state tables in the warehouse that record every batch, request and result.
 
-Invariants (see DESIGN.md):
+Invariants:
 - a request row exists (status 'queued', with its job's intent row) before any call that could bill it;
 - a result line is stored in `llm_batch_results` before the request's status changes or the row is
   merged into the model table;
