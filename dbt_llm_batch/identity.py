@@ -9,6 +9,7 @@ rows under the old key next to the new ones. Here, before anything is planned:
   columns, else by their fingerprint (the same prompt and settings as exactly one selected row);
 - requests that match no selected row are set aside under `<identity> (unique_key <old columns>)`:
   still harvested and costed, never merged.
+It also renames fingerprints stored the way earlier versions computed them (config.legacy_prefix).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import json
 
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
-from dbt_llm_batch.planner import DESIRED, q
+from dbt_llm_batch import planner
+from dbt_llm_batch.planner import DESIRED, INPUT, q
 from dbt_llm_batch.runlog import logger
 
 
@@ -25,25 +27,31 @@ def ledger_identity(config: ModelConfig, schema: str, identifier: str) -> str:
     return config.ledger_identity or f"{schema}.{identifier}"
 
 
-def reconcile_key(ledger: Ledger, config: ModelConfig, input_columns) -> None:
-    """Record the model's key columns; when they changed since the last run, re-key the ledger."""
+def prepare_ledger(ledger: Ledger, config: ModelConfig, input_columns) -> None:
+    """Before planning: when the model's key columns changed since its last run, re-key the ledger;
+    when its fingerprints may have been stored the way earlier versions computed them, rename them
+    (planner.adopt_legacy_fingerprints). Both are recorded in `llm_batch_models`, so a run with
+    nothing new does neither."""
     con, models = ledger.con, ledger.table("llm_batch_models")
-    current = json.dumps(list(config.unique_key))
-    row = con.execute(f"select key_columns from {models} where model = ?", [ledger.model]).fetchall()
-    if row and row[0][0] == current:
+    current, prefix = json.dumps(list(config.unique_key)), config.fingerprint_prefix()
+    row = con.execute(f"select key_columns, fingerprint_prefix from {models} where model = ?",
+                      [ledger.model]).fetchall()
+    stored, adopted = row[0] if row else (None, None)
+    if stored == current and adopted == prefix:
         return
     requests = ledger.table("llm_batch_requests")
-    stored = json.loads(row[0][0]) if row else None
     n = con.execute(f"select count(*) from {requests} where model = ?", [ledger.model]).fetchall()[0][0]
     if stored is None and not n:
         _warn_if_renamed(ledger, config)
-    if stored is not None and n:
-        _rekey(ledger, config, input_columns, stored)
+    if stored is not None and stored != current and n:
+        _rekey(ledger, config, input_columns, json.loads(stored))
+    if n and adopted != prefix:  # after the re-key: it matches on the current key
+        planner.adopt_legacy_fingerprints(ledger, config)
 
     def write():
         with transaction(con):
             con.execute(f"delete from {models} where model = ?", [ledger.model])
-            con.execute(f"insert into {models} values (?, ?, now())", [ledger.model, current])
+            con.execute(f"insert into {models} values (?, ?, now(), ?)", [ledger.model, current, prefix])
     retry_on_conflict(write)
 
 
@@ -59,8 +67,7 @@ def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str
                    coalesce(case when list_has_all(json_keys(r.row_json), {names})
                                  then {from_row} end, d.key) as new_key
             from (select *, json_transform(row_json, '{structure}') as s from {requests} where model = ?) r
-                 left join (select fingerprint, any_value(key) as key from {DESIRED}
-                            group by fingerprint having count(*) = 1) d using (fingerprint)""", [ledger.model])
+                 left join ({_key_by_fingerprint(config)}) d using (fingerprint)""", [ledger.model])
     rekeyed, aside = con.execute("select count(new_key), count(*) - count(new_key) from __llm_rekey").fetchall()[0]
     aside_model = f"{ledger.model} (unique_key {', '.join(old_key)})"
 
@@ -87,6 +94,19 @@ def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str
                                    "sent now.")
     else:
         logger().info(message)
+
+
+def _key_by_fingerprint(config: ModelConfig) -> str:
+    """A selected key for each fingerprint the model asks now (rows with the same fingerprint sent the
+    same request, so its answer fits any of them), and for the fingerprint earlier versions computed
+    for the same request (config.legacy_prefix)."""
+    current = f"select fingerprint, any_value(key) as key from {DESIRED} group by fingerprint"
+    if not config.legacy_prefix:
+        return current
+    prompt = f"coalesce(cast(i.{q(config.prompt_column)} as varchar), '')"
+    legacy_prefix = "'" + config.legacy_prefix + "'"  # hex digits only
+    return (f"{current} union all select md5({legacy_prefix} || {prompt}), any_value(d.key) "
+            f"from {DESIRED} d join {INPUT} i on i.rowid = d.row_id group by 1")
 
 
 def _warn_if_renamed(ledger: Ledger, config: ModelConfig) -> None:

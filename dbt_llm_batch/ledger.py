@@ -126,10 +126,12 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     # A request's line (1-based) in its job's request file, which OpenAI validation errors name
     # (batch_failures.py); NULL for requests written before version 9 (custom_id order) and realtime ones.
     (9, ["alter table {s}.llm_batch_requests add column file_line integer"]),
-    # Each model's key columns as of its last run (identity.py): a changed unique_key re-keys the
-    # stored requests instead of asking every row again.
+    # Each model's key columns and fingerprint prefix as of its last run (identity.py): a changed
+    # unique_key re-keys the stored requests instead of asking every row again, and fingerprints of
+    # earlier versions are renamed once per prefix.
     (10, ["""create table if not exists {s}.llm_batch_models (
-               model varchar primary key, key_columns varchar, updated_at timestamptz)"""]),
+               model varchar primary key, key_columns varchar, updated_at timestamptz,
+               fingerprint_prefix varchar)"""]),
     # Why a failure is not retried like the others (batch_failures.py): 'deterministic' (the same
     # request would fail the same way: final at once), 'batch_failed' (voided by a batch failure that
     # named no request: counts towards giving up), 'gave_up' (failed after too many of those).

@@ -29,6 +29,7 @@ from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.duckdb_plugin import is_lock_conflict, lock_conflict_message
 from dbt_llm_batch.errors import LlmBatchError
 from dbt_llm_batch.ledger import IN_FLIGHT, Ledger
+from dbt_llm_batch.submit import HELD_BY_RECONCILIATION
 from dbt_llm_batch.locks import database_path, unlock
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.runlog import logger as run_log
@@ -146,9 +147,11 @@ def release_model(con, schema: str, model: str) -> tuple[int, int, int, int]:
     who = operator_name()
     held = ledger.execute(f"update {requests} set status = 'released', error = error || {note} "
                           f"where model = ? and status = 'held'", [who, ledger.model]).fetchall()[0][0]
+    # Only submissions a run looked up and could not decide: one nobody has reconciled yet (or an
+    # OpenAI one, which its metadata token settles) may well be a live batch.
     interrupted = [r[0] for r in con.execute(
         f"""select job_id from {jobs} where model = ? and batch_id is null and harvested_at is null
-              and status in {INTERRUPTED}""", [ledger.model]).fetchall()]
+              and status in {INTERRUPTED} and error = ?""", [ledger.model, HELD_BY_RECONCILIATION]).fetchall()]
     freed = 0
     for job_id in interrupted:
         freed += ledger.execute(
@@ -211,12 +214,12 @@ def delete_provider_files(ledger: Ledger, client_for, enabled: bool) -> None:
                    or (status = 'voided' and batch_id is null and input_file_id is not null))""",
         [ledger.model]).fetchall()
     for job_id, batch_id, provider_name, llm_model, *file_ids in jobs:
-        provider = client_for({"provider": provider_name, "llm_model": llm_model})
-        try:
+        try:  # the job's provider may need a key this run does not have (the model switched provider)
+            provider = client_for({"provider": provider_name, "llm_model": llm_model})
             provider.delete_files(batch_id, [f for f in file_ids if f])
         except Exception as exc:
             what = f"batch {batch_id}" if batch_id else f"interrupted submission {job_id}"
-            log.warning(f"{ledger.model}: could not delete the files of {what} at {provider.name} "
+            log.warning(f"{ledger.model}: could not delete the files of {what} at {provider_name} "
                         f"({type(exc).__name__}: {exc}); the results are stored, the next run tries again")
             ledger.update_job(job_id, files_delete_error=f"{type(exc).__name__}: {exc}"[:1000])
             continue

@@ -131,8 +131,6 @@ def adopt_legacy_fingerprints(ledger: Ledger, config: ModelConfig) -> int:
     if not config.legacy_prefix:
         return 0
     requests = ledger.table("llm_batch_requests")
-    if not ledger.con.execute(f"select count(*) from {requests} where model = ?", [ledger.model]).fetchall()[0][0]:
-        return 0
     prompt = f"coalesce(cast({q(config.prompt_column)} as varchar), '')"
     return ledger.execute(
         f"""update {requests} r set fingerprint = d.fingerprint

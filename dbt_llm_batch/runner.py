@@ -14,7 +14,7 @@ from decimal import Decimal
 from dbt_llm_batch import (bad_input, costs, crashpoints, harvest, identity, interrupt, locks, merge, operator, planner,
                            realtime, request_files, submit, tempdirs)
 from dbt_llm_batch.config import ModelConfig, parse_config
-from dbt_llm_batch.errors import BudgetError, ProviderError
+from dbt_llm_batch.errors import BudgetError, ConfigError, ProviderError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.planner import INPUT
 from dbt_llm_batch.providers import get_provider
@@ -120,8 +120,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
         run.lock.acquire()  # before anything is harvested, planned or sent; released also on failure
         refused = None
         try:
-            planner.adopt_legacy_fingerprints(run.ledger, config)
-            identity.reconcile_key(run.ledger, config, input_columns)
+            identity.prepare_ledger(run.ledger, config, input_columns)
             try:
                 run.execute(full_refresh)
             except BudgetError as exc:
@@ -133,7 +132,12 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
             run.lock.release()
         run.finish_summary()
         logger().info(run.summary.line())
-        run.report_unavailable()
+        try:
+            run.report_unavailable()
+        except ProviderError as down:
+            if refused is None:
+                raise
+            refused = BudgetError(f"{refused} Also: {down}")  # one failure that says both
         if refused is not None:
             raise BudgetError(f"{refused} (Results that were final are merged: {run.summary.merged} row(s).)")
     for name in (INPUT, planner.DESIRED, planner.PLAN, REALTIME_PLAN, request_files.SENT):
@@ -189,6 +193,12 @@ class ModelRun:
             client.check_credentials()
             self._job_providers[key] = client
         return self._job_providers[key]
+
+    def warn_unreachable(self, job: dict, exc: ConfigError, count: int = 1) -> None:
+        """A batch sent through a provider this run has no key for (the model switched provider since):
+        it stays pending, and the run still merges what is final."""
+        logger().warning(f"{self.ledger.model}: {count} batch(es) or submission(s) sent through {job['provider']} "
+                         f"are still open and cannot be checked: {exc}. They stay pending; nothing is resent.")
 
     def price_for(self, job: dict) -> dict | None:
         """The price of the provider and model a job was sent with (not the model's current ones)."""
@@ -260,6 +270,8 @@ class ModelRun:
                 self.reconcile(job)
             except ProviderUnavailable:
                 break  # left as it is; provider_unavailable() reports it
+            except ConfigError as exc:  # its provider's key is not set: left as it is, the run goes on
+                self.warn_unreachable(job, exc)
         submitted = [j for j in self.ledger.open_jobs() if j["batch_id"]]
         by_sender: dict[tuple[str, str], list[dict]] = {}
         for job in submitted:  # each through the provider and model it was submitted with
@@ -267,7 +279,12 @@ class ModelRun:
         for (provider_name, llm_model), jobs in by_sender.items():
             if self.provider_unavailable():
                 break
-            provider, price = self.provider_for(jobs[0]), self.price_for(jobs[0])
+            try:
+                provider = self.provider_for(jobs[0])
+            except ConfigError as exc:  # its provider's key is not set: pending, the run goes on to merge
+                self.warn_unreachable(jobs[0], exc, len(jobs))
+                continue
+            price = self.price_for(jobs[0])
             stats = harvest.poll_and_harvest(self.ledger, provider, provider.config, jobs, price)
             self.summary.harvested_batches += stats["harvested_jobs"]
             if stats["harvested_jobs"] and price is None:

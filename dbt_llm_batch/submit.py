@@ -134,6 +134,10 @@ def void_submission(ledger: Ledger, job_id: str, reason: str, input_file_id: str
     ledger.update_job(job_id, status="voided", **fields)
 
 
+# The job error of a submission reconciliation holds (UNRESOLVED): the only ones `release` may void.
+HELD_BY_RECONCILIATION = "held by reconciliation: a batch that could be this submission has not ended"
+
+
 def reconcile(ledger: Ledger, get_provider, job: dict, run_started) -> None:
     """A job without a batch id whose run died (or whose upload or `create` failed). Adopt its batch,
     void it when no batch at the provider can be it, or hold it (leave it, and its requests, alone)
@@ -166,6 +170,8 @@ def reconcile(ledger: Ledger, get_provider, job: dict, run_started) -> None:
                       .fetchall())
     found = get_provider().find_submission(job["job_id"], since, custom_ids, known_batch_ids=known)
     if found == UNRESOLVED:
+        # Recorded on the job: `release` frees only submissions a run looked up and could not decide.
+        ledger.update_job(job["job_id"], error=HELD_BY_RECONCILIATION)
         logger().warning(
             f"{ledger.model}: submission {job['job_id']} was interrupted and cannot be matched to a provider batch "
             f"yet (a batch of the same size created since then has not ended): its {len(custom_ids)} request(s) "

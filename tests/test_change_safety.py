@@ -277,6 +277,7 @@ def test_upgrading_keeps_fingerprints_written_in_the_configs_own_order(project, 
     project.release_database()
     project.query("update main.llm_batch_requests set fingerprint = md5(? || json_extract_string(row_json, '$.prompt'))",
                   [config.legacy_prefix])  # what the earlier version stored
+    project.query("delete from main.llm_batch_models")  # an earlier version's ledger has no such row
     project.dbt("run", "-s", "triage")
     assert batch_counts(emulator) == [6], "the upgrade asked nothing again"
     assert project.query("select count(*) from main.llm_batch_requests where fingerprint = md5(? || "
@@ -323,3 +324,45 @@ def test_ctrl_c_stops_waiting_at_once_and_loses_nothing(project, emulator):
     project.dbt("run", "-s", "triage")
     assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
     assert batch_counts(emulator) == [6]
+
+
+def test_a_batch_of_a_provider_whose_key_is_gone_waits_and_the_run_still_merges(project, emulator, monkeypatch):
+    """Switched to Anthropic and dropped the OpenAI key with an OpenAI batch in flight: runs warn and go
+    on (the new provider's answers merge); once the key is back, the OpenAI batch is harvested."""
+    from helpers import triage_model
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model(where="where ticket_id <= 3"))
+    project.dbt("run", "-s", "triage")
+    openai_key = __import__("os").environ["OPENAI_API_KEY"]
+    monkeypatch.delenv("OPENAI_API_KEY")
+    project.write("models/triage.sql", triage_model(provider="anthropic", where="where ticket_id > 3"))
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    log = (project.root / "logs" / "dbt.log").read_text()
+    assert "sent through openai are still open and cannot be checked: OPENAI_API_KEY is not set" in log
+    assert project.query("select ticket_id, llm_model from main.triage order by 1") == \
+        [(4, "claude-sonnet-4-5"), (5, "claude-sonnet-4-5"), (6, "claude-sonnet-4-5")]
+    monkeypatch.setenv("OPENAI_API_KEY", openai_key)
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.triage where llm_model = 'gpt-4o-mini'") == [(3,)]
+    assert emulator.stats()["request_lines"] == 6
+
+
+def test_release_never_voids_a_submission_no_run_has_looked_up(project, emulator, capsys):
+    """A failed create may have made a batch: until a run looked it up and could not decide, `release`
+    leaves it alone (the next run finds out: OpenAI by the batch's metadata token)."""
+    from dbt_llm_batch.cli import main as cli
+    from helpers import triage_model
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model())
+    emulator.add_fault(endpoint="POST /v1/batches", kind="http_error", status_code=502, times=1, when="after")
+    project.dbt("run", "-s", "triage")  # the batch exists; this run does not reconcile its own create
+    project.release_database()
+    assert cli(["release", "--database", str(project.db_path), "--schema", "main", "--model", "triage"]) == 0
+    assert project.query("select count(*) from main.llm_batch_requests where status = 'released'") == [(0,)]
+    project.dbt("run", "-s", "triage")  # adopts the batch by its token
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+    assert emulator.stats()["request_lines"] == 6, "nothing was sent twice"

@@ -20,7 +20,7 @@ TOOL_NAME = "llm_output"
 DEFAULT_MAX_TOKENS = 1024
 # A batch created up to this long before the intent (by the provider's clock) may still be the
 # submission's: room for a difference between this machine's clock and the provider's.
-CLOCK_GRACE_SECONDS = 300
+CLOCK_GRACE_SECONDS = 3600  # as for OpenAI: custom_ids rule out a wrong batch, so a wide window only holds longer
 
 
 class AnthropicBatchProvider(BatchProvider):
