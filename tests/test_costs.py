@@ -241,7 +241,8 @@ def test_a_billed_failed_attempt_shows_its_cost_in_the_views(costed, emulator, p
     costed.dbt("run", "-s", "costed")
     assert costed.query("select llm_status, llm_error from main.costed") == [
         ("failed", "answer was cut off at llm_max_tokens=50 (finish reason "
-                   + ("length)" if provider == "openai" else "max_tokens)"))]
+                   + ("length)" if provider == "openai" else "max_tokens)")
+                   + "; not retried: the same request would be cut off again. Raise llm_max_tokens (that asks again)")]
     # openai: 133 * $2 + 50 * $8 = $666 per million; anthropic (writes the 128-token prefix, 5 min):
     # 5 * $3 + 128 * $3.75 + 50 * $15 = $1,245 per million. Half of that in batch.
     realtime = {"openai": Decimal("0.000666"), "anthropic": Decimal("0.001245")}[provider]
