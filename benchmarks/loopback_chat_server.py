@@ -35,16 +35,24 @@ class ChatServer:
         n = next(self.ids)
         content = json.dumps({"category": CATEGORIES[n % len(CATEGORIES)]})
         prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in request.get("messages", [])) + 8
-        return json.dumps({
-            "id": f"chatcmpl-loopback-{n}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": request.get("model", "loopback"),
-            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
-                         "message": {"role": "assistant", "content": content, "refusal": None}}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 7, "total_tokens": prompt_tokens + 7},
-            "system_fingerprint": "loopback",
-        }).encode()
+        return json.dumps(
+            {
+                "id": f"chatcmpl-loopback-{n}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": request.get("model", "loopback"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "logprobs": None,
+                        "message": {"role": "assistant", "content": content, "refusal": None},
+                    }
+                ],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 7, "total_tokens": prompt_tokens + 7},
+                "system_fingerprint": "loopback",
+            }
+        ).encode()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -65,14 +73,19 @@ class ChatServer:
                 if method == "POST" and path.split("?")[0] == "/v1/chat/completions":
                     status, payload = 200, await self.serve_completion(body)
                 elif method == "GET" and path == "/stats":
-                    status, payload = 200, json.dumps({"served": self.served,
-                                                       "max_in_service": self.max_in_service}).encode()
+                    status, payload = (
+                        200,
+                        json.dumps({"served": self.served, "max_in_service": self.max_in_service}).encode(),
+                    )
                 else:
                     status, payload = 404, b'{"error": {"message": "not found", "type": "not_found"}}'
                 reason = "OK" if status == 200 else "Not Found"
-                writer.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-                             f"content-length: {len(payload)}\r\n"
-                             f"connection: {'close' if close else 'keep-alive'}\r\n\r\n".encode() + payload)
+                writer.write(
+                    f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(payload)}\r\n"
+                    f"connection: {'close' if close else 'keep-alive'}\r\n\r\n".encode()
+                    + payload
+                )
                 await writer.drain()
                 if close:
                     return

@@ -64,15 +64,32 @@ except ImportError:  # pragma: no cover
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = "loopback"
 CATEGORIES = {"billing", "bug", "how_to", "other"}
-RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "llm_output", "strict": True, "schema": {
-    "type": "object", "properties": {"category": {"type": "string", "enum": sorted(CATEGORIES)}},
-    "required": ["category"], "additionalProperties": False}}}
+RESPONSE_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "llm_output",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"category": {"type": "string", "enum": sorted(CATEGORIES)}},
+            "required": ["category"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def request_body(i: int) -> dict:
-    return {"model": MODEL, "max_tokens": 24, "temperature": 0, "response_format": RESPONSE_FORMAT,
-            "messages": [{"role": "system", "content": "Classify the support ticket."},
-                         {"role": "user", "content": f"Ticket {i}: I was charged twice for my subscription."}]}
+    return {
+        "model": MODEL,
+        "max_tokens": 24,
+        "temperature": 0,
+        "response_format": RESPONSE_FORMAT,
+        "messages": [
+            {"role": "system", "content": "Classify the support ticket."},
+            {"role": "user", "content": f"Ticket {i}: I was charged twice for my subscription."},
+        ],
+    }
 
 
 def check_body(body: dict) -> None:
@@ -82,6 +99,7 @@ def check_body(body: dict) -> None:
 
 
 # --- client approaches: each sends requests [0, n) with `inflight` at a time and checks every answer ---
+
 
 async def run_openai(base_url: str, n: int, inflight: int) -> None:
     client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0)
@@ -130,6 +148,7 @@ async def run_httpx(base_url: str, n: int, inflight: int) -> None:
     limits = httpx.Limits(max_connections=inflight, max_keepalive_connections=inflight)
     headers = {"authorization": "Bearer EMPTY", "content-type": "application/json"}
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=60) as client:
+
         async def one(i: int) -> None:
             r = await client.post("/chat/completions", content=json.dumps(request_body(i)), headers=headers)
             assert r.status_code == 200, r.text
@@ -147,9 +166,10 @@ async def run_raw_streams(base_url: str, n: int, inflight: int) -> None:
         try:
             for i in queue:
                 body = json.dumps(request_body(i)).encode()
-                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s\r\nauthorization: Bearer EMPTY\r\n"
-                             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                             % (host.encode(), len(body), body))
+                writer.write(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s\r\nauthorization: Bearer EMPTY\r\n"
+                    b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (host.encode(), len(body), body)
+                )
                 head = await reader.readuntil(b"\r\n\r\n")
                 status_line, *header_lines = head.decode("latin-1").split("\r\n")
                 assert status_line.split(" ")[1] == "200", status_line
@@ -162,8 +182,9 @@ async def run_raw_streams(base_url: str, n: int, inflight: int) -> None:
 
 
 async def run_openai_aiohttp(base_url: str, n: int, inflight: int) -> None:
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0,
-                                http_client=openai.DefaultAioHttpClient())
+    client = openai.AsyncOpenAI(
+        base_url=base_url, api_key="EMPTY", max_retries=0, http_client=openai.DefaultAioHttpClient()
+    )
     gate = asyncio.Semaphore(inflight)
 
     async def one(i: int) -> None:
@@ -204,8 +225,10 @@ def run_openai_procs(base_url: str, n: int, inflight: int, procs: int = 2) -> No
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(procs) as pool:  # joined on exit, so their CPU shows in RUSAGE_CHILDREN
-        for f in [pool.submit(openai_share_in_process, base_url, range(k, n, procs), inflight // procs, USE_UVLOOP)
-                  for k in range(procs)]:
+        for f in [
+            pool.submit(openai_share_in_process, base_url, range(k, n, procs), inflight // procs, USE_UVLOOP)
+            for k in range(procs)
+        ]:
             f.result()
 
 
@@ -228,6 +251,7 @@ async def run_aiohttp(base_url: str, n: int, inflight: int) -> None:
     headers = {"authorization": "Bearer EMPTY", "content-type": "application/json"}
     connector = aiohttp.TCPConnector(limit=inflight)
     async with aiohttp.ClientSession(base_url=base_url.rstrip("/") + "/", connector=connector) as session:
+
         async def one(i: int) -> None:
             async with session.post("chat/completions", data=json.dumps(request_body(i)), headers=headers) as r:
                 assert r.status == 200, await r.text()
@@ -272,6 +296,7 @@ NEEDS_AIOHTTP = {"openai_aiohttp", "aiohttp"}
 
 # --- harness ---
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -304,15 +329,28 @@ def main() -> int:
     names = args.only or [a for a in APPROACHES if a not in NEEDS_AIOHTTP or aiohttp_available()]
     ceiling = args.concurrency / args.delay
     port = free_port()
-    server = subprocess.Popen([sys.executable, os.path.join(HERE, "loopback_chat_server.py"), "--port", str(port),
-                               "--concurrency", str(args.concurrency), "--delay", str(args.delay)],
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(HERE, "loopback_chat_server.py"),
+            "--port",
+            str(port),
+            "--concurrency",
+            str(args.concurrency),
+            "--delay",
+            str(args.delay),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout.readline().startswith("listening"), "the loopback server did not start"
         base_url = f"http://127.0.0.1:{port}/v1"
-        print(f"ceiling {ceiling:.0f} req/s ({args.concurrency} at a time x {args.delay * 1000:.0f} ms); "
-              f"{args.requests} requests per run; openai {openai.__version__}, {httpx.__name__} {httpx.__version__}, "
-              f"event loop {'uvloop' if args.uvloop else 'asyncio'}")
+        print(
+            f"ceiling {ceiling:.0f} req/s ({args.concurrency} at a time x {args.delay * 1000:.0f} ms); "
+            f"{args.requests} requests per run; openai {openai.__version__}, {httpx.__name__} {httpx.__version__}, "
+            f"event loop {'uvloop' if args.uvloop else 'asyncio'}"
+        )
         print(f"{'approach':<16}{'run':>4}{'seconds':>9}{'req/s':>8}{'of ceiling':>12}{'client CPU ms/req':>19}")
         for name in names:
             for run in range(1, args.repeat + 1):
@@ -324,8 +362,11 @@ def main() -> int:
                 assert stats["served"] - served_before == args.requests, stats
                 assert stats["max_in_service"] <= args.concurrency, stats
                 rate = args.requests / wall
-                print(f"{name:<16}{run:>4}{wall:>9.2f}{rate:>8.1f}{rate / ceiling:>12.3f}"
-                      f"{cpu / args.requests * 1000:>19.2f}", flush=True)
+                print(
+                    f"{name:<16}{run:>4}{wall:>9.2f}{rate:>8.1f}{rate / ceiling:>12.3f}"
+                    f"{cpu / args.requests * 1000:>19.2f}",
+                    flush=True,
+                )
     finally:
         server.terminate()
         server.wait(timeout=10)

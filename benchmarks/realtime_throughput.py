@@ -39,19 +39,31 @@ ENGINE_URL = os.environ.get("DBT_LLM_BATCH_ENGINE_URL", "http://127.0.0.1:8791/v
 def provider_run(base_url: str, model: str, n: int, concurrency: int) -> tuple[float, float, int]:
     """Run the model over n fresh rows through the real provider path; returns (seconds of the
     realtime phase, seconds of the whole run, rows that succeeded with a valid category)."""
-    config = {"unique_key": "id", "llm_provider": "openai_compatible", "llm_model": model,
-              "llm_base_url": base_url, "llm_concurrency": concurrency, "llm_temperature": 0,
-              "llm_system": "Classify the support ticket.", "llm_output": {"category": CATEGORIES},
-              "llm_max_tokens": 24, "llm_realtime_budget_seconds": 3600}
-    sql = f"select i as id, 'Ticket ' || i || ': I was charged twice for my subscription.' as prompt from range({n}) t(i)"
+    config = {
+        "unique_key": "id",
+        "llm_provider": "openai_compatible",
+        "llm_model": model,
+        "llm_base_url": base_url,
+        "llm_concurrency": concurrency,
+        "llm_temperature": 0,
+        "llm_system": "Classify the support ticket.",
+        "llm_output": {"category": CATEGORIES},
+        "llm_max_tokens": 24,
+        "llm_realtime_budget_seconds": 3600,
+    }
+    sql = (
+        f"select i as id, 'Ticket ' || i || ': I was charged twice for my subscription.' as prompt from range({n}) t(i)"
+    )
     with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_rt_") as directory:
         con = duckdb.connect(os.path.join(directory, "bench.duckdb"))
         start = time.perf_counter()
-        summary = runner.run_model(con, schema="main", identifier="bench", target="main.bench",
-                                   raw_config=config, sql=sql)
+        summary = runner.run_model(
+            con, schema="main", identifier="bench", target="main.bench", raw_config=config, sql=sql
+        )
         total = time.perf_counter() - start
-        valid = con.execute(f"select count(*) from main.bench where llm_status = 'succeeded' "
-                            f"and category in {tuple(CATEGORIES)}").fetchall()[0][0]
+        valid = con.execute(
+            f"select count(*) from main.bench where llm_status = 'succeeded' and category in {tuple(CATEGORIES)}"
+        ).fetchall()[0][0]
         con.close()
     assert summary.realtime is not None and summary.realtime.requests == n, summary
     return summary.realtime.seconds, total, valid
@@ -60,8 +72,20 @@ def provider_run(base_url: str, model: str, n: int, concurrency: int) -> tuple[f
 def loopback(n: int, slots: int, delay: float) -> None:
     limit = slots / delay
     port = free_port()
-    server = subprocess.Popen([sys.executable, os.path.join(HERE, "loopback_chat_server.py"), "--port", str(port),
-                               "--concurrency", str(slots), "--delay", str(delay)], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(HERE, "loopback_chat_server.py"),
+            "--port",
+            str(port),
+            "--concurrency",
+            str(slots),
+            "--delay",
+            str(delay),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout.readline().startswith("listening"), "the loopback server did not start"
         url = f"http://127.0.0.1:{port}/v1"
@@ -73,10 +97,12 @@ def loopback(n: int, slots: int, delay: float) -> None:
             phase, total, valid = provider_run(url, "loopback", n, slots)
             assert valid == n, f"{valid} of {n} rows succeeded"
             assert server_stats(port)["max_in_service"] <= slots
-            print(f"   run {run}: plain openai SDK client (semaphore {slots}, no ledger): {sdk:6.1f} req/s = "
-                  f"{sdk / limit:.2f} of the limit | provider with ledger writes: {n / phase:6.1f} req/s = "
-                  f"{n / phase / limit:.2f} of the limit (whole dbt-less run incl. plan and merge {total:.2f} s)",
-                  flush=True)
+            print(
+                f"   run {run}: plain openai SDK client (semaphore {slots}, no ledger): {sdk:6.1f} req/s = "
+                f"{sdk / limit:.2f} of the limit | provider with ledger writes: {n / phase:6.1f} req/s = "
+                f"{n / phase / limit:.2f} of the limit (whole dbt-less run incl. plan and merge {total:.2f} s)",
+                flush=True,
+            )
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -93,8 +119,10 @@ def engine(sequential_rows: int, concurrent_rows: int, concurrency: int) -> None
     phase2, _, valid2 = provider_run(ENGINE_URL, "gemma-3-270m", concurrent_rows, concurrency)
     rate1, rate2 = sequential_rows / phase1, concurrent_rows / phase2
     print(f"   one at a time: {sequential_rows} rows in {phase1:.1f} s = {rate1:.2f} req/s ({valid1} valid)")
-    print(f"   llm_concurrency {concurrency}: {concurrent_rows} rows in {phase2:.1f} s = {rate2:.2f} req/s "
-          f"({valid2} valid)")
+    print(
+        f"   llm_concurrency {concurrency}: {concurrent_rows} rows in {phase2:.1f} s = {rate2:.2f} req/s "
+        f"({valid2} valid)"
+    )
     print(f"   ratio: {rate2 / rate1:.2f}x")
 
 

@@ -32,16 +32,22 @@ import time
 
 import duckdb
 
-from dbt_llm_batch import merge, planner, runner
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.pipeline import merge, plan, runner
 from dbt_llm_batch.providers.base import BatchState, Submission
 from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
 
-RAW_CONFIG = {"unique_key": "id", "llm_model": "gpt-4o-mini", "llm_system": "Classify the ticket.",
-              "llm_output": {"category": ["billing", "bug", "other"], "score": "integer"}, "llm_max_tokens": 20,
-              "llm_max_tokens_in_flight": 10**12, "llm_max_batches_in_flight": 1000,
-              "llm_delete_provider_files": False}  # the made-up batches have no files to delete
+RAW_CONFIG = {
+    "unique_key": "id",
+    "llm_model": "gpt-4o-mini",
+    "llm_system": "Classify the ticket.",
+    "llm_output": {"category": ["billing", "bug", "other"], "score": "integer"},
+    "llm_max_tokens": 20,
+    "llm_max_tokens_in_flight": 10**12,
+    "llm_max_batches_in_flight": 1000,
+    "llm_delete_provider_files": False,
+}  # the made-up batches have no files to delete
 SOURCE = "select i as id, repeat(md5(i::varchar), 16) as prompt from range({n}) t(i)"  # 512-character prompts
 
 
@@ -76,8 +82,8 @@ class OfflineProvider(OpenAIBatchProvider):
 def model_run(con, config, directory) -> runner.ModelRun:
     """A run of the benchmark model, as runner.run_model sets one up (the input is already loaded)."""
     run = runner.ModelRun(con, config, "main", "main.bench", {}, provider=OfflineProvider(config, directory))
-    run.input_columns = planner.check_input(con, planner.INPUT, config)
-    planner.build_desired(con, planner.INPUT, run.input_columns, config)
+    run.input_columns = plan.check_input(con, plan.INPUT, config)
+    plan.build_desired(con, plan.INPUT, run.input_columns, config)
     return run
 
 
@@ -94,7 +100,7 @@ def baseline_copy(con, directory) -> None:
     con.execute(f"""copy (select 'r_' || id as custom_id, 'POST' as method, '/v1/chat/completions' as url,
                             {{'model': 'gpt-4o-mini', 'messages': [{{'role': 'system', 'content': 'Classify the ticket.'}},
                               {{'role': 'user', 'content': prompt}}], 'max_completion_tokens': 20}} as body
-                         from {planner.INPUT}) to '{directory}/baseline.jsonl' (format json)""")
+                         from {plan.INPUT}) to '{directory}/baseline.jsonl' (format json)""")
 
 
 def write_results(con, directory) -> None:
@@ -120,7 +126,7 @@ def ingest(con, config, directory) -> None:
     """(b) with the real code: poll, store each batch's lines, settle its requests (ModelRun.harvest_open
     with the offline provider), then merge into the typed columns of the model table."""
     run = runner.ModelRun(con, config, "main", "main.bench", {}, provider=OfflineProvider(config, directory))
-    run.input_columns = planner.describe(con, planner.INPUT)
+    run.input_columns = plan.describe(con, plan.INPUT)
     run.harvest_open()
     merge.merge(run.ledger, config, "main.bench", run.input_columns, rebuild=False)
 
@@ -148,7 +154,7 @@ def run_once(n: int, memory_limit: str | None = None) -> dict:
             con.execute(f"set memory_limit = '{memory_limit}'")
         con.execute(f"create table src as {SOURCE.format(n=n)}")
         figures["input_mb"] = con.execute("select sum(strlen(prompt)) / 1e6 from src").fetchall()[0][0]
-        con.execute(f"create temp table {planner.INPUT} as select * from src")
+        con.execute(f"create temp table {plan.INPUT} as select * from src")
         Ledger(con, "main", "main.bench").migrate()  # one-time setup of the ledger tables, not timed
         figures["input_rss_mb"] = max_rss_mb()  # the input relation loaded: what (d) is measured against
 
@@ -157,15 +163,18 @@ def run_once(n: int, memory_limit: str | None = None) -> dict:
         assert submitted == n
         write_results(con, directory)
         # Run 1 would have created the (empty) model table; (b) is a later run merging into it.
-        merge.merge(Ledger(con, "main", "main.bench"), config, "main.bench", planner.describe(con, planner.INPUT),
-                    rebuild=True)
+        merge.merge(
+            Ledger(con, "main", "main.bench"), config, "main.bench", plan.describe(con, plan.INPUT), rebuild=True
+        )
         figures["b_baseline_s"], _ = timed(lambda: baseline_ingest(con, result_paths(directory)))
         figures["b_plugin_s"], _ = timed(lambda: ingest(con, config, directory))
         assert con.execute("select count(*) from main.bench where llm_status = 'succeeded'").fetchall()[0][0] == n
 
         def run(sql):
-            return runner.run_model(con, schema="main", identifier="bench", target="main.bench",
-                                    raw_config=RAW_CONFIG, sql=sql)
+            return runner.run_model(
+                con, schema="main", identifier="bench", target="main.bench", raw_config=RAW_CONFIG, sql=sql
+            )
+
         figures["c_empty_s"], _ = timed(lambda: run("select * from src where false"))
         figures["c_noop_s"], summary = timed(lambda: run("select * from src"))
         assert summary.submitted == 0 and summary.merged == 0
@@ -181,17 +190,25 @@ def report(rounds: list[dict]) -> None:
     """Each round's figures, then the median of each ratio (and of the no-op difference)."""
     print(f"rows: {rounds[0]['rows']:,}   input prompts: {rounds[0]['input_mb']:.0f} MB   rounds: {len(rounds)}")
     for i, f in enumerate(rounds, 1):
-        print(f"round {i}: (a) plugin {f['a_plugin_s']:.2f} s / COPY baseline {f['a_baseline_s']:.2f} s = "
-              f"{f['a_plugin_s'] / f['a_baseline_s']:.2f}x   (b) plugin {f['b_plugin_s']:.2f} s / read_json baseline "
-              f"{f['b_baseline_s']:.2f} s = {f['b_plugin_s'] / f['b_baseline_s']:.2f}x   (c) no-op {f['c_noop_s']:.2f} s"
-              f" - empty model {f['c_empty_s']:.2f} s = {f['c_noop_s'] - f['c_empty_s']:+.2f} s")
+        print(
+            f"round {i}: (a) plugin {f['a_plugin_s']:.2f} s / COPY baseline {f['a_baseline_s']:.2f} s = "
+            f"{f['a_plugin_s'] / f['a_baseline_s']:.2f}x   (b) plugin {f['b_plugin_s']:.2f} s / read_json baseline "
+            f"{f['b_baseline_s']:.2f} s = {f['b_plugin_s'] / f['b_baseline_s']:.2f}x   (c) no-op {f['c_noop_s']:.2f} s"
+            f" - empty model {f['c_empty_s']:.2f} s = {f['c_noop_s'] - f['c_empty_s']:+.2f} s"
+        )
     median = lambda values: statistics.median(values)  # noqa: E731
-    print(f"(a) plan + ledger insert + JSONL write vs COPY ... (FORMAT json): median ratio "
-          f"{median([f['a_plugin_s'] / f['a_baseline_s'] for f in rounds]):.2f}x")
-    print(f"(b) ingest into ledger + typed columns vs read_json + extraction: median ratio "
-          f"{median([f['b_plugin_s'] / f['b_baseline_s'] for f in rounds]):.2f}x")
-    print(f"(c) no-op run on the ledger vs empty model run: median difference "
-          f"{median([f['c_noop_s'] - f['c_empty_s'] for f in rounds]):+.2f} s")
+    print(
+        f"(a) plan + ledger insert + JSONL write vs COPY ... (FORMAT json): median ratio "
+        f"{median([f['a_plugin_s'] / f['a_baseline_s'] for f in rounds]):.2f}x"
+    )
+    print(
+        f"(b) ingest into ledger + typed columns vs read_json + extraction: median ratio "
+        f"{median([f['b_plugin_s'] / f['b_baseline_s'] for f in rounds]):.2f}x"
+    )
+    print(
+        f"(c) no-op run on the ledger vs empty model run: median difference "
+        f"{median([f['c_noop_s'] - f['c_empty_s'] for f in rounds]):+.2f} s"
+    )
 
 
 def main() -> int:
@@ -200,8 +217,11 @@ def main() -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip (d), the child processes")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of (a), (b), (c), each on a fresh database")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--memory-limit", default="1GB",
-                        help="DuckDB memory_limit for the (d) runs (default 1GB; 'none' for DuckDB's default)")
+    parser.add_argument(
+        "--memory-limit",
+        default="1GB",
+        help="DuckDB memory_limit for the (d) runs (default 1GB; 'none' for DuckDB's default)",
+    )
     args = parser.parse_args()
     limit = None if args.memory_limit == "none" else args.memory_limit
     if args.child:  # (d): a fresh process, so max RSS belongs to this row count alone
@@ -211,13 +231,23 @@ def main() -> int:
         # Children first: Linux keeps a process's max RSS across execve, so a child started after
         # this process grew would report this process's peak instead of its own.
         for n in sorted({100_000, args.rows}):
-            out = subprocess.run([sys.executable, __file__, "--rows", str(n), "--child",
-                                  "--memory-limit", args.memory_limit], check=True,
-                                 capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            out = (
+                subprocess.run(
+                    [sys.executable, __file__, "--rows", str(n), "--child", "--memory-limit", args.memory_limit],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                .stdout.strip()
+                .splitlines()[-1]
+            )
             f = json.loads(out)
-            print(f"(d) peak memory at {n:,} rows: {f['peak_rss_mb']:.0f} MB max RSS; with only the input loaded "
-                  f"{f['input_rss_mb']:.0f} MB, so the pipeline adds {f['peak_rss_mb'] - f['input_rss_mb']:+.0f} MB "
-                  f"(input prompts {f['input_mb']:.0f} MB; DuckDB memory_limit {args.memory_limit})", flush=True)
+            print(
+                f"(d) peak memory at {n:,} rows: {f['peak_rss_mb']:.0f} MB max RSS; with only the input loaded "
+                f"{f['input_rss_mb']:.0f} MB, so the pipeline adds {f['peak_rss_mb'] - f['input_rss_mb']:+.0f} MB "
+                f"(input prompts {f['input_mb']:.0f} MB; DuckDB memory_limit {args.memory_limit})",
+                flush=True,
+            )
     report([run_once(args.rows) for _ in range(args.repeat)])
     return 0
 

@@ -82,8 +82,19 @@ FALLBACKS = ("realtime",)
 CACHE_TTLS = ("5m", "1h")
 
 # Request parameters the plugin sets itself: `llm_params` may not override them silently.
-RESERVED_PARAMS = ("model", "messages", "system", "max_tokens", "max_completion_tokens", "temperature",
-                   "response_format", "tools", "tool_choice", "prompt_cache_key", "stream")
+RESERVED_PARAMS = (
+    "model",
+    "messages",
+    "system",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "prompt_cache_key",
+    "stream",
+)
 
 
 @dataclass(frozen=True)
@@ -198,9 +209,15 @@ def legacy_fingerprint_prefix(config: ModelConfig, raw_output, raw_examples) -> 
     if config.structured and isinstance(raw_output, dict):
         fields["output_schema"]["required"] = [name for name in raw_output]
     if isinstance(raw_examples, list):
-        fields["examples"] = [[e["input"], e["output"] if isinstance(e["output"], str) else
-                               json.dumps(e["output"], ensure_ascii=False, separators=(",", ":"))]
-                              for e in raw_examples]
+        fields["examples"] = [
+            [
+                e["input"],
+                e["output"]
+                if isinstance(e["output"], str)
+                else json.dumps(e["output"], ensure_ascii=False, separators=(",", ":")),
+            ]
+            for e in raw_examples
+        ]
     legacy = _prefix_hash(fields)
     return None if legacy == config.fingerprint_prefix() else legacy
 
@@ -305,7 +322,9 @@ def parse_config(raw: dict) -> ModelConfig:
         max_context_tokens=cfg["llm_max_context_tokens"],
         delete_provider_files=cfg["llm_delete_provider_files"],
     )
-    legacy = legacy_fingerprint_prefix(config, cfg["llm_output"], cfg["llm_examples"]) if examples or config.output else None
+    legacy = (
+        legacy_fingerprint_prefix(config, cfg["llm_output"], cfg["llm_examples"]) if examples or config.output else None
+    )
     return dataclasses.replace(config, legacy_prefix=legacy) if legacy else config
 
 
@@ -318,27 +337,39 @@ def _parse_realtime(cfg, errors) -> tuple[str, ...]:
     self_hosted = cfg["llm_provider"] == "openai_compatible"
     if urls is None:
         if self_hosted:
-            errors.append("llm_provider 'openai_compatible' needs llm_base_url: the engine's URL, e.g. "
-                          "'http://127.0.0.1:8000/v1', or a list of replicas")
+            errors.append(
+                "llm_provider 'openai_compatible' needs llm_base_url: the engine's URL, e.g. "
+                "'http://127.0.0.1:8000/v1', or a list of replicas"
+            )
         urls = []
     elif not self_hosted:
-        errors.append("llm_base_url is only for llm_provider 'openai_compatible' (OpenAI and Anthropic read "
-                      "OPENAI_BASE_URL / ANTHROPIC_BASE_URL from the environment)")
-    elif (not isinstance(urls, list) or not urls
-          or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls)):
+        errors.append(
+            "llm_base_url is only for llm_provider 'openai_compatible' (OpenAI and Anthropic read "
+            "OPENAI_BASE_URL / ANTHROPIC_BASE_URL from the environment)"
+        )
+    elif (
+        not isinstance(urls, list)
+        or not urls
+        or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls)
+    ):
         errors.append(f"llm_base_url must be an http(s) URL or a list of them, got {cfg['llm_base_url']!r}")
         urls = []
     key_env = cfg["llm_api_key_env"]
     if key_env is not None and (not isinstance(key_env, str) or not key_env.isidentifier()):
-        errors.append(f"llm_api_key_env must be the NAME of an environment variable (never the key), got a "
-                      f"{type(key_env).__name__}")
+        errors.append(
+            f"llm_api_key_env must be the NAME of an environment variable (never the key), got a "
+            f"{type(key_env).__name__}"
+        )
     when = cfg["llm_realtime_when"]
     if when is not None and (not isinstance(when, str) or not when.strip()):
-        errors.append("llm_realtime_when must be a SQL boolean expression over the model's columns, "
-                      "e.g. \"priority = 'urgent'\"")
+        errors.append(
+            "llm_realtime_when must be a SQL boolean expression over the model's columns, e.g. \"priority = 'urgent'\""
+        )
     if self_hosted and (when is not None or cfg["llm_fallback"] is not None):
-        errors.append("llm_realtime_when and llm_fallback route rows of a batch provider to its realtime "
-                      "path; with llm_provider 'openai_compatible' every row is already realtime")
+        errors.append(
+            "llm_realtime_when and llm_fallback route rows of a batch provider to its realtime "
+            "path; with llm_provider 'openai_compatible' every row is already realtime"
+        )
     if cfg["llm_fallback"] is not None and cfg["llm_fallback"] not in FALLBACKS:
         errors.append(f"llm_fallback must be one of {list(FALLBACKS)}, got {cfg['llm_fallback']!r}")
     return tuple(u.rstrip("/") for u in urls)
@@ -360,8 +391,10 @@ def _parse_output(output, errors) -> tuple[OutputColumn, ...]:
     if output is None:
         return (OutputColumn("llm_output", "VARCHAR", {"type": "string"}),)
     if not isinstance(output, dict) or not output:
-        errors.append("llm_output must be a dict from column name to a type ('text', 'integer', "
-                      "'number', 'boolean' or a list of allowed strings)")
+        errors.append(
+            "llm_output must be a dict from column name to a type ('text', 'integer', "
+            "'number', 'boolean' or a list of allowed strings)"
+        )
         return ()
     columns = []
     reserved = {name.lower() for name, _ in STATUS_COLUMNS}
@@ -372,11 +405,15 @@ def _parse_output(output, errors) -> tuple[OutputColumn, ...]:
         if not isinstance(name, str) or not name.isidentifier():
             errors.append(f"llm_output column name {name!r} must be a plain identifier")
         elif name.lower() in reserved or name.lower() == "rowid":
-            errors.append(f"llm_output column '{name}' has the name of a column dbt-llm-batch adds to every table "
-                          f"({', '.join(n for n, _ in STATUS_COLUMNS)}): choose another name")
+            errors.append(
+                f"llm_output column '{name}' has the name of a column dbt-llm-batch adds to every table "
+                f"({', '.join(n for n, _ in STATUS_COLUMNS)}): choose another name"
+            )
         elif name.lower() in seen:
-            errors.append(f"llm_output columns '{seen[name.lower()]}' and '{name}' differ only in case, which "
-                          "DuckDB column names do not: rename one")
+            errors.append(
+                f"llm_output columns '{seen[name.lower()]}' and '{name}' differ only in case, which "
+                "DuckDB column names do not: rename one"
+            )
         elif isinstance(spec, list):
             seen[name.lower()] = name
             if not spec or not all(isinstance(v, str) for v in spec) or len(set(spec)) != len(spec):
@@ -388,8 +425,10 @@ def _parse_output(output, errors) -> tuple[OutputColumn, ...]:
             duckdb_type, schema = OUTPUT_TYPES[spec]
             columns.append(OutputColumn(name, duckdb_type, schema))
         else:
-            errors.append(f"llm_output['{name}'] has unknown type {spec!r}: use 'text', 'integer', "
-                          "'number', 'boolean' or a list of allowed strings")
+            errors.append(
+                f"llm_output['{name}'] has unknown type {spec!r}: use 'text', 'integer', "
+                "'number', 'boolean' or a list of allowed strings"
+            )
     return tuple(columns)
 
 
@@ -400,7 +439,11 @@ def _parse_examples(examples, errors) -> tuple[tuple[str, str], ...]:
         return ()
     pairs = []
     for i, example in enumerate(examples):
-        if not isinstance(example, dict) or set(example) != {"input", "output"} or not isinstance(example["input"], str):
+        if (
+            not isinstance(example, dict)
+            or set(example) != {"input", "output"}
+            or not isinstance(example["input"], str)
+        ):
             errors.append(f"llm_examples[{i}] must be a dict with exactly 'input' (a string) and 'output'")
             continue
         output = example["output"]

@@ -17,11 +17,25 @@ import time
 import openai
 
 CATEGORIES = ["billing", "bug", "how_to", "other"]
-RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "llm_output", "strict": True, "schema": {
-    "type": "object", "properties": {"category": {"type": "string", "enum": CATEGORIES}},
-    "required": ["category"], "additionalProperties": False}}}
-TICKETS = ["I was charged twice this month.", "The app crashes when I export a report.",
-           "How do I change my password?", "Do you have an office in Berlin?"]
+RESPONSE_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "llm_output",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"category": {"type": "string", "enum": CATEGORIES}},
+            "required": ["category"],
+            "additionalProperties": False,
+        },
+    },
+}
+TICKETS = [
+    "I was charged twice this month.",
+    "The app crashes when I export a report.",
+    "How do I change my password?",
+    "Do you have an office in Berlin?",
+]
 
 
 async def main() -> int:
@@ -37,9 +51,15 @@ async def main() -> int:
     async def one(i: int) -> str:
         async with gate:
             r = await client.chat.completions.create(
-                model="gemma-3-270m", max_tokens=24, temperature=0, response_format=RESPONSE_FORMAT,
-                messages=[{"role": "system", "content": "Classify the support ticket."},
-                          {"role": "user", "content": TICKETS[i % len(TICKETS)]}])
+                model="gemma-3-270m",
+                max_tokens=24,
+                temperature=0,
+                response_format=RESPONSE_FORMAT,
+                messages=[
+                    {"role": "system", "content": "Classify the support ticket."},
+                    {"role": "user", "content": TICKETS[i % len(TICKETS)]},
+                ],
+            )
         content = r.choices[0].message.content
         category = json.loads(content).get("category")
         if category not in CATEGORIES or r.choices[0].finish_reason != "stop":
@@ -50,8 +70,10 @@ async def main() -> int:
     async with client:
         answers = await asyncio.gather(*(one(i) for i in range(args.requests)))
     elapsed = time.perf_counter() - start
-    print(f"{len(answers)} valid answers ({', '.join(sorted(set(answers)))}) in {elapsed:.1f}s: "
-          f"{len(answers) / elapsed:.2f} req/s at {args.concurrency} in flight")
+    print(
+        f"{len(answers)} valid answers ({', '.join(sorted(set(answers)))}) in {elapsed:.1f}s: "
+        f"{len(answers) / elapsed:.2f} req/s at {args.concurrency} in flight"
+    )
     return 0
 
 

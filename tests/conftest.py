@@ -93,7 +93,9 @@ class Project:
 def _failures(result) -> str:
     res = getattr(result, "result", None)
     try:
-        return "\n".join(f"{r.node.name}: {r.status}: {r.message}" for r in res.results if r.status not in ("success", "pass"))
+        return "\n".join(
+            f"{r.node.name}: {r.status}: {r.message}" for r in res.results if r.status not in ("success", "pass")
+        )
     except Exception:
         return repr(res)
 

@@ -7,15 +7,22 @@ import json
 
 from dbt_llm_batch.sandbox import expected_answer
 
-TRIAGE_SYSTEM = ("You triage customer support tickets. Answer with the category, whether it is urgent, "
-                 "and a one-line summary.")
-TRIAGE_OUTPUT = {"category": ["billing", "bug", "how_to", "feature_request", "other"],
-                 "urgent": "boolean", "summary": "text"}
+TRIAGE_SYSTEM = (
+    "You triage customer support tickets. Answer with the category, whether it is urgent, and a one-line summary."
+)
+TRIAGE_OUTPUT = {
+    "category": ["billing", "bug", "how_to", "feature_request", "other"],
+    "urgent": "boolean",
+    "summary": "text",
+}
 # As sent: the plugin sorts the output columns by name (dbt's parse does not keep a dict's order).
 TRIAGE_SCHEMA = {
     "type": "object",
-    "properties": {"category": {"type": "string", "enum": TRIAGE_OUTPUT["category"]},
-                   "summary": {"type": "string"}, "urgent": {"type": "boolean"}},
+    "properties": {
+        "category": {"type": "string", "enum": TRIAGE_OUTPUT["category"]},
+        "summary": {"type": "string"},
+        "urgent": {"type": "boolean"},
+    },
     "required": ["category", "summary", "urgent"],
     "additionalProperties": False,
 }
@@ -66,8 +73,10 @@ def is_anthropic(batch: dict) -> bool:
 
 def batch_counts(emu) -> list[int]:
     """Number of requests in each batch the emulator received, in creation order."""
-    return [sum(b["request_counts"].values()) if is_anthropic(b) else len(batch_input_lines(emu, b))
-            for b in sorted_batches(emu)]
+    return [
+        sum(b["request_counts"].values()) if is_anthropic(b) else len(batch_input_lines(emu, b))
+        for b in sorted_batches(emu)
+    ]
 
 
 def billed_per_key(emulator, key_of_prompt: dict) -> collections.Counter:

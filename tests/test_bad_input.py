@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from helpers import TRIAGE_OUTPUT, TRIAGE_SYSTEM, PROVIDER_MODELS, batch_counts, batch_input_lines, expected_triage
+from helpers import PROVIDER_MODELS, TRIAGE_OUTPUT, TRIAGE_SYSTEM, batch_counts, batch_input_lines, expected_triage
 
 MODEL, SELECT = "models/triage.sql", ["-s", "triage"]
 LONG = 1_000_000  # characters: about 250,000 tokens, over every listed model's context window
@@ -45,14 +45,26 @@ def test_a_prompt_over_the_context_window_fails_alone_before_sending(project, em
     project.dbt("run", *SELECT)
 
     estimate = math.ceil((len(TRIAGE_SYSTEM) + LONG) / 4) + 16  # 4 characters a token; 2 messages of overhead
-    window = {"openai": "128000 tokens (the context window of gpt-4o-mini)",
-              "anthropic": "200000 tokens (the context window of claude-sonnet-4-5)"}[provider]
-    assert project.query("select ticket_id, llm_status, llm_error, llm_batch_id from main.triage where ticket_id = 3") \
-        == [(3, "failed", f"prompt is too long: estimated {estimate} input tokens + 200 output tokens (llm_max_tokens) "
-                          f"= {estimate + 200}, over {window}; nothing was sent. Shorten the prompt, or set "
-                          f"llm_max_context_tokens if the model accepts more", None)]
-    rows = project.query("select t.ticket_id, s.subject, t.llm_status, t.category, t.urgent, t.summary from main.triage t "
-                         "join main.support_tickets s using (ticket_id) where ticket_id <> 3 order by 1")
+    window = {
+        "openai": "128000 tokens (the context window of gpt-4o-mini)",
+        "anthropic": "200000 tokens (the context window of claude-sonnet-4-5)",
+    }[provider]
+    assert project.query(
+        "select ticket_id, llm_status, llm_error, llm_batch_id from main.triage where ticket_id = 3"
+    ) == [
+        (
+            3,
+            "failed",
+            f"prompt is too long: estimated {estimate} input tokens + 200 output tokens (llm_max_tokens) "
+            f"= {estimate + 200}, over {window}; nothing was sent. Shorten the prompt, or set "
+            f"llm_max_context_tokens if the model accepts more",
+            None,
+        )
+    ]
+    rows = project.query(
+        "select t.ticket_id, s.subject, t.llm_status, t.category, t.urgent, t.summary from main.triage t "
+        "join main.support_tickets s using (ticket_id) where ticket_id <> 3 order by 1"
+    )
     assert len(rows) == 5
     for _, subject, status, *answer in rows:
         assert status == "succeeded" and tuple(answer) == expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}")
@@ -78,13 +90,17 @@ def test_llm_max_context_tokens_overrides_the_known_window(project, emulator):
     assert batch_counts(emulator) == [6 - len(over)]
     errors = project.query("select error from main.llm_batch_requests where status = 'failed'")
     assert len(errors) == len(over)
-    assert all(e.endswith(", over 265 tokens (llm_max_context_tokens); nothing was sent. Shorten the prompt, or "
-                          "set llm_max_context_tokens if the model accepts more") for (e,) in errors)
+    assert all(
+        e.endswith(
+            ", over 265 tokens (llm_max_context_tokens); nothing was sent. Shorten the prompt, or "
+            "set llm_max_context_tokens if the model accepts more"
+        )
+        for (e,) in errors
+    )
 
 
 def test_a_blob_prompt_is_sent_as_text_and_bytes_that_are_not_utf8_fail_alone(project, emulator, provider):
-    prompt = ("case when ticket_id = 4 then '\\xFF\\xFEnot text'::blob "
-              "else encode('Café ' || subject) end")
+    prompt = "case when ticket_id = 4 then '\\xFF\\xFEnot text'::blob else encode('Café ' || subject) end"
     project.write(MODEL, model_sql(provider, prompt))
     project.dbt("seed")
     project.dbt("run", *SELECT)
@@ -94,14 +110,22 @@ def test_a_blob_prompt_is_sent_as_text_and_bytes_that_are_not_utf8_fail_alone(pr
     emulator.complete_all()
     project.dbt("run", *SELECT)
 
-    assert project.query("select data_type from information_schema.columns where table_name = 'triage' "
-                         "and column_name = 'prompt'") == [("BLOB",)]
+    assert project.query(
+        "select data_type from information_schema.columns where table_name = 'triage' and column_name = 'prompt'"
+    ) == [("BLOB",)]
     assert project.query("select prompt, llm_status, llm_error from main.triage where ticket_id = 4") == [
-        (b"\xff\xfenot text", "failed", "prompt column prompt (a BLOB) holds bytes that are not valid UTF-8 text; "
-                                        "nothing was sent. Decode or convert it to text in the model's SQL (for "
-                                        "example from Latin-1), or filter such rows out")]
-    rows = project.query("select ticket_id, prompt, llm_status, category, urgent, summary from main.triage "
-                         "where ticket_id <> 4 order by 1")
+        (
+            b"\xff\xfenot text",
+            "failed",
+            "prompt column prompt (a BLOB) holds bytes that are not valid UTF-8 text; "
+            "nothing was sent. Decode or convert it to text in the model's SQL (for "
+            "example from Latin-1), or filter such rows out",
+        )
+    ]
+    rows = project.query(
+        "select ticket_id, prompt, llm_status, category, urgent, summary from main.triage "
+        "where ticket_id <> 4 order by 1"
+    )
     assert len(rows) == 5
     for ticket_id, blob, status, *answer in rows:  # each row keeps its bytes and gets its own answer
         assert blob == f"Café {subjects[ticket_id]}".encode()
@@ -111,8 +135,7 @@ def test_a_blob_prompt_is_sent_as_text_and_bytes_that_are_not_utf8_fail_alone(pr
 
 
 def test_a_dry_run_keeps_unsendable_rows_out_of_the_plan_and_records_nothing(project, emulator):
-    prompt = ("case when ticket_id = 4 then '\\xFF\\xFEnot text'::blob "
-              "else encode('Café ' || subject) end")
+    prompt = "case when ticket_id = 4 then '\\xFF\\xFEnot text'::blob else encode('Café ' || subject) end"
     project.write(MODEL, model_sql("openai", prompt, extra="llm_dry_run=true,"))
     project.dbt("seed")
     project.dbt("run", *SELECT)
@@ -123,9 +146,13 @@ def test_a_dry_run_keeps_unsendable_rows_out_of_the_plan_and_records_nothing(pro
     assert emulator.stats()["calls"] == {}
 
 
-@pytest.mark.parametrize("value, message", [
-    (-1, "llm_max_context_tokens must be >= 1, got -1"),
-    ("yes", "llm_delete_provider_files must be true or false, got 'yes'")])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (-1, "llm_max_context_tokens must be >= 1, got -1"),
+        ("yes", "llm_delete_provider_files must be true or false, got 'yes'"),
+    ],
+)
 def test_new_config_keys_are_validated(value, message):
     from dbt_llm_batch.config import parse_config
     from dbt_llm_batch.errors import ConfigError
@@ -146,8 +173,12 @@ def test_a_deferred_blob_prompt_is_sent_as_text_by_a_later_run(project, emulator
     project.dbt("seed")
     project.dbt("run", *SELECT)
     assert batch_counts(emulator) == [2]
-    project.write(MODEL, model_sql("openai", "encode('Café ' || subject)", "llm_max_batches_in_flight=1")
-                  .replace("from {{ ref('support_tickets') }}", "from {{ ref('support_tickets') }} where ticket_id <= 2"))
+    project.write(
+        MODEL,
+        model_sql("openai", "encode('Café ' || subject)", "llm_max_batches_in_flight=1").replace(
+            "from {{ ref('support_tickets') }}", "from {{ ref('support_tickets') }} where ticket_id <= 2"
+        ),
+    )
     for _ in range(2):
         emulator.complete_all()
         project.dbt("run", *SELECT)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 
 from conftest import failure_messages
-from helpers import TRIAGE_SYSTEM as TRIAGE_SYSTEM_FOR_LEGACY, batch_counts
+from helpers import TRIAGE_SYSTEM as TRIAGE_SYSTEM_FOR_LEGACY
+from helpers import batch_counts
 
 # Several keys and no int or float anywhere in config(): dbt's static parser then reads config()
 # itself, and returns its dicts in a different key order on each full parse.
@@ -52,14 +53,19 @@ def test_a_full_reparse_never_resends_or_breaks_the_table(project, emulator):
     assert emulator.stats()["request_lines"] == 6
     assert project.query("select count(*) from main.extract where llm_status = 'succeeded'") == [(6,)]
     # The table's output columns are in the same order whatever order the parse produced.
-    columns = [r[0] for r in project.query("select column_name from information_schema.columns "
-                                             "where table_name = 'extract' order by ordinal_position")]
+    columns = [
+        r[0]
+        for r in project.query(
+            "select column_name from information_schema.columns where table_name = 'extract' order by ordinal_position"
+        )
+    ]
     assert columns[3:8] == sorted(columns[3:8]) == ["category", "language", "product", "sentiment", "summary"]
     assert len(orders) > 1, f"the parses gave one order only: {orders}"
 
 
 def batches_of(emulator, face: str) -> list[dict]:
     from helpers import is_anthropic, sorted_batches
+
     return [b for b in sorted_batches(emulator) if is_anthropic(b) == (face == "anthropic")]
 
 
@@ -67,6 +73,7 @@ def test_switching_provider_with_a_batch_in_flight_harvests_it_where_it_was_sent
     """The batch in flight is polled, harvested and priced through the provider and model it was
     sent with: its paid answers reach the table and it is billed once."""
     from helpers import triage_model
+
     project.dbt("seed")
     project.write("models/triage.sql", triage_model().replace("gpt-4o-mini", "gpt-4o"))
     project.dbt("run", "-s", "triage")
@@ -75,10 +82,13 @@ def test_switching_provider_with_a_batch_in_flight_harvests_it_where_it_was_sent
     project.dbt("run", "-s", "triage")  # polls the OpenAI batch at OpenAI; sends the new fingerprints to Anthropic
     emulator.advance(openai_batch["id"], "completed")
     project.dbt("run", "-s", "triage")
-    rows = project.query("select llm_model, llm_status, llm_batch_id, llm_cost_usd, llm_input_tokens, llm_output_tokens "
-                         "from main.triage order by ticket_id")
-    assert [r[:3] for r in rows] == [("gpt-4o", "succeeded", openai_batch["id"])] * 6, \
+    rows = project.query(
+        "select llm_model, llm_status, llm_batch_id, llm_cost_usd, llm_input_tokens, llm_output_tokens "
+        "from main.triage order by ticket_id"
+    )
+    assert [r[:3] for r in rows] == [("gpt-4o", "succeeded", openai_batch["id"])] * 6, (
         "the OpenAI answers merge while the Anthropic batch is in flight"
+    )
     # Priced at gpt-4o, the model the batch was sent with (not claude-sonnet-4-5, nor gpt-4o-mini).
     for *_, cost, tokens_in, tokens_out in rows:
         assert float(cost) == (tokens_in * 2.50 + tokens_out * 10.00) / 1e6 * 0.5
@@ -88,12 +98,14 @@ def test_switching_provider_with_a_batch_in_flight_harvests_it_where_it_was_sent
     assert emulator.stats()["batches_by_face"] == {"openai": 1, "anthropic": 1}
     assert emulator.stats()["request_lines"] == 12, "each provider was asked each row once"
     assert project.query("select count(*) from main.llm_batch_jobs where harvested_at is null") == [(0,)]
-    assert project.query("select count(*) from main.llm_batch_jobs where files_deleted_at is null") == [(0,)], \
+    assert project.query("select count(*) from main.llm_batch_jobs where files_deleted_at is null") == [(0,)], (
         "the OpenAI batch's files are deleted at OpenAI too"
+    )
 
 
 def test_reserved_output_names_are_refused_before_anything_is_sent(project, emulator):
     from helpers import triage_model
+
     project.dbt("seed")
     for name in ("llm_error", "LLM_Status", "llm_batch_id"):
         model = triage_model().replace("llm_output = {", "llm_output = {" + f'"{name}": "text", ')
@@ -106,6 +118,7 @@ def test_reserved_output_names_are_refused_before_anything_is_sent(project, emul
 def test_a_budget_refusal_still_merges_what_is_final(project, emulator):
     """Finished, paid results reach the table; only the new work is refused (and the run fails)."""
     from helpers import triage_model
+
     project.dbt("seed")
     project.write("models/triage.sql", triage_model(where="where ticket_id <= 3"))
     project.dbt("run", "-s", "triage")
@@ -113,8 +126,11 @@ def test_a_budget_refusal_still_merges_what_is_final(project, emulator):
     project.write("models/triage.sql", triage_model(extra_config="llm_max_cost_usd = 0.0000001,"))
     message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
     assert "refusing to submit 3 request(s)" in message and "merged: 3 row(s)" in message
-    assert project.query("select ticket_id, llm_status from main.triage order by 1") == \
-        [(1, "succeeded"), (2, "succeeded"), (3, "succeeded")]
+    assert project.query("select ticket_id, llm_status from main.triage order by 1") == [
+        (1, "succeeded"),
+        (2, "succeeded"),
+        (3, "succeeded"),
+    ]
     assert emulator.stats()["request_lines"] == 3
 
 
@@ -131,6 +147,7 @@ def test_selected_values_round_trip_exactly_in_incremental_runs_and_full_refresh
     """The table shows each selected value exactly as selected, whichever way it was written; a column
     added while requests were in flight is filled the same way by both."""
     from helpers import triage_model
+
     project.dbt("seed")
     base = triage_model().replace("select ticket_id, subject,", f"select ticket_id, subject, {SELECTED_TYPES},")
     project.write("models/triage.sql", base)
@@ -140,8 +157,10 @@ def test_selected_values_round_trip_exactly_in_incremental_runs_and_full_refresh
     project.dbt("run", "-s", "triage", "--full-refresh")  # the column comes while the batch is in flight
     emulator.complete_all()
     project.dbt("run", "-s", "triage")  # an incremental merge
-    columns = "amount, huge, ubig, ratio, not_a_number, raw, span, at_tz, clock, amounts, nested, mapping, single, " \
-              "at_ns, quoted, bits, pair, forever, added"
+    columns = (
+        "amount, huge, ubig, ratio, not_a_number, raw, span, at_tz, clock, amounts, nested, mapping, single, "
+        "at_ns, quoted, bits, pair, forever, added"
+    )
     as_text = ", ".join(f"cast({c} as varchar)" for c in columns.split(", "))  # NaN equals itself as text
     want = project.query(f"select {as_text} from (select {SELECTED_TYPES}, 'new' as added)")
     assert project.query(f"select distinct {as_text} from main.triage") == want
@@ -154,6 +173,7 @@ def test_changing_unique_key_with_a_batch_in_flight_rekeys_the_ledger(project, e
     """No duplicate rows, nothing asked again: stored requests take the new key from their stored row,
     or (when the stored row lacks the new key's column) from the selected row with the same prompt."""
     from helpers import triage_model
+
     project.dbt("seed")
     project.write("models/triage.sql", triage_model())
     project.dbt("run", "-s", "triage")  # in flight, keyed by ticket_id
@@ -161,21 +181,27 @@ def test_changing_unique_key_with_a_batch_in_flight_rekeys_the_ledger(project, e
     project.dbt("run", "-s", "triage")
     emulator.complete_all()
     project.dbt("run", "-s", "triage")
-    assert project.query("select count(*), count(distinct subject), count(*) filter (where llm_status = 'succeeded') "
-                         "from main.triage") == [(6, 6, 6)]
+    assert project.query(
+        "select count(*), count(distinct subject), count(*) filter (where llm_status = 'succeeded') from main.triage"
+    ) == [(6, 6, 6)]
     # A key column the stored rows never had: matched by the prompt, during a full refresh.
-    by_code = triage_model().replace("unique_key = 'ticket_id'", "unique_key = 'code'").replace(
-        "select ticket_id,", "select 'T-' || ticket_id as code, ticket_id,")
+    by_code = (
+        triage_model()
+        .replace("unique_key = 'ticket_id'", "unique_key = 'code'")
+        .replace("select ticket_id,", "select 'T-' || ticket_id as code, ticket_id,")
+    )
     project.write("models/triage.sql", by_code)
     project.dbt("run", "-s", "triage", "--full-refresh")
     project.dbt("run", "-s", "triage")
-    assert project.query("select count(*), count(distinct code), count(*) filter (where llm_status = 'succeeded') "
-                         "from main.triage") == [(6, 6, 6)]
+    assert project.query(
+        "select count(*), count(distinct code), count(*) filter (where llm_status = 'succeeded') from main.triage"
+    ) == [(6, 6, 6)]
     assert emulator.stats()["request_lines"] == 6, "changing the key asked nothing again"
 
 
 def test_a_renamed_model_keeps_its_answers_with_llm_ledger_identity(project, emulator):
     from helpers import triage_model
+
     project.dbt("seed")
     project.write("models/triage.sql", triage_model())
     project.dbt("run", "-s", "triage")
@@ -200,6 +226,7 @@ def test_a_provider_down_all_run_is_a_dbt_warning_or_an_error_on_request(project
     """A nightly job must not stay green while sending nothing: the run ends with a dbt warning
     (which --warn-error turns into a failure), or fails with llm_on_unavailable='error'."""
     from helpers import triage_model
+
     project.dbt("seed")
     emulator.add_fault(endpoint="POST /v1/files", kind="http_error", status_code=503, times=None)
     project.write("models/triage.sql", triage_model(extra_config="llm_retry_budget_seconds = 1,"))
@@ -208,18 +235,21 @@ def test_a_provider_down_all_run_is_a_dbt_warning_or_an_error_on_request(project
     warning = next(line for line in log.splitlines() if "the provider kept failing" in line)
     assert "[warn ]" in warning or "WARNING" in warning.upper()
     assert "nothing was sent this run" in warning and "6 request(s) pending or waiting" in warning
-    strict = project.dbt("run", "-s", "triage", "--warn-error-options", '{"error": ["JinjaLogWarning"]}',
-                         expect_ok=False)
+    strict = project.dbt(
+        "run", "-s", "triage", "--warn-error-options", '{"error": ["JinjaLogWarning"]}', expect_ok=False
+    )
     assert not strict.success and "nothing was sent this run" in failure_messages(strict)
-    project.write("models/triage.sql", triage_model(
-        extra_config="llm_retry_budget_seconds = 1, llm_on_unavailable = 'error',"))
+    project.write(
+        "models/triage.sql", triage_model(extra_config="llm_retry_budget_seconds = 1, llm_on_unavailable = 'error',")
+    )
     message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
     assert "nothing was sent this run" in message and "llm_on_unavailable='error'" in message
     assert emulator.stats()["batches_created"] == 0
 
 
 def test_status_names_a_missing_file_or_a_directory(tmp_path, capsys):
-    from dbt_llm_batch import cli
+    from dbt_llm_batch.ops import cli
+
     assert cli.main(["status", "--database", str(tmp_path / "nope.duckdb")]) == 2
     assert f"no DuckDB file at {tmp_path / 'nope.duckdb'}" in capsys.readouterr().err
     assert cli.main(["status", "--database", str(tmp_path)]) == 2
@@ -228,13 +258,17 @@ def test_status_names_a_missing_file_or_a_directory(tmp_path, capsys):
 
 def test_config_messages_name_what_is_expected():
     import pytest
+
     from dbt_llm_batch.config import parse_config
     from dbt_llm_batch.errors import ConfigError
-    cases = [({"llm_max_tokens": 100.5}, "llm_max_tokens must be an integer, got 100.5"),
-             ({"llm_temperature": "hot"}, "llm_temperature must be a number, got 'hot'"),
-             ({"llm_output": {"a": "text", "A": "text"}}, "llm_output columns 'A' and 'a' differ only in case"),
-             ({"llm_on_unavailable": "ignore"}, "llm_on_unavailable must be 'warn' or 'error', got 'ignore'"),
-             ({"llm_ledger_identity": ""}, "llm_ledger_identity must be a name")]
+
+    cases = [
+        ({"llm_max_tokens": 100.5}, "llm_max_tokens must be an integer, got 100.5"),
+        ({"llm_temperature": "hot"}, "llm_temperature must be a number, got 'hot'"),
+        ({"llm_output": {"a": "text", "A": "text"}}, "llm_output columns 'A' and 'a' differ only in case"),
+        ({"llm_on_unavailable": "ignore"}, "llm_on_unavailable must be 'warn' or 'error', got 'ignore'"),
+        ({"llm_ledger_identity": ""}, "llm_ledger_identity must be a name"),
+    ]
     for extra, message in cases:
         with pytest.raises(ConfigError) as err:
             parse_config({"unique_key": "id", "llm_model": "gpt-4o-mini", **extra})
@@ -243,15 +277,23 @@ def test_config_messages_name_what_is_expected():
 
 def test_canonical_config_does_not_depend_on_dict_order():
     from dbt_llm_batch.config import parse_config
+
     output = {"b": "text", "a": ["x", "y"], "c": "integer"}
     examples = [{"input": "i", "output": {"c": 1, "b": "t", "a": "x"}}]
     params = {"z": {"q": 1, "p": 2}, "metadata": {"y": "1", "x": "2"}}
-    one = parse_config({"unique_key": "id", "llm_model": "m", "llm_output": output, "llm_examples": examples,
-                        "llm_params": params})
+    one = parse_config(
+        {"unique_key": "id", "llm_model": "m", "llm_output": output, "llm_examples": examples, "llm_params": params}
+    )
     flipped = {k: output[k] for k in reversed(output)}
-    two = parse_config({"unique_key": "id", "llm_model": "m", "llm_output": flipped,
-                        "llm_examples": [{"input": "i", "output": {"a": "x", "b": "t", "c": 1}}],
-                        "llm_params": {"metadata": {"x": "2", "y": "1"}, "z": {"p": 2, "q": 1}}})
+    two = parse_config(
+        {
+            "unique_key": "id",
+            "llm_model": "m",
+            "llm_output": flipped,
+            "llm_examples": [{"input": "i", "output": {"a": "x", "b": "t", "c": 1}}],
+            "llm_params": {"metadata": {"x": "2", "y": "1"}, "z": {"p": 2, "q": 1}},
+        }
+    )
     assert one.fingerprint_prefix() == two.fingerprint_prefix()
     assert [c.name for c in one.output_columns] == [c.name for c in two.output_columns] == ["a", "b", "c"]
     assert one.output_json_schema() == two.output_json_schema() and one.examples == two.examples
@@ -265,26 +307,37 @@ def test_upgrading_keeps_fingerprints_written_in_the_configs_own_order(project, 
     """Earlier versions hashed the output schema's `required` list in config order: a ledger they
     wrote is recognised (its fingerprints renamed), so the upgrade asks nothing again."""
     from helpers import TRIAGE_OUTPUT, triage_model
+
     from dbt_llm_batch.config import parse_config
+
     project.dbt("seed")
     project.write("models/triage.sql", triage_model())
     project.dbt("run", "-s", "triage")
     emulator.complete_all()
     project.dbt("run", "-s", "triage")
-    config = parse_config({"unique_key": "ticket_id", "llm_model": "gpt-4o-mini", "llm_output": TRIAGE_OUTPUT,
-                           "llm_system": TRIAGE_SYSTEM_FOR_LEGACY, "llm_max_tokens": 200})
+    config = parse_config(
+        {
+            "unique_key": "ticket_id",
+            "llm_model": "gpt-4o-mini",
+            "llm_output": TRIAGE_OUTPUT,
+            "llm_system": TRIAGE_SYSTEM_FOR_LEGACY,
+            "llm_max_tokens": 200,
+        }
+    )
     assert config.legacy_prefix, "the triage output is not in name order, so the two prefixes differ"
     project.release_database()
-    project.query("update main.llm_batch_requests set fingerprint = md5(? || json_extract_string(row_json, '$.prompt'))",
-                  [config.legacy_prefix])  # what the earlier version stored
+    project.query(
+        "update main.llm_batch_requests set fingerprint = md5(? || json_extract_string(row_json, '$.prompt'))",
+        [config.legacy_prefix],
+    )  # what the earlier version stored
     project.query("delete from main.llm_batch_models")  # an earlier version's ledger has no such row
     project.dbt("run", "-s", "triage")
     assert batch_counts(emulator) == [6], "the upgrade asked nothing again"
-    assert project.query("select count(*) from main.llm_batch_requests where fingerprint = md5(? || "
-                         "json_extract_string(row_json, '$.prompt'))", [config.fingerprint_prefix()]) == [(6,)]
-
-
-
+    assert project.query(
+        "select count(*) from main.llm_batch_requests where fingerprint = md5(? || "
+        "json_extract_string(row_json, '$.prompt'))",
+        [config.fingerprint_prefix()],
+    ) == [(6,)]
 
 
 def test_ctrl_c_stops_waiting_at_once_and_loses_nothing(project, emulator):
@@ -298,15 +351,19 @@ def test_ctrl_c_stops_waiting_at_once_and_loses_nothing(project, emulator):
     from pathlib import Path
 
     from helpers import triage_model
+
     project.dbt("seed")
     project.write("models/triage.sql", triage_model(extra_config="llm_wait_seconds = 3600,"))
     project.release_database()
     log = project.root / "logs" / "dbt.log"
     log.unlink(missing_ok=True)
     dbt = Path(sys.executable).parent / "dbt"
-    proc = subprocess.Popen([str(dbt), "run", "-s", "triage", "--project-dir", str(project.root),
-                             "--profiles-dir", str(project.root)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=os.environ.copy())
+    proc = subprocess.Popen(
+        [str(dbt), "run", "-s", "triage", "--project-dir", str(project.root), "--profiles-dir", str(project.root)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=os.environ.copy(),
+    )
     try:
         deadline = time.monotonic() + 240
         while not (log.exists() and "waiting for 1 batch(es)" in log.read_text()):
@@ -330,6 +387,7 @@ def test_a_batch_of_a_provider_whose_key_is_gone_waits_and_the_run_still_merges(
     """Switched to Anthropic and dropped the OpenAI key with an OpenAI batch in flight: runs warn and go
     on (the new provider's answers merge); once the key is back, the OpenAI batch is harvested."""
     from helpers import triage_model
+
     project.dbt("seed")
     project.write("models/triage.sql", triage_model(where="where ticket_id <= 3"))
     project.dbt("run", "-s", "triage")
@@ -341,8 +399,11 @@ def test_a_batch_of_a_provider_whose_key_is_gone_waits_and_the_run_still_merges(
     project.dbt("run", "-s", "triage")
     log = (project.root / "logs" / "dbt.log").read_text()
     assert "sent through openai are still open and cannot be checked: OPENAI_API_KEY is not set" in log
-    assert project.query("select ticket_id, llm_model from main.triage order by 1") == \
-        [(4, "claude-sonnet-4-5"), (5, "claude-sonnet-4-5"), (6, "claude-sonnet-4-5")]
+    assert project.query("select ticket_id, llm_model from main.triage order by 1") == [
+        (4, "claude-sonnet-4-5"),
+        (5, "claude-sonnet-4-5"),
+        (6, "claude-sonnet-4-5"),
+    ]
     monkeypatch.setenv("OPENAI_API_KEY", openai_key)
     project.dbt("run", "-s", "triage")
     assert project.query("select count(*) from main.triage where llm_model = 'gpt-4o-mini'") == [(3,)]
@@ -352,8 +413,10 @@ def test_a_batch_of_a_provider_whose_key_is_gone_waits_and_the_run_still_merges(
 def test_release_never_voids_a_submission_no_run_has_looked_up(project, emulator, capsys):
     """A failed create may have made a batch: until a run looked it up and could not decide, `release`
     leaves it alone (the next run finds out: OpenAI by the batch's metadata token)."""
-    from dbt_llm_batch.cli import main as cli
     from helpers import triage_model
+
+    from dbt_llm_batch.ops.cli import main as cli
+
     project.dbt("seed")
     project.write("models/triage.sql", triage_model())
     emulator.add_fault(endpoint="POST /v1/batches", kind="http_error", status_code=502, times=1, when="after")

@@ -14,9 +14,9 @@ import duckdb
 import pytest
 from helpers import batch_counts, triage_model
 
-from dbt_llm_batch.cli import main as cli
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.locks import LockHeldError, ModelLock
+from dbt_llm_batch.ledger.locks import LockHeldError, ModelLock
+from dbt_llm_batch.ops.cli import main as cli
 
 MODEL, SELECT = "models/triage.sql", ["-s", "triage"]
 
@@ -28,25 +28,38 @@ def test_a_second_process_gets_a_clear_message_naming_the_holder(project, emulat
     holder = duckdb.connect(str(project.db_path))  # like a notebook, or a dbt run still going
     try:
         dbt = Path(sys.executable).parent / "dbt"
-        done = subprocess.run([str(dbt), "run", *SELECT, "--project-dir", str(project.root), "--profiles-dir",
-                               str(project.root)], env=dict(os.environ), capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [str(dbt), "run", *SELECT, "--project-dir", str(project.root), "--profiles-dir", str(project.root)],
+            env=dict(os.environ),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         holder.close()
     output = done.stdout + done.stderr
     assert done.returncode != 0
     assert "Traceback" not in output
     pid = os.getpid()
-    expected = (re.escape(f"The DuckDB file {project.db_path} is in use by ") + r"\S+" + re.escape(
-        f" (PID {pid}). DuckDB lets only one process open a database file for writing, so this dbt run cannot "
-        f"start; nothing was changed. Wait for that process (another dbt run, a notebook or a DuckDB shell) to "
-        f"finish or close the file, then run again. If that process is stuck or forgotten, stop it (for example "
-        f"`kill {pid}`). (DuckDB said: IO Error: Could not set lock on file \"{project.db_path}\": Conflicting "
-        f"lock is held in ") + r"\S+" + re.escape(f" (PID {pid})."))
+    expected = (
+        re.escape(f"The DuckDB file {project.db_path} is in use by ")
+        + r"\S+"
+        + re.escape(
+            f" (PID {pid}). DuckDB lets only one process open a database file for writing, so this dbt run cannot "
+            f"start; nothing was changed. Wait for that process (another dbt run, a notebook or a DuckDB shell) to "
+            f"finish or close the file, then run again. If that process is stuck or forgotten, stop it (for example "
+            f'`kill {pid}`). (DuckDB said: IO Error: Could not set lock on file "{project.db_path}": Conflicting '
+            f"lock is held in "
+        )
+        + r"\S+"
+        + re.escape(f" (PID {pid}).")
+    )
     assert re.search(expected, output), output[-2000:]
     # Nothing was sent and nothing written; once the file is free the same run works.
     assert emulator.batches() == []
-    assert project.query("select count(*) from information_schema.tables where table_name = 'llm_batch_requests'") \
-        == [(0,)]
+    assert project.query("select count(*) from information_schema.tables where table_name = 'llm_batch_requests'") == [
+        (0,)
+    ]
     project.dbt("run", *SELECT)
     assert batch_counts(emulator) == [6]
 
@@ -54,8 +67,15 @@ def test_a_second_process_gets_a_clear_message_naming_the_holder(project, emulat
 def test_the_cli_says_the_same_when_the_file_is_held(project, tmp_path, capsys):
     path = tmp_path / "held.duckdb"
     duckdb.connect(str(path)).close()
-    holder = subprocess.Popen([sys.executable, "-c", f"import duckdb,time; c=duckdb.connect({str(path)!r}); "
-                               "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import duckdb,time; c=duckdb.connect({str(path)!r}); print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "ready"
         rc = cli(["cancel", "--database", str(path), "--model", "triage"])
@@ -86,12 +106,17 @@ def test_a_second_owner_is_refused_with_who_holds_the_lock_and_how_to_clear_it(l
     message = str(refused.value)
     assert re.fullmatch(
         re.escape(f"main.triage is being run by host-a:101:aaaa (host:pid:run) since {since.fetchall()[0][0]} ")
-        + r"\S+" + re.escape(", last heartbeat 0 s ago. Two runs of one model must not submit at once, so this run "
-                             "stopped before harvesting, planning or sending anything. Wait for that run to finish. "
-                             "If that process is dead, its lock is taken over automatically (at once if it ran on "
-                             "this host, else once its heartbeat is 10 minutes old), or clear it now with: "
-                             "dbt-llm-batch unlock --database "
-                             f"{tmp_path / 'locks.duckdb'} --schema main --model main.triage"), message), message
+        + r"\S+"
+        + re.escape(
+            ", last heartbeat 0 s ago. Two runs of one model must not submit at once, so this run "
+            "stopped before harvesting, planning or sending anything. Wait for that run to finish. "
+            "If that process is dead, its lock is taken over automatically (at once if it ran on "
+            "this host, else once its heartbeat is 10 minutes old), or clear it now with: "
+            "dbt-llm-batch unlock --database "
+            f"{tmp_path / 'locks.duckdb'} --schema main --model main.triage"
+        ),
+        message,
+    ), message
     first.heartbeat()  # still the owner
     first.release()
     second.acquire()
@@ -108,8 +133,11 @@ def test_a_stale_lock_is_taken_over_with_a_warning(ledger, caplog):
     with caplog.at_level(logging.WARNING, logger="dbt_llm_batch"):
         alive.acquire()
     assert ledger.con.execute("select owner from main.llm_batch_locks").fetchall() == [("host-b:202:next",)]
-    assert re.fullmatch(r"main\.triage: took over the lock of host-a:101:dead \(held since .+; no heartbeat for "
-                        r"66\d s, more than 600 s\): that run is presumed dead", caplog.messages[-1])
+    assert re.fullmatch(
+        r"main\.triage: took over the lock of host-a:101:dead \(held since .+; no heartbeat for "
+        r"66\d s, more than 600 s\): that run is presumed dead",
+        caplog.messages[-1],
+    )
     with pytest.raises(LockHeldError, match="this run's lock was taken over by another run"):
         dead.heartbeat()  # the presumed-dead run, if it was only slow, stops before submitting more
     dead.release()  # and cannot release the new owner's lock
@@ -156,9 +184,12 @@ def test_a_lock_whose_process_died_on_this_host_is_taken_over_at_once(ledger, ca
     with caplog.at_level(logging.WARNING, logger="dbt_llm_batch"):
         ModelLock(ledger, owner="next-run").acquire()
     assert ledger.con.execute("select owner from main.llm_batch_locks").fetchall() == [("next-run",)]
-    assert re.fullmatch(re.escape(f"main.triage: took over the lock of {owner} (held since ") + r".+"
-                        + re.escape("; its process is no longer running on this host): that run is presumed dead"),
-                        caplog.messages[-1])
+    assert re.fullmatch(
+        re.escape(f"main.triage: took over the lock of {owner} (held since ")
+        + r".+"
+        + re.escape("; its process is no longer running on this host): that run is presumed dead"),
+        caplog.messages[-1],
+    )
     # A live process on this host (this one, under another run id) is respected.
     ledger.con.execute("delete from main.llm_batch_locks")
     ModelLock(ledger, owner=f"{socket.gethostname()}:{os.getppid()}:live").acquire()

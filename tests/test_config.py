@@ -10,8 +10,15 @@ from dbt_llm_batch.errors import ConfigError
 
 def test_unknown_provider_and_bad_output_types_are_reported_together():
     with pytest.raises(ConfigError) as error:
-        parse_config({"unique_key": "id", "llm_model": "m", "llm_provider": "vertex",
-                      "llm_output": {"score": "float", "label": []}, "llm_cache_prefix": "2h"})
+        parse_config(
+            {
+                "unique_key": "id",
+                "llm_model": "m",
+                "llm_provider": "vertex",
+                "llm_output": {"score": "float", "label": []},
+                "llm_cache_prefix": "2h",
+            }
+        )
     message = str(error.value)
     assert "llm_provider must be one of ['openai', 'anthropic', 'openai_compatible'], got 'vertex'" in message
     assert "llm_output['score'] has unknown type 'float'" in message
@@ -22,10 +29,23 @@ def test_unknown_provider_and_bad_output_types_are_reported_together():
 def test_fingerprint_ignores_how_and_when_but_not_what():
     base = {"unique_key": "id", "llm_model": "m", "llm_system": "s"}
     prefix = parse_config(base).fingerprint_prefix()
-    for how in ({"llm_max_attempts": 7}, {"llm_wait_seconds": 30}, {"llm_cache_prefix": True},
-                {"llm_max_cost_usd": 1.0}, {"llm_dry_run": True}, {"llm_max_batches_in_flight": 2}):
+    for how in (
+        {"llm_max_attempts": 7},
+        {"llm_wait_seconds": 30},
+        {"llm_cache_prefix": True},
+        {"llm_max_cost_usd": 1.0},
+        {"llm_dry_run": True},
+        {"llm_max_batches_in_flight": 2},
+    ):
         assert parse_config({**base, **how}).fingerprint_prefix() == prefix, how
-    for what in ({"llm_model": "n"}, {"llm_system": "t"}, {"llm_provider": "anthropic"}, {"llm_max_tokens": 9},
-                 {"llm_temperature": 0.5}, {"llm_params": {"top_p": 0.9}}, {"llm_output": {"x": "text"}},
-                 {"llm_examples": [{"input": "a", "output": "b"}]}):
+    for what in (
+        {"llm_model": "n"},
+        {"llm_system": "t"},
+        {"llm_provider": "anthropic"},
+        {"llm_max_tokens": 9},
+        {"llm_temperature": 0.5},
+        {"llm_params": {"top_p": 0.9}},
+        {"llm_output": {"x": "text"}},
+        {"llm_examples": [{"input": "a", "output": "b"}]},
+    ):
         assert parse_config({**base, **what}).fingerprint_prefix() != prefix, what

@@ -15,8 +15,11 @@ import pytest
 from conftest import failure_messages
 
 SYSTEM = "Be concise. " * 42 + "Be brief"  # 512 characters
-PROMPTS = {1: "Where is my invoice?", 2: "My card was charged twice this month ok.",
-           3: "The export button does nothing when I click it on Safari 17."}
+PROMPTS = {
+    1: "Where is my invoice?",
+    2: "My card was charged twice this month ok.",
+    3: "The export button does nothing when I click it on Safari 17.",
+}
 PRICES = """provider,model,unit,input_per_mtok,output_per_mtok,cache_write_per_mtok,cache_read_per_mtok,per_hour,batch_discount,as_of,source
 openai,gpt-test,token,2.00,8.00,0,1.00,,0.5,2026-11-29,test prices
 anthropic,claude-test,token,3.00,15.00,3.75,0.30,,0.5,2026-11-29,test prices
@@ -100,8 +103,11 @@ def test_costs_per_row_and_aggregated_equal_hand_computed_figures(costed, emulat
     if provider == "openai":
         reported = (usage["prompt_tokens"], usage["completion_tokens"], usage["cached_tokens"])
     else:
-        reported = (usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"],
-                    usage["output_tokens"], usage["cache_read_input_tokens"])
+        reported = (
+            usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"],
+            usage["output_tokens"],
+            usage["cache_read_input_tokens"],
+        )
     assert reported == (414, 21, 256)
 
 
@@ -114,8 +120,10 @@ def test_budget_below_estimate_refuses_before_upload(costed, emulator, provider)
     costed.dbt("seed")
     costed.write("models/costed.sql", costed_model(provider, "llm_max_cost_usd=0.001"))
     message = failure_messages(costed.dbt("run", "-s", "costed", expect_ok=False))
-    assert (f"refusing to submit 3 request(s): estimated {estimate} plus $0.000000 already in flight exceeds "
-            f"llm_max_cost_usd (this model) = $0.001000; nothing was sent") in message
+    assert (
+        f"refusing to submit 3 request(s): estimated {estimate} plus $0.000000 already in flight exceeds "
+        f"llm_max_cost_usd (this model) = $0.001000; nothing was sent"
+    ) in message
     assert emulator.stats()["calls"] == {}
 
     # The project-wide var counts what every model already has in flight.
@@ -123,9 +131,13 @@ def test_budget_below_estimate_refuses_before_upload(costed, emulator, provider)
     costed.dbt("run", "-s", "costed", "--vars", "{llm_batch_max_cost_usd: 0.01}")
     assert len(emulator.batches()) == 1
     write_questions(costed, [1, 2, 3])
-    costed.write("models/other.sql", costed_model(provider).replace("{{ ref('questions') }}", "{{ ref('questions') }} where id = 1"))
-    message = failure_messages(costed.dbt("run", "-s", "other", "--vars", "{llm_batch_max_cost_usd: 0.0013}",
-                                          expect_ok=False))
+    costed.write(
+        "models/other.sql",
+        costed_model(provider).replace("{{ ref('questions') }}", "{{ ref('questions') }} where id = 1"),
+    )
+    message = failure_messages(
+        costed.dbt("run", "-s", "other", "--vars", "{llm_batch_max_cost_usd: 0.0013}", expect_ok=False)
+    )
     assert f"plus {estimate} already in flight exceeds var llm_batch_max_cost_usd = $0.001300" in message
     assert len(emulator.batches()) == 1
 
@@ -143,14 +155,18 @@ def test_dry_run_sends_nothing_and_reports_the_estimate(costed, emulator, provid
 
 def test_unknown_price_is_null_and_warned_never_zero(project, emulator):
     project.write("models/things.sql", "select 1 as id, 'hello' as prompt")
-    project.write("models/unpriced.sql", """
+    project.write(
+        "models/unpriced.sql",
+        """
 {{ config(materialized='llm_batch', unique_key='id', llm_model='gpt-from-the-future') }}
-select * from {{ ref('things') }}""")
+select * from {{ ref('things') }}""",
+    )
     project.dbt("run", "-s", "things", "unpriced")
     emulator.complete_all()
     project.dbt("run", "-s", "unpriced")
     assert project.query("select llm_status, llm_cost_usd, llm_realtime_cost_usd from main.unpriced") == [
-        ("succeeded", None, None)]
+        ("succeeded", None, None)
+    ]
     assert "no price known for openai model 'gpt-from-the-future'" in (project.root / "logs" / "dbt.log").read_text()
     assert project.query("select rows_without_price from main.llm_batch_costs") == [(1,)]
 
@@ -166,8 +182,10 @@ def test_realtime_rows_count_at_list_price_toward_the_budget(costed, emulator, p
     costed.dbt("seed")
     costed.write("models/costed.sql", costed_model(provider, f"llm_realtime_when='id = 3', llm_max_cost_usd={budget}"))
     message = failure_messages(costed.dbt("run", "-s", "costed", expect_ok=False))
-    assert (f"refusing to submit 3 request(s): estimated {estimate} plus $0.000000 already in flight exceeds "
-            f"llm_max_cost_usd (this model) = ${budget}00; nothing was sent") in message
+    assert (
+        f"refusing to submit 3 request(s): estimated {estimate} plus $0.000000 already in flight exceeds "
+        f"llm_max_cost_usd (this model) = ${budget}00; nothing was sent"
+    ) in message
     assert emulator.stats()["calls"] == {}  # no batch, and no realtime request either
     assert costed.query("select count(*) from main.llm_batch_requests") == [(0,)]
 
@@ -179,22 +197,30 @@ def test_realtime_rows_count_at_list_price_toward_the_budget(costed, emulator, p
 
 def test_a_budget_on_an_unpriced_model_refuses_before_any_call(project, emulator, provider):
     project.write("models/things.sql", "select 1 as id, 'hello' as prompt union all select 2, 'urgent hello'")
-    project.write("models/unpriced.sql", f"""
+    project.write(
+        "models/unpriced.sql",
+        f"""
 {{{{ config(materialized='llm_batch', unique_key='id', llm_provider='{provider}', llm_model='model-from-the-future',
             llm_max_cost_usd=5, llm_realtime_when="prompt like 'urgent%'") }}}}
-select * from {{{{ ref('things') }}}}""")
+select * from {{{{ ref('things') }}}}""",
+    )
     project.dbt("run", "-s", "things")
     message = failure_messages(project.dbt("run", "-s", "unpriced", expect_ok=False))
-    assert (f"llm_max_cost_usd (this model) is set to $5.000000 but there is no price for {provider} model "
-            f"'model-from-the-future', so the cost of 2 request(s) cannot be estimated; nothing was sent. "
-            f"Add a price with llm_price_table.") in message
+    assert (
+        f"llm_max_cost_usd (this model) is set to $5.000000 but there is no price for {provider} model "
+        f"'model-from-the-future', so the cost of 2 request(s) cannot be estimated; nothing was sent. "
+        f"Add a price with llm_price_table."
+    ) in message
     assert emulator.stats()["calls"] == {}
     assert project.query("select count(*) from main.llm_batch_requests") == [(0,)]
 
 
 # The test price table with a 1 h cache-write column (a user table may also leave it out: see below).
-PRICES_1H = PRICES.replace("cache_read_per_mtok,", "cache_read_per_mtok,cache_write_1h_per_mtok,").replace(
-    "8.00,0,1.00,", "8.00,0,1.00,0,").replace("15.00,3.75,0.30,", "15.00,3.75,0.30,6.60,")
+PRICES_1H = (
+    PRICES.replace("cache_read_per_mtok,", "cache_read_per_mtok,cache_write_1h_per_mtok,")
+    .replace("8.00,0,1.00,", "8.00,0,1.00,0,")
+    .replace("15.00,3.75,0.30,", "15.00,3.75,0.30,6.60,")
+)
 
 
 @pytest.mark.parametrize("route", ["batch", "realtime"])
@@ -205,17 +231,23 @@ def test_one_hour_cache_writes_are_priced_at_the_one_hour_rate(project, emulator
     emulator.min_cache_tokens = 128
     project.write("seeds/llm_prices.csv", PRICES if route == "batch" else PRICES_1H)
     extra = "llm_realtime_when='true'," if route == "realtime" else ""
-    project.write("models/costed.sql", costed_model("anthropic", extra).replace("llm_cache_prefix=true",
-                                                                                "llm_cache_prefix='1h'"))
+    project.write(
+        "models/costed.sql", costed_model("anthropic", extra).replace("llm_cache_prefix=true", "llm_cache_prefix='1h'")
+    )
     write_questions(project, [1, 2])
     project.dbt("seed")
     project.dbt("run", "-s", "costed")
     emulator.complete_all()
     project.dbt("run", "-s", "costed")
-    rows = {r[0]: r[1:] for r in project.query("""select id, llm_input_tokens, llm_cache_read_tokens,
-        llm_cache_write_tokens, llm_cost_usd, llm_realtime_cost_usd from main.costed order by id""")}
-    ledger = dict(project.query("""select json_extract_string(key, '$[0]'), cache_write_1h_tokens
-                                   from main.llm_batch_requests"""))
+    rows = {
+        r[0]: r[1:]
+        for r in project.query("""select id, llm_input_tokens, llm_cache_read_tokens,
+        llm_cache_write_tokens, llm_cost_usd, llm_realtime_cost_usd from main.costed order by id""")
+    }
+    ledger = dict(
+        project.query("""select json_extract_string(key, '$[0]'), cache_write_1h_tokens
+                                   from main.llm_batch_requests""")
+    )
     # One of the two rows wrote the 128-token prefix with the 1 h TTL, the other read it.
     writer = next(i for i, r in rows.items() if r[2] == 128)
     reader = 3 - writer
@@ -226,7 +258,8 @@ def test_one_hour_cache_writes_are_priced_at_the_one_hour_rate(project, emulator
     assert rows[writer][4] == at_list  # realtime cost: list price
     assert rows[writer][3] == (at_list / 2 if route == "batch" else at_list)
     assert project.query("select sum(cache_write_1h_tokens), sum(cache_write_tokens) from main.llm_batch_costs") == [
-        (128, 128)]
+        (128, 128)
+    ]
 
 
 def test_a_billed_failed_attempt_shows_its_cost_in_the_views(costed, emulator, provider):
@@ -240,9 +273,13 @@ def test_a_billed_failed_attempt_shows_its_cost_in_the_views(costed, emulator, p
     emulator.complete_all()
     costed.dbt("run", "-s", "costed")
     assert costed.query("select llm_status, llm_error from main.costed") == [
-        ("failed", "answer was cut off at llm_max_tokens=50 (finish reason "
-                   + ("length)" if provider == "openai" else "max_tokens)")
-                   + "; not retried: the same request would be cut off again. Raise llm_max_tokens (that asks again)")]
+        (
+            "failed",
+            "answer was cut off at llm_max_tokens=50 (finish reason "
+            + ("length)" if provider == "openai" else "max_tokens)")
+            + "; not retried: the same request would be cut off again. Raise llm_max_tokens (that asks again)",
+        )
+    ]
     # openai: 133 * $2 + 50 * $8 = $666 per million; anthropic (writes the 128-token prefix, 5 min):
     # 5 * $3 + 128 * $3.75 + 50 * $15 = $1,245 per million. Half of that in batch.
     realtime = {"openai": Decimal("0.000666"), "anthropic": Decimal("0.001245")}[provider]

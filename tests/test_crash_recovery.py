@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import TRIAGE_SYSTEM, billed_per_key, expected_triage, is_anthropic, sorted_batches, triage_model
 
-from dbt_llm_batch.crashpoints import POINTS
+from dbt_llm_batch.pipeline.crashpoints import POINTS
 
 HARVEST_POINTS = ("after_download", "after_store", "before_merge")
 
@@ -20,8 +20,13 @@ HARVEST_POINTS = ("after_download", "after_store", "before_merge")
 def dbt_subprocess(project, env_extra: dict) -> subprocess.CompletedProcess:
     dbt = Path(sys.executable).parent / "dbt"
     env = {**os.environ, **env_extra}
-    return subprocess.run([str(dbt), "run", "-s", "triage", "--project-dir", str(project.root),
-                           "--profiles-dir", str(project.root)], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [str(dbt), "run", "-s", "triage", "--project-dir", str(project.root), "--profiles-dir", str(project.root)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def succeeded_custom_ids(emulator) -> list[str]:
@@ -39,9 +44,13 @@ def succeeded_custom_ids(emulator) -> list[str]:
     return ids
 
 
-CASES = [(provider, point) for provider in ("openai", "anthropic") for point in POINTS
-         if not (provider == "anthropic" and point == "after_upload")  # Anthropic has no upload step
-         and point != "after_realtime_group"]  # the realtime path's crash test is in test_realtime.py
+CASES = [
+    (provider, point)
+    for provider in ("openai", "anthropic")
+    for point in POINTS
+    if not (provider == "anthropic" and point == "after_upload")  # Anthropic has no upload step
+    and point != "after_realtime_group"
+]  # the realtime path's crash test is in test_realtime.py
 
 
 @pytest.mark.parametrize("provider_name,point", CASES)
@@ -92,10 +101,12 @@ sys.exit(0 if dbtRunner().invoke(sys.argv[1:]).success else 1)
 
 @pytest.mark.parametrize("provider_name", ["openai", "anthropic"])
 @pytest.mark.parametrize("point,occurrence", [("after_create", 1), ("after_create", 2), ("after_intents", 1)])
-def test_a_run_killed_between_two_chunks_bills_each_key_once(project, emulator, provider_name, point, occurrence,
-                                                             tmp_path, monkeypatch):
+def test_a_run_killed_between_two_chunks_bills_each_key_once(
+    project, emulator, provider_name, point, occurrence, tmp_path, monkeypatch
+):
     from dbt_llm_batch.providers.anthropic_batch import AnthropicBatchProvider
     from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
+
     for cls in (OpenAIBatchProvider, AnthropicBatchProvider):
         monkeypatch.setattr(cls, "max_requests_per_batch", 2)
     project.write("models/triage.sql", triage_model(provider=provider_name))
@@ -103,16 +114,35 @@ def test_a_run_killed_between_two_chunks_bills_each_key_once(project, emulator, 
     marker = tmp_path / "crash-marker"
     project.release_database()
     killed = subprocess.run(
-        [sys.executable, "-c", SMALL_BATCHES, "run", "-s", "triage", "--project-dir", str(project.root),
-         "--profiles-dir", str(project.root)],
-        env={**os.environ, "DBT_LLM_BATCH_CRASH_AT": point, "DBT_LLM_BATCH_CRASH_OCCURRENCE": str(occurrence),
-             "DBT_LLM_BATCH_CRASH_MARKER": str(marker)}, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-c",
+            SMALL_BATCHES,
+            "run",
+            "-s",
+            "triage",
+            "--project-dir",
+            str(project.root),
+            "--profiles-dir",
+            str(project.root),
+        ],
+        env={
+            **os.environ,
+            "DBT_LLM_BATCH_CRASH_AT": point,
+            "DBT_LLM_BATCH_CRASH_OCCURRENCE": str(occurrence),
+            "DBT_LLM_BATCH_CRASH_MARKER": str(marker),
+        },
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode == -9, killed.stdout[-2000:]
     assert marker.read_text() == point
     # Killed right after chunk k's create: k batches exist, none of the later chunks was sent.
     created = occurrence if point == "after_create" else 0
-    assert [sum(b["request_counts"].values()) if is_anthropic(b) else None for b in sorted_batches(emulator)] == \
-        [(2 if provider_name == "anthropic" else None)] * created
+    assert [sum(b["request_counts"].values()) if is_anthropic(b) else None for b in sorted_batches(emulator)] == [
+        (2 if provider_name == "anthropic" else None)
+    ] * created
 
     for _ in range(3):
         project.dbt("run", "-s", "triage")
@@ -126,8 +156,10 @@ def test_a_run_killed_between_two_chunks_bills_each_key_once(project, emulator, 
         assert status == "succeeded"
         assert (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}\n\n{body}")
     # Each key billed exactly once, counting every batch (finished first) and call.
-    key_of_prompt = {f"Subject: {s}\n\n{b}": k for k, s, b in project.query(
-        "select ticket_id, subject, body from main.support_tickets")}
+    key_of_prompt = {
+        f"Subject: {s}\n\n{b}": k
+        for k, s, b in project.query("select ticket_id, subject, body from main.support_tickets")
+    }
     billed = billed_per_key(emulator, key_of_prompt)
     assert sorted(billed.values()) == [1] * 6 and set(billed) == set(key_of_prompt.values()), billed
     assert sum(1 for _ in sorted_batches(emulator)) == 3, "three batches of two, none sent twice"

@@ -3,6 +3,7 @@
 Clients use max_retries=0 so call counts and errors are exact; only the retry
 test lets the SDK retry.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,17 +13,20 @@ import urllib.request
 
 import openai
 import pytest
+from helpers import SANDBOX_KEY as KEY
 
 from dbt_llm_batch.sandbox import Emulator, expected_answer
 
-from helpers import SANDBOX_KEY as KEY
-SCHEMA = {"type": "object", "properties": {
-    "label": {"type": "string", "enum": ["pos", "neg", "neutral"]},
-    "count": {"type": "integer"},
-    "score": {"type": "number"},
-    "flag": {"type": "boolean"},
-    "note": {"type": "string"},
-}}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"type": "string", "enum": ["pos", "neg", "neutral"]},
+        "count": {"type": "integer"},
+        "score": {"type": "number"},
+        "flag": {"type": "boolean"},
+        "note": {"type": "string"},
+    },
+}
 
 
 @pytest.fixture
@@ -41,8 +45,9 @@ def line(custom_id, prompt, model="gpt-x", system=None, schema=None, **body_extr
 def submit(client, lines, raw: bytes | None = None, **create_kw):
     data = raw if raw is not None else "".join(json.dumps(x) + "\n" for x in lines).encode()
     f = client.files.create(file=("input.jsonl", data), purpose="batch")
-    return client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
-                                 **create_kw)
+    return client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", **create_kw
+    )
 
 
 def download(client, file_id):
@@ -50,8 +55,9 @@ def download(client, file_id):
 
 
 def control(emu, method, path, body=None):
-    req = urllib.request.Request(emu.base_url + path, method=method,
-                                 data=None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(
+        emu.base_url + path, method=method, data=None if body is None else json.dumps(body).encode()
+    )
     with urllib.request.urlopen(req) as resp:
         return json.loads(resp.read())
 
@@ -61,6 +67,7 @@ def content_of(result):
 
 
 # -- happy path -------------------------------------------------------------------------
+
 
 def test_full_lifecycle_and_answers_match_expected_answer(emu, client):
     lines = [line(f"t{i}", f"text prompt {i}", system="Be brief.") for i in range(6)]
@@ -111,14 +118,21 @@ def test_full_lifecycle_and_answers_match_expected_answer(emu, client):
 
 
 def test_message_parts_developer_role_and_token_counts(emu, client):
-    body_line = {"custom_id": "p", "method": "POST", "url": "/v1/chat/completions", "body": {
-        "model": "gpt-x", "messages": [
-            {"role": "developer", "content": "Rule one."},
-            {"role": "system", "content": [{"type": "text", "text": "Rule two."}]},
-            {"role": "user", "content": "old question"},
-            {"role": "assistant", "content": "old answer"},
-            {"role": "user", "content": [{"type": "text", "text": "part a"}, {"type": "text", "text": "part b"}]},
-        ]}}
+    body_line = {
+        "custom_id": "p",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "gpt-x",
+            "messages": [
+                {"role": "developer", "content": "Rule one."},
+                {"role": "system", "content": [{"type": "text", "text": "Rule two."}]},
+                {"role": "user", "content": "old question"},
+                {"role": "assistant", "content": "old answer"},
+                {"role": "user", "content": [{"type": "text", "text": "part a"}, {"type": "text", "text": "part b"}]},
+            ],
+        },
+    }
     batch = submit(client, [body_line])
     emu.advance(batch.id, "completed")
     (r,) = download(client, client.batches.retrieve(batch.id).output_file_id)
@@ -153,14 +167,18 @@ def test_results_are_shuffled():
 
 # -- validation failures ----------------------------------------------------------------
 
-@pytest.mark.parametrize("raw, code, line_no", [
-    ([line("a", "x"), line("a", "y")], "duplicate_custom_id", 2),
-    ([line("a", "x"), "{not json"], "invalid_json_line", 2),
-    ([line("a", "x"), line("b", "y", model="other-model")], "mismatched_model", 2),
-    ([{**line("a", "x"), "url": "/v1/embeddings"}], "invalid_url", 1),
-    ([{**line("a", "x"), "method": "GET"}], "invalid_method", 1),
-    ([line("a", "x"), line("b", "x"), line("c", "x"), line("d", "x")], "too_many_requests_in_batch", None),
-])
+
+@pytest.mark.parametrize(
+    "raw, code, line_no",
+    [
+        ([line("a", "x"), line("a", "y")], "duplicate_custom_id", 2),
+        ([line("a", "x"), "{not json"], "invalid_json_line", 2),
+        ([line("a", "x"), line("b", "y", model="other-model")], "mismatched_model", 2),
+        ([{**line("a", "x"), "url": "/v1/embeddings"}], "invalid_url", 1),
+        ([{**line("a", "x"), "method": "GET"}], "invalid_method", 1),
+        ([line("a", "x"), line("b", "x"), line("c", "x"), line("d", "x")], "too_many_requests_in_batch", None),
+    ],
+)
 def test_bad_input_file_fails_validation(raw, code, line_no):
     with Emulator(KEY, max_requests_per_batch=3) as emu:
         client = openai.OpenAI(base_url=emu.openai_base_url, api_key=KEY, max_retries=0)
@@ -182,31 +200,41 @@ def test_token_limit_fault_fails_next_validation_exactly(emu, client):
     emu.complete_all()
     failed, ok = client.batches.retrieve(first.id), client.batches.retrieve(second.id)
     assert ok.status == "completed"
-    assert failed.status == "failed" and failed.request_counts.model_dump() == {"total": 0, "completed": 0,
-                                                                                 "failed": 0}
+    assert failed.status == "failed" and failed.request_counts.model_dump() == {"total": 0, "completed": 0, "failed": 0}
     (err,) = failed.errors.data
     assert (err.code, err.line, err.param) == ("token_limit_exceeded", None, None)
     assert err.message.startswith("Enqueued token limit reached for gpt-x in organization ")
-    assert err.message.endswith("Limit: 2,000,000 enqueued tokens. Please try again once some in_progress "
-                                "batches have been completed.")
+    assert err.message.endswith(
+        "Limit: 2,000,000 enqueued tokens. Please try again once some in_progress batches have been completed."
+    )
 
 
 # -- per-request failures, expiry, cancel ------------------------------------------------
 
+
 def test_request_fault_goes_to_error_file_others_succeed(emu, client):
-    emu.add_fault(prompt_contains="BAD", kind="http_error", status_code=400, type="invalid_request_error",
-                  message="Invalid prompt.", param="messages")
+    emu.add_fault(
+        prompt_contains="BAD",
+        kind="http_error",
+        status_code=400,
+        type="invalid_request_error",
+        message="Invalid prompt.",
+        param="messages",
+    )
     emu.add_fault(prompt_contains="ODD", kind="content", content="not json")
     batch = submit(client, [line("good", "fine"), line("bad", "a BAD one"), line("odd", "ODD", schema=SCHEMA)])
     emu.advance(batch.id, "completed")
     done = client.batches.retrieve(batch.id)
-    assert done.status == "completed" and done.request_counts.model_dump() == {"total": 3, "completed": 2,
-                                                                               "failed": 1}
+    assert done.status == "completed" and done.request_counts.model_dump() == {"total": 3, "completed": 2, "failed": 1}
     (err,) = download(client, done.error_file_id)
     assert err["custom_id"] == "bad" and err["error"] is None
     assert err["response"]["status_code"] == 400
-    assert err["response"]["body"]["error"] == {"message": "Invalid prompt.", "type": "invalid_request_error",
-                                                "param": "messages", "code": None}
+    assert err["response"]["body"]["error"] == {
+        "message": "Invalid prompt.",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": None,
+    }
     outputs = {r["custom_id"]: content_of(r) for r in download(client, done.output_file_id)}
     assert outputs == {"good": expected_answer(None, "fine", None), "odd": "not json"}
 
@@ -230,9 +258,15 @@ def test_expiry_keeps_partial_output_and_reports_the_rest(emu, client):
     outputs, errors = download(client, expired.output_file_id), download(client, expired.error_file_id)
     assert len(outputs) == 4 and len(errors) == 6
     assert {r["custom_id"] for r in outputs + errors} == {x["custom_id"] for x in lines}
-    assert all(e["response"] is None and e["error"] == {
-        "code": "batch_expired",
-        "message": "This request could not be executed before the completion window expired."} for e in errors)
+    assert all(
+        e["response"] is None
+        and e["error"]
+        == {
+            "code": "batch_expired",
+            "message": "This request could not be executed before the completion window expired.",
+        }
+        for e in errors
+    )
     assert expired.usage.output_tokens == sum(r["response"]["body"]["usage"]["completion_tokens"] for r in outputs)
 
 
@@ -260,6 +294,7 @@ def test_invalid_transition_is_refused(emu, client):
 
 # -- HTTP errors ------------------------------------------------------------------------
 
+
 def test_wrong_key_is_401_without_echoing_the_key(emu):
     bad = openai.OpenAI(base_url=emu.openai_base_url, api_key="sk-wrong-key-123456789", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as info:
@@ -277,8 +312,12 @@ def test_not_found_and_bad_create_parameters(emu, client):
         client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="48h")
     assert info.value.param == "completion_window"
     with pytest.raises(openai.BadRequestError):
-        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
-                              metadata={f"k{i}": "v" for i in range(17)})
+        client.batches.create(
+            input_file_id=f.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={f"k{i}": "v" for i in range(17)},
+        )
     client.files.delete(f.id)
     with pytest.raises(openai.NotFoundError):
         client.files.content(f.id)
@@ -297,8 +336,12 @@ def test_file_too_large():
 
 
 def test_429_fault_is_retried_by_the_sdk_after_retry_after(emu):
-    control(emu, "POST", "/_emulator/faults",
-            {"endpoint": "POST /v1/batches", "status_code": 429, "times": 1, "retry_after": 0.3})
+    control(
+        emu,
+        "POST",
+        "/_emulator/faults",
+        {"endpoint": "POST /v1/batches", "status_code": 429, "times": 1, "retry_after": 0.3},
+    )
     retrying = openai.OpenAI(base_url=emu.openai_base_url, api_key=KEY, max_retries=2)
     f = retrying.files.create(file=("in.jsonl", json.dumps(line("a", "x")).encode()), purpose="batch")
     started = time.monotonic()
@@ -318,10 +361,13 @@ def test_500_fault_surfaces_without_retries(emu, client):
 
 # -- listing, control endpoints, auto-advance -----------------------------------------
 
+
 def test_list_pagination_iterates_all_batches_newest_first(emu, client):
     f = client.files.create(file=("in.jsonl", json.dumps(line("a", "x")).encode()), purpose="batch")
-    created = [client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                     completion_window="24h").id for _ in range(25)]
+    created = [
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id
+        for _ in range(25)
+    ]
     listed = [b.id for b in client.batches.list()]
     assert listed == created[::-1]
     assert emu.stats()["calls"]["GET /v1/batches"] == 2  # default page of 20, then after=<last id>

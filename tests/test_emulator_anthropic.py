@@ -3,6 +3,7 @@ listing, control (errors and auth: test_emulator_anthropic_errors.py; caching: t
 
 Clients use max_retries=0 so call counts and errors are exact; only the retry test lets the SDK retry.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,12 +15,13 @@ import urllib.request
 import anthropic
 import openai
 import pytest
+from helpers import SANDBOX_KEY as KEY
+from test_emulator import SCHEMA  # the same five field types, asked through the other face
 
 from dbt_llm_batch.sandbox import Emulator, expected_answer
 
-from helpers import SANDBOX_KEY as KEY
 MODEL = "claude-x"
-from test_emulator import SCHEMA  # the same five field types, asked through the other face
+
 TOOL = {"name": "classify", "description": "Record the classification.", "input_schema": SCHEMA}
 
 
@@ -43,8 +45,12 @@ def results_of(client, batch_id):
 
 def raw(emu, method, path, headers=None, body=None):
     """(status, headers, body bytes) of a plain HTTP call."""
-    request = urllib.request.Request(emu.base_url + path, method=method, headers=headers or {},
-                                     data=None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(
+        emu.base_url + path,
+        method=method,
+        headers=headers or {},
+        data=None if body is None else json.dumps(body).encode(),
+    )
     try:
         with urllib.request.urlopen(request) as resp:
             return resp.status, resp.headers, resp.read()
@@ -58,13 +64,19 @@ def tokens(chars):
 
 # -- happy path -------------------------------------------------------------------------
 
+
 def test_lifecycle_counts_and_answers_match_expected_answer(emu, client):
     requests = [req(f"t{i}", f"text prompt {i}", system="Be brief.") for i in range(5)]
     requests += [req(f"j{i}", f"json prompt {i}", tool=True) for i in range(5)]
     batch = client.messages.batches.create(requests=requests)
     assert batch.type == "message_batch" and batch.processing_status == "in_progress"
-    assert batch.request_counts.model_dump() == {"processing": 10, "succeeded": 0, "errored": 0, "canceled": 0,
-                                                 "expired": 0}
+    assert batch.request_counts.model_dump() == {
+        "processing": 10,
+        "succeeded": 0,
+        "errored": 0,
+        "canceled": 0,
+        "expired": 0,
+    }
     assert batch.ended_at is None and batch.results_url is None and batch.cancel_initiated_at is None
     assert (batch.expires_at - batch.created_at).total_seconds() == 86400 and batch.id.startswith("msgbatch_")
 
@@ -78,11 +90,17 @@ def test_lifecycle_counts_and_answers_match_expected_answer(emu, client):
     emu.advance(batch.id, "ended")
     done = client.messages.batches.retrieve(batch.id)
     assert done.processing_status == "ended" and done.ended_at is not None
-    assert done.request_counts.model_dump() == {"processing": 0, "succeeded": 10, "errored": 0, "canceled": 0,
-                                                "expired": 0}
+    assert done.request_counts.model_dump() == {
+        "processing": 0,
+        "succeeded": 10,
+        "errored": 0,
+        "canceled": 0,
+        "expired": 0,
+    }
     assert done.results_url == f"{emu.base_url}/v1/messages/batches/{batch.id}/results"
-    via_localhost = json.loads(raw(emu, "GET", f"/v1/messages/batches/{batch.id}",
-                                   {"x-api-key": KEY, "Host": f"localhost:{emu.port}"})[2])
+    via_localhost = json.loads(
+        raw(emu, "GET", f"/v1/messages/batches/{batch.id}", {"x-api-key": KEY, "Host": f"localhost:{emu.port}"})[2]
+    )
     assert via_localhost["results_url"] == f"http://localhost:{emu.port}/v1/messages/batches/{batch.id}/results"
 
     results = results_of(client, batch.id)
@@ -107,7 +125,10 @@ def test_lifecycle_counts_and_answers_match_expected_answer(emu, client):
     assert parsed["note"].startswith("sandbox-") and parsed["note"].endswith("-note")
 
     stats = emu.stats()
-    assert stats["calls"]["POST /v1/messages/batches"] == 1 and stats["calls"]["GET /v1/messages/batches/{id}/results"] == 1
+    assert (
+        stats["calls"]["POST /v1/messages/batches"] == 1
+        and stats["calls"]["GET /v1/messages/batches/{id}/results"] == 1
+    )
     assert stats["batches_created"] == 1 and stats["batches_by_face"] == {"openai": 0, "anthropic": 1}
     ant = stats["usage_by_face"]["anthropic"]
     assert ant["output_tokens"] == sum(r.message.usage.output_tokens for r in results.values())
@@ -128,14 +149,22 @@ def test_results_stream_is_shuffled_jsonl_without_blank_lines(emu, client):
 
 
 def test_content_blocks_last_user_message_and_max_tokens(emu, client):
-    multi = {"custom_id": "multi", "params": {
-        "model": MODEL, "max_tokens": 300,
-        "system": [{"type": "text", "text": "Rule one."}, {"type": "text", "text": "Rule two."}],
-        "messages": [{"role": "user", "content": "old question"},
-                     {"role": "assistant", "content": [{"type": "text", "text": "old answer"}]},
-                     {"role": "user", "content": [{"type": "text", "text": "part a"}, {"type": "text", "text": "part b"}]}]}}
-    batch = client.messages.batches.create(requests=[
-        multi, req("cut", "q", max_tokens=3), req("cut_tool", "q", tool=True, max_tokens=3)])
+    multi = {
+        "custom_id": "multi",
+        "params": {
+            "model": MODEL,
+            "max_tokens": 300,
+            "system": [{"type": "text", "text": "Rule one."}, {"type": "text", "text": "Rule two."}],
+            "messages": [
+                {"role": "user", "content": "old question"},
+                {"role": "assistant", "content": [{"type": "text", "text": "old answer"}]},
+                {"role": "user", "content": [{"type": "text", "text": "part a"}, {"type": "text", "text": "part b"}]},
+            ],
+        },
+    }
+    batch = client.messages.batches.create(
+        requests=[multi, req("cut", "q", max_tokens=3), req("cut_tool", "q", tool=True, max_tokens=3)]
+    )
     emu.advance(batch.id, "ended")
     results = results_of(client, batch.id)
     m = results["multi"].message
@@ -165,17 +194,20 @@ def test_bad_params_become_errored_lines_after_the_batch_ends(emu, client):
     results = results_of(client, batch.id)
     assert results["good"].type == "succeeded"
     messages = {cid: r.error.error.message for cid, r in results.items() if r.type == "errored"}
-    assert messages == {"no_max": "max_tokens: Field required",
-                        "zero": "max_tokens: Input should be greater than or equal to 1",
-                        "no_model": "model: Field required",
-                        "no_messages": "messages: List should have at least 1 item after validation, not 0",
-                        "streaming": "stream: Streaming is not supported in the Message Batches API"}
+    assert messages == {
+        "no_max": "max_tokens: Field required",
+        "zero": "max_tokens: Input should be greater than or equal to 1",
+        "no_model": "model: Field required",
+        "no_messages": "messages: List should have at least 1 item after validation, not 0",
+        "streaming": "stream: Streaming is not supported in the Message Batches API",
+    }
     err = results["no_max"].error
     assert err.type == "error" and err.error.type == "invalid_request_error" and err.request_id.startswith("req_")
     assert emu.stats()["usage_by_face"]["anthropic"]["output_tokens"] == results["good"].message.usage.output_tokens
 
 
 # -- cancel, expiry, delete ------------------------------------------------------------
+
 
 def test_cancel_with_done_fraction_gives_partial_results_and_canceled_items(emu, client):
     batch = client.messages.batches.create(requests=[req(f"c{i}", f"p{i}") for i in range(10)])
@@ -186,8 +218,13 @@ def test_cancel_with_done_fraction_gives_partial_results_and_canceled_items(emu,
     emu.advance(batch.id, "canceled", done_fraction=0.3)
     ended = client.messages.batches.retrieve(batch.id)
     assert ended.processing_status == "ended"
-    assert ended.request_counts.model_dump() == {"processing": 0, "succeeded": 3, "errored": 0, "canceled": 7,
-                                                 "expired": 0}
+    assert ended.request_counts.model_dump() == {
+        "processing": 0,
+        "succeeded": 3,
+        "errored": 0,
+        "canceled": 7,
+        "expired": 0,
+    }
     results = results_of(client, batch.id)
     assert sorted(cid for cid, r in results.items() if r.type == "succeeded") == ["c0", "c1", "c2"]  # input order
     assert all(r.type == "canceled" for cid, r in results.items() if cid not in ("c0", "c1", "c2"))
@@ -234,6 +271,7 @@ def test_delete_only_once_ended(emu, client):
 
 # -- listing, control --------------------------------------------------------------------
 
+
 def test_list_pagination_newest_first(emu, client):
     created = [client.messages.batches.create(requests=[req("a", "x")]).id for _ in range(25)]
     assert [b.id for b in client.messages.batches.list()] == created[::-1]
@@ -251,10 +289,20 @@ def test_list_pagination_newest_first(emu, client):
 
 def test_control_surface_covers_both_faces(emu, client):
     oai = openai.OpenAI(base_url=emu.openai_base_url, api_key=KEY, max_retries=0)
-    f = oai.files.create(file=("in.jsonl", json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-                                                       "body": {"model": "gpt-x", "messages": [
-                                                           {"role": "user", "content": "x"}]}}).encode()),
-                         purpose="batch")
+    f = oai.files.create(
+        file=(
+            "in.jsonl",
+            json.dumps(
+                {
+                    "custom_id": "a",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {"model": "gpt-x", "messages": [{"role": "user", "content": "x"}]},
+                }
+            ).encode(),
+        ),
+        purpose="batch",
+    )
     first = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     second = client.messages.batches.create(requests=[req("a", "x")])
     third = client.messages.batches.create(requests=[req("a", "x"), req("b", "y")])
@@ -264,7 +312,9 @@ def test_control_surface_covers_both_faces(emu, client):
     assert moved["processing_status"] == "ended" and moved["results_url"].endswith(f"/{second.id}/results")
     finished = emu.complete_all()
     assert {(b.get("object"), b.get("type"), b.get("status") or b.get("processing_status")) for b in finished} == {
-        ("batch", None, "completed"), (None, "message_batch", "ended")}
+        ("batch", None, "completed"),
+        (None, "message_batch", "ended"),
+    }
     assert client.messages.batches.retrieve(third.id).request_counts.canceled == 2
     with pytest.raises(ValueError):
         emu.advance(second.id, "canceling")

@@ -1,5 +1,6 @@
 """Prompt caching in the sandbox: Anthropic's `cache_control` breakpoints and OpenAI's automatic
 prefix caching, with the exact token numbers clients record. Real SDKs, max_retries=0."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,6 @@ import time
 import anthropic
 import openai
 import pytest
-
 from test_emulator_anthropic import KEY, MODEL, req, results_of, tokens
 
 
@@ -18,6 +18,7 @@ def client(emu):
 
 
 # -- prompt caching ----------------------------------------------------------------------
+
 
 def cached_system(chars, ttl=None):
     control = {"type": "ephemeral", **({"ttl": ttl} if ttl else {})}
@@ -74,12 +75,25 @@ def test_prefix_below_min_cache_tokens_is_not_cached(emu, client):
 
 
 def test_breakpoint_on_a_message_block_caches_up_to_that_block(client, emu):
-    shots = [{"role": "user", "content": "E" * 5000}, {"role": "assistant", "content": [
-        {"type": "text", "text": "A" * 3000, "cache_control": {"type": "ephemeral"}}, {"type": "text", "text": "tail"}]}]
-    params = {"model": MODEL, "max_tokens": 100, "system": "Sys.",
-              "messages": shots + [{"role": "user", "content": "the question"}]}
-    batch = client.messages.batches.create(requests=[{"custom_id": "a", "params": params},
-                                                     {"custom_id": "b", "params": params}])
+    shots = [
+        {"role": "user", "content": "E" * 5000},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "A" * 3000, "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": "tail"},
+            ],
+        },
+    ]
+    params = {
+        "model": MODEL,
+        "max_tokens": 100,
+        "system": "Sys.",
+        "messages": shots + [{"role": "user", "content": "the question"}],
+    }
+    batch = client.messages.batches.create(
+        requests=[{"custom_id": "a", "params": params}, {"custom_id": "b", "params": params}]
+    )
     emu.advance(batch.id, "ended")
     results = results_of(client, batch.id)
     prefix = tokens(len("Sys.") + 5000 + 3000)
@@ -91,15 +105,25 @@ def test_breakpoint_on_a_message_block_caches_up_to_that_block(client, emu):
 
 # -- OpenAI automatic prompt caching -----------------------------------------------------
 
+
 def test_openai_caches_the_prefix_before_the_last_user_message(emu):
     oai = openai.OpenAI(base_url=emu.openai_base_url, api_key=KEY, max_retries=0)
     system = "You are a careful assistant. " * 300  # 8700 chars -> 2175 tokens -> 2048 cached
 
     def run(prompts):
-        lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {"model": "gpt-x", "prompt_cache_key": "triage", "messages": [
-                      {"role": "system", "content": system}, {"role": "user", "content": p}]}}
-                 for i, p in enumerate(prompts)]
+        lines = [
+            {
+                "custom_id": f"q{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "gpt-x",
+                    "prompt_cache_key": "triage",
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": p}],
+                },
+            }
+            for i, p in enumerate(prompts)
+        ]
         f = oai.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
         batch = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
         emu.advance(batch.id, "completed")
@@ -120,8 +144,15 @@ def test_openai_caches_the_prefix_before_the_last_user_message(emu):
 
 def test_openai_short_prefix_is_never_cached(emu):
     oai = openai.OpenAI(base_url=emu.openai_base_url, api_key=KEY, max_retries=0)
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {
-        "model": "gpt-x", "messages": [{"role": "system", "content": "short"}, {"role": "user", "content": "q"}]}}
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "gpt-x",
+            "messages": [{"role": "system", "content": "short"}, {"role": "user", "content": "q"}],
+        },
+    }
     for _ in range(2):
         f = oai.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
         batch = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")

@@ -1,5 +1,6 @@
 """`python -m dbt_llm_batch.sandbox`: the banner names both faces, one key serves both, a user's key is
 never printed, and Ctrl-C stops it cleanly."""
+
 from __future__ import annotations
 
 import os
@@ -13,17 +14,22 @@ import time
 import anthropic
 import openai
 
-
 STARTUP_TIMEOUT = 120  # generous: an import on two loaded cores can take long; it only bounds a hang
 
 
 def start_cli(env, command=("-m", "dbt_llm_batch.sandbox")):
     """Start the CLI; return (process, banner text, base URL)."""
-    proc = subprocess.Popen([sys.executable, *command, "--port", "0", "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, *command, "--port", "0", "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     lines: queue.Queue = queue.Queue()  # read on a thread, so a CLI that hangs silently cannot hang the test
-    threading.Thread(target=lambda: [lines.put(x) for x in iter(proc.stdout.readline, "")] + [lines.put("")],
-                     daemon=True).start()
+    threading.Thread(
+        target=lambda: [lines.put(x) for x in iter(proc.stdout.readline, "")] + [lines.put("")], daemon=True
+    ).start()
     banner, deadline = "", time.monotonic() + STARTUP_TIMEOUT
     while "Press Ctrl-C" not in banner:
         try:
@@ -75,8 +81,10 @@ def test_cli_takes_the_anthropic_key_from_the_environment_without_printing_it():
 
 def test_the_package_command_starts_the_same_sandbox():
     """`dbt-llm-batch sandbox --port ... --api-key ...`, as the README writes it."""
-    proc, banner, base = start_cli({**os.environ, "OPENAI_API_KEY": "sk-from-env"},
-                                   command=("-m", "dbt_llm_batch.cli", "sandbox", "--api-key", "sk-given"))
+    proc, banner, base = start_cli(
+        {**os.environ, "OPENAI_API_KEY": "sk-from-env"},
+        command=("-m", "dbt_llm_batch.ops.cli", "sandbox", "--api-key", "sk-given"),
+    )
     try:
         client = openai.OpenAI(base_url=base + "/v1", api_key="sk-given", max_retries=0)
         assert client.batches.list().data == []

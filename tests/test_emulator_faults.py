@@ -6,9 +6,8 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
-from test_emulator import control, download, line, submit
-
 from helpers import SANDBOX_KEY as KEY
+from test_emulator import control, download, line, submit
 
 
 @pytest.fixture
@@ -22,15 +21,22 @@ def claude(emu):
 
 
 def test_invalid_line_fault_fails_validation_naming_1_based_lines(emu, client):
-    emu.add_fault(kind="invalid_line", prompt_contains="BAD", times=None, code="invalid_value",
-                  message="Invalid value for 'messages'.", param="body.messages")
+    emu.add_fault(
+        kind="invalid_line",
+        prompt_contains="BAD",
+        times=None,
+        code="invalid_value",
+        message="Invalid value for 'messages'.",
+        param="body.messages",
+    )
     batch = submit(client, [line("a", "fine"), line("b", "a BAD one"), line("c", "ok"), line("d", "BAD too")])
     emu.advance(batch.id, "completed")
     failed = client.batches.retrieve(batch.id)
     assert failed.status == "failed" and failed.output_file_id is None and failed.request_counts.total == 0
     assert [(e.code, e.line, e.param, e.message) for e in failed.errors.data] == [
         ("invalid_value", 2, "body.messages", "Invalid value for 'messages'."),
-        ("invalid_value", 4, "body.messages", "Invalid value for 'messages'.")]
+        ("invalid_value", 4, "body.messages", "Invalid value for 'messages'."),
+    ]
 
 
 def test_expired_results_answer_404_like_a_missing_file(emu, client):
@@ -41,14 +47,24 @@ def test_expired_results_answer_404_like_a_missing_file(emu, client):
     control(emu, "POST", f"/_emulator/batches/{batch.id}/expire_results")
     with pytest.raises(openai.NotFoundError) as err:
         client.files.content(done.output_file_id).read()
-    assert err.value.body == {"message": f"No such File object: {done.output_file_id}", "type": "invalid_request_error",
-                              "param": "id", "code": None}
+    assert err.value.body == {
+        "message": f"No such File object: {done.output_file_id}",
+        "type": "invalid_request_error",
+        "param": "id",
+        "code": None,
+    }
     assert client.batches.retrieve(batch.id).output_file_id == done.output_file_id  # the batch still names it
 
 
 def test_expired_anthropic_results_are_archived_and_404(emu, claude):
-    batch = claude.messages.batches.create(requests=[{"custom_id": "a", "params": {
-        "model": "claude-x", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}}])
+    batch = claude.messages.batches.create(
+        requests=[
+            {
+                "custom_id": "a",
+                "params": {"model": "claude-x", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]},
+            }
+        ]
+    )
     with pytest.raises(ValueError, match="has not ended"):
         emu.expire_results(batch.id)
     emu.complete_all()

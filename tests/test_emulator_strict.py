@@ -2,6 +2,7 @@
 follow the provider's own commit, non-JSON proxy pages, sandbox bugs that fail the test, request-body
 and schema validation, provider size limits, expiry and retention, queue limits, cache TTLs and
 per-model minimums, nullable usage details, archived batches."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,9 @@ import re
 import anthropic
 import openai
 import pytest
+from helpers import SANDBOX_KEY as KEY
 from test_emulator import line, submit
 from test_emulator_anthropic import MODEL, req, results_of
-
-from helpers import SANDBOX_KEY as KEY
 
 
 @pytest.fixture
@@ -31,6 +31,7 @@ def chat(prompt="hi", **extra):
 
 
 # -- 1. faults after the handler ran ----------------------------------------------------------
+
 
 def test_after_fault_on_batch_create_leaves_the_created_batch_listed(emu, client):
     """OpenAI Batch API: `create` is not idempotent; a 5xx or a dropped connection can follow a batch the
@@ -78,7 +79,9 @@ def test_after_fault_on_a_realtime_call_is_billed(emu, client, claude):
     assert stats["usage_by_face"]["openai"]["prompt_tokens"] > 0
     assert stats["usage_by_face"]["anthropic"]["input_tokens"] > 0
     assert [(b["face"], b["via"], b["prompt"]) for b in emu.billed()] == [
-        ("openai", "realtime", "billed anyway"), ("anthropic", "realtime", "also billed")]
+        ("openai", "realtime", "billed anyway"),
+        ("anthropic", "realtime", "also billed"),
+    ]
 
 
 def test_when_is_checked(emu):
@@ -89,6 +92,7 @@ def test_when_is_checked(emu):
 
 
 # -- 5. a proxy's non-JSON 413 ---------------------------------------------------------------
+
 
 def test_proxy_error_fault_answers_an_html_413(emu, claude):
     """Anthropic errors docs: a 413 request_too_large is returned by Cloudflare before the API, so its
@@ -106,9 +110,11 @@ def test_proxy_error_fault_answers_an_html_413(emu, claude):
 
 # -- 6. a sandbox bug fails the test -----------------------------------------------------------
 
+
 def _break(emu, route_key):
     def boom(req):
         raise RuntimeError("a bug in the sandbox")
+
     emu._routes = [(f, m, r, k, boom if k == route_key else h) for f, m, r, k, h in emu._routes]
 
 
@@ -129,9 +135,12 @@ def test_a_sandbox_bug_is_recorded_and_answered_in_the_face_envelope(emu, client
 
 # -- 2. request bodies and schemas ---------------------------------------------------------------
 
-STRICT_SCHEMA = {"type": "object", "properties": {"label": {"type": "string", "enum": ["a", "b"]},
-                                                   "n": {"type": "integer"}},
-                 "required": ["label", "n"], "additionalProperties": False}
+STRICT_SCHEMA = {
+    "type": "object",
+    "properties": {"label": {"type": "string", "enum": ["a", "b"]}, "n": {"type": "integer"}},
+    "required": ["label", "n"],
+    "additionalProperties": False,
+}
 
 
 def strict_format(schema, strict=True):
@@ -142,7 +151,9 @@ def test_openai_refuses_unknown_parameters_realtime_and_in_a_batch(emu, client):
     """OpenAI Chat Completions API: an argument it does not know (`top_k` is Anthropic's) is a 400
     "Unrecognized request argument supplied"; in a batch, that line lands in the error file."""
     for extra in ({"top_k": 5}, {"bogus": True}):
-        with pytest.raises(openai.BadRequestError, match=f"Unrecognized request argument supplied: {next(iter(extra))}"):
+        with pytest.raises(
+            openai.BadRequestError, match=f"Unrecognized request argument supplied: {next(iter(extra))}"
+        ):
             client.chat.completions.create(**chat(), extra_body=extra)
     with pytest.raises(openai.BadRequestError, match="'temperature'"):
         client.chat.completions.create(**chat(temperature=2.5))
@@ -155,17 +166,32 @@ def test_openai_refuses_unknown_parameters_realtime_and_in_a_batch(emu, client):
     assert err["response"]["body"]["error"]["message"] == "Unrecognized request argument supplied: top_k"
 
 
-@pytest.mark.parametrize("schema,message", [
-    ({**STRICT_SCHEMA, "required": ["label"]}, "'required' is required to be supplied and to be an array including "
-                                               "every key in properties. Missing 'n'"),
-    ({k: v for k, v in STRICT_SCHEMA.items() if k != "additionalProperties"},
-     "'additionalProperties' is required to be supplied and to be false"),
-    ({**STRICT_SCHEMA, "properties": {**STRICT_SCHEMA["properties"], "tags": {"type": "array", "uniqueItems": True,
-                                                                              "items": {"type": "string"}}},
-      "required": ["label", "n", "tags"]}, "'uniqueItems' is not permitted"),
-    ({"type": "array", "items": {"type": "string"}}, "schema must be a JSON Schema of 'type: \"object\"'"),
-    ({**STRICT_SCHEMA, "properties": {"label": {"type": "strin"}, "n": {"type": "integer"}}}, "is not valid under"),
-])
+@pytest.mark.parametrize(
+    "schema,message",
+    [
+        (
+            {**STRICT_SCHEMA, "required": ["label"]},
+            "'required' is required to be supplied and to be an array including every key in properties. Missing 'n'",
+        ),
+        (
+            {k: v for k, v in STRICT_SCHEMA.items() if k != "additionalProperties"},
+            "'additionalProperties' is required to be supplied and to be false",
+        ),
+        (
+            {
+                **STRICT_SCHEMA,
+                "properties": {
+                    **STRICT_SCHEMA["properties"],
+                    "tags": {"type": "array", "uniqueItems": True, "items": {"type": "string"}},
+                },
+                "required": ["label", "n", "tags"],
+            },
+            "'uniqueItems' is not permitted",
+        ),
+        ({"type": "array", "items": {"type": "string"}}, "schema must be a JSON Schema of 'type: \"object\"'"),
+        ({**STRICT_SCHEMA, "properties": {"label": {"type": "strin"}, "n": {"type": "integer"}}}, "is not valid under"),
+    ],
+)
 def test_openai_strict_json_schema_rules(client, schema, message):
     """OpenAI structured outputs guide: with `strict: true` every object lists all its properties in
     `required` and sets `additionalProperties: false`, the root is an object, some keywords are not
@@ -191,17 +217,21 @@ def test_anthropic_refuses_unknown_params_and_bad_tool_schemas(emu, claude):
     `input_schema` must be a JSON Schema (draft 2020-12) of type object. Realtime that is a 400; in a
     batch, params are checked asynchronously and the request ends `errored`."""
     with pytest.raises(anthropic.BadRequestError, match="bogus: Extra inputs are not permitted"):
-        claude.messages.create(model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "hi"}],
-                               extra_body={"bogus": 1})
+        claude.messages.create(
+            model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "hi"}], extra_body={"bogus": 1}
+        )
     bad_type = {"name": "t", "input_schema": {"type": "array", "items": {"type": "string"}}}
     invalid = {"name": "t", "input_schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}
     choice = {"type": "tool", "name": "t"}
-    batch = claude.messages.batches.create(requests=[
-        req("ok", "x", temperature=0.5, top_k=5),
-        req("bogus", "x", bogus=True),
-        req("hot", "x", temperature=1.5),
-        req("array", "x", tools=[bad_type], tool_choice=choice),
-        req("invalid", "x", tools=[invalid], tool_choice=choice)])
+    batch = claude.messages.batches.create(
+        requests=[
+            req("ok", "x", temperature=0.5, top_k=5),
+            req("bogus", "x", bogus=True),
+            req("hot", "x", temperature=1.5),
+            req("array", "x", tools=[bad_type], tool_choice=choice),
+            req("invalid", "x", tools=[invalid], tool_choice=choice),
+        ]
+    )
     emu.advance(batch.id, "ended")
     results = results_of(claude, batch.id)
     assert results["ok"].type == "succeeded"
@@ -214,6 +244,7 @@ def test_anthropic_refuses_unknown_params_and_bad_tool_schemas(emu, claude):
 
 
 # -- 3. size limits in decimal megabytes -----------------------------------------------------------
+
 
 def test_size_limits_are_the_providers_decimal_megabytes(emu, client):
     """OpenAI Batch API: an input file "up to 200 MB"; Anthropic Message Batches: "256 MB" per batch.
@@ -235,6 +266,7 @@ def test_size_limits_are_the_providers_decimal_megabytes(emu, client):
 
 
 # -- 4. expiry, retention, queue limits --------------------------------------------------------
+
 
 def test_openai_batch_expires_24h_after_creation(emu, client):
     """OpenAI Batch API: `expires_at` is 24 h after creation; a batch not done by then is `expired`,
@@ -307,6 +339,7 @@ def test_anthropic_queued_request_cap_refuses_a_create_with_429(emu, claude):
 
 # -- 5. shapes: null usage details, cache TTLs and minimums -----------------------------------------
 
+
 def test_null_usage_details_like_a_vllm_server(emu, client, claude):
     """vLLM's OpenAI-compatible server leaves `prompt_tokens_details` null unless started with
     --enable-prompt-tokens-details; Anthropic's SDK types the `cache_*` usage fields optional."""
@@ -315,15 +348,17 @@ def test_null_usage_details_like_a_vllm_server(emu, client, claude):
     assert usage.prompt_tokens > 0 and usage.prompt_tokens_details is None and usage.completion_tokens_details is None
     u = claude.messages.create(model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "hi"}]).usage
     assert u.input_tokens > 0 and (u.cache_read_input_tokens, u.cache_creation_input_tokens, u.cache_creation) == (
-        None, None, None)
+        None,
+        None,
+        None,
+    )
 
 
 def test_openai_cache_expires_after_inactivity_on_the_emulator_clock(emu, client):
     """OpenAI prompt caching guide: a cached prefix stays active for 5 to 10 minutes of inactivity;
     each hit refreshes it. The sandbox keeps an unused prefix `openai_cache_ttl_seconds` (300)."""
     start = emu.now()
-    body = {"model": "gpt-x", "messages": [{"role": "system", "content": "S" * 8192},
-                                          {"role": "user", "content": "q"}]}
+    body = {"model": "gpt-x", "messages": [{"role": "system", "content": "S" * 8192}, {"role": "user", "content": "q"}]}
     cached = lambda: client.chat.completions.create(**body).usage.prompt_tokens_details.cached_tokens  # noqa: E731
     assert cached() == 0
     emu.now = lambda: start + 299
@@ -341,8 +376,11 @@ def test_anthropic_cache_minimum_is_per_model(emu, claude):
     usage = {}
     for model in ("claude-sonnet-4-5", "claude-haiku-4-5"):
         for _ in range(2):
-            usage[model] = claude.messages.create(model=model, max_tokens=20, system=system,
-                                                  messages=[{"role": "user", "content": "q"}]).usage
+            usage[model] = claude.messages.create(
+                model=model, max_tokens=20, system=system, messages=[{"role": "user", "content": "q"}]
+            ).usage
     assert usage["claude-sonnet-4-5"].cache_read_input_tokens == 1500
-    assert (usage["claude-haiku-4-5"].cache_read_input_tokens,
-            usage["claude-haiku-4-5"].cache_creation_input_tokens) == (0, 0)
+    assert (
+        usage["claude-haiku-4-5"].cache_read_input_tokens,
+        usage["claude-haiku-4-5"].cache_creation_input_tokens,
+    ) == (0, 0)

@@ -18,10 +18,21 @@ from test_crash_recovery import succeeded_custom_ids
 from test_faults import run, setup
 
 ENDPOINTS = {
-    "openai": ["POST /v1/files", "POST /v1/batches", "GET /v1/batches/{id}", "GET /v1/batches",
-               "GET /v1/files/{id}/content", "DELETE /v1/files/{id}"],
-    "anthropic": ["POST /v1/messages/batches", "GET /v1/messages/batches/{id}", "GET /v1/messages/batches",
-                  "GET /v1/messages/batches/{id}/results", "DELETE /v1/messages/batches/{id}"],
+    "openai": [
+        "POST /v1/files",
+        "POST /v1/batches",
+        "GET /v1/batches/{id}",
+        "GET /v1/batches",
+        "GET /v1/files/{id}/content",
+        "DELETE /v1/files/{id}",
+    ],
+    "anthropic": [
+        "POST /v1/messages/batches",
+        "GET /v1/messages/batches/{id}",
+        "GET /v1/messages/batches",
+        "GET /v1/messages/batches/{id}/results",
+        "DELETE /v1/messages/batches/{id}",
+    ],
 }
 CREATE = ("POST /v1/batches", "POST /v1/messages/batches")
 DELETE = ("DELETE /v1/files/{id}", "DELETE /v1/messages/batches/{id}")  # after harvest; never fails a run
@@ -45,30 +56,45 @@ def fault_args(provider: str, name: str) -> dict:
 
 
 def cases(faults, skip=()) -> list:
-    return [pytest.param(p, e, f, id=f"{p} {e} {f}") for p in ENDPOINTS for e in ENDPOINTS[p] if e not in skip
-            for f in faults]
+    return [
+        pytest.param(p, e, f, id=f"{p} {e} {f}")
+        for p in ENDPOINTS
+        for e in ENDPOINTS[p]
+        if e not in skip
+        for f in faults
+    ]
 
 
 # A create the provider carried out before failing (a 5xx or a reset after the batch exists): the run
 # must find that batch (reconciliation), never create and bill a second one.
-CREATED_THEN_FAILED = [pytest.param(p, e, f, id=f"{p} {e} {f}") for p in ENDPOINTS for e in ENDPOINTS[p]
-                       if e in CREATE for f in ("overloaded after", "disconnect after")]
+CREATED_THEN_FAILED = [
+    pytest.param(p, e, f, id=f"{p} {e} {f}")
+    for p in ENDPOINTS
+    for e in ENDPOINTS[p]
+    if e in CREATE
+    for f in ("overloaded after", "disconnect after")
+]
 TRANSIENT = cases(FAULTS) + CREATED_THEN_FAILED
-PERSISTENT = cases(["overloaded"], skip=CREATE + DELETE)  # create is never retried: its failures are all transient cases
+PERSISTENT = cases(
+    ["overloaded"], skip=CREATE + DELETE
+)  # create is never retried: its failures are all transient cases
 
 
 def pass_a_day(project) -> None:
     """Nightly runs are a day apart: an interrupted submission's intent is then a day old, and
     reconciliation looks at every batch the provider created since."""
     project.release_database()
-    project.query("update main.llm_batch_jobs set created_at = created_at - interval 26 hour "
-                  "where status = 'submitting' and batch_id is null")
+    project.query(
+        "update main.llm_batch_jobs set created_at = created_at - interval 26 hour "
+        "where status = 'submitting' and batch_id is null"
+    )
 
 
 def finished(project) -> bool:
     done = project.query("select count(*) from main.m where llm_status in ('succeeded', 'failed')")[0][0]
-    pending = project.query("select count(*) from main.llm_batch_requests where status in ('queued', 'submitted') "
-                            "or status = 'deferred'")[0][0]
+    pending = project.query(
+        "select count(*) from main.llm_batch_requests where status in ('queued', 'submitted') or status = 'deferred'"
+    )[0][0]
     return done == ROWS and pending == 0
 
 
@@ -84,8 +110,11 @@ def nightly_runs(project, emulator, runs: int) -> None:
 def start(project, emulator, provider, endpoint, args, times, budget) -> None:
     setup(project, provider, f"llm_retry_budget_seconds={budget},", rows=ROWS)
     if endpoint in LIST:  # the list call is made by reconciliation: lose a create's answer first
-        emulator.add_fault(kind="truncate", endpoint="POST /v1/batches" if provider == "openai"
-                           else "POST /v1/messages/batches", times=1)
+        emulator.add_fault(
+            kind="truncate",
+            endpoint="POST /v1/batches" if provider == "openai" else "POST /v1/messages/batches",
+            times=1,
+        )
     elif endpoint not in CREATE and endpoint not in ("POST /v1/files",):
         run(project)  # submit cleanly; the fault hits the later poll / download
         emulator.complete_all()
@@ -117,8 +146,9 @@ def test_transient_fault(project, emulator, provider_name, endpoint, fault):
     assert_invariants(project, emulator)
     if endpoint in DELETE:  # the next run deleted what the failed call left
         run(project)
-        assert project.query("select count(*) from main.llm_batch_jobs where batch_id is not null "
-                             "and files_deleted_at is null") == [(0,)]
+        assert project.query(
+            "select count(*) from main.llm_batch_jobs where batch_id is not null and files_deleted_at is null"
+        ) == [(0,)]
 
 
 @pytest.mark.parametrize("provider_name,endpoint,fault", PERSISTENT)

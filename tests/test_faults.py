@@ -61,14 +61,21 @@ def statuses(project) -> list[tuple]:
 
 # -- 1. validation errors that name lines -------------------------------------------------------
 
-NOT_RETRIED = (" (not retried: the provider rejected this request line itself, which would be rejected again; "
-               "fix the prompt or the model's config)")
+NOT_RETRIED = (
+    " (not retried: the provider rejected this request line itself, which would be rejected again; "
+    "fix the prompt or the model's config)"
+)
 
 
 def test_lines_named_by_validation_fail_alone_the_rest_resubmit(project, emulator):
     setup(project, "openai", "llm_max_attempts=1,")
-    emulator.add_fault(kind="invalid_line", prompt_contains="row 2", times=None, code="invalid_value",
-                       message="Invalid value for 'messages[1].content': rejected by the test.")
+    emulator.add_fault(
+        kind="invalid_line",
+        prompt_contains="row 2",
+        times=None,
+        code="invalid_value",
+        message="Invalid value for 'messages[1].content': rejected by the test.",
+    )
     emulator.add_fault(kind="invalid_line", prompt_contains="row 4", times=None, message="Line 4 is bad.")
     run(project)
     emulator.complete_all()
@@ -77,19 +84,26 @@ def test_lines_named_by_validation_fail_alone_the_rest_resubmit(project, emulato
     # The lines the provider named are the 1-based positions, in the uploaded file, of rows 2 and 4,
     # and the ledger recorded each request's line in that file.
     lines = sorted(e["line"] for e in first["errors"]["data"])
-    prompt_of_line = dict(project.query("select file_line, json_extract_string(row_json, '$.prompt') "
-                                        "from main.llm_batch_requests"))
+    prompt_of_line = dict(
+        project.query("select file_line, json_extract_string(row_json, '$.prompt') from main.llm_batch_requests")
+    )
     assert sorted(prompt_of_line) == [1, 2, 3, 4, 5, 6]
     assert sorted(prompt_of_line[n] for n in lines) == ["row 2", "row 4"]
 
     run(project)  # harvest: rows 2 and 4 fail with the provider's message; the others go again
     assert table(project) == {
-        2: ("failed", "invalid_value: Invalid value for 'messages[1].content': rejected by the test." + NOT_RETRIED, None),
-        4: ("failed", "invalid_request: Line 4 is bad." + NOT_RETRIED, None)}
+        2: (
+            "failed",
+            "invalid_value: Invalid value for 'messages[1].content': rejected by the test." + NOT_RETRIED,
+            None,
+        ),
+        4: ("failed", "invalid_request: Line 4 is bad." + NOT_RETRIED, None),
+    }
     assert batch_counts(emulator) == [6, 4], "exactly the rows not at fault are resubmitted"
     voided = project.query("select count(*), min(error) from main.llm_batch_requests where status = 'voided'")
-    assert voided == [(4, "the batch failed validation on other request lines; this request was not at fault "
-                          "and is resubmitted")]
+    assert voided == [
+        (4, "the batch failed validation on other request lines; this request was not at fault and is resubmitted")
+    ]
     emulator.complete_all()
     run(project)
     final = table(project)
@@ -100,16 +114,22 @@ def test_lines_named_by_validation_fail_alone_the_rest_resubmit(project, emulato
 
 # -- 2. token_limit_exceeded back-off --------------------------------------------------------------
 
+
 def backoff_seconds(project) -> list[float]:
-    return [r[0] for r in project.query(
-        """select distinct round(epoch(not_before) - epoch(completed_at)) from main.llm_batch_requests
-           where status = 'voided' and not_before > now() order by 1""")]
+    return [
+        r[0]
+        for r in project.query(
+            """select distinct round(epoch(not_before) - epoch(completed_at)) from main.llm_batch_requests
+           where status = 'voided' and not_before > now() order by 1"""
+        )
+    ]
 
 
 def end_backoff(project) -> None:
     project.release_database()
-    project.query("update main.llm_batch_requests set not_before = now() - interval 1 second "
-                  "where not_before is not null")
+    project.query(
+        "update main.llm_batch_requests set not_before = now() - interval 1 second where not_before is not null"
+    )
 
 
 def test_token_limit_backs_off_doubling_then_resubmits_without_using_attempts(project, emulator):
@@ -123,7 +143,10 @@ def test_token_limit_backs_off_doubling_then_resubmits_without_using_attempts(pr
     assert "its 6 request(s) will be resubmitted after" in log_text(project)
     run(project)  # still backing off
     assert batch_counts(emulator) == [6]
-    assert "6 request(s) wait for a back-off (token limit, or a failed batch) and will be resubmitted after" in log_text(project)
+    assert (
+        "6 request(s) wait for a back-off (token limit, or a failed batch) and will be resubmitted after"
+        in log_text(project)
+    )
     assert "pending 0; waiting 6 (back-off)" in log_text(project), "the run line shows what waits"
     assert project.query("select requests_pending, requests_waiting from main.llm_batch_progress") == [(0, 6)]
 
@@ -143,7 +166,8 @@ def test_token_limit_backs_off_doubling_then_resubmits_without_using_attempts(pr
 
 
 def test_backoff_schedule_is_capped():
-    from dbt_llm_batch.batch_failures import backoff_seconds as schedule
+    from dbt_llm_batch.pipeline.batch_failures import backoff_seconds as schedule
+
     assert [schedule(n) for n in (1, 2, 3, 6, 7, 20)] == [600, 1200, 2400, 19200, 6 * 3600, 6 * 3600]
 
 
@@ -162,7 +186,8 @@ def test_results_gone_are_resubmitted_and_stored_results_kept(project, emulator,
     run(project)  # nothing can be fetched: every request is voided and sent again in the same run
     assert f"batch {first}: {RETENTION}" in log_text(project)
     assert project.query("select count(*), min(error) from main.llm_batch_requests where status = 'voided'") == [
-        (6, RETENTION)]
+        (6, RETENTION)
+    ]
     assert batch_counts(emulator) == [6, 6]
     emulator.complete_all()
     run(project)
@@ -189,7 +214,8 @@ def test_an_archived_anthropic_batch_has_its_results_gone_whatever_the_results_e
     assert f"batch {first}: {RETENTION}" in log_text(project)
     assert emulator.stats()["calls"].get(RESULTS_ENDPOINT["anthropic"], 0) == 0
     assert project.query("select count(*), min(error) from main.llm_batch_requests where status = 'voided'") == [
-        (6, RETENTION)]
+        (6, RETENTION)
+    ]
     emulator.complete_all()
     run(project)
     assert_all_succeeded(project)
@@ -227,7 +253,8 @@ def test_a_deleted_anthropic_batch_is_held_for_a_day_then_resubmitted(project, e
     project.query("update main.llm_batch_jobs set created_at = created_at - interval 26 hour")
     run(project)
     assert project.query("select count(*), min(error) from main.llm_batch_requests where status = 'voided'") == [
-        (6, RETENTION)]
+        (6, RETENTION)
+    ]
     emulator.complete_all()
     run(project)
     assert_all_succeeded(project)
@@ -235,13 +262,18 @@ def test_a_deleted_anthropic_batch_is_held_for_a_day_then_resubmitted(project, e
 
 # -- 4. throttling and outages inside the per-run budget; cut-off downloads -----------------------
 
+
 def test_a_provider_failing_past_the_budget_leaves_work_pending(project, emulator, provider):
     setup(project, provider, "llm_retry_budget_seconds=1,")
     run(project)
     emulator.complete_all()
-    emulator.add_fault(endpoint=POLL_ENDPOINT[provider], status_code=503 if provider == "openai" else 529,
-                       retry_after=0.3, times=None)
-    project.write("models/things.sql", "select * from (values " + ", ".join(f"({i}, 'row {i}')" for i in range(8)) + ") t(a, prompt)")  # 2 new rows
+    emulator.add_fault(
+        endpoint=POLL_ENDPOINT[provider], status_code=503 if provider == "openai" else 529, retry_after=0.3, times=None
+    )
+    project.write(
+        "models/things.sql",
+        "select * from (values " + ", ".join(f"({i}, 'row {i}')" for i in range(8)) + ") t(a, prompt)",
+    )  # 2 new rows
     project.dbt("run", "-s", "things")
     polls_before = emulator.stats()["calls"].get(POLL_ENDPOINT[provider], 0)
     run(project)  # succeeds, with a warning; nothing voided, nothing new submitted
@@ -297,6 +329,7 @@ def test_retry_budget_is_validated():
 
 # -- 5. held Anthropic submissions -----------------------------------------------------------------
 
+
 def test_an_anthropic_create_that_failed_with_no_batch_to_show_is_resubmitted(project, emulator):
     """A 5xx on create proves nothing, but the provider's batch list does: with no batch created since
     the intent that could be this submission, the next run sends its requests again (not a day later)."""
@@ -341,6 +374,7 @@ def test_a_create_refused_with_429_is_resubmitted_next_run(project, emulator, pr
 
 # -- odd result files ------------------------------------------------------------------------------
 
+
 def append_result_lines(emulator, batch: dict, lines: list[dict]) -> None:
     """Make the provider misbehave: extra lines in an ended batch's results."""
     extra = "".join(json.dumps(x) + "\n" for x in lines).encode()
@@ -383,6 +417,7 @@ def test_completed_with_every_request_failed_has_no_output_file(project, emulato
 
 # -- the retry budget itself (fake clock: exact waits) ------------------------------------------------
 
+
 class FakeStatusError(Exception):
     def __init__(self, status, headers=None):
         super().__init__(f"status {status}")
@@ -398,6 +433,7 @@ def test_call_budget_honours_retry_after_backs_off_and_gives_up_at_the_budget():
     def sleep(s):
         slept.append(s)
         now[0] += s
+
     budget = CallBudget(10, sleep=sleep, clock=lambda: now[0])
     failures = iter([FakeStatusError(429, {"retry-after": "3"}), FakeStatusError(503), FakeStatusError(500)])
 
@@ -406,6 +442,7 @@ def test_call_budget_honours_retry_after_backs_off_and_gives_up_at_the_budget():
         if failure:
             raise failure
         return "ok"
+
     assert budget.call("poll", flaky) == "ok"
     assert slept == [3.0, 1.0, 2.0]  # the provider's retry-after, then exponential back-off
 
@@ -414,6 +451,7 @@ def test_call_budget_honours_retry_after_backs_off_and_gives_up_at_the_budget():
 
     def always_503():
         raise FakeStatusError(503, {"retry-after-ms": "2500"})
+
     with pytest.raises(ProviderUnavailable, match="poll: HTTP 503"):
         budget.call("poll", always_503)
     assert now[0] <= 10  # never waits past the budget, counted from the first failure

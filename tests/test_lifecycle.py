@@ -15,7 +15,8 @@ def table_rows(project):
     return project.query(
         """select t.ticket_id, s.subject, s.body, t.category, t.urgent, t.summary, t.llm_status,
                   t.llm_fingerprint, t.llm_batch_id
-           from main.triage t join main.support_tickets s using (ticket_id) order by ticket_id""")
+           from main.triage t join main.support_tickets s using (ticket_id) order by ticket_id"""
+    )
 
 
 def assert_answers_match(project, system):
@@ -50,12 +51,15 @@ def test_submit_pending_merge_noop_new_rows_change_and_full_refresh(project, emu
     project.dbt("run", *SELECT)
     assert project.query("select count(*) from main.triage") == [(6,)]
     assert_answers_match(project, TRIAGE_SYSTEM)
-    types = dict(project.query("select column_name, data_type from information_schema.columns "
-                               "where table_name = 'triage'"))
+    types = dict(
+        project.query("select column_name, data_type from information_schema.columns where table_name = 'triage'")
+    )
     assert types["category"] == "VARCHAR" and types["urgent"] == "BOOLEAN"
     assert types["llm_completed_at"] == "TIMESTAMP WITH TIME ZONE"
     assert project.query("select distinct llm_batch_id from main.triage") == [(batch_id,)]
-    assert project.query("select min(llm_input_tokens) > 0, min(llm_output_tokens) > 0 from main.triage") == [(True, True)]
+    assert project.query("select min(llm_input_tokens) > 0, min(llm_output_tokens) > 0 from main.triage") == [
+        (True, True)
+    ]
 
     # Nothing new: no batch, no upload, not a single provider call.
     calls = emulator.stats()["calls"]
@@ -99,8 +103,14 @@ def test_submit_pending_merge_noop_new_rows_change_and_full_refresh(project, emu
 def test_failed_requests_retry_then_fail_with_error(project, emulator, provider):
     project.write(MODEL, triage_model(extra_config="llm_max_attempts = 2,", provider=provider))
     # A server error may pass, so it is retried (a 400 would be final at once: tests/test_final_failures.py).
-    emulator.add_fault(prompt_contains="Dark mode", kind="http_error", status_code=500,
-                       type="server_error", message="This prompt was rejected by the test", times=None)
+    emulator.add_fault(
+        prompt_contains="Dark mode",
+        kind="http_error",
+        status_code=500,
+        type="server_error",
+        message="This prompt was rejected by the test",
+        times=None,
+    )
     project.dbt("seed")
     project.dbt("run", *SELECT)
     emulator.complete_all()
@@ -114,7 +124,8 @@ def test_failed_requests_retry_then_fail_with_error(project, emulator, provider)
     # Attempt limit reached: the row is final, `failed`, with the provider's error text.
     project.dbt("run", *SELECT)
     assert project.query("select llm_status, llm_error, category from main.triage where ticket_id = 5") == [
-        ("failed", "This prompt was rejected by the test", None)]
+        ("failed", "This prompt was rejected by the test", None)
+    ]
     assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(5,)]
     project.dbt("run", *SELECT)
     assert batch_counts(emulator) == [6, 1], "an exhausted row must not be sent again"

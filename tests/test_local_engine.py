@@ -20,7 +20,7 @@ def engine_requests_served() -> int:
     """Requests the engine finished, from its Prometheus metrics: the engine's own count."""
     with urllib.request.urlopen(ENGINE_URL.rsplit("/v1", 1)[0] + "/metrics", timeout=10) as response:
         text = response.read().decode()
-    return int(sum(float(v) for v in re.findall(r'^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$', text, re.M)))
+    return int(sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)))
 
 
 @pytest.fixture(scope="module")

@@ -39,8 +39,11 @@ def test_reverting_a_prompt_change_shows_the_original_answers_again(project, emu
 def test_full_refresh_after_renaming_the_key_and_adding_a_column(project, emulator):
     project.dbt("seed")
     merged(project, TRIAGE_SYSTEM, emulator)
-    renamed = triage_model().replace("unique_key = 'ticket_id'", "unique_key = 'id'").replace(
-        "select ticket_id, subject,", "select ticket_id as id, length(body) as body_len, subject,")
+    renamed = (
+        triage_model()
+        .replace("unique_key = 'ticket_id'", "unique_key = 'id'")
+        .replace("select ticket_id, subject,", "select ticket_id as id, length(body) as body_len, subject,")
+    )
     project.write("models/triage.sql", renamed)
     assert not project.dbt("run", "-s", "triage", expect_ok=False).success  # asks for --full-refresh
     project.dbt("run", "-s", "triage", "--full-refresh")
@@ -58,15 +61,23 @@ def test_dropping_the_table_rebuilds_it_from_the_ledger(project, emulator):
 
 def test_lowering_max_attempts_makes_a_failed_row_final(project, emulator):
     project.dbt("seed")
-    emulator.add_fault(prompt_contains="Dark mode", kind="http_error", status_code=500,  # retryable
-                       type="server_error", message="rejected", times=None)
+    emulator.add_fault(
+        prompt_contains="Dark mode",
+        kind="http_error",
+        status_code=500,  # retryable
+        type="server_error",
+        message="rejected",
+        times=None,
+    )
     project.write("models/triage.sql", triage_model(extra_config="llm_max_attempts = 3,"))
     project.dbt("run", "-s", "triage")
     emulator.complete_all()
     project.dbt("run", "-s", "triage", "--full-refresh")  # harvests the failure, plans nothing
     project.write("models/triage.sql", triage_model(extra_config="llm_max_attempts = 1,"))
     project.dbt("run", "-s", "triage")
-    assert project.query("select llm_status, llm_error from main.triage where ticket_id = 5") == [("failed", "rejected")]
+    assert project.query("select llm_status, llm_error from main.triage where ticket_id = 5") == [
+        ("failed", "rejected")
+    ]
     assert batch_counts(emulator) == [6]
 
 
@@ -83,12 +94,15 @@ def test_a_failed_create_call_is_not_retried_blindly(project, emulator):
     project.dbt("run", "-s", "triage")
     assert batch_counts(emulator) == [6]
     assert project.query("select status, count(*) from main.llm_batch_jobs group by 1 order by 1") == [
-        ("validating", 1), ("voided", 1)]
+        ("validating", 1),
+        ("voided", 1),
+    ]
 
 
 def test_incremental_equals_full_refresh_through_reverts_and_gaps(project, emulator):
     """Prompts changed, changed back, a key left out of a full refresh and back with a new prompt in
     flight: after each step an incremental run and a full refresh on the same ledger agree."""
+
     def table():
         return project.query("select * exclude (llm_completed_at) from main.triage order by ticket_id")
 
@@ -113,8 +127,11 @@ def test_incremental_equals_full_refresh_through_reverts_and_gaps(project, emula
     assert project.query("select count(*) from main.triage") == [(6,)]
     assert_full_refresh_agrees()
     project.dbt("run", "-s", "triage")  # nothing changed: nothing is rewritten
-    summaries = [line for line in (project.root / "logs" / "dbt.log").read_text().splitlines()
-                 if "main.triage: submitted" in line]
+    summaries = [
+        line
+        for line in (project.root / "logs" / "dbt.log").read_text().splitlines()
+        if "main.triage: submitted" in line
+    ]
     assert "merged 0 row(s)" in summaries[-1]
 
 
@@ -128,7 +145,9 @@ def test_chunks_never_uploaded_wait_again_after_a_failed_upload(project, emulato
     assert not project.dbt("run", "-s", "triage", expect_ok=False).success  # the first upload fails
     # A 400 proves no batch exists: the failed chunk is voided at once, the others wait as deferred.
     assert project.query("select status, count(*) from main.llm_batch_requests group by 1 order by 1") == [
-        ("deferred", 4), ("voided", 2)]
+        ("deferred", 4),
+        ("voided", 2),
+    ]
     project.dbt("run", "-s", "triage")  # everything goes once
     assert sorted(batch_counts(emulator)) == [2, 2, 2]
     emulator.complete_all()

@@ -15,8 +15,11 @@ REVIEW_SYSTEM = "Summarise the product review in at most ten words."
 
 def write_reviews(project, n_products: int, per_product: int) -> dict:
     """A seed with a composite key (product_id, review_no); returns {key: review text}."""
-    rows = {(f"P {p} ü", r): f"Review {r} of product {p}: {'good ' * (p % 4)}and {'bad ' * (r % 3)}."
-            for p in range(n_products) for r in range(1, per_product + 1)}
+    rows = {
+        (f"P {p} ü", r): f"Review {r} of product {p}: {'good ' * (p % 4)}and {'bad ' * (r % 3)}."
+        for p in range(n_products)
+        for r in range(1, per_product + 1)
+    }
     lines = ["product_id,review_no,review"] + [f'"{p}",{r},"{t}"' for (p, r), t in rows.items()]
     project.write("seeds/product_reviews.csv", "\n".join(lines) + "\n")
     return rows
@@ -50,12 +53,16 @@ def test_two_models_with_threads_wait_and_dbt_tests(project, emulator):
     emulator.auto_advance_seconds = 0.2
     config = (project.root / "dbt_project.yml").read_text()
     assert "    +llm_model: gpt-4o-mini\n" in config
-    project.write("dbt_project.yml", config.replace("    +llm_model: gpt-4o-mini\n",
-                                                    "    +llm_model: gpt-4o-mini\n    +llm_wait_seconds: 60\n"))
+    project.write(
+        "dbt_project.yml",
+        config.replace("    +llm_model: gpt-4o-mini\n", "    +llm_model: gpt-4o-mini\n    +llm_wait_seconds: 60\n"),
+    )
     result = project.dbt("build", "--threads", "4", "--select", "+tag:batch")
     tests = [r for r in result.result.results if r.node.resource_type == "test"]
     assert len(tests) == 5 and all(r.status == "pass" for r in tests)
-    assert project.query("select count(*), count(*) filter (where llm_status = 'succeeded') from main.ticket_triage") == [(6, 6)]
+    assert project.query(
+        "select count(*), count(*) filter (where llm_status = 'succeeded') from main.ticket_triage"
+    ) == [(6, 6)]
     assert project.query("select count(*) from main.review_summary where llm_output like '[sandbox]%'") == [(3,)]
     assert sorted(batch_counts(emulator)) == [3, 6]
     log = (project.root / "logs" / "dbt.log").read_text()
@@ -63,33 +70,46 @@ def test_two_models_with_threads_wait_and_dbt_tests(project, emulator):
 
 
 def test_python_model(project, emulator):
-    project.write("models/triage_py.py", '''
+    project.write(
+        "models/triage_py.py",
+        """
 def model(dbt, session):
     dbt.config(materialized="llm_batch", unique_key="ticket_id", llm_system="Be brief.",
                llm_output={"category": ["billing", "other"]})
     tickets = dbt.ref("support_tickets")
     return tickets.filter("priority = 'urgent'").project("ticket_id, subject as prompt")
-''')
+""",
+    )
     project.dbt("seed")
     project.dbt("run", "-s", "triage_py")
     assert batch_counts(emulator) == [2]
     emulator.complete_all()
     project.dbt("run", "-s", "triage_py")
     rows = project.query("select prompt, category from main.triage_py order by ticket_id")
-    schema = {"type": "object", "properties": {"category": {"type": "string", "enum": ["billing", "other"]}},
-              "required": ["category"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"category": {"type": "string", "enum": ["billing", "other"]}},
+        "required": ["category"],
+        "additionalProperties": False,
+    }
     assert rows == [(p, json.loads(expected_answer("Be brief.", p, schema))["category"]) for p, _ in rows]
     assert len(rows) == 2
 
 
 def test_is_incremental_filters_selection_and_harvest_still_merges(project, emulator):
     # On later runs the model selects nothing new; results of earlier batches must still be merged.
-    project.write("models/triage.sql", triage_model(
-        where="{% if dbt_llm_batch.is_incremental() %} where ticket_id > (select max(ticket_id) from {{ this }}) "
-              "or (select count(*) from {{ this }}) = 0 and false {% endif %}"))
+    project.write(
+        "models/triage.sql",
+        triage_model(
+            where="{% if dbt_llm_batch.is_incremental() %} where ticket_id > (select max(ticket_id) from {{ this }}) "
+            "or (select count(*) from {{ this }}) = 0 and false {% endif %}"
+        ),
+    )
     project.dbt("seed")
     project.dbt("run", "-s", "triage")
-    assert "where ticket_id >" not in (project.root / "target/compiled/integration_project/models/triage.sql").read_text()
+    assert (
+        "where ticket_id >" not in (project.root / "target/compiled/integration_project/models/triage.sql").read_text()
+    )
     emulator.complete_all()
     project.dbt("run", "-s", "triage")
     assert "where ticket_id >" in (project.root / "target/compiled/integration_project/models/triage.sql").read_text()
@@ -98,8 +118,9 @@ def test_is_incremental_filters_selection_and_harvest_still_merges(project, emul
 
 
 def test_null_and_duplicate_keys_fail_before_sending(project, emulator):
-    project.write("seeds/support_tickets.csv",
-                  "ticket_id,subject,body,priority\n1,a,b,low\n1,c,d,low\n2,e,f,low\n,g,h,low\n")
+    project.write(
+        "seeds/support_tickets.csv", "ticket_id,subject,body,priority\n1,a,b,low\n1,c,d,low\n2,e,f,low\n,g,h,low\n"
+    )
     project.dbt("seed")
     project.write("models/triage.sql", triage_model(where="where ticket_id is not null"))
     result = project.dbt("run", "-s", "triage", expect_ok=False)
@@ -112,8 +133,10 @@ def test_null_and_duplicate_keys_fail_before_sending(project, emulator):
 
 
 def test_config_errors_reported_together_before_any_call(project, emulator):
-    project.write("models/triage.sql", triage_model(
-        extra_config="llm_max_atempts = 2, llm_temperature = 5, llm_params = {'messages': []},"))
+    project.write(
+        "models/triage.sql",
+        triage_model(extra_config="llm_max_atempts = 2, llm_temperature = 5, llm_params = {'messages': []},"),
+    )
     message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
     assert "unknown config key 'llm_max_atempts' (did you mean 'llm_max_attempts'?)" in message
     assert "llm_temperature must be >= 0 and <= 2, got 5" in message
@@ -154,12 +177,15 @@ def test_api_key_never_lands_on_disk(project, emulator, api_key):
 
 def test_python_model_with_hooks(project, emulator):
     """Hooks open a transaction on dbt's connection; the ledger still commits on its own."""
-    project.write("models/triage_py.py", '''
+    project.write(
+        "models/triage_py.py",
+        """
 def model(dbt, session):
     dbt.config(materialized="llm_batch", unique_key="ticket_id", pre_hook="select 1",
                post_hook="create or replace table main.hook_ran as select 1 as ok")
     return dbt.ref("support_tickets").project("ticket_id, subject as prompt")
-''')
+""",
+    )
     project.dbt("seed")
     project.dbt("run", "-s", "triage_py")
     assert batch_counts(emulator) == [6]
@@ -171,9 +197,14 @@ def model(dbt, session):
 
 def test_config_from_yaml_overrides_the_folder(project, emulator):
     """Flat keys set in a model's YAML `config:` (over the folder's +llm_model in dbt_project.yml)."""
-    project.write("models/triage.sql", """
-select ticket_id, 'Subject: ' || subject as prompt from {{ ref('support_tickets') }}""")
-    project.write("models/triage.yml", """
+    project.write(
+        "models/triage.sql",
+        """
+select ticket_id, 'Subject: ' || subject as prompt from {{ ref('support_tickets') }}""",
+    )
+    project.write(
+        "models/triage.yml",
+        """
 version: 2
 models:
   - name: triage
@@ -183,12 +214,15 @@ models:
       llm_model: gpt-4.1-mini
       llm_system: From YAML.
       llm_output: {kind: [a, b]}
-""")
+""",
+    )
     project.dbt("seed")
     project.dbt("run", "-s", "triage")
     body = batch_input_lines(emulator, emulator.batches()[0])[0]["body"]
     assert body["model"] == "gpt-4.1-mini" and body["messages"][0] == {"role": "system", "content": "From YAML."}
-    assert body["response_format"]["json_schema"]["schema"]["properties"] == {"kind": {"type": "string", "enum": ["a", "b"]}}
+    assert body["response_format"]["json_schema"]["schema"]["properties"] == {
+        "kind": {"type": "string", "enum": ["a", "b"]}
+    }
 
 
 def test_a_failed_batch_uses_no_attempt(project, emulator):
@@ -202,8 +236,9 @@ def test_a_failed_batch_uses_no_attempt(project, emulator):
     assert emulator.batches()[0]["status"] == "failed"
     project.dbt("run", "-s", "triage")  # harvests the failure; the six wait for the back-off
     assert batch_counts(emulator) == [6]
-    assert project.query("select count(*) from main.llm_batch_requests where status = 'voided' "
-                         "and error like 'token_limit_exceeded%'") == [(6,)]
+    assert project.query(
+        "select count(*) from main.llm_batch_requests where status = 'voided' and error like 'token_limit_exceeded%'"
+    ) == [(6,)]
     project.release_database()
     project.query("update main.llm_batch_requests set not_before = now() - interval 1 second")
     project.dbt("run", "-s", "triage")  # the back-off is over: all six again
@@ -216,15 +251,21 @@ def test_a_failed_batch_uses_no_attempt(project, emulator):
 def test_an_empty_prompt_fails_alone_without_a_request(project, emulator):
     project.write("seeds/support_tickets.csv", "ticket_id,subject,body,priority\n1,a,b,low\n2,c,d,low\n")
     project.dbt("seed")
-    project.write("models/triage.sql", triage_model().replace(
-        "'Subject: ' || subject || chr(10) || chr(10) || body as prompt",
-        "case when ticket_id = 2 then '' else 'Subject: ' || subject end as prompt"))
+    project.write(
+        "models/triage.sql",
+        triage_model().replace(
+            "'Subject: ' || subject || chr(10) || chr(10) || body as prompt",
+            "case when ticket_id = 2 then '' else 'Subject: ' || subject end as prompt",
+        ),
+    )
     project.dbt("run", "-s", "triage")
     assert batch_counts(emulator) == [1]
     emulator.complete_all()
     project.dbt("run", "-s", "triage")
     assert project.query("select ticket_id, llm_status, llm_error from main.triage order by 1") == [
-        (1, "succeeded", None), (2, "failed", "prompt is NULL or empty: nothing was sent")]
+        (1, "succeeded", None),
+        (2, "failed", "prompt is NULL or empty: nothing was sent"),
+    ]
 
 
 def test_unusable_answers_fail_with_the_reason(project, emulator):
@@ -236,16 +277,26 @@ def test_unusable_answers_fail_with_the_reason(project, emulator):
     emulator.complete_all()
     project.dbt("run", "-s", "triage")
     assert project.query("select llm_status, llm_error from main.triage where ticket_id = 5") == [
-        ("failed", "answer is not valid JSON")]
-    project.write("models/short.sql", """
+        ("failed", "answer is not valid JSON")
+    ]
+    project.write(
+        "models/short.sql",
+        """
 {{ config(materialized='llm_batch', unique_key='ticket_id', llm_max_tokens=2, llm_max_attempts=1) }}
-select ticket_id, subject as prompt from {{ ref('support_tickets') }} where ticket_id = 1""")
+select ticket_id, subject as prompt from {{ ref('support_tickets') }} where ticket_id = 1""",
+    )
     project.dbt("run", "-s", "short")
     emulator.complete_all()
     project.dbt("run", "-s", "short")
     assert project.query("select llm_status, llm_error, llm_finish_reason from main.short") == [
-        ("failed", "answer was cut off at llm_max_tokens=2 (finish reason length); not retried: the same request "
-                   "would be cut off again. Raise llm_max_tokens (that asks again)", "length")]
+        (
+            "failed",
+            "answer was cut off at llm_max_tokens=2 (finish reason length); not retried: the same request "
+            "would be cut off again. Raise llm_max_tokens (that asks again)",
+            "length",
+        )
+    ]
     # The raw, cut-off answer is kept in the ledger (2 tokens: the emulator's 8 characters).
     assert project.query("select answer from main.llm_batch_requests where model = 'main.short'") == [
-        (expected_answer(None, "Refund not received", None)[:8],)]
+        (expected_answer(None, "Refund not received", None)[:8],)
+    ]

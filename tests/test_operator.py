@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers import TRIAGE_SYSTEM, batch_counts, expected_triage, triage_model
 
-from dbt_llm_batch.cli import main as cli
+from dbt_llm_batch.ops.cli import main as cli
 
 MODEL, SELECT = "models/triage.sql", ["-s", "triage"]
 
@@ -35,8 +35,10 @@ def test_cancel_harvests_the_finished_half_holds_the_rest_until_released(project
     assert rc == 0
     assert f"{batch_id}: cancel requested by " in out
     assert "requests they left unanswered are held (not resent) until `dbt-llm-batch release" in out
-    assert emulator.batches()[0].get("status", emulator.batches()[0].get("processing_status")) in ("cancelling",
-                                                                                                     "canceling")
+    assert emulator.batches()[0].get("status", emulator.batches()[0].get("processing_status")) in (
+        "cancelling",
+        "canceling",
+    )
     status, who, when = project.query("select status, cancelled_by, cancel_requested_at from main.llm_batch_jobs")[0]
     assert status in ("cancelling", "canceling") and "@" in who and when is not None
 
@@ -46,8 +48,10 @@ def test_cancel_harvests_the_finished_half_holds_the_rest_until_released(project
     assert statuses(project) == {"succeeded": 3, "held": 3}
     assert "pending 0; held 3 (release with `dbt-llm-batch release`)" in (project.root / "logs" / "dbt.log").read_text()
     assert project.query("select requests_pending, requests_held from main.llm_batch_progress") == [(0, 3)]
-    rows = project.query("select t.llm_status, s.subject, s.body, t.category, t.urgent, t.summary "
-                         "from main.triage t join main.support_tickets s using (ticket_id)")
+    rows = project.query(
+        "select t.llm_status, s.subject, s.body, t.category, t.urgent, t.summary "
+        "from main.triage t join main.support_tickets s using (ticket_id)"
+    )
     assert len(rows) == 3 and all(r[0] == "succeeded" for r in rows)
     for _, subject, body, *answer in rows:  # each harvested answer is that row's own
         assert tuple(answer) == expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}\n\n{body}")
@@ -64,10 +68,13 @@ def test_cancel_harvests_the_finished_half_holds_the_rest_until_released(project
     assert batch_counts(emulator) == [6, 3]
     emulator.complete_all()
     project.dbt("run", *SELECT)
-    assert project.query("select count(*), count(*) filter (where llm_status = 'succeeded') from main.triage") == [(6, 6)]
+    assert project.query("select count(*), count(*) filter (where llm_status = 'succeeded') from main.triage") == [
+        (6, 6)
+    ]
     # The history is kept: the released requests stay in the ledger (no attempt used), with why.
-    assert project.query("select count(*) from main.llm_batch_requests where status = 'released' "
-                         "and error like '%; released by %'") == [(3,)]
+    assert project.query(
+        "select count(*) from main.llm_batch_requests where status = 'released' and error like '%; released by %'"
+    ) == [(3,)]
 
 
 def test_held_requests_are_sent_again_when_their_fingerprint_changes(project, emulator, capsys):
@@ -120,8 +127,9 @@ def test_cancel_with_nothing_in_flight_and_unknown_model(project, emulator, caps
     capsys.readouterr()
     rc = cli(["cancel", "--database", str(project.db_path), "--model", "nope"])
     assert rc == 2
-    assert capsys.readouterr().err.strip() == ("dbt-llm-batch cancel: model nope has no requests in the ledger "
-                                               "in schema main")
+    assert capsys.readouterr().err.strip() == (
+        "dbt-llm-batch cancel: model nope has no requests in the ledger in schema main"
+    )
 
 
 def test_requeue_gives_failed_rows_new_attempts_without_a_config_change(project, emulator, capsys):
@@ -131,22 +139,26 @@ def test_requeue_gives_failed_rows_new_attempts_without_a_config_change(project,
     project.dbt("run", *SELECT)
     emulator.complete_all()
     project.dbt("run", *SELECT)
-    assert project.query("select ticket_id, llm_status, llm_error from main.triage where llm_status <> 'succeeded'") \
-        == [(5, "failed", "answer is not valid JSON")]
+    assert project.query(
+        "select ticket_id, llm_status, llm_error from main.triage where llm_status <> 'succeeded'"
+    ) == [(5, "failed", "answer is not valid JSON")]
     project.dbt("run", *SELECT)  # attempts used up: not resent
     assert batch_counts(emulator) == [6]
 
     rc, out, _ = command(project, capsys, "requeue")
-    assert (rc, out.strip()) == (0, "requeued 1 failed request(s) of triage: the next run sends them again, "
-                                    "with a fresh set of llm_max_attempts")
+    assert (rc, out.strip()) == (
+        0,
+        "requeued 1 failed request(s) of triage: the next run sends them again, with a fresh set of llm_max_attempts",
+    )
     project.dbt("run", *SELECT)
     assert batch_counts(emulator) == [6, 1]
     emulator.complete_all()
     project.dbt("run", *SELECT)
     assert project.query("select count(*) filter (where llm_status = 'succeeded') from main.triage") == [(6,)]
     # The first failure is still in the ledger, marked as not counting.
-    assert project.query("select status, error from main.llm_batch_requests where status = 'requeued'") == \
-        [("requeued", "answer is not valid JSON")]
+    assert project.query("select status, error from main.llm_batch_requests where status = 'requeued'") == [
+        ("requeued", "answer is not valid JSON")
+    ]
 
 
 @pytest.mark.parametrize("delete", [True, False])
@@ -182,16 +194,18 @@ def test_a_failed_delete_is_logged_and_never_fails_the_run(project, emulator):
     project.dbt("seed")
     project.dbt("run", *SELECT)
     emulator.complete_all()
-    emulator.add_fault(endpoint="DELETE /v1/files/{id}", status_code=400, times=None,
-                       message="deletion refused for this test")
+    emulator.add_fault(
+        endpoint="DELETE /v1/files/{id}", status_code=400, times=None, message="deletion refused for this test"
+    )
     project.dbt("run", *SELECT)
     assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
     deleted_at, error = project.query("select files_deleted_at, files_delete_error from main.llm_batch_jobs")[0]
     assert deleted_at is None and "deletion refused for this test" in error
     emulator.clear_faults()
     project.dbt("run", *SELECT)  # tried again on the next run
-    assert project.query("select files_deleted_at is not null, files_delete_error from main.llm_batch_jobs") == \
-        [(True, None)]
+    assert project.query("select files_deleted_at is not null, files_delete_error from main.llm_batch_jobs") == [
+        (True, None)
+    ]
 
 
 def test_requests_whose_job_row_was_deleted_are_reported_and_released(project, emulator, capsys):
@@ -212,8 +226,10 @@ def test_requests_whose_job_row_was_deleted_are_reported_and_released(project, e
 
     rc, out, _ = command(project, capsys, "release")
     assert rc == 0
-    assert ("released 6 request(s) whose job is missing from llm_batch_jobs: the next run sends them. "
-            "WARNING: if their batch ran at the provider, they are paid twice") in out
+    assert (
+        "released 6 request(s) whose job is missing from llm_batch_jobs: the next run sends them. "
+        "WARNING: if their batch ran at the provider, they are paid twice"
+    ) in out
     project.dbt("run", *SELECT)
     assert batch_counts(emulator) == [6, 6]
     emulator.complete_all()

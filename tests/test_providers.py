@@ -26,7 +26,15 @@ select * from {{{{ ref('{name_source}') }}}}
 def test_keys_that_are_not_provider_safe_round_trip(project, emulator, provider):
     # Spaces, unicode, quotes, a 500-character key, and composites that would collide if joined naively.
     long_key = "k" * 500
-    rows = [("a b", "c"), ("a", "b c"), ("ü ñ 中文", "x"), ('quote"s', "it's"), (long_key, "1"), ("a|b", "c"), ("a", "b|c")]
+    rows = [
+        ("a b", "c"),
+        ("a", "b c"),
+        ("ü ñ 中文", "x"),
+        ('quote"s', "it's"),
+        (long_key, "1"),
+        ("a|b", "c"),
+        ("a", "b|c"),
+    ]
     values = ", ".join(f"({lit(a)}, {lit(b)}, {lit(f'Text for {a}/{b}')})" for a, b in rows)
     project.write("models/things.sql", f"select * from (values {values}) t(a, b, prompt)")
     project.write("models/keyed.sql", summary_model(provider))
@@ -64,7 +72,9 @@ def test_expired_and_cancelled_items_are_resubmitted_and_done_ones_merge(project
     assert project.query("select count(*) from main.llm_batch_requests where status = 'failed'") == [(0,)]
 
 
-LONG_SYSTEM = "You classify support tickets. " + " ".join(f"Rule {i}: be consistent about case {i}." for i in range(530))
+LONG_SYSTEM = "You classify support tickets. " + " ".join(
+    f"Rule {i}: be consistent about case {i}." for i in range(530)
+)
 
 
 def cached_model(provider: str, cache: str) -> str:
@@ -85,7 +95,12 @@ def emulator_usage_totals(emulator, provider: str) -> tuple:
     usage = emulator.stats()["usage_by_face"][provider]
     if provider == "anthropic":
         total_input = usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"]
-        return total_input, usage["output_tokens"], usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]
+        return (
+            total_input,
+            usage["output_tokens"],
+            usage["cache_read_input_tokens"],
+            usage["cache_creation_input_tokens"],
+        )
     return usage["prompt_tokens"], usage["completion_tokens"], usage["cached_tokens"], None
 
 
@@ -105,7 +120,9 @@ def test_prompt_cache_tokens_recorded_per_row_and_add_up(project, emulator, prov
     reads = project.query("select llm_cache_read_tokens, count(*) from main.cached group by 1 order by 1")
     if provider == "anthropic":
         # One request writes the prefix, the 499 others read it; input tokens include both.
-        assert ledger_usage_totals(project, "cached")[3] == emulator_usage_totals(emulator, provider)[3] == prefix_tokens
+        assert (
+            ledger_usage_totals(project, "cached")[3] == emulator_usage_totals(emulator, provider)[3] == prefix_tokens
+        )
         assert reads == [(0, 1), (prefix_tokens, 499)]
     else:
         assert reads == [(0, 1), (prefix_tokens // 128 * 128, 499)]
@@ -123,8 +140,9 @@ def test_prompt_cache_tokens_recorded_per_row_and_add_up(project, emulator, prov
         project.dbt("run", "-s", "uncached")
         emulator.complete_all()
         project.dbt("run", "-s", "uncached")
-        assert project.query("select count(*), sum(llm_cache_read_tokens), sum(llm_cache_write_tokens) "
-                             "from main.uncached") == [(500, 0, 0)]
+        assert project.query(
+            "select count(*), sum(llm_cache_read_tokens), sum(llm_cache_write_tokens) from main.uncached"
+        ) == [(500, 0, 0)]
 
 
 def test_short_cache_prefix_is_reported_not_promised(project, emulator, provider):
@@ -133,8 +151,10 @@ def test_short_cache_prefix_is_reported_not_promised(project, emulator, provider
     project.dbt("run", "-s", "many", "cached")
     log = (project.root / "logs" / "dbt.log").read_text()
     minimum = 1024
-    assert (f"llm_cache_prefix is on, but the system prompt and examples are about 2 tokens, below the "
-            f"{minimum}-token minimum {provider} caches") in log
+    assert (
+        f"llm_cache_prefix is on, but the system prompt and examples are about 2 tokens, below the "
+        f"{minimum}-token minimum {provider} caches"
+    ) in log
 
 
 def test_batch_created_but_not_recorded_is_adopted_not_resent(project, emulator, provider, monkeypatch):
@@ -150,6 +170,7 @@ def test_batch_created_but_not_recorded_is_adopted_not_resent(project, emulator,
 
     def crash(*args, **kwargs):
         raise RuntimeError("simulated crash after create")
+
     with monkeypatch.context() as patch:
         patch.setattr(Ledger, "record_submission", crash)
         project.dbt("run", "-s", "adopt", expect_ok=False)

@@ -18,8 +18,12 @@ URGENT = "llm_realtime_when = \"priority = 'urgent'\","
 
 
 def prompts(project, where: str = "true") -> dict[int, str]:
-    return dict(project.query(f"select ticket_id, 'Subject: ' || subject || chr(10) || chr(10) || body "
-                              f"from main.support_tickets where {where}"))
+    return dict(
+        project.query(
+            f"select ticket_id, 'Subject: ' || subject || chr(10) || chr(10) || body "
+            f"from main.support_tickets where {where}"
+        )
+    )
 
 
 def table(project) -> dict[int, tuple]:
@@ -48,7 +52,9 @@ def test_urgent_rows_go_realtime_in_the_same_run_and_never_into_a_batch(project,
     # ... and the rest wait in one batch that holds none of them.
     assert batch_counts(emulator) == [4]
     if provider == "openai":
-        sent = [line["body"]["messages"][-1]["content"] for line in batch_input_lines(emulator, sorted_batches(emulator)[0])]
+        sent = [
+            line["body"]["messages"][-1]["content"] for line in batch_input_lines(emulator, sorted_batches(emulator)[0])
+        ]
         assert sorted(sent) == sorted(normal.values())
     line = summary_line(project)
     assert "submitted 4 request(s) in 1 batch(es)" in line and "realtime 2 request(s) in " in line
@@ -71,7 +77,9 @@ def test_urgent_rows_go_realtime_in_the_same_run_and_never_into_a_batch(project,
 
 def summary_line(project) -> str:
     """The last per-model summary line the run wrote to the dbt log."""
-    lines = [line for line in (project.root / "logs" / "dbt.log").read_text().splitlines() if "triage: submitted" in line]
+    lines = [
+        line for line in (project.root / "logs" / "dbt.log").read_text().splitlines() if "triage: submitted" in line
+    ]
     return lines[-1]
 
 
@@ -80,7 +88,9 @@ def test_a_bad_realtime_expression_fails_before_anything_is_sent(project, emulat
     project.dbt("seed")
     result = project.dbt("run", "-s", "triage", expect_ok=False)
     message = "\n".join(str(r.message) for r in result.result.results)
-    assert "llm_realtime_when = 'no_such_column > 1' is not a boolean SQL expression over the model's columns" in message
+    assert (
+        "llm_realtime_when = 'no_such_column > 1' is not a boolean SQL expression over the model's columns" in message
+    )
     assert "nothing was sent" in message
     assert emulator.stats()["calls"] == {}
 
@@ -90,8 +100,13 @@ def test_exhausted_batch_attempts_fall_back_to_realtime(project, emulator):
     project.dbt("seed")
     # Ticket 3's request fails in the batch (once: the fault is used up by then) with a server error,
     # which a retry can fix (a 400 would be final at once, with no fallback: the same request again).
-    emulator.add_fault(kind="http_error", prompt_contains="export all my projects", status_code=500,
-                       message="Upstream failure: sandbox says no.", times=1)
+    emulator.add_fault(
+        kind="http_error",
+        prompt_contains="export all my projects",
+        status_code=500,
+        message="Upstream failure: sandbox says no.",
+        times=1,
+    )
     project.dbt("run", "-s", "triage")
     emulator.complete_all()
     project.dbt("run", "-s", "triage")  # harvests the failure, sends it again in realtime, merges
@@ -113,6 +128,7 @@ def test_exhausted_batch_attempts_fall_back_to_realtime(project, emulator):
 def replicas(api_key):
     """Two engines behind no balancer, each an emulator answering /v1/chat/completions."""
     from dbt_llm_batch.sandbox import Emulator
+
     engines = [Emulator(api_key=api_key).start() for _ in range(2)]
     for engine in engines:
         engine.realtime_latency = 0.05
@@ -124,12 +140,14 @@ def replicas(api_key):
 
 
 def self_hosted_model(urls, extra: str = "") -> str:
-    return triage_model(extra_config=f"llm_base_url = {urls!r}, llm_api_key_env = 'ENGINE_KEY', "
-                                     f"llm_concurrency = 4, {extra}").replace(
-        "llm_provider = 'openai'", "llm_provider = 'openai_compatible'")
+    return triage_model(
+        extra_config=f"llm_base_url = {urls!r}, llm_api_key_env = 'ENGINE_KEY', llm_concurrency = 4, {extra}"
+    ).replace("llm_provider = 'openai'", "llm_provider = 'openai_compatible'")
 
 
-def test_a_self_hosted_engine_answers_every_row_in_the_run_spread_over_replicas(project, replicas, monkeypatch, api_key):
+def test_a_self_hosted_engine_answers_every_row_in_the_run_spread_over_replicas(
+    project, replicas, monkeypatch, api_key
+):
     monkeypatch.setenv("ENGINE_KEY", api_key)
     urls = [engine.openai_base_url for engine in replicas]
     project.write("models/triage.sql", self_hosted_model(urls))
@@ -170,14 +188,21 @@ def test_overload_is_retried_and_what_the_budget_does_not_reach_waits(project, r
     project.dbt("run", "-s", "triage")
     assert project.query("select count(*) from main.triage") == [(0,)]
     voided = project.query("select distinct status, error from main.llm_batch_requests")
-    assert voided == [("voided", f"no answer within the realtime time budget (llm_realtime_budget_seconds=1; last "
-                                 f"error: HTTP 429 from {engine.openai_base_url}); sent again by the next run")]
+    assert voided == [
+        (
+            "voided",
+            f"no answer within the realtime time budget (llm_realtime_budget_seconds=1; last "
+            f"error: HTTP 429 from {engine.openai_base_url}); sent again by the next run",
+        )
+    ]
     engine.clear_faults()
     engine.add_fault(endpoint="POST /v1/chat/completions", status_code=503, retry_after=0.1, times=2)
     # The default budget (600 s) now: six answers and two retries need not fit in 1 s on a busy machine.
     project.write("models/triage.sql", self_hosted_model([engine.openai_base_url]))
     project.dbt("run", "-s", "triage")  # the overload passed: two 503s are retried, every row answered
-    assert project.query("select count(*), count(*) filter (where llm_status = 'succeeded') from main.triage") == [(6, 6)]
+    assert project.query("select count(*), count(*) filter (where llm_status = 'succeeded') from main.triage") == [
+        (6, 6)
+    ]
     assert engine.stats()["realtime_requests"]["openai"] == 6
     attempts = project.query("select count(*) from main.llm_batch_requests where status = 'succeeded'")
     assert attempts == [(6,)]
@@ -189,8 +214,10 @@ def test_a_run_killed_mid_way_asks_only_the_unfinished_rows_again(project, repli
     # One request at a time; the engine answers the first and holds the rest until the killed run is
     # gone, so the first group the run commits (and dies after) holds exactly one answer, however
     # slow the machine. A held request is then dropped unanswered (never billed).
-    project.write("models/triage.sql", self_hosted_model([engine.openai_base_url]).replace(
-        "llm_concurrency = 4", "llm_concurrency = 1"))
+    project.write(
+        "models/triage.sql",
+        self_hosted_model([engine.openai_base_url]).replace("llm_concurrency = 4", "llm_concurrency = 1"),
+    )
     answered, released, answer = itertools.count(), threading.Event(), engine.handle
 
     def first_then_hold(method, path, headers, body):
@@ -198,21 +225,27 @@ def test_a_run_killed_mid_way_asks_only_the_unfinished_rows_again(project, repli
             released.wait(timeout=300)  # bounded: a stuck test fails instead of hanging
             return Reply(0, b"", cut="disconnect")
         return answer(method, path, headers, body)
+
     engine.handle = first_then_hold
     project.dbt("seed")
     project.release_database()
     marker = tmp_path / "marker"
     try:
-        killed = dbt_subprocess(project, {"DBT_LLM_BATCH_CRASH_AT": "after_realtime_group",
-                                          "DBT_LLM_BATCH_CRASH_MARKER": str(marker)})
+        killed = dbt_subprocess(
+            project, {"DBT_LLM_BATCH_CRASH_AT": "after_realtime_group", "DBT_LLM_BATCH_CRASH_MARKER": str(marker)}
+        )
     finally:
         released.set()
         engine.handle = answer
     assert killed.returncode == -9 and marker.read_text() == "after_realtime_group", killed.stdout[-2000:]
     texts = prompts(project)
-    stored = {row[0] for row in project.query(
-        """select cast(json_extract_string(key, '$[0]') as integer) from main.llm_batch_requests r
-           where exists (select 1 from main.llm_batch_results l where l.custom_id = r.custom_id)""")}
+    stored = {
+        row[0]
+        for row in project.query(
+            """select cast(json_extract_string(key, '$[0]') as integer) from main.llm_batch_requests r
+           where exists (select 1 from main.llm_batch_results l where l.custom_id = r.custom_id)"""
+        )
+    }
     assert len(stored) == 1
     asked_before = dict(engine.counters.realtime_prompts)
 
@@ -225,8 +258,9 @@ def test_a_run_killed_mid_way_asks_only_the_unfinished_rows_again(project, repli
     assert sorted(rows) == [1, 2, 3, 4, 5, 6] and {r[3] for r in rows.values()} == {"succeeded"}
 
 
-def test_a_budget_that_ends_before_every_row_started_leaves_the_rest_for_the_next_run(project, replicas, monkeypatch,
-                                                                                      api_key):
+def test_a_budget_that_ends_before_every_row_started_leaves_the_rest_for_the_next_run(
+    project, replicas, monkeypatch, api_key
+):
     monkeypatch.setenv("ENGINE_KEY", api_key)
     engine = replicas[0]
     # One at a time: the first row is answered at once, the second only after 3 s, when the 2 s budget
@@ -238,17 +272,26 @@ def test_a_budget_that_ends_before_every_row_started_leaves_the_rest_for_the_nex
         if path.startswith("/v1/chat/completions") and next(answered) == 1:
             threading.Event().wait(3)
         return answer(method, path, headers, body)
+
     engine.handle = second_is_slow
-    project.write("models/triage.sql", self_hosted_model([engine.openai_base_url], "llm_realtime_budget_seconds = 2,")
-                  .replace("llm_concurrency = 4", "llm_concurrency = 1"))
+    project.write(
+        "models/triage.sql",
+        self_hosted_model([engine.openai_base_url], "llm_realtime_budget_seconds = 2,").replace(
+            "llm_concurrency = 4", "llm_concurrency = 1"
+        ),
+    )
     project.dbt("seed")
     project.dbt("run", "-s", "triage")
     engine.handle = answer
     done = project.query("select count(*) from main.triage where llm_status = 'succeeded'")[0][0]
     assert done == 2
     waiting = project.query("select count(*), min(error) from main.llm_batch_requests where status = 'voided'")
-    assert waiting == [(6 - done, "no answer within the realtime time budget (llm_realtime_budget_seconds=2); "
-                                  "sent again by the next run")]
+    assert waiting == [
+        (
+            6 - done,
+            "no answer within the realtime time budget (llm_realtime_budget_seconds=2); sent again by the next run",
+        )
+    ]
     line = summary_line(project)
     assert f"{6 - done} left for the next run (llm_realtime_budget_seconds)" in line
     project.dbt("run", "-s", "triage")
@@ -262,8 +305,10 @@ def test_a_rejected_key_stops_the_run_without_failing_any_row(project, replicas,
     project.dbt("seed")
     result = project.dbt("run", "-s", "triage", expect_ok=False)
     message = "\n".join(str(r.message) for r in result.result.results)
-    assert (f"{replicas[0].openai_base_url} answered HTTP 401: the API key was rejected "
-            f"(check ENGINE_KEY, named by llm_api_key_env)") in message
+    assert (
+        f"{replicas[0].openai_base_url} answered HTTP 401: the API key was rejected "
+        f"(check ENGINE_KEY, named by llm_api_key_env)"
+    ) in message
     assert "sk-wrong-key" not in message and "0000" not in message
     assert project.query("select distinct status from main.llm_batch_requests") == [("voided",)]
     monkeypatch.setenv("ENGINE_KEY", replicas[0]._api_key)
@@ -273,11 +318,11 @@ def test_a_rejected_key_stops_the_run_without_failing_any_row(project, replicas,
 
 def test_an_engine_that_is_not_running_fails_fast_with_what_to_do(project, monkeypatch):
     import socket
+
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
-    project.write("models/triage.sql", self_hosted_model([url]).replace(
-        "llm_api_key_env = 'ENGINE_KEY', ", ""))
+    project.write("models/triage.sql", self_hosted_model([url]).replace("llm_api_key_env = 'ENGINE_KEY', ", ""))
     project.dbt("seed")
     result = project.dbt("run", "-s", "triage", expect_ok=False)
     message = "\n".join(str(r.message) for r in result.result.results)
@@ -287,6 +332,7 @@ def test_an_engine_that_is_not_running_fails_fast_with_what_to_do(project, monke
 
 def test_a_dead_replica_is_avoided_and_the_live_one_answers_everything(project, replicas, monkeypatch, api_key):
     import socket
+
     monkeypatch.setenv("ENGINE_KEY", api_key)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -299,8 +345,10 @@ def test_a_dead_replica_is_avoided_and_the_live_one_answers_everything(project, 
 
 
 def test_a_comment_in_the_realtime_expression_is_harmless(project, emulator):
-    project.write("models/triage.sql", triage_model(
-        extra_config="llm_realtime_when = \"priority = 'urgent' -- the ones that cannot wait\","))
+    project.write(
+        "models/triage.sql",
+        triage_model(extra_config="llm_realtime_when = \"priority = 'urgent' -- the ones that cannot wait\","),
+    )
     project.dbt("seed")
     project.dbt("run", "-s", "triage")
     assert emulator.stats()["realtime_requests"]["openai"] == 2 and batch_counts(emulator) == [4]
@@ -310,8 +358,12 @@ def test_retry_after_zero_still_backs_off(project, replicas, monkeypatch, api_ke
     monkeypatch.setenv("ENGINE_KEY", api_key)
     engine = replicas[0]
     engine.add_fault(endpoint="POST /v1/chat/completions", status_code=503, retry_after=0, times=None)
-    project.write("models/triage.sql", self_hosted_model([engine.openai_base_url], "llm_realtime_budget_seconds = 2,")
-                  .replace("llm_concurrency = 4", "llm_concurrency = 1"))
+    project.write(
+        "models/triage.sql",
+        self_hosted_model([engine.openai_base_url], "llm_realtime_budget_seconds = 2,").replace(
+            "llm_concurrency = 4", "llm_concurrency = 1"
+        ),
+    )
     project.dbt("seed")
     project.dbt("run", "-s", "triage")
     calls = engine.stats()["calls"]["POST /v1/chat/completions"]
@@ -331,8 +383,9 @@ def billed(emulator, provider, prompt: str) -> int:
 def test_a_reply_lost_after_the_provider_answered_is_sent_once_more_and_counted(project, emulator, provider):
     # The provider answers (and bills) ticket 1, then the connection drops half-way through the reply.
     emulator.add_fault(endpoint=REALTIME_ENDPOINT[provider], kind="truncate", times=1)
-    project.write("models/triage.sql", triage_model(provider=provider, extra_config=TICKET_1,
-                                                    where="where ticket_id = 1"))
+    project.write(
+        "models/triage.sql", triage_model(provider=provider, extra_config=TICKET_1, where="where ticket_id = 1")
+    )
     project.dbt("seed")
     project.dbt("run", "-s", "triage")
     prompt = prompts(project, "ticket_id = 1")[1]
@@ -343,8 +396,9 @@ def test_a_reply_lost_after_the_provider_answered_is_sent_once_more_and_counted(
     assert project.query("select status, possibly_billed from main.llm_batch_requests") == [("succeeded", 1)]
     assert project.query("select sum(possibly_billed) from main.llm_batch_costs where route = 'realtime'") == [(1,)]
     assert project.query("select possibly_billed from main.llm_batch_progress") == [(1,)]
-    assert summary_line(project).endswith("1 succeeded, 0 failed, 1 retried, 1 reply(ies) lost after sending "
-                                          "(possibly billed)")
+    assert summary_line(project).endswith(
+        "1 succeeded, 0 failed, 1 retried, 1 reply(ies) lost after sending (possibly billed)"
+    )
 
     project.dbt("run", "-s", "triage")  # answered: never asked again
     assert billed(emulator, provider, prompt) == 2
@@ -353,18 +407,23 @@ def test_a_reply_lost_after_the_provider_answered_is_sent_once_more_and_counted(
 def test_a_reply_lost_twice_fails_the_row_and_is_never_sent_a_third_time(project, emulator, provider):
     # Every reply is lost after the provider answered it.
     emulator.add_fault(endpoint=REALTIME_ENDPOINT[provider], kind="truncate", times=None)
-    project.write("models/triage.sql", triage_model(provider=provider, extra_config=TICKET_1 + " llm_max_attempts = 1,",
-                                                    where="where ticket_id = 1"))
+    project.write(
+        "models/triage.sql",
+        triage_model(provider=provider, extra_config=TICKET_1 + " llm_max_attempts = 1,", where="where ticket_id = 1"),
+    )
     project.dbt("seed")
     project.dbt("run", "-s", "triage")
     prompt = prompts(project, "ticket_id = 1")[1]
     assert billed(emulator, provider, prompt) == 2
     status, error = table(project)[1][3], project.query("select llm_error from main.triage")[0][0]
     assert status == "failed"
-    assert error == ("the reply was lost after the request was sent, 2 time(s) (each may have been billed); "
-                     "counted as a failed attempt instead of being sent again")
+    assert error == (
+        "the reply was lost after the request was sent, 2 time(s) (each may have been billed); "
+        "counted as a failed attempt instead of being sent again"
+    )
     assert project.query("select status, is_final, possibly_billed from main.llm_batch_requests") == [
-        ("failed", True, 2)]
+        ("failed", True, 2)
+    ]
     assert project.query("select sum(rows_failed), sum(possibly_billed) from main.llm_batch_costs") == [(1, 2)]
 
     project.dbt("run", "-s", "triage")  # the attempt is used up: not sent again, however often dbt runs
@@ -376,7 +435,9 @@ def test_only_failures_after_the_request_went_out_count_as_possibly_billed():
     APIConnectionError / APITimeoutError. Not connected or not written: nothing can have been billed."""
     import httpx2 as httpx
     import openai
+
     from dbt_llm_batch.providers.realtime_transport import reached_the_provider
+
     request = httpx.Request("POST", "https://api.example/v1/chat/completions")
 
     def sdk_error(cause, timeout=False):
@@ -384,14 +445,22 @@ def test_only_failures_after_the_request_went_out_count_as_possibly_billed():
             try:
                 raise cause
             except Exception as exc:
-                raise (openai.APITimeoutError(request=request) if timeout
-                       else openai.APIConnectionError(request=request)) from exc
+                raise (
+                    openai.APITimeoutError(request=request) if timeout else openai.APIConnectionError(request=request)
+                ) from exc
         except openai.APIConnectionError as exc:
             return exc
 
-    for cause, timeout in ((httpx.ConnectError("refused"), False), (httpx.ConnectTimeout("slow"), True),
-                           (httpx.PoolTimeout("busy"), True), (httpx.WriteError("reset"), False)):
+    for cause, timeout in (
+        (httpx.ConnectError("refused"), False),
+        (httpx.ConnectTimeout("slow"), True),
+        (httpx.PoolTimeout("busy"), True),
+        (httpx.WriteError("reset"), False),
+    ):
         assert not reached_the_provider(sdk_error(cause, timeout)), cause
-    for cause, timeout in ((httpx.ReadTimeout("no answer"), True), (httpx.ReadError("reset"), False),
-                           (httpx.RemoteProtocolError("peer closed connection"), False)):
+    for cause, timeout in (
+        (httpx.ReadTimeout("no answer"), True),
+        (httpx.ReadError("reset"), False),
+        (httpx.RemoteProtocolError("peer closed connection"), False),
+    ):
         assert reached_the_provider(sdk_error(cause, timeout)), cause

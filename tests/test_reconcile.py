@@ -16,12 +16,11 @@ import tempfile
 
 import anthropic
 import openai
-import pytest
 from helpers import PROVIDER_MODELS, TRIAGE_SYSTEM, batch_counts, expected_triage, sorted_batches, triage_model
 from test_crash_recovery import dbt_subprocess, succeeded_custom_ids
 
-from dbt_llm_batch import tempdirs
-from dbt_llm_batch.cli import main as cli
+from dbt_llm_batch.ops.cli import main as cli
+from dbt_llm_batch.pipeline import tempdirs
 
 MODEL, SELECT = "models/triage.sql", ["-s", "triage"]
 CREATE = {"openai": "POST /v1/batches", "anthropic": "POST /v1/messages/batches"}
@@ -69,14 +68,22 @@ def refuse_creates(monkeypatch, provider: str) -> None:
     dead = f"http://127.0.0.1:{closed_port()}"
     if provider == "openai":
         from openai.resources.batches import Batches
+
         original = Batches.create
-        monkeypatch.setattr(Batches, "create", lambda self, **kw: original(
-            self._client.with_options(base_url=dead + "/v1").batches, **kw))
+        monkeypatch.setattr(
+            Batches,
+            "create",
+            lambda self, **kw: original(self._client.with_options(base_url=dead + "/v1").batches, **kw),
+        )
     else:
         from anthropic.resources.messages.batches import Batches
+
         original = Batches.create
-        monkeypatch.setattr(Batches, "create", lambda self, **kw: original(
-            self._client.with_options(base_url=dead).messages.batches, **kw))
+        monkeypatch.setattr(
+            Batches,
+            "create",
+            lambda self, **kw: original(self._client.with_options(base_url=dead).messages.batches, **kw),
+        )
 
 
 def openai_files(emulator) -> dict:
@@ -84,6 +91,7 @@ def openai_files(emulator) -> dict:
 
 
 # -- A: a create that never left, and a run killed before its create ---------------------------------
+
 
 def test_a_create_refused_on_connect_is_voided_at_once(project, emulator, provider, monkeypatch):
     project.write(MODEL, triage_model(provider=provider))
@@ -114,7 +122,8 @@ def kill_at(project, tmp_path, point: str) -> None:
 
 
 def test_a_run_killed_before_its_create_is_resent_when_the_provider_has_no_such_batch(
-        project, emulator, provider, tmp_path):
+    project, emulator, provider, tmp_path
+):
     project.write(MODEL, triage_model(provider=provider))
     project.dbt("seed")
     kill_at(project, tmp_path, "before_create")
@@ -152,10 +161,19 @@ def test_a_held_submission_is_shown_and_released_with_a_warning(project, emulato
     project.dbt("seed")
     emulator.add_fault(endpoint=CREATE["anthropic"], status_code=500, times=1)
     project.dbt("run", *SELECT)
-    other = anthropic.Anthropic().messages.batches.create(requests=[
-        {"custom_id": f"other_{i}", "params": {"model": PROVIDER_MODELS["anthropic"], "max_tokens": 10,
-                                               "messages": [{"role": "user", "content": f"other {i}"}]}}
-        for i in range(6)])  # someone else's batch of the same size, still running
+    other = anthropic.Anthropic().messages.batches.create(
+        requests=[
+            {
+                "custom_id": f"other_{i}",
+                "params": {
+                    "model": PROVIDER_MODELS["anthropic"],
+                    "max_tokens": 10,
+                    "messages": [{"role": "user", "content": f"other {i}"}],
+                },
+            }
+            for i in range(6)
+        ]
+    )  # someone else's batch of the same size, still running
     project.dbt("run", *SELECT)
     assert jobs(project) == [("submitting", False)]
     assert "its 6 request(s) are held, not resent" in log_text(project)
@@ -180,23 +198,45 @@ def test_a_held_submission_is_shown_and_released_with_a_warning(project, emulato
 
 # -- B: decoys of the same size -------------------------------------------------------------------
 
+
 def anthropic_decoy(emulator) -> str:
-    batch = anthropic.Anthropic().messages.batches.create(requests=[
-        {"custom_id": f"decoy_{i}", "params": {"model": PROVIDER_MODELS["anthropic"], "max_tokens": 10,
-                                               "messages": [{"role": "user", "content": f"decoy {i}"}]}}
-        for i in range(6)])
+    batch = anthropic.Anthropic().messages.batches.create(
+        requests=[
+            {
+                "custom_id": f"decoy_{i}",
+                "params": {
+                    "model": PROVIDER_MODELS["anthropic"],
+                    "max_tokens": 10,
+                    "messages": [{"role": "user", "content": f"decoy {i}"}],
+                },
+            }
+            for i in range(6)
+        ]
+    )
     emulator.advance(batch.id, "ended")
     return batch.id
 
 
 def openai_decoy(emulator, client) -> str:
-    lines = "".join(json.dumps({"custom_id": f"decoy_{i}", "method": "POST", "url": "/v1/chat/completions",
-                                "body": {"model": PROVIDER_MODELS["openai"],
-                                         "messages": [{"role": "user", "content": f"decoy {i}"}]}}) + "\n"
-                    for i in range(6))
+    lines = "".join(
+        json.dumps(
+            {
+                "custom_id": f"decoy_{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": PROVIDER_MODELS["openai"], "messages": [{"role": "user", "content": f"decoy {i}"}]},
+            }
+        )
+        + "\n"
+        for i in range(6)
+    )
     uploaded = client.files.create(file=("decoy.jsonl", lines.encode()), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h", metadata={"owner": "someone else"})
+    batch = client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"owner": "someone else"},
+    )
     emulator.advance(batch.id, "completed")
     return batch.id
 
@@ -208,8 +248,9 @@ def test_the_interrupted_batch_is_adopted_among_ended_decoys_of_the_same_size(pr
     project.write(MODEL, triage_model(provider=provider))
     project.dbt("seed")
     client = openai.OpenAI()
-    make_decoy = (lambda: anthropic_decoy(emulator)) if provider == "anthropic" else \
-        (lambda: openai_decoy(emulator, client))
+    make_decoy = (
+        (lambda: anthropic_decoy(emulator)) if provider == "anthropic" else (lambda: openai_decoy(emulator, client))
+    )
     older = [make_decoy() for _ in range(2)]
     kill_at(project, tmp_path, "after_create")
     ours = sorted_batches(emulator)[-1]["id"]
@@ -239,8 +280,9 @@ def test_an_interrupted_submission_with_only_decoys_is_resent(project, emulator,
     project.write(MODEL, triage_model(provider=provider))
     project.dbt("seed")
     client = openai.OpenAI()
-    make_decoy = (lambda: anthropic_decoy(emulator)) if provider == "anthropic" else \
-        (lambda: openai_decoy(emulator, client))
+    make_decoy = (
+        (lambda: anthropic_decoy(emulator)) if provider == "anthropic" else (lambda: openai_decoy(emulator, client))
+    )
     emulator.add_fault(endpoint=CREATE[provider], status_code=500, times=1)
     project.dbt("run", *SELECT)
     assert jobs(project) == [("submitting", False)]
@@ -249,14 +291,17 @@ def test_an_interrupted_submission_with_only_decoys_is_resent(project, emulator,
     assert len(batch_counts(emulator)) == len(decoys) + 1
     ours = sorted_batches(emulator)[-1]["id"]
     assert ours not in decoys
-    assert [r[0] for r in project.query("select status from main.llm_batch_jobs order by created_at")] == \
-        ["voided", "validating" if provider == "openai" else "in_progress"]
+    assert [r[0] for r in project.query("select status from main.llm_batch_jobs order by created_at")] == [
+        "voided",
+        "validating" if provider == "openai" else "in_progress",
+    ]
     emulator.complete_all()
     project.dbt("run", *SELECT)
     assert_all_answered_once(project, emulator)
 
 
 # -- D: nothing left on disk or at the provider by a killed run -----------------------------------
+
 
 def ours(directory) -> list:
     return [p for p in directory.iterdir() if p.name.startswith("dbt_llm_batch_")]
@@ -286,6 +331,7 @@ def test_a_killed_runs_request_files_are_removed_by_the_next_run(project, emulat
 
 
 # -- F: which call failed ---------------------------------------------------------------------------
+
 
 def test_a_failed_upload_is_reported_as_an_upload_and_resent(project, emulator):
     project.write(MODEL, triage_model(extra_config="llm_retry_budget_seconds = 0,"))

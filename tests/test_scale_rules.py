@@ -9,21 +9,21 @@ import duckdb
 import pytest
 from helpers import batch_counts, triage_model
 
-from dbt_llm_batch import planner, request_files
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import InputError
+from dbt_llm_batch.pipeline import plan, request_files
 from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
 
 
 @pytest.fixture
 def plan_con():
     """A connection holding a plan of 10 requests whose request lines are exactly 300 bytes each,
-    each estimated at 5 input tokens, with the columns planner.plan_rows gives."""
+    each estimated at 5 input tokens, with the columns plan.plan_rows gives."""
     con = duckdb.connect()
     provider = OpenAIBatchProvider(parse_config({"unique_key": "id", "llm_model": "m"}))
     line_sql = provider.request_line_sql()
     base = con.execute(f"select strlen({line_sql}) from (select 'r_00' as custom_id, '' as prompt)").fetchall()[0][0]
-    con.execute(f"""create temp table {planner.PLAN} as
+    con.execute(f"""create temp table {plan.PLAN} as
                     select 'r_' || lpad(i::varchar, 2, '0') as custom_id, repeat('x', {299 - base}) as prompt,
                            i as plan_row, 5::bigint as estimated_input_tokens,
                            0.001::decimal(18, 9) as estimated_cost_usd
@@ -33,8 +33,9 @@ def plan_con():
 
 def write(con, line_sql, directory=None, max_requests=50_000, max_bytes=10**9, room=None):
     """Request files for the plan; returns [(requests, bytes)] per file."""
-    files = request_files.write_request_files(con, line_sql, planner.PLAN, directory, max_requests, max_bytes,
-                                              room or request_files.Room())
+    files = request_files.write_request_files(
+        con, line_sql, plan.PLAN, directory, max_requests, max_bytes, room or request_files.Room()
+    )
     return [(f.requests, f.bytes) for f in files]
 
 
@@ -49,8 +50,11 @@ def test_files_exactly_at_the_byte_limit(plan_con, tmp_path):
         assert path.stat().st_size == 300 * len(lines) <= 900
         lines_written += [json.loads(line)["custom_id"] for line in lines]
         # The ledger learns each request's file and 1-based line, which validation errors name.
-        recorded = con.execute(f"""select p.custom_id from {request_files.SENT} s join {planner.PLAN} p using (plan_row)
-                                   where s.chunk = ? order by s.line""", [chunk]).fetchall()
+        recorded = con.execute(
+            f"""select p.custom_id from {request_files.SENT} s join {plan.PLAN} p using (plan_row)
+                                   where s.chunk = ? order by s.line""",
+            [chunk],
+        ).fetchall()
         assert [r[0] for r in recorded] == [json.loads(line)["custom_id"] for line in lines]
     assert sorted(lines_written) == [f"r_{i:02d}" for i in range(10)]  # each request exactly once
     # One byte less and only two lines fit.
@@ -97,21 +101,29 @@ def test_a_third_batch_waits_in_the_ledger_when_the_cap_is_two(project, emulator
 
     # The deferred rows are sent even though the model no longer selects them.
     deferred_keys = project.query("select key from main.llm_batch_requests where status = 'deferred'")
-    project.write("models/triage.sql", triage_model(
-        extra_config="llm_max_batches_in_flight = 2,",
-        where="where ticket_id not in (" + ", ".join(k[0].strip('[]"') for k in deferred_keys) + ")"))
+    project.write(
+        "models/triage.sql",
+        triage_model(
+            extra_config="llm_max_batches_in_flight = 2,",
+            where="where ticket_id not in (" + ", ".join(k[0].strip('[]"') for k in deferred_keys) + ")",
+        ),
+    )
     emulator.complete_all()
     project.dbt("run", "-s", "triage")
     assert batch_counts(emulator) == [2, 2, 2]
     assert project.query("select count(*) from main.llm_batch_requests where status = 'deferred'") == [(0,)]
     emulator.complete_all()
     project.dbt("run", "-s", "triage")
-    assert project.query("select count(*), count(*) filter (where llm_status = 'succeeded') from main.triage") == [(6, 6)]
+    assert project.query("select count(*), count(*) filter (where llm_status = 'succeeded') from main.triage") == [
+        (6, 6)
+    ]
 
 
 def ledger_snapshot(project) -> tuple:
-    return tuple(project.query(f"select * from main.{t} order by all")
-                 for t in ("llm_batch_jobs", "llm_batch_requests", "llm_batch_results", "triage"))
+    return tuple(
+        project.query(f"select * from main.{t} order by all")
+        for t in ("llm_batch_jobs", "llm_batch_requests", "llm_batch_results", "triage")
+    )
 
 
 def test_a_run_with_nothing_new_sends_and_writes_nothing(project, emulator):
@@ -134,20 +146,28 @@ def test_a_waiting_request_whose_stored_row_lost_its_prompt_column_fails_alone(p
     project.write("models/triage.sql", triage_model(extra_config="llm_max_batches_in_flight = 1,"))
     project.dbt("seed")
     project.dbt("run", "-s", "triage")
-    deferred_keys = [k[0].strip('[]"') for k in project.query(
-        "select key from main.llm_batch_requests where status = 'deferred' order by key")]
+    deferred_keys = [
+        k[0].strip('[]"')
+        for k in project.query("select key from main.llm_batch_requests where status = 'deferred' order by key")
+    ]
     assert len(deferred_keys) == 4
     emulator.complete_all()
-    renamed = triage_model(extra_config="llm_max_batches_in_flight = 1, llm_prompt_column = 'ticket_text',",
-                           where="where ticket_id not in (" + ", ".join(deferred_keys) + ")"
-                           ).replace(" as prompt\n", " as ticket_text\n")
+    renamed = triage_model(
+        extra_config="llm_max_batches_in_flight = 1, llm_prompt_column = 'ticket_text',",
+        where="where ticket_id not in (" + ", ".join(deferred_keys) + ")",
+    ).replace(" as prompt\n", " as ticket_text\n")
     project.write("models/triage.sql", renamed)
     # The table's columns changed: a full refresh rebuilds it and sends nothing; the waiting requests
     # that can no longer be built fail there, like any row that cannot be sent.
     project.dbt("run", "-s", "triage", "--full-refresh")
     failed = project.query("select count(*), min(error) from main.llm_batch_requests where status = 'failed'")
-    assert failed == [(4, "waited over an in-flight cap, but its stored row has no prompt column ticket_text "
-                          "(the model's prompt column changed); nothing was sent")]
+    assert failed == [
+        (
+            4,
+            "waited over an in-flight cap, but its stored row has no prompt column ticket_text "
+            "(the model's prompt column changed); nothing was sent",
+        )
+    ]
     assert project.query("select count(*) from main.llm_batch_requests where status = 'deferred'") == [(0,)]
     project.dbt("run", "-s", "triage")
     assert batch_counts(emulator) == [2], "nothing that cannot be built is sent"

@@ -11,9 +11,20 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
-from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, REFUSED, REJECTED, UNRESOLVED, BatchProvider,
-                                          BatchState, Submission, json_object_text, spliced_line_sql, sql_text)
+from dbt_llm_batch.providers.base import (
+    CUSTOM_ID_MARK,
+    PROMPT_MARK,
+    REFUSED,
+    REJECTED,
+    UNRESOLVED,
+    BatchProvider,
+    BatchState,
+    Submission,
+    json_object_text,
+    spliced_line_sql,
+)
 from dbt_llm_batch.providers.calls import status_of
+from dbt_llm_batch.sql import literal
 
 TOOL_NAME = "llm_output"
 # Anthropic requires max_tokens; used when llm_max_tokens is not set.
@@ -43,6 +54,7 @@ class AnthropicBatchProvider(BatchProvider):
     def client(self):
         if self._client is None:
             import anthropic
+
             # No SDK retries (it would honour any retry-after, however long): self.calls retries
             # inside the run's budget (calls.py).
             self._client = anthropic.Anthropic(max_retries=0, timeout=120)
@@ -51,8 +63,9 @@ class AnthropicBatchProvider(BatchProvider):
     def params(self) -> dict:
         cfg = self.config
         cache = {"type": "ephemeral", "ttl": cfg.cache_prefix} if cfg.cache_prefix else None
-        messages = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
-                    for m in self.render_messages()]
+        messages = [
+            {"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in self.render_messages()
+        ]
         params: dict = {"model": cfg.model, "max_tokens": cfg.max_tokens or DEFAULT_MAX_TOKENS}
         if cfg.system:
             params["system"] = [{"type": "text", "text": cfg.system}]
@@ -78,6 +91,7 @@ class AnthropicBatchProvider(BatchProvider):
 
     def realtime_transports(self) -> list:
         from dbt_llm_batch.providers.realtime_transport import anthropic_transports
+
         return anthropic_transports(concurrency=self.config.concurrency)
 
     def realtime_result_line(self, custom_id, status, text):
@@ -87,8 +101,9 @@ class AnthropicBatchProvider(BatchProvider):
         if status == 200 and body:
             result = f'{{"type":"succeeded","message":{body}}}'
         else:
-            error = body or json.dumps({"type": "error", "error": {"type": "api_error",
-                                                                   "message": f"HTTP {status}: {text[:500]}"}})
+            error = body or json.dumps(
+                {"type": "error", "error": {"type": "api_error", "message": f"HTTP {status}: {text[:500]}"}}
+            )
             result = f'{{"type":"errored","error":{error}}}'
         return f'{{"custom_id":{json.dumps(custom_id)},"result":{result}}}'
 
@@ -140,8 +155,12 @@ class AnthropicBatchProvider(BatchProvider):
         b = self.calls.call(f"poll batch {batch_id}", lambda: self.client.messages.batches.retrieve(batch_id))
         # `archived_at` set: the results are no longer available (kept 29 days after creation), whatever
         # the results endpoint would answer; treated like its 404.
-        return BatchState(status=b.processing_status, ended=b.processing_status == "ended",
-                          counts=b.request_counts.model_dump(), results_gone=b.archived_at is not None)
+        return BatchState(
+            status=b.processing_status,
+            ended=b.processing_status == "ended",
+            counts=b.request_counts.model_dump(),
+            results_gone=b.archived_at is not None,
+        )
 
     def download_results(self, state, batch_id, directory):
         if state.results_gone:  # archived: nothing to fetch
@@ -156,6 +175,7 @@ class AnthropicBatchProvider(BatchProvider):
                         f.write(chunk)
             finally:
                 decoder.close()
+
         try:
             self.calls.call(f"download results of {batch_id}", download)
         except Exception as exc:
@@ -171,6 +191,7 @@ class AnthropicBatchProvider(BatchProvider):
     def delete_files(self, batch_id, file_ids):
         """Requests travel inline and results belong to the batch: deleting the ended batch deletes both."""
         import anthropic
+
         try:
             self.client.messages.batches.delete(batch_id)
         except anthropic.NotFoundError:
@@ -179,14 +200,21 @@ class AnthropicBatchProvider(BatchProvider):
 
     result_structure = {
         "custom_id": "VARCHAR",
-        "result": {"type": "VARCHAR",
-                   "message": {"content": [{"type": "VARCHAR", "text": "VARCHAR", "input": "JSON"}],
-                               "stop_reason": "VARCHAR",
-                               "usage": {"input_tokens": "BIGINT", "output_tokens": "BIGINT",
-                                         "cache_creation_input_tokens": "BIGINT", "cache_read_input_tokens": "BIGINT",
-                                         "cache_creation": {"ephemeral_5m_input_tokens": "BIGINT",
-                                                            "ephemeral_1h_input_tokens": "BIGINT"}}},
-                   "error": {"type": "VARCHAR", "message": "VARCHAR", "error": {"type": "VARCHAR", "message": "VARCHAR"}}},
+        "result": {
+            "type": "VARCHAR",
+            "message": {
+                "content": [{"type": "VARCHAR", "text": "VARCHAR", "input": "JSON"}],
+                "stop_reason": "VARCHAR",
+                "usage": {
+                    "input_tokens": "BIGINT",
+                    "output_tokens": "BIGINT",
+                    "cache_creation_input_tokens": "BIGINT",
+                    "cache_read_input_tokens": "BIGINT",
+                    "cache_creation": {"ephemeral_5m_input_tokens": "BIGINT", "ephemeral_1h_input_tokens": "BIGINT"},
+                },
+            },
+            "error": {"type": "VARCHAR", "message": "VARCHAR", "error": {"type": "VARCHAR", "message": "VARCHAR"}},
+        },
     }
 
     def outcomes_sql(self, r):
@@ -216,9 +244,9 @@ class AnthropicBatchProvider(BatchProvider):
             {usage}.cache_creation_input_tokens as cache_write_tokens,
             -- A refusal, and a request the API rejects as invalid, would come back the same; api_error,
             -- overloaded_error and the like are transient.
-            case when {message}.stop_reason = 'refusal' then {sql_text(REFUSED)}
+            case when {message}.stop_reason = 'refusal' then {literal(REFUSED)}
                  when {result}.error.error.type in ('invalid_request_error', 'not_found_error', 'request_too_large')
-                 then {sql_text(REJECTED)} end as not_retried,
+                 then {literal(REJECTED)} end as not_retried,
             -- The 1 h TTL's share of the writes (usage.cache_creation), billed at 2x input, not 1.25x.
             case when {usage} is not null then coalesce({usage}.cache_creation.ephemeral_1h_input_tokens, 0) end
                 as cache_write_1h_tokens"""

@@ -16,6 +16,7 @@ from typing import ClassVar
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.providers.calls import CallBudget
+from dbt_llm_batch.sql import literal
 
 # Columns every provider's `outcomes_sql` must produce, one row per result line:
 #   custom_id, outcome ('ok' | 'error' | 'void'), answer (text, or the JSON of a structured answer),
@@ -27,19 +28,28 @@ from dbt_llm_batch.providers.calls import CallBudget
 #   cache_write_1h_tokens (the cache writes with Anthropic's 1 h TTL, billed at a higher rate; NULL elsewhere)
 # 'void' is an outcome that says nothing about the request itself (expired, cancelled before it
 # ran): the request is sent again without using up an attempt.
-OUTCOME_COLUMNS = ("custom_id", "outcome", "answer", "finish_reason", "truncated", "error",
-                   "input_tokens", "output_tokens", "cached_tokens", "cache_write_tokens", "not_retried",
-                   "cache_write_1h_tokens")
+OUTCOME_COLUMNS = (
+    "custom_id",
+    "outcome",
+    "answer",
+    "finish_reason",
+    "truncated",
+    "error",
+    "input_tokens",
+    "output_tokens",
+    "cached_tokens",
+    "cache_write_tokens",
+    "not_retried",
+    "cache_write_1h_tokens",
+)
 
 # Why an error outcome is final at once (providers' outcomes_sql): retrying would pay for the same failure.
-REJECTED = ("not retried: the provider rejected the request itself, which would be rejected again; "
-            "fix the prompt or the model's config")
+REJECTED = (
+    "not retried: the provider rejected the request itself, which would be rejected again; "
+    "fix the prompt or the model's config"
+)
 REFUSED = "not retried: the same request would be refused again; change the prompt"
 
-
-def sql_text(text: str) -> str:
-    """`text` as a DuckDB string literal."""
-    return "'" + text.replace("'", "''") + "'"
 
 # find_submission's answer when it cannot yet tell whether a submission reached the provider.
 UNRESOLVED = "unresolved"
@@ -56,8 +66,7 @@ def spliced_line_sql(line: dict) -> str:
     text = json.dumps(line, ensure_ascii=False, separators=(",", ":"))
     head, rest = text.split(json.dumps(CUSTOM_ID_MARK))
     middle, tail = rest.split(json.dumps(PROMPT_MARK))
-    lit = lambda part: "'" + part.replace("'", "''") + "'"  # noqa: E731
-    return f"{lit(head)} || to_json(custom_id) || {lit(middle)} || to_json(prompt) || {lit(tail)}"
+    return f"{literal(head)} || to_json(custom_id) || {literal(middle)} || to_json(prompt) || {literal(tail)}"
 
 
 def spliced_body_sql(body: dict) -> str:
@@ -65,8 +74,7 @@ def spliced_body_sql(body: dict) -> str:
     spliced_line_sql: rendered once, each row's prompt spliced in with to_json."""
     text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
     head, tail = text.split(json.dumps(PROMPT_MARK))
-    lit = lambda part: "'" + part.replace("'", "''") + "'"  # noqa: E731
-    return f"{lit(head)} || to_json(prompt) || {lit(tail)}"
+    return f"{literal(head)} || to_json(prompt) || {literal(tail)}"
 
 
 def json_object_text(text: str) -> str | None:
@@ -116,8 +124,10 @@ class BatchProvider(ABC):
     def check_credentials(self) -> None:
         """Raise a ConfigError naming the variable to set when the API key is missing."""
         if not os.environ.get(self.key_env_var):
-            raise ConfigError(f"{self.key_env_var} is not set: export it in the shell that runs dbt "
-                              f"(never put the key in dbt config; dbt writes config into target/)")
+            raise ConfigError(
+                f"{self.key_env_var} is not set: export it in the shell that runs dbt "
+                f"(never put the key in dbt config; dbt writes config into target/)"
+            )
 
     @abstractmethod
     def request_line_sql(self) -> str:
@@ -145,8 +155,9 @@ class BatchProvider(ABC):
         return None
 
     @abstractmethod
-    def find_submission(self, token: str, since_epoch: float, custom_ids: set[str],
-                        known_batch_ids: frozenset = frozenset()) -> Submission | str | None:
+    def find_submission(
+        self, token: str, since_epoch: float, custom_ids: set[str], known_batch_ids: frozenset = frozenset()
+    ) -> Submission | str | None:
         """After a crash between `create` and the ledger write: the batch created for this job
         (tagged with `token`, or holding exactly `custom_ids`; never one of `known_batch_ids`, which
         the ledger already gives to other jobs), None if no batch at the provider can be it, or

@@ -17,7 +17,7 @@ import os
 import ssl
 from urllib.parse import urlsplit
 
-from dbt_llm_batch.providers.realtime_transport import Reply, Transport, TransientError, retry_after_seconds
+from dbt_llm_batch.providers.realtime_transport import Reply, TransientError, Transport, retry_after_seconds
 
 
 class EngineTransport(Transport):
@@ -31,8 +31,10 @@ class EngineTransport(Transport):
         self.ssl = ssl.create_default_context() if url.scheme == "https" else None
         host_header = url.netloc.rsplit("@", 1)[-1]
         auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
-        self.head = (f"POST {url.path.rstrip('/')}/chat/completions HTTP/1.1\r\nHost: {host_header}\r\n"
-                     f"Content-Type: application/json\r\nAccept: application/json\r\n{auth}").encode()
+        self.head = (
+            f"POST {url.path.rstrip('/')}/chat/completions HTTP/1.1\r\nHost: {host_header}\r\n"
+            f"Content-Type: application/json\r\nAccept: application/json\r\n{auth}"
+        ).encode()
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def send(self, body: bytes, timeout: float) -> Reply:

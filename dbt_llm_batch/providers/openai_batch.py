@@ -9,9 +9,19 @@ from __future__ import annotations
 import json
 import os
 
-from dbt_llm_batch.providers.base import (CUSTOM_ID_MARK, PROMPT_MARK, REFUSED, REJECTED, BatchProvider, BatchState,
-                                          Submission, json_object_text, spliced_line_sql, sql_text)
+from dbt_llm_batch.providers.base import (
+    CUSTOM_ID_MARK,
+    PROMPT_MARK,
+    REFUSED,
+    REJECTED,
+    BatchProvider,
+    BatchState,
+    Submission,
+    json_object_text,
+    spliced_line_sql,
+)
 from dbt_llm_batch.providers.calls import status_of
+from dbt_llm_batch.sql import literal
 
 ENDPOINT = "/v1/chat/completions"
 TOKEN_KEY = "dbt_llm_batch_token"  # batch metadata key carrying the ledger's job id
@@ -43,6 +53,7 @@ class OpenAIBatchProvider(BatchProvider):
     def client(self):
         if self._client is None:
             import openai
+
             # No SDK retries: self.calls retries inside the run's budget (calls.py).
             self._client = openai.OpenAI(max_retries=0, timeout=120)
         return self._client
@@ -51,8 +62,11 @@ class OpenAIBatchProvider(BatchProvider):
         cfg = self.config
         # System and examples first and identical in every request: OpenAI caches such a prefix
         # automatically; prompt_cache_key keeps the batch's requests on the same cache.
-        messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + \
-            self.render_messages() + [{"role": "user", "content": PROMPT_MARK}]
+        messages = (
+            ([{"role": "system", "content": cfg.system}] if cfg.system else [])
+            + self.render_messages()
+            + [{"role": "user", "content": PROMPT_MARK}]
+        )
         body: dict = {"model": cfg.model, "messages": messages}
         if cfg.cache_prefix:
             body["prompt_cache_key"] = "dbt-llm-batch-" + cfg.fingerprint_prefix()[:32]
@@ -62,20 +76,24 @@ class OpenAIBatchProvider(BatchProvider):
             body["temperature"] = cfg.temperature
         schema = cfg.output_json_schema()
         if schema is not None:
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "llm_output", "strict": True, "schema": schema}}
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "llm_output", "strict": True, "schema": schema},
+            }
         body.update(cfg.params)
         return body
 
     def request_line_sql(self) -> str:
-        return spliced_line_sql({"custom_id": CUSTOM_ID_MARK, "method": "POST", "url": ENDPOINT,
-                                 "body": self.request_body()})
+        return spliced_line_sql(
+            {"custom_id": CUSTOM_ID_MARK, "method": "POST", "url": ENDPOINT, "body": self.request_body()}
+        )
 
     def realtime_body(self) -> dict:
         return self.request_body()
 
     def realtime_transports(self) -> list:
         from dbt_llm_batch.providers.realtime_transport import openai_transports
+
         return openai_transports(concurrency=self.config.concurrency)
 
     def realtime_result_line(self, custom_id, status, text):
@@ -87,6 +105,7 @@ class OpenAIBatchProvider(BatchProvider):
         def upload():  # safe to repeat: an unused input file bills nothing
             with open(jsonl_path, "rb") as f:
                 return self.client.files.create(file=(upload_name(token), f), purpose="batch")
+
         return self.calls.call("upload the request file", upload).id
 
     def create(self, jsonl_path, file_id, token, model_name):
@@ -94,8 +113,11 @@ class OpenAIBatchProvider(BatchProvider):
         # bill a second batch; the client has no SDK retries). A failure here is left to
         # submit.py and reconciliation.
         batch = self.client.batches.create(
-            input_file_id=file_id, endpoint=ENDPOINT, completion_window="24h",
-            metadata={TOKEN_KEY: token, "dbt_model": model_name[:512]})
+            input_file_id=file_id,
+            endpoint=ENDPOINT,
+            completion_window="24h",
+            metadata={TOKEN_KEY: token, "dbt_model": model_name[:512]},
+        )
         return Submission(batch_id=batch.id, status=batch.status, input_file_id=file_id)
 
     def find_upload(self, token, since_epoch):
@@ -107,6 +129,7 @@ class OpenAIBatchProvider(BatchProvider):
                 if f.filename == name and f.created_at >= since_epoch - 3600:
                     return f.id
             return None
+
         return self.calls.call("list files", find)
 
     def find_submission(self, token, since_epoch, custom_ids, known_batch_ids=frozenset()):
@@ -124,17 +147,24 @@ class OpenAIBatchProvider(BatchProvider):
         b = self.calls.call(f"poll batch {batch_id}", lambda: self.client.batches.retrieve(batch_id))
         error, line_errors, token_limit = None, {}, False
         if b.errors and b.errors.data:
-            error = "; ".join(f"{e.code}: {e.message}" + (f" (line {e.line})" if e.line else "")
-                              for e in b.errors.data)
+            error = "; ".join(f"{e.code}: {e.message}" + (f" (line {e.line})" if e.line else "") for e in b.errors.data)
             # Validation errors that name lines fail those requests alone (the rest are resubmitted).
             # `line` is 1-based, counted over the file we uploaded (the ledger's file_line).
-            line_errors = {e.line: f"{e.code}: {e.message}" if e.code else e.message
-                           for e in b.errors.data if e.line is not None}
+            line_errors = {
+                e.line: f"{e.code}: {e.message}" if e.code else e.message for e in b.errors.data if e.line is not None
+            }
             token_limit = any(e.code == "token_limit_exceeded" for e in b.errors.data)
         counts = b.request_counts.model_dump() if b.request_counts else {}
-        return BatchState(status=b.status, ended=b.status in ENDED, error=error, counts=counts,
-                          output_file_id=b.output_file_id, error_file_id=b.error_file_id,
-                          line_errors=line_errors, token_limit=token_limit)
+        return BatchState(
+            status=b.status,
+            ended=b.status in ENDED,
+            error=error,
+            counts=counts,
+            output_file_id=b.output_file_id,
+            error_file_id=b.error_file_id,
+            line_errors=line_errors,
+            token_limit=token_limit,
+        )
 
     def download_results(self, state, batch_id, directory):
         files = []
@@ -142,8 +172,10 @@ class OpenAIBatchProvider(BatchProvider):
             if file_id:  # a batch whose requests all failed has no output file, one with none failed no error file
                 path = os.path.join(directory, f"{batch_id}-{source}.jsonl")
                 try:
-                    self.calls.call(f"download {source} file of {batch_id}",
-                                    lambda: self.client.files.content(file_id).write_to_file(path))
+                    self.calls.call(
+                        f"download {source} file of {batch_id}",
+                        lambda file_id=file_id, path=path: self.client.files.content(file_id).write_to_file(path),
+                    )
                 except Exception as exc:
                     if status_of(exc) != 404:
                         raise
@@ -157,6 +189,7 @@ class OpenAIBatchProvider(BatchProvider):
 
     def delete_files(self, batch_id, file_ids):
         import openai
+
         deleted = []
         for file_id in file_ids:  # the uploaded input, and the output and error files
             try:
@@ -170,11 +203,18 @@ class OpenAIBatchProvider(BatchProvider):
     # error file has an object there, an OpenAI-compatible server may put a plain string.
     result_structure = {
         "custom_id": "VARCHAR",
-        "response": {"status_code": "INTEGER", "body": {
-            "choices": [{"finish_reason": "VARCHAR", "message": {"content": "VARCHAR", "refusal": "VARCHAR"}}],
-            "usage": {"prompt_tokens": "BIGINT", "completion_tokens": "BIGINT",
-                      "prompt_tokens_details": {"cached_tokens": "BIGINT", "cache_write_tokens": "BIGINT"}},
-            "error": {"message": "VARCHAR", "code": "VARCHAR"}}},
+        "response": {
+            "status_code": "INTEGER",
+            "body": {
+                "choices": [{"finish_reason": "VARCHAR", "message": {"content": "VARCHAR", "refusal": "VARCHAR"}}],
+                "usage": {
+                    "prompt_tokens": "BIGINT",
+                    "completion_tokens": "BIGINT",
+                    "prompt_tokens_details": {"cached_tokens": "BIGINT", "cache_write_tokens": "BIGINT"},
+                },
+                "error": {"message": "VARCHAR", "code": "VARCHAR"},
+            },
+        },
         "error": "JSON",
     }
 
@@ -199,6 +239,6 @@ class OpenAIBatchProvider(BatchProvider):
             {body}.usage.prompt_tokens_details.cache_write_tokens as cache_write_tokens,
             -- A refusal, and a request the API rejects (400 invalid_request_error, 404 unknown model,
             -- 413 too large, 422), would come back the same; 408, 409, 429 and 5xx are transient.
-            case when {choice}.message.refusal is not null and {choice}.message.content is null then {sql_text(REFUSED)}
-                 when {r}.response.status_code in (400, 404, 413, 422) then {sql_text(REJECTED)} end as not_retried,
+            case when {choice}.message.refusal is not null and {choice}.message.content is null then {literal(REFUSED)}
+                 when {r}.response.status_code in (400, 404, 413, 422) then {literal(REJECTED)} end as not_retried,
             null::bigint as cache_write_1h_tokens"""

@@ -22,11 +22,14 @@ class OpenAICompatibleProvider(OpenAIBatchProvider):
     def check_credentials(self) -> None:
         var = self.config.api_key_env
         if var and not os.environ.get(var):
-            raise ConfigError(f"{var} is not set (named by llm_api_key_env): export it in the shell that runs "
-                              f"dbt, or drop llm_api_key_env if the engine needs no key")
+            raise ConfigError(
+                f"{var} is not set (named by llm_api_key_env): export it in the shell that runs "
+                f"dbt, or drop llm_api_key_env if the engine needs no key"
+            )
 
     def realtime_transports(self) -> list:
         from dbt_llm_batch.providers.engine_http import engine_transports
+
         return engine_transports(self.config.base_urls, self.config.api_key_env)
 
     def upload(self, jsonl_path, token):

@@ -18,8 +18,11 @@ REQUEST_TIMEOUT_SECONDS = 300  # one answer from a busy engine can take minutes
 
 
 # Statuses that say the run itself is wrong (key, account, model name or URL), not the row.
-FATAL = {401: "the API key was rejected", 402: "the account cannot pay for requests",
-         403: "the API key may not use this model"}
+FATAL = {
+    401: "the API key was rejected",
+    402: "the account cannot pay for requests",
+    403: "the API key may not use this model",
+}
 
 
 class TransientError(Exception):
@@ -37,8 +40,16 @@ class LostReply(TransientError):
 # whole request was sent, so nothing can have been billed; matched by name, not by import. Any other
 # failure (a read timeout, a dropped connection, a cut-off body, one the SDK does not explain) is
 # taken as a reply lost after sending.
-NOT_SENT = {"ConnectError", "ConnectTimeout", "PoolTimeout", "WriteError", "WriteTimeout", "UnsupportedProtocol",
-            "ProxyError", "LocalProtocolError"}
+NOT_SENT = {
+    "ConnectError",
+    "ConnectTimeout",
+    "PoolTimeout",
+    "WriteError",
+    "WriteTimeout",
+    "UnsupportedProtocol",
+    "ProxyError",
+    "LocalProtocolError",
+}
 
 
 def reached_the_provider(exc: BaseException) -> bool:
@@ -91,8 +102,10 @@ class Transport:
         if reply.status in FATAL:
             return f"{self.name} answered HTTP {reply.status}: {FATAL[reply.status]} (check {self.key_hint})"
         if reply.status == 404 and self.self_hosted:
-            return (f"{self.name} answered HTTP 404: no such endpoint or model (check llm_base_url, which "
-                    f"usually ends in /v1, and that llm_model is the engine's served model name)")
+            return (
+                f"{self.name} answered HTTP 404: no such endpoint or model (check llm_base_url, which "
+                f"usually ends in /v1, and that llm_model is the engine's served model name)"
+            )
         return None
 
 
@@ -106,10 +119,15 @@ class SdkTransport(Transport):
 
     async def send(self, body: bytes, timeout: float) -> Reply:
         import httpx2 as httpx  # the HTTP client the SDKs are built on
+
         self.outstanding += 1
         try:  # the body is already JSON (built in SQL): sent as is, never parsed here
-            response = await self.client.post(self.path, content=body, cast_to=httpx.Response, options={
-                "headers": {"Content-Type": "application/json"}, "timeout": timeout})
+            response = await self.client.post(
+                self.path,
+                content=body,
+                cast_to=httpx.Response,
+                options={"headers": {"Content-Type": "application/json"}, "timeout": timeout},
+            )
             reply = Reply(response.status_code, response.text)
         except self.errors.APIStatusError as exc:
             reply = Reply(exc.status_code, exc.response.text, retry_after_seconds(exc.response.headers))
@@ -134,16 +152,20 @@ def openai_transports(concurrency: int = 16) -> list[SdkTransport]:
     """OpenAI itself, which the SDK finds through OPENAI_BASE_URL / OPENAI_API_KEY."""
     import httpx2 as httpx  # the HTTP client the SDKs are built on
     import openai
+
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    client = openai.AsyncOpenAI(max_retries=0, timeout=REQUEST_TIMEOUT_SECONDS,
-                                http_client=openai.DefaultAsyncHttpxClient(limits=limits))
+    client = openai.AsyncOpenAI(
+        max_retries=0, timeout=REQUEST_TIMEOUT_SECONDS, http_client=openai.DefaultAsyncHttpxClient(limits=limits)
+    )
     return [SdkTransport(client, "/chat/completions", openai, "OpenAI", "OPENAI_API_KEY")]
 
 
 def anthropic_transports(concurrency: int = 16) -> list[SdkTransport]:
     import anthropic
     import httpx2 as httpx  # the HTTP client the SDKs are built on
+
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    client = anthropic.AsyncAnthropic(max_retries=0, timeout=REQUEST_TIMEOUT_SECONDS,
-                                      http_client=anthropic.DefaultAsyncHttpxClient(limits=limits))
+    client = anthropic.AsyncAnthropic(
+        max_retries=0, timeout=REQUEST_TIMEOUT_SECONDS, http_client=anthropic.DefaultAsyncHttpxClient(limits=limits)
+    )
     return [SdkTransport(client, "/v1/messages", anthropic, "Anthropic", "ANTHROPIC_API_KEY")]

@@ -1,4 +1,5 @@
 """`python -m dbt_llm_batch.sandbox` runs the sandbox server (see cli.py for the flags)."""
+
 import sys
 
 from .cli import main

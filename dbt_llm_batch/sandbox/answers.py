@@ -12,13 +12,14 @@
 - `Faults`: injected failures that replace the normal outcome (an HTTP error
   for a call, an errored or altered answer, a batch failing validation).
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .validation import Invalid, check_openai_chat
 
@@ -36,7 +37,7 @@ def expected_answer(system: str | None, prompt: str, schema: dict | None) -> str
         return f"[sandbox] {h[:16]}"
     out = {}
     for i, (name, prop) in enumerate(schema.get("properties", {}).items()):
-        n = int(h[(4 * i) % 60:(4 * i) % 60 + 4], 16)
+        n = int(h[(4 * i) % 60 : (4 * i) % 60 + 4], 16)
         if "enum" in prop:
             out[name] = prop["enum"][n % len(prop["enum"])]
         elif prop.get("type") == "integer":
@@ -108,8 +109,9 @@ def chat_inputs(body: dict) -> ChatInputs:
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise InvalidBody("response_format.json_schema",
-                              "Invalid 'response_format.json_schema': expected an object.")
+            raise InvalidBody(
+                "response_format.json_schema", "Invalid 'response_format.json_schema': expected an object."
+            )
         schema = spec.get("schema")
     limit = body.get("max_completion_tokens")
     name = "max_completion_tokens"
@@ -117,7 +119,7 @@ def chat_inputs(body: dict) -> ChatInputs:
         limit, name = body.get("max_tokens"), "max_tokens"
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise InvalidBody(name, f"Invalid '{name}': expected an integer of at least 1.")
-    prefix = [[m["role"], t] for m, t in zip(messages[:last_user], texts)]  # what OpenAI can cache
+    prefix = [[m["role"], t] for m, t in zip(messages[:last_user], texts, strict=False)]  # what OpenAI can cache
     return ChatInputs("\n".join(system) if system else None, prompt, schema, sum(map(len, texts)), limit, prefix)
 
 
@@ -150,9 +152,14 @@ def simulate(answer: str, prompt_chars: int, max_tokens: int | None) -> Completi
     return Completion(answer, estimate_input_tokens(prompt_chars), completion_tokens, truncated)
 
 
-def answer_chat_request(body: dict, faults: "Faults", new_id: Callable[..., str], created: int,
-                        cached_tokens: Callable[[ChatInputs], int] | None = None,
-                        null_details: bool = False) -> tuple[int, dict, Completion | None]:
+def answer_chat_request(
+    body: dict,
+    faults: Faults,
+    new_id: Callable[..., str],
+    created: int,
+    cached_tokens: Callable[[ChatInputs], int] | None = None,
+    null_details: bool = False,
+) -> tuple[int, dict, Completion | None]:
     """Run one /v1/chat/completions request as the sandbox "model" would.
 
     Returns (status code, response body, completion or None on error); error
@@ -170,22 +177,46 @@ def answer_chat_request(body: dict, faults: "Faults", new_id: Callable[..., str]
     fault = faults.take_request(ask.prompt)
     if fault and fault["kind"] == "http_error":
         status = fault["status_code"]
-        return status, _error_body(fault["message"] or "Sandbox fault injected for this request.",
-                                   fault["type"] or ("server_error" if status >= 500 else "invalid_request_error"),
-                                   fault["param"], fault["code"]), None
+        return (
+            status,
+            _error_body(
+                fault["message"] or "Sandbox fault injected for this request.",
+                fault["type"] or ("server_error" if status >= 500 else "invalid_request_error"),
+                fault["param"],
+                fault["code"],
+            ),
+            None,
+        )
     answer = fault["content"] if fault else expected_answer(ask.system, ask.prompt, ask.schema)
     done = simulate(answer, ask.prompt_chars, ask.max_tokens)
     done.cached_tokens = cached_tokens(ask) if cached_tokens else 0
-    return 200, {
-        "id": new_id("chatcmpl-", 29), "object": "chat.completion", "created": created, "model": body.get("model"),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": done.content, "refusal": None,
-                                             "annotations": []},
-                     "logprobs": None, "finish_reason": "length" if done.truncated else "stop"}],
-        "usage": {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                  "total_tokens": done.total_tokens,
-                  "prompt_tokens_details": None if null_details else {"cached_tokens": done.cached_tokens},
-                  "completion_tokens_details": None if null_details else {"reasoning_tokens": 0}},
-        "system_fingerprint": "fp_sandbox", "service_tier": "default"}, done
+    return (
+        200,
+        {
+            "id": new_id("chatcmpl-", 29),
+            "object": "chat.completion",
+            "created": created,
+            "model": body.get("model"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": done.content, "refusal": None, "annotations": []},
+                    "logprobs": None,
+                    "finish_reason": "length" if done.truncated else "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": done.prompt_tokens,
+                "completion_tokens": done.completion_tokens,
+                "total_tokens": done.total_tokens,
+                "prompt_tokens_details": None if null_details else {"cached_tokens": done.cached_tokens},
+                "completion_tokens_details": None if null_details else {"reasoning_tokens": 0},
+            },
+            "system_fingerprint": "fp_sandbox",
+            "service_tier": "default",
+        },
+        done,
+    )
 
 
 def _error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
@@ -230,7 +261,7 @@ def check_lines(data: bytes, endpoint: str, limit: int) -> tuple[list[dict], lis
     return errors[:MAX_REPORTED_LINE_ERRORS], requests, model
 
 
-def faulted_lines(data: bytes, faults: "Faults") -> list[dict]:
+def faulted_lines(data: bytes, faults: Faults) -> list[dict]:
     """Batch.errors.data entries for valid lines an `invalid_line` fault rejects (1-based line numbers,
     counted like check_lines: over the file's lines, blank ones included)."""
     errors = []
@@ -243,8 +274,14 @@ def faulted_lines(data: bytes, faults: "Faults") -> list[dict]:
             continue  # check_lines reports it already
         fault = faults.take_invalid_line(prompt)
         if fault:
-            errors.append(batch_error(fault["code"] or "invalid_request", n, fault["message"] or
-                                      "This line failed validation: the request body is invalid.", fault["param"]))
+            errors.append(
+                batch_error(
+                    fault["code"] or "invalid_request",
+                    n,
+                    fault["message"] or "This line failed validation: the request body is invalid.",
+                    fault["param"],
+                )
+            )
     return errors[:MAX_REPORTED_LINE_ERRORS]
 
 
@@ -264,8 +301,12 @@ def _line_problem(line: dict, endpoint: str, seen: set[str], model: str | None) 
     if custom_id in seen:
         return "duplicate_custom_id", "The custom_id for this request is a duplicate of another request.", "custom_id"
     if body["model"] != model:
-        return ("mismatched_model", "The provided model does not match the model of the other requests in the "
-                "batch; a batch can only include requests to a single model.", "body.model")
+        return (
+            "mismatched_model",
+            "The provided model does not match the model of the other requests in the "
+            "batch; a batch can only include requests to a single model.",
+            "body.model",
+        )
     return None
 
 
@@ -290,12 +331,27 @@ class Faults:
         self._items: list[dict] = []
         self._next_id = 1
 
-    def add(self, *, kind: str = "http_error", prompt_contains: str | None = None, endpoint: str | None = None,
-            times: int | None = 1, status_code: int | None = None, type: str | None = None,
-            message: str | None = None, code: str | None = None, param: str | None = None,
-            content: str | None = None, retry_after: float | None = None, when: str = "before",
-            path_contains: str | None = None) -> dict:
-        if kind not in self.REQUEST_KINDS + self.VALIDATION_KINDS + self.ENDPOINT_KINDS + ("token_limit", "batch_failed"):
+    def add(
+        self,
+        *,
+        kind: str = "http_error",
+        prompt_contains: str | None = None,
+        endpoint: str | None = None,
+        times: int | None = 1,
+        status_code: int | None = None,
+        type: str | None = None,
+        message: str | None = None,
+        code: str | None = None,
+        param: str | None = None,
+        content: str | None = None,
+        retry_after: float | None = None,
+        when: str = "before",
+        path_contains: str | None = None,
+    ) -> dict:
+        if kind not in self.REQUEST_KINDS + self.VALIDATION_KINDS + self.ENDPOINT_KINDS + (
+            "token_limit",
+            "batch_failed",
+        ):
             raise ValueError(f"unknown fault kind {kind!r}")
         if path_contains is not None and endpoint is None:  # e.g. one file's id on GET /v1/files/{id}/content
             raise ValueError("'path_contains' narrows an endpoint fault: it needs an 'endpoint'")
@@ -313,13 +369,28 @@ class Faults:
             raise ValueError("'times' must be a positive integer or null")
         if status_code is not None and not 400 <= status_code <= 599:
             raise ValueError("'status_code' must be an HTTP error status (400-599)")
-        scope = "endpoint" if endpoint else {"token_limit": "batch", "invalid_line": "line",
-                                              "batch_failed": "batch_failure"}.get(kind, "request")
-        fault = {"id": self._next_id, "scope": scope, "kind": kind, "endpoint": endpoint, "path_contains": path_contains,
-                 "prompt_contains": prompt_contains, "times": times,
-                 "status_code": status_code or (413 if kind == "proxy_error" else 500 if endpoint else 400),
-                 "type": type, "message": message, "code": code, "param": param, "content": content,
-                 "retry_after": retry_after, "when": when}
+        scope = (
+            "endpoint"
+            if endpoint
+            else {"token_limit": "batch", "invalid_line": "line", "batch_failed": "batch_failure"}.get(kind, "request")
+        )
+        fault = {
+            "id": self._next_id,
+            "scope": scope,
+            "kind": kind,
+            "endpoint": endpoint,
+            "path_contains": path_contains,
+            "prompt_contains": prompt_contains,
+            "times": times,
+            "status_code": status_code or (413 if kind == "proxy_error" else 500 if endpoint else 400),
+            "type": type,
+            "message": message,
+            "code": code,
+            "param": param,
+            "content": content,
+            "retry_after": retry_after,
+            "when": when,
+        }
         self._next_id += 1
         self._items.append(fault)
         return dict(fault)
@@ -335,8 +406,11 @@ class Faults:
         return None
 
     def take_endpoint(self, route_key: str, path: str = "") -> dict | None:
-        return self._take(lambda f: f["scope"] == "endpoint" and f["endpoint"] in (route_key, "*")
-                          and (f["path_contains"] or "") in path)
+        return self._take(
+            lambda f: (
+                f["scope"] == "endpoint" and f["endpoint"] in (route_key, "*") and (f["path_contains"] or "") in path
+            )
+        )
 
     def take_request(self, prompt: str) -> dict | None:
         return self._take(lambda f: f["scope"] == "request" and (f["prompt_contains"] or "") in prompt)

@@ -13,6 +13,7 @@ Follows the Anthropic Message Batches docs and SDK:
 - `results_url` is absolute and points back at this server.
 Auth: `x-api-key: <key>` or `Authorization: Bearer <key>`, any `anthropic-version`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,8 +32,8 @@ EXPIRES_AFTER = DAY
 RESULTS_KEPT = 29 * DAY
 ENDPOINT_FAULTS = {  # status -> message, as the real API words them
     429: "Number of request tokens has exceeded your per-minute rate limit "
-         "(https://docs.claude.com/en/api/rate-limits); see the response headers for current usage. "
-         "Please reduce the prompt length or the maximum tokens requested, or try again later.",
+    "(https://docs.claude.com/en/api/rate-limits); see the response headers for current usage. "
+    "Please reduce the prompt length or the maximum tokens requested, or try again later.",
     500: "Internal server error",
     529: "Overloaded",
 }
@@ -47,6 +48,7 @@ def rfc3339(at: float | None) -> str | None:
 @dataclass
 class Job:
     """One message batch: the served object plus what the provider keeps behind it."""
+
     obj: dict  # MessageBatch as served, except results_url (rendered per request)
     requests: list[dict]  # [{"custom_id", "params"}] in input order
     created: float
@@ -57,6 +59,7 @@ class Job:
 
 class Face:
     """The Anthropic face: routes, envelopes and batch lifecycle (protocol in server.py)."""
+
     name = "anthropic"
     server_error_type = "api_error"
     prefixes = ("/v1/messages",)
@@ -66,9 +69,12 @@ class Face:
         self.emu = emu
         base = "/v1/messages/batches"
         self.routes = [
-            ("POST", base, self.create_batch), ("GET", base, self.list_batches),
-            ("GET", base + "/{id}", self.get_batch), ("DELETE", base + "/{id}", self.delete_batch),
-            ("POST", base + "/{id}/cancel", self.cancel_batch), ("GET", base + "/{id}/results", self.batch_results),
+            ("POST", base, self.create_batch),
+            ("GET", base, self.list_batches),
+            ("GET", base + "/{id}", self.get_batch),
+            ("DELETE", base + "/{id}", self.delete_batch),
+            ("POST", base + "/{id}/cancel", self.cancel_batch),
+            ("GET", base + "/{id}/results", self.batch_results),
             ("POST", "/v1/messages", lambda req: anthropic_create_message(self, req)),  # realtime
         ]
         self.reset()
@@ -85,16 +91,20 @@ class Face:
         return key.strip() if scheme.lower() == "bearer" else None
 
     def auth_error(self, presented: str | None) -> ApiError:
-        return ApiError(401, "invalid x-api-key" if presented else "x-api-key header is required",
-                        "authentication_error")
+        return ApiError(
+            401, "invalid x-api-key" if presented else "x-api-key header is required", "authentication_error"
+        )
 
     def route_not_found(self, method: str, path: str) -> ApiError:
         return ApiError(404, "Not Found", "not_found_error")
 
     def endpoint_fault_error(self, fault: dict) -> ApiError:
         status = fault["status_code"]
-        return ApiError(status, fault["message"] or ENDPOINT_FAULTS.get(status, "Sandbox fault injected."),
-                        fault["type"] or error_type_for(status))
+        return ApiError(
+            status,
+            fault["message"] or ENDPOINT_FAULTS.get(status, "Sandbox fault injected."),
+            fault["type"] or error_type_for(status),
+        )
 
     def error_payload(self, err: ApiError, request_id: str) -> dict:
         return {"type": "error", "error": {"type": err.type, "message": err.message}, "request_id": request_id}
@@ -114,8 +124,10 @@ class Face:
         _require(isinstance(requests, list), "requests: Input should be a valid list")
         limit = self.emu.max_message_batch_requests
         _require(len(requests) >= 1, "requests: List should have at least 1 item after validation, not 0")
-        _require(len(requests) <= limit,
-                 f"requests: List should have at most {limit} items after validation, not {len(requests)}")
+        _require(
+            len(requests) <= limit,
+            f"requests: List should have at most {limit} items after validation, not {len(requests)}",
+        )
         seen: dict[str, int] = {}
         for i, item in enumerate(requests):
             _require(isinstance(item, dict), f"requests.{i}: Input should be a valid dictionary")
@@ -124,10 +136,14 @@ class Face:
             _require(isinstance(custom_id, str), f"requests.{i}.custom_id: Input should be a valid string")
             _require(len(custom_id) >= 1, f"requests.{i}.custom_id: String should have at least 1 character")
             _require(len(custom_id) <= 64, f"requests.{i}.custom_id: String should have at most 64 characters")
-            _require(CUSTOM_ID.match(custom_id),
-                     f"requests.{i}.custom_id: String should match pattern '{CUSTOM_ID.pattern}'")
-            _require(custom_id not in seen, f"requests.{i}.custom_id: Duplicate custom_id '{custom_id}' "
-                     f"(also used by requests.{seen.get(custom_id)}); custom_id must be unique within a batch")
+            _require(
+                CUSTOM_ID.match(custom_id), f"requests.{i}.custom_id: String should match pattern '{CUSTOM_ID.pattern}'"
+            )
+            _require(
+                custom_id not in seen,
+                f"requests.{i}.custom_id: Duplicate custom_id '{custom_id}' "
+                f"(also used by requests.{seen.get(custom_id)}); custom_id must be unique within a batch",
+            )
             seen[custom_id] = i
             _require("params" in item, f"requests.{i}.params: Field required")
             _require(isinstance(item["params"], dict), f"requests.{i}.params: Input should be a valid dictionary")
@@ -135,19 +151,30 @@ class Face:
         if cap is not None:
             # Anthropic rate limits: one cap on "batch requests in processing queue" per workspace, over
             # every model; a create that would go over it is refused with a 429.
-            queued = sum(len(j.requests) for j in self.jobs.values()
-                         if j.obj["processing_status"] != "ended")
+            queued = sum(len(j.requests) for j in self.jobs.values() if j.obj["processing_status"] != "ended")
             if queued + len(requests) > cap:
-                raise ApiError(429, f"Number of batch requests in the processing queue would exceed your "
-                                    f"organization's rate limit of {cap:,} queued requests ({queued:,} queued, "
-                                    f"{len(requests):,} in this batch). Please try again once some batches "
-                                    "have ended.", "rate_limit_error", headers={"retry-after": "60"})
+                raise ApiError(
+                    429,
+                    f"Number of batch requests in the processing queue would exceed your "
+                    f"organization's rate limit of {cap:,} queued requests ({queued:,} queued, "
+                    f"{len(requests):,} in this batch). Please try again once some batches "
+                    "have ended.",
+                    "rate_limit_error",
+                    headers={"retry-after": "60"},
+                )
         now = self.emu.now()
-        obj = {"id": self._id("msgbatch_01", 22), "type": "message_batch", "processing_status": "in_progress",
-               "request_counts": {"processing": len(requests), "succeeded": 0, "errored": 0, "canceled": 0,
-                                  "expired": 0},
-               "ended_at": None, "created_at": rfc3339(now), "expires_at": rfc3339(now + EXPIRES_AFTER),
-               "archived_at": None, "cancel_initiated_at": None, "results_url": None}
+        obj = {
+            "id": self._id("msgbatch_01", 22),
+            "type": "message_batch",
+            "processing_status": "in_progress",
+            "request_counts": {"processing": len(requests), "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0},
+            "ended_at": None,
+            "created_at": rfc3339(now),
+            "expires_at": rfc3339(now + EXPIRES_AFTER),
+            "archived_at": None,
+            "cancel_initiated_at": None,
+            "results_url": None,
+        }
         job = Job(obj, [{"custom_id": r["custom_id"], "params": r["params"]} for r in requests], now, now)
         self.jobs[obj["id"]] = job
         self.emu.counters.new_batch(self.name, obj["id"], len(requests))
@@ -165,17 +192,23 @@ class Face:
         _require(limit <= 1000, "limit: Input should be less than or equal to 1000")
         ids = list(reversed(self.jobs))  # newest first
         for name in ("after_id", "before_id"):
-            _require(not req.query.get(name) or req.query[name] in self.jobs,
-                     f"{name}: no Message Batch with id '{req.query.get(name)}'")
+            _require(
+                not req.query.get(name) or req.query[name] in self.jobs,
+                f"{name}: no Message Batch with id '{req.query.get(name)}'",
+            )
         if req.query.get("after_id"):
-            ids = ids[ids.index(req.query["after_id"]) + 1:]
+            ids = ids[ids.index(req.query["after_id"]) + 1 :]
         if req.query.get("before_id"):  # the page just before (newer than) that batch
-            ids = ids[:ids.index(req.query["before_id"])]
+            ids = ids[: ids.index(req.query["before_id"])]
             page, has_more = ids[-limit:], len(ids) > limit
         else:
             page, has_more = ids[:limit], len(ids) > limit
-        return {"data": [self._render(self.jobs[i], req) for i in page], "has_more": has_more,
-                "first_id": page[0] if page else None, "last_id": page[-1] if page else None}
+        return {
+            "data": [self._render(self.jobs[i], req) for i in page],
+            "has_more": has_more,
+            "first_id": page[0] if page else None,
+            "last_id": page[-1] if page else None,
+        }
 
     def cancel_batch(self, req: Request) -> dict:
         job = self._job(req.params["id"])
@@ -187,20 +220,29 @@ class Face:
 
     def delete_batch(self, req: Request) -> dict:
         job = self._job(req.params["id"])
-        _require(job.obj["processing_status"] == "ended",
-                 f"Message Batch {job.obj['id']} cannot be deleted while processing is "
-                 f"'{job.obj['processing_status']}'. You must first cancel it and wait for it to end.")
+        _require(
+            job.obj["processing_status"] == "ended",
+            f"Message Batch {job.obj['id']} cannot be deleted while processing is "
+            f"'{job.obj['processing_status']}'. You must first cancel it and wait for it to end.",
+        )
         self.deleted[job.obj["id"]] = self.jobs.pop(job.obj["id"])
         return {"id": job.obj["id"], "type": "message_batch_deleted"}
 
     def batch_results(self, req: Request) -> Reply:
         job = self._job(req.params["id"])
-        _require(job.obj["processing_status"] == "ended", f"Message Batch {job.obj['id']} has not yet ended; "
-                 "its results are available once processing_status is 'ended'.")
+        _require(
+            job.obj["processing_status"] == "ended",
+            f"Message Batch {job.obj['id']} has not yet ended; "
+            "its results are available once processing_status is 'ended'.",
+        )
         if job.jsonl is None:  # archived; which status the provider answers then is not documented
             status = self.emu.archived_results_status
-            raise ApiError(status, f"The results of Message Batch {job.obj['id']} are no longer available: batch "
-                                   "results are kept for 29 days after creation.", error_type_for(status))
+            raise ApiError(
+                status,
+                f"The results of Message Batch {job.obj['id']} are no longer available: batch "
+                "results are kept for 29 days after creation.",
+                error_type_for(status),
+            )
         return Reply(200, job.jsonl, "application/binary")
 
     def _job(self, batch_id: str) -> Job:
@@ -239,8 +281,11 @@ class Face:
         status = job.obj["processing_status"]
         if status == "ended" and to == "ended":
             return self._render(job)
-        if status == "ended" or to not in ("in_progress", "canceling", "ended", "canceled", "cancelled", "expired") \
-                or (to == "in_progress" and status != "in_progress"):
+        if (
+            status == "ended"
+            or to not in ("in_progress", "canceling", "ended", "canceled", "cancelled", "expired")
+            or (to == "in_progress" and status != "in_progress")
+        ):
             raise ValueError(f"cannot advance message batch {batch_id} from '{status}' to {to!r}")
         if to in ("canceling", "canceled", "cancelled") and status == "in_progress":
             self._set_canceling(job, now)
@@ -268,8 +313,9 @@ class Face:
             if status != "ended" and stage is not None:
                 due = job.stage_started + stage
                 if status == "in_progress":  # requests complete steadily through the stage
-                    self._run_until(job, 1.0 if stage <= 0 else min(1.0, (now - job.stage_started) / stage),
-                                    min(now, due))
+                    self._run_until(
+                        job, 1.0 if stage <= 0 else min(1.0, (now - job.stage_started) / stage), min(now, due)
+                    )
                 if now >= due:
                     self._end(job, "canceled" if status == "canceling" else None, due)
             if job.obj["processing_status"] != "ended" and now >= job.created + EXPIRES_AFTER:
@@ -287,14 +333,32 @@ class Face:
         target = min(len(job.requests), math.floor(len(job.requests) * fraction + 1e-9))
         while len(job.results) < target:
             item = job.requests[len(job.results)]
-            result, usage = run_request(item["params"], self.emu.fault_book, self.emu.prompt_cache,
-                                        self.emu.min_cache_tokens, at, self._id, self.emu.null_usage_details)
+            result, usage = run_request(
+                item["params"],
+                self.emu.fault_book,
+                self.emu.prompt_cache,
+                self.emu.min_cache_tokens,
+                at,
+                self._id,
+                self.emu.null_usage_details,
+            )
             job.results.append(result)
             if usage is not None:  # only succeeded requests are billed
-                self.emu.counters.add_usage(self.name, **{k: usage[k] or 0 for k in (
-                    "input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")})
-                self.emu.counters.bill(self.name, "batch", read_params(item["params"]).prompt, job.obj["id"],
-                                       item["custom_id"])
+                self.emu.counters.add_usage(
+                    self.name,
+                    **{
+                        k: usage[k] or 0
+                        for k in (
+                            "input_tokens",
+                            "output_tokens",
+                            "cache_creation_input_tokens",
+                            "cache_read_input_tokens",
+                        )
+                    },
+                )
+                self.emu.counters.bill(
+                    self.name, "batch", read_params(item["params"]).prompt, job.obj["id"], item["custom_id"]
+                )
 
     def _end(self, job: Job, leftover: str | None, at: float) -> None:
         """End processing; requests not run are `leftover` (canceled/expired) or run now (None)."""
@@ -304,7 +368,10 @@ class Face:
         counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
         for result in results:
             counts[result["type"]] += 1
-        lines = [{"custom_id": item["custom_id"], "result": result} for item, result in zip(job.requests, results)]
+        lines = [
+            {"custom_id": item["custom_id"], "result": result}
+            for item, result in zip(job.requests, results, strict=True)
+        ]
         self.emu.rng.shuffle(lines)  # result order is not input order; clients join on custom_id
         job.jsonl = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode()
         job.obj.update(processing_status="ended", request_counts=counts, ended_at=rfc3339(at))

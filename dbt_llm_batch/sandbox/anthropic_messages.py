@@ -19,12 +19,13 @@ provider validates them asynchronously): bad params give an `errored` result.
   (cache_creation_input_tokens) and later ones within the TTL read it
   (cache_read_input_tokens); `input_tokens` is the rest.
 """
+
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .answers import Faults, count_tokens, expected_answer, simulate
 from .caching import PromptCache, min_cache_tokens
@@ -33,9 +34,18 @@ from .validation import Invalid, check_anthropic_params
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 CACHE_TTLS = {"5m": 300, "1h": 3600}
 MAX_CACHE_BREAKPOINTS = 4
-STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
-                403: "permission_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                500: "api_error", 504: "timeout_error", 529: "overloaded_error"}
+STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
 
 
 def error_type_for(status: int) -> str:
@@ -134,13 +144,18 @@ def _forced_tool(params: dict) -> tuple[str | None, dict | None]:
 
 
 def _read_cache_control(ask: Ask, params: dict, containers: list[tuple[str, str, list[dict]]]) -> None:
-    marks = [(ci, bi) for ci, (_, _, blocks) in enumerate(containers) for bi, b in enumerate(blocks)
-             if b.get("cache_control") is not None]
+    marks = [
+        (ci, bi)
+        for ci, (_, _, blocks) in enumerate(containers)
+        for bi, b in enumerate(blocks)
+        if b.get("cache_control") is not None
+    ]
     if not marks:
         return
     if len(marks) > MAX_CACHE_BREAKPOINTS:
-        raise BadParams(f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. "
-                        f"Found {len(marks)}.")
+        raise BadParams(
+            f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. Found {len(marks)}."
+        )
     for ci, bi in marks:
         control = containers[ci][2][bi]["cache_control"]
         where = containers[ci][0] + (f".{bi}" if ci == 0 and containers[0][0] == "system" else f".content.{bi}")
@@ -151,18 +166,27 @@ def _read_cache_control(ask: Ask, params: dict, containers: list[tuple[str, str,
             raise BadParams(f"{where}.ttl: Input should be '5m' or '1h'")
     last_ci, last_bi = marks[-1]
     ask.ttl = containers[last_ci][2][last_bi]["cache_control"].get("ttl", "5m")
-    cut = [(where, role, blocks if ci < last_ci else blocks[:last_bi + 1])
-           for ci, (where, role, blocks) in enumerate(containers[:last_ci + 1])]
+    cut = [
+        (where, role, blocks if ci < last_ci else blocks[: last_bi + 1])
+        for ci, (where, role, blocks) in enumerate(containers[: last_ci + 1])
+    ]
     ask.prefix_chars = sum(len(_text(blocks)) for _, _, blocks in cut)
     bare = [[role, [{k: v for k, v in b.items() if k != "cache_control"} for b in blocks]] for _, role, blocks in cut]
-    ask.prefix_key = json.dumps(["anthropic", ask.model, params.get("tools"), params.get("tool_choice"), bare],
-                                sort_keys=True, ensure_ascii=False)
+    ask.prefix_key = json.dumps(
+        ["anthropic", ask.model, params.get("tools"), params.get("tool_choice"), bare],
+        sort_keys=True,
+        ensure_ascii=False,
+    )
 
 
 def cache_usage(ask: Ask, total: int, cache: PromptCache, min_tokens: int | None, now: float) -> dict:
     """The usage fields about input, with the prompt cache read or written as the provider would."""
-    usage = {"input_tokens": total, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
-             "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}}
+    usage = {
+        "input_tokens": total,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+    }
     prefix = count_tokens(ask.prefix_chars)
     if ask.prefix_key is None or prefix < min_cache_tokens("anthropic", ask.model, min_tokens):
         return usage
@@ -176,12 +200,21 @@ def cache_usage(ask: Ask, total: int, cache: PromptCache, min_tokens: int | None
 
 
 def errored(type_: str, message: str, new_id: Callable[..., str]) -> dict:
-    return {"type": "errored", "error": {"type": "error", "error": {"type": type_, "message": message},
-                                         "request_id": new_id("req_011C", 20)}}
+    return {
+        "type": "errored",
+        "error": {"type": "error", "error": {"type": type_, "message": message}, "request_id": new_id("req_011C", 20)},
+    }
 
 
-def run_request(params: object, faults: Faults, cache: PromptCache, min_tokens: int | None, now: float,
-                new_id: Callable[..., str], null_details: bool = False) -> tuple[dict, dict | None]:
+def run_request(
+    params: object,
+    faults: Faults,
+    cache: PromptCache,
+    min_tokens: int | None,
+    now: float,
+    new_id: Callable[..., str],
+    null_details: bool = False,
+) -> tuple[dict, dict | None]:
     """Process one request -> (its `result` object, its billed usage or None when not billed).
     `null_details`: the cache_* usage fields are null (the SDK types them optional; a vLLM server's
     Anthropic endpoint leaves them so)."""
@@ -194,8 +227,11 @@ def run_request(params: object, faults: Faults, cache: PromptCache, min_tokens: 
     fault = faults.take_request(ask.prompt)
     if fault and fault["kind"] == "http_error":
         status = fault["status_code"]
-        return errored(fault["type"] or error_type_for(status),
-                       fault["message"] or "Sandbox fault injected for this request.", new_id), None
+        return errored(
+            fault["type"] or error_type_for(status),
+            fault["message"] or "Sandbox fault injected for this request.",
+            new_id,
+        ), None
     answer = fault["content"] if fault else expected_answer(ask.system, ask.prompt, ask.schema)
     done = simulate(answer, ask.total_chars, ask.max_tokens)
     content, stop = [{"type": "text", "text": done.content}], "end_turn"
@@ -209,11 +245,21 @@ def run_request(params: object, faults: Faults, cache: PromptCache, min_tokens: 
             stop = "tool_use"
     if done.truncated:
         stop = "max_tokens"
-    usage = {**cache_usage(ask, done.prompt_tokens, cache, min_tokens, now),
-             "output_tokens": done.completion_tokens, "service_tier": "batch"}
+    usage = {
+        **cache_usage(ask, done.prompt_tokens, cache, min_tokens, now),
+        "output_tokens": done.completion_tokens,
+        "service_tier": "batch",
+    }
     if null_details:
         usage.update(cache_creation_input_tokens=None, cache_read_input_tokens=None, cache_creation=None)
-    message = {"id": new_id("msg_01", 22), "type": "message", "role": "assistant", "model": ask.model,
-               "content": content, "stop_reason": stop, "stop_sequence": None, "usage": usage}
+    message = {
+        "id": new_id("msg_01", 22),
+        "type": "message",
+        "role": "assistant",
+        "model": ask.model,
+        "content": content,
+        "stop_reason": stop,
+        "stop_sequence": None,
+        "usage": usage,
+    }
     return {"type": "succeeded", "message": message}, usage
-

@@ -13,6 +13,7 @@
 
 Token counts come from answers.count_tokens, like every other count of the sandbox.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,9 @@ def min_cache_tokens(face: str, model: object, override: int | None) -> int:
     return 1024
 
 
-def openai_cached_tokens(cache: PromptCache, model: object, ask: ChatInputs, min_tokens: int | None, now: float,
-                         ttl: float) -> int:
+def openai_cached_tokens(
+    cache: PromptCache, model: object, ask: ChatInputs, min_tokens: int | None, now: float, ttl: float
+) -> int:
     """cached_tokens of one OpenAI chat request (0 on the first sight of its prefix, or once it expired)."""
     prefix_tokens = count_tokens(sum(len(text) for _, text in ask.prefix))
     if not ask.prefix or prefix_tokens < min_cache_tokens("openai", model, min_tokens):

@@ -9,6 +9,7 @@ deterministic answer function unless a fault applies. Prompt caching is
 automatic, as at OpenAI (caching.openai_cached_tokens). The Files API is in
 openai_files.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,22 +18,41 @@ import math
 import string
 from dataclasses import dataclass, field
 
-from .answers import (InvalidBody, answer_chat_request, batch_error, chat_inputs, check_lines, estimate_input_tokens,
-                      faulted_lines)
+from .answers import (
+    InvalidBody,
+    answer_chat_request,
+    batch_error,
+    chat_inputs,
+    check_lines,
+    estimate_input_tokens,
+    faulted_lines,
+)
 from .caching import openai_cached_tokens
-from .realtime import openai_chat_completion
 from .openai_files import DAY, FilesMixin, list_page, require, ttl_seconds
+from .realtime import openai_chat_completion
 from .server import ApiError, Request
 
 HEX = "0123456789abcdef"
-ENDPOINTS = ("/v1/responses", "/v1/chat/completions", "/v1/embeddings", "/v1/completions", "/v1/moderations",
-             "/v1/images/generations", "/v1/images/edits", "/v1/videos")
+ENDPOINTS = (
+    "/v1/responses",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/completions",
+    "/v1/moderations",
+    "/v1/images/generations",
+    "/v1/images/edits",
+    "/v1/videos",
+)
 EMULATED_ENDPOINTS = ("/v1/chat/completions",)
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
-EXPIRED = {"code": "batch_expired",
-           "message": "This request could not be executed before the completion window expired."}
-TOKEN_LIMIT = ("Enqueued token limit reached for {model} in organization org-sandbox. Limit: {limit:,} enqueued "
-               "tokens. Please try again once some in_progress batches have been completed.")
+EXPIRED = {
+    "code": "batch_expired",
+    "message": "This request could not be executed before the completion window expired.",
+}
+TOKEN_LIMIT = (
+    "Enqueued token limit reached for {model} in organization org-sandbox. Limit: {limit:,} enqueued "
+    "tokens. Please try again once some in_progress batches have been completed."
+)
 ENDPOINT_FAULTS = {  # status -> (message, type, code) as the real API words them
     429: ("Rate limit reached for requests", "requests", "rate_limit_exceeded"),
     500: ("The server had an error while processing your request. Sorry about that!", "server_error", None),
@@ -43,6 +63,7 @@ ENDPOINT_FAULTS = {  # status -> (message, type, code) as the real API words the
 @dataclass
 class Run:
     """One batch: the served Batch object plus what the provider keeps behind it."""
+
     obj: dict
     data: bytes  # input snapshot taken at create, so deleting the file later changes nothing
     output_ttl: int
@@ -57,6 +78,7 @@ class Run:
 
 class Face(FilesMixin):
     """The OpenAI face: routes, envelopes and batch lifecycle (protocol in server.py)."""
+
     name = "openai"
     server_error_type = "server_error"
     prefixes = ("/v1",)
@@ -65,11 +87,15 @@ class Face(FilesMixin):
     def __init__(self, emu) -> None:
         self.emu = emu  # shared machinery: rng, fault_book, counters, now(), limits
         self.routes = [
-            ("POST", "/v1/files", self.upload_file), ("GET", "/v1/files", self.list_files),
-            ("GET", "/v1/files/{id}", self.get_file), ("DELETE", "/v1/files/{id}", self.delete_file),
+            ("POST", "/v1/files", self.upload_file),
+            ("GET", "/v1/files", self.list_files),
+            ("GET", "/v1/files/{id}", self.get_file),
+            ("DELETE", "/v1/files/{id}", self.delete_file),
             ("GET", "/v1/files/{id}/content", self.file_content),
-            ("POST", "/v1/batches", self.create_batch), ("GET", "/v1/batches", self.list_batches),
-            ("GET", "/v1/batches/{id}", self.get_batch), ("POST", "/v1/batches/{id}/cancel", self.cancel_batch),
+            ("POST", "/v1/batches", self.create_batch),
+            ("GET", "/v1/batches", self.list_batches),
+            ("GET", "/v1/batches/{id}", self.get_batch),
+            ("POST", "/v1/batches/{id}/cancel", self.cancel_batch),
             ("POST", "/v1/chat/completions", lambda req: openai_chat_completion(self, req)),  # realtime
         ]
         self.reset()
@@ -87,21 +113,30 @@ class Face(FilesMixin):
 
     def auth_error(self, presented: str | None) -> ApiError:
         if not presented:
-            return ApiError(401, "You didn't provide an API key. You need to provide your API key in an "
-                                 "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+            return ApiError(
+                401,
+                "You didn't provide an API key. You need to provide your API key in an "
+                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+            )
         shown = f"{presented[:3]}***{presented[-4:]}" if len(presented) >= 12 else "***"
-        return ApiError(401, f"Incorrect API key provided: {shown}. You can find your API key at "
-                             "https://platform.openai.com/account/api-keys.", code="invalid_api_key")
+        return ApiError(
+            401,
+            f"Incorrect API key provided: {shown}. You can find your API key at "
+            "https://platform.openai.com/account/api-keys.",
+            code="invalid_api_key",
+        )
 
     def route_not_found(self, method: str, path: str) -> ApiError:
         return ApiError(404, f"Invalid URL ({method} {path})")
 
     def endpoint_fault_error(self, fault: dict) -> ApiError:
         status = fault["status_code"]
-        message, type_, code = ENDPOINT_FAULTS.get(status, (
-            "Sandbox fault injected.", "server_error" if status >= 500 else "invalid_request_error", None))
-        return ApiError(status, fault["message"] or message, fault["type"] or type_, fault["code"] or code,
-                        fault["param"])
+        message, type_, code = ENDPOINT_FAULTS.get(
+            status, ("Sandbox fault injected.", "server_error" if status >= 500 else "invalid_request_error", None)
+        )
+        return ApiError(
+            status, fault["message"] or message, fault["type"] or type_, fault["code"] or code, fault["param"]
+        )
 
     def error_payload(self, err: ApiError, request_id: str) -> dict:
         return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
@@ -111,31 +146,68 @@ class Face(FilesMixin):
         p = req.json()
         require(isinstance(p, dict), "The request body must be a JSON object.")
         for name in ("input_file_id", "endpoint", "completion_window"):
-            require(p.get(name) is not None, f"Missing required parameter: '{name}'.", name,
-                    "missing_required_parameter")
-        require(p["endpoint"] in ENDPOINTS, f"Invalid value: '{p['endpoint']}'. Supported values are: "
-                f"{', '.join(ENDPOINTS)}.", "endpoint", "invalid_value")
+            require(
+                p.get(name) is not None, f"Missing required parameter: '{name}'.", name, "missing_required_parameter"
+            )
+        require(
+            p["endpoint"] in ENDPOINTS,
+            f"Invalid value: '{p['endpoint']}'. Supported values are: {', '.join(ENDPOINTS)}.",
+            "endpoint",
+            "invalid_value",
+        )
         # A sandbox limit, said plainly rather than faked with wrong-shaped results.
-        require(p["endpoint"] in EMULATED_ENDPOINTS, "The sandbox emulator only emulates "
-                f"{', '.join(EMULATED_ENDPOINTS)} batches.", "endpoint")
-        require(p["completion_window"] == "24h", f"Invalid value: '{p['completion_window']}'. Supported values "
-                "are: '24h'.", "completion_window", "invalid_value")
+        require(
+            p["endpoint"] in EMULATED_ENDPOINTS,
+            f"The sandbox emulator only emulates {', '.join(EMULATED_ENDPOINTS)} batches.",
+            "endpoint",
+        )
+        require(
+            p["completion_window"] == "24h",
+            f"Invalid value: '{p['completion_window']}'. Supported values are: '24h'.",
+            "completion_window",
+            "invalid_value",
+        )
         metadata = _metadata(p.get("metadata"))
         expiry = p.get("output_expires_after") or {"anchor": "created_at", "seconds": 30 * DAY}
-        require(isinstance(expiry, dict) and expiry.get("anchor") == "created_at",
-                "Invalid 'output_expires_after.anchor': expected 'created_at'.", "output_expires_after.anchor")
+        require(
+            isinstance(expiry, dict) and expiry.get("anchor") == "created_at",
+            "Invalid 'output_expires_after.anchor': expected 'created_at'.",
+            "output_expires_after.anchor",
+        )
         output_ttl = ttl_seconds(expiry.get("seconds"), "output_expires_after.seconds")
         source = self._file(p["input_file_id"], "input_file_id")
-        require(source["purpose"] == "batch", f"Invalid 'input_file_id': file {source['id']} has purpose "
-                f"'{source['purpose']}', but batches need purpose 'batch'.", "input_file_id")
+        require(
+            source["purpose"] == "batch",
+            f"Invalid 'input_file_id': file {source['id']} has purpose "
+            f"'{source['purpose']}', but batches need purpose 'batch'.",
+            "input_file_id",
+        )
         data = self.contents[source["id"]]
         now = self.emu.now()
-        obj = {"id": self._id("batch_", 32, HEX), "object": "batch", "endpoint": p["endpoint"], "model": None,
-               "errors": None, "input_file_id": source["id"], "completion_window": "24h", "status": "validating",
-               "output_file_id": None, "error_file_id": None, "created_at": int(now), "in_progress_at": None,
-               "expires_at": int(now) + DAY, "finalizing_at": None, "completed_at": None, "failed_at": None,
-               "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-               "request_counts": {"total": 0, "completed": 0, "failed": 0}, "usage": None, "metadata": metadata}
+        obj = {
+            "id": self._id("batch_", 32, HEX),
+            "object": "batch",
+            "endpoint": p["endpoint"],
+            "model": None,
+            "errors": None,
+            "input_file_id": source["id"],
+            "completion_window": "24h",
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": int(now),
+            "in_progress_at": None,
+            "expires_at": int(now) + DAY,
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "usage": None,
+            "metadata": metadata,
+        }
         self.runs[obj["id"]] = Run(obj, data, output_ttl, now)
         self.emu.counters.new_batch("openai", obj["id"], sum(1 for raw in data.split(b"\n") if raw.strip()))
         return copy.deepcopy(obj)
@@ -167,8 +239,10 @@ class Face(FilesMixin):
 
     def complete_all(self) -> list[dict]:
         open_ids = [bid for bid, run in self.runs.items() if run.obj["status"] in OPEN]
-        return [self.advance(bid, "cancelled" if self.runs[bid].obj["status"] == "cancelling" else "completed", 0.0)
-                for bid in open_ids]
+        return [
+            self.advance(bid, "cancelled" if self.runs[bid].obj["status"] == "cancelling" else "completed", 0.0)
+            for bid in open_ids
+        ]
 
     def advance(self, batch_id: str, to: str, done_fraction: float) -> dict:
         """Move a batch to `to` through the provider's own path (tests drive this)."""
@@ -177,7 +251,7 @@ class Face(FilesMixin):
         path = ("validating", "in_progress", "finalizing", "completed")
         if to == status and to != "in_progress":
             pass
-        elif to in path[1:] and status in path[:path.index(to) + 1]:
+        elif to in path[1:] and status in path[: path.index(to) + 1]:
             if status == "validating" and not self._leave_validating(run, now):
                 return copy.deepcopy(run.obj)  # a bad file ends `failed`, whatever was asked
             self._run_until(run, 1.0 if to != "in_progress" else done_fraction, now)
@@ -261,11 +335,22 @@ class Face(FilesMixin):
         if not errors and force_fail:
             errors = [batch_error("sandbox_forced_failure", None, "Batch failed on request of the sandbox controller.")]
         elif not errors and (self.emu.fault_book.take_token_limit() or self._over_token_limit(model, tokens)):
-            errors = [batch_error("token_limit_exceeded", None, TOKEN_LIMIT.format(
-                model=model, limit=self.emu.openai_enqueued_token_limit or 2_000_000))]
+            errors = [
+                batch_error(
+                    "token_limit_exceeded",
+                    None,
+                    TOKEN_LIMIT.format(model=model, limit=self.emu.openai_enqueued_token_limit or 2_000_000),
+                )
+            ]
         elif not errors and (failure := self.emu.fault_book.take_batch_failure()):
-            errors = [batch_error(failure["code"] or "invalid_request", None, failure["message"] or
-                                  "The batch could not be processed.", failure["param"])]
+            errors = [
+                batch_error(
+                    failure["code"] or "invalid_request",
+                    None,
+                    failure["message"] or "The batch could not be processed.",
+                    failure["param"],
+                )
+            ]
         if errors:
             run.obj["errors"] = {"object": "list", "data": errors}
             self._set_status(run, "failed", at)
@@ -284,8 +369,11 @@ class Face(FilesMixin):
         limit = self.emu.openai_enqueued_token_limit
         if limit is None:
             return False
-        enqueued = sum(r.enqueued_tokens for r in self.runs.values()
-                       if r.obj["model"] == model and r.obj["status"] in ("in_progress", "finalizing", "cancelling"))
+        enqueued = sum(
+            r.enqueued_tokens
+            for r in self.runs.values()
+            if r.obj["model"] == model and r.obj["status"] in ("in_progress", "finalizing", "cancelling")
+        )
         return enqueued + tokens > limit
 
     def _run_until(self, run: Run, fraction: float, at: float) -> None:
@@ -299,9 +387,15 @@ class Face(FilesMixin):
     def _execute(self, run: Run, line: dict, at: float) -> None:
         model, emu = line["body"].get("model"), self.emu
         status, body, done = answer_chat_request(
-            line["body"], emu.fault_book, self._id, int(at),
-            lambda ask: openai_cached_tokens(emu.prompt_cache, model, ask, emu.min_cache_tokens, at,
-                                             emu.openai_cache_ttl_seconds), emu.null_usage_details)
+            line["body"],
+            emu.fault_book,
+            self._id,
+            int(at),
+            lambda ask: openai_cached_tokens(
+                emu.prompt_cache, model, ask, emu.min_cache_tokens, at, emu.openai_cache_ttl_seconds
+            ),
+            emu.null_usage_details,
+        )
         result = self._line(line, {"status_code": status, "request_id": self._id("req_", 32, HEX), "body": body})
         counts = run.obj["request_counts"]
         if done is None:
@@ -313,13 +407,21 @@ class Face(FilesMixin):
         run.tokens[0] += done.prompt_tokens
         run.tokens[1] += done.completion_tokens
         run.tokens[2] += done.cached_tokens
-        self.emu.counters.add_usage("openai", prompt_tokens=done.prompt_tokens,
-                                    completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens)
+        self.emu.counters.add_usage(
+            "openai",
+            prompt_tokens=done.prompt_tokens,
+            completion_tokens=done.completion_tokens,
+            cached_tokens=done.cached_tokens,
+        )
         self.emu.counters.bill("openai", "batch", chat_inputs(line["body"]).prompt, run.obj["id"], line["custom_id"])
 
     def _line(self, line: dict, response: dict | None, error: dict | None = None) -> dict:
-        return {"id": self._id("batch_req_", 32, HEX), "custom_id": line["custom_id"], "response": response,
-                "error": error}
+        return {
+            "id": self._id("batch_req_", 32, HEX),
+            "custom_id": line["custom_id"],
+            "response": response,
+            "error": error,
+        }
 
     def _finish(self, run: Run, status: str, at: float) -> None:
         """Enter a terminal status: write result files and the batch's usage."""
@@ -337,8 +439,13 @@ class Face(FilesMixin):
                 run.obj[f"{kind}_file_id"] = f["id"]
         if run.requests is not None:
             p, c, cached = run.tokens
-            run.obj["usage"] = {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": c,
-                                "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
+            run.obj["usage"] = {
+                "input_tokens": p,
+                "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": c,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": p + c,
+            }
         self._set_status(run, status, at)
 
     def _id(self, prefix: str, length: int, alphabet: str = string.ascii_letters + string.digits) -> str:
@@ -356,9 +463,16 @@ def _prompt_tokens(body: dict) -> int:
 def _metadata(metadata: object) -> dict | None:
     if metadata is None:
         return None
-    require(isinstance(metadata, dict) and len(metadata) <= 16,
-            "Invalid 'metadata': expected an object with at most 16 pairs.", "metadata")
+    require(
+        isinstance(metadata, dict) and len(metadata) <= 16,
+        "Invalid 'metadata': expected an object with at most 16 pairs.",
+        "metadata",
+    )
     for key, value in metadata.items():
-        require(len(key) <= 64 and isinstance(value, str) and len(value) <= 512, "Invalid 'metadata': keys must be "
-                f"at most 64 characters and values strings of at most 512 characters (key '{key[:64]}').", "metadata")
+        require(
+            len(key) <= 64 and isinstance(value, str) and len(value) <= 512,
+            "Invalid 'metadata': keys must be "
+            f"at most 64 characters and values strings of at most 512 characters (key '{key[:64]}').",
+            "metadata",
+        )
     return dict(metadata)

@@ -5,6 +5,7 @@ Batch input files must be .jsonl with purpose "batch" and at most
 stored with purpose "batch_output". Also holds the small helpers both OpenAI
 modules share: parameter checks and list pages.
 """
+
 from __future__ import annotations
 
 import email.parser
@@ -21,7 +22,8 @@ def parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[str | Non
     if not content_type.lower().startswith("multipart/form-data"):
         raise ApiError(400, "Expected a multipart/form-data request body.")
     msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
-        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body)
+        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body
+    )
     fields = {}
     for part in msg.iter_parts():
         name = part.get_param("name", header="content-disposition")
@@ -32,6 +34,7 @@ def parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[str | Non
 
 class FilesMixin:
     """/v1/files routes over `self.files` (FileObjects as served) and `self.contents` (their bytes)."""
+
     files: dict[str, dict]
     contents: dict[str, bytes]
     deleted_contents: dict[str, bytes]  # what clients deleted: gone from the API, kept for test oracles
@@ -41,13 +44,14 @@ class FilesMixin:
         for name in ("purpose", "file"):
             require(name in fields, f"Missing required parameter: '{name}'.", name, "missing_required_parameter")
         purpose = fields["purpose"][1].decode(errors="replace")
-        require(purpose in UPLOAD_PURPOSES, f"'{purpose}' is not one of {list(UPLOAD_PURPOSES)} - 'purpose'",
-                "purpose")
+        require(purpose in UPLOAD_PURPOSES, f"'{purpose}' is not one of {list(UPLOAD_PURPOSES)} - 'purpose'", "purpose")
         filename, data = fields["file"][0] or "file", fields["file"][1]
-        require(len(data) <= (self.emu.max_file_bytes if purpose == "batch" else 512_000_000),
-                "File is too large.")
-        require(purpose != "batch" or filename.endswith(".jsonl"),
-                "Invalid file format for Batch API. Must be .jsonl", "file")
+        require(len(data) <= (self.emu.max_file_bytes if purpose == "batch" else 512_000_000), "File is too large.")
+        require(
+            purpose != "batch" or filename.endswith(".jsonl"),
+            "Invalid file format for Batch API. Must be .jsonl",
+            "file",
+        )
         ttl = 30 * DAY if purpose == "batch" else None  # batch inputs expire after 30 days by default
         if "expires_after[seconds]" in fields:
             ttl = ttl_seconds(fields["expires_after[seconds]"][1].decode(), "expires_after.seconds")
@@ -80,9 +84,17 @@ class FilesMixin:
         return self.files[file_id]
 
     def _store(self, filename: str, purpose: str, data: bytes, at: float, ttl: int | None) -> dict:
-        f = {"id": self._id("file-", 22), "object": "file", "bytes": len(data), "created_at": int(at),
-             "expires_at": None if ttl is None else int(at) + ttl, "filename": filename, "purpose": purpose,
-             "status": "processed", "status_details": None}
+        f = {
+            "id": self._id("file-", 22),
+            "object": "file",
+            "bytes": len(data),
+            "created_at": int(at),
+            "expires_at": None if ttl is None else int(at) + ttl,
+            "filename": filename,
+            "purpose": purpose,
+            "status": "processed",
+            "status_details": None,
+        }
         self.files[f["id"]], self.contents[f["id"]] = f, data
         return f
 
@@ -101,10 +113,15 @@ def list_page(items: list[dict], query: dict[str, str], default: int, maximum: i
     if query.get("after"):
         ids = [item["id"] for item in items]
         require(query["after"] in ids, f"Invalid 'after': no object with id '{query['after']}'.", "after")
-        items = items[ids.index(query["after"]) + 1:]
+        items = items[ids.index(query["after"]) + 1 :]
     page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
 
 
 def ttl_seconds(seconds: object, param: str) -> int:

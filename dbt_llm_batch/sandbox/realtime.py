@@ -5,10 +5,11 @@ answered synchronously with the provider's HTTP status and error envelope, and b
 Every answered (billed) prompt is counted in `Counters.realtime_prompts`, so tests can prove a row
 was asked exactly once across crashes and reruns.
 """
+
 from __future__ import annotations
 
 from .answers import answer_chat_request, chat_inputs
-from .anthropic_messages import STATUS_TYPES, read_params, BadParams, run_request
+from .anthropic_messages import STATUS_TYPES, BadParams, read_params, run_request
 from .caching import openai_cached_tokens
 from .server import ApiError, Reply, Request, _json_bytes
 
@@ -21,12 +22,22 @@ def openai_chat_completion(face, req: Request) -> Reply:
         raise ApiError(400, "We could not parse the JSON body of your request.")
     now = emu.now()
     status, payload, done = answer_chat_request(
-        body, emu.fault_book, face._id, int(now),
-        lambda ask: openai_cached_tokens(emu.prompt_cache, body.get("model"), ask, emu.min_cache_tokens, now,
-                                         emu.openai_cache_ttl_seconds), emu.null_usage_details)
+        body,
+        emu.fault_book,
+        face._id,
+        int(now),
+        lambda ask: openai_cached_tokens(
+            emu.prompt_cache, body.get("model"), ask, emu.min_cache_tokens, now, emu.openai_cache_ttl_seconds
+        ),
+        emu.null_usage_details,
+    )
     if done is not None:
-        emu.counters.add_usage("openai", prompt_tokens=done.prompt_tokens,
-                               completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens)
+        emu.counters.add_usage(
+            "openai",
+            prompt_tokens=done.prompt_tokens,
+            completion_tokens=done.completion_tokens,
+            cached_tokens=done.cached_tokens,
+        )
         emu.counters.realtime_answered("openai", chat_inputs(body).prompt)
     # Providers send retry-after with 429 and 5xx (both SDKs honour it).
     headers = {"retry-after": "1"} if status == 429 or status >= 500 else {}
@@ -35,19 +46,28 @@ def openai_chat_completion(face, req: Request) -> Reply:
 
 def anthropic_create_message(face, req: Request) -> dict:
     params, emu = req.json(), face.emu
-    result, usage = run_request(params, emu.fault_book, emu.prompt_cache, emu.min_cache_tokens, emu.now(), face._id,
-                                emu.null_usage_details)
+    result, usage = run_request(
+        params, emu.fault_book, emu.prompt_cache, emu.min_cache_tokens, emu.now(), face._id, emu.null_usage_details
+    )
     if result["type"] != "succeeded":
         error = result["error"]["error"]
         status = STATUS_OF_TYPE.get(error["type"], 400)
-        raise ApiError(status, error["message"], error["type"],
-                       headers={"retry-after": "1"} if status == 429 or status >= 500 else None)
+        raise ApiError(
+            status,
+            error["message"],
+            error["type"],
+            headers={"retry-after": "1"} if status == 429 or status >= 500 else None,
+        )
     usage["service_tier"] = "standard"
-    emu.counters.add_usage(face.name, **{k: usage[k] or 0 for k in (
-        "input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")})
+    emu.counters.add_usage(
+        face.name,
+        **{
+            k: usage[k] or 0
+            for k in ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+        },
+    )
     try:
         emu.counters.realtime_answered(face.name, read_params(params).prompt)
     except BadParams:  # cannot happen for a request that succeeded; keeps the count honest if it did
         pass
     return result["message"]
-

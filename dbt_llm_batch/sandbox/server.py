@@ -17,6 +17,7 @@ faces share: auth, endpoint faults (before or after the handler ran), call stati
 the prompt cache, one lock, and the record of the sandbox's own bugs (`internal_errors`:
 the test fixtures fail a test that hit one). The CLI is in cli.py.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -47,8 +48,15 @@ FACE_MODULES = ("dbt_llm_batch.sandbox.openai_batch", "dbt_llm_batch.sandbox.ant
 class ApiError(Exception):
     """A provider error reply; the owning face renders it in its own envelope."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.code, self.param, self.headers = code, param, headers or {}
@@ -86,12 +94,23 @@ def _compile(pattern: str) -> re.Pattern:
 class Emulator:
     """In-process sandbox of the provider batch APIs, served on loopback."""
 
-    def __init__(self, api_key: str, auto_advance_seconds: float | None = None, host: str = "127.0.0.1",
-                 port: int = 0, max_file_bytes: int = 200_000_000, max_requests_per_batch: int = 50000,
-                 seed: int | None = None, max_message_batch_requests: int = 100_000,
-                 max_batch_bytes: int = 256_000_000, min_cache_tokens: int | None = None,
-                 openai_enqueued_token_limit: int | None = None, anthropic_max_queued_requests: int | None = None,
-                 openai_cache_ttl_seconds: float = 300, null_usage_details: bool = False):
+    def __init__(
+        self,
+        api_key: str,
+        auto_advance_seconds: float | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_file_bytes: int = 200_000_000,
+        max_requests_per_batch: int = 50000,
+        seed: int | None = None,
+        max_message_batch_requests: int = 100_000,
+        max_batch_bytes: int = 256_000_000,
+        min_cache_tokens: int | None = None,
+        openai_enqueued_token_limit: int | None = None,
+        anthropic_max_queued_requests: int | None = None,
+        openai_cache_ttl_seconds: float = 300,
+        null_usage_details: bool = False,
+    ):
         """One key serves both faces.
 
         OpenAI: `max_file_bytes` (a batch input file), `max_requests_per_batch`,
@@ -128,11 +147,14 @@ class Emulator:
         self.fault_book, self.counters, self.rng = Faults(), Counters(), random.Random(seed)
         self.internal_errors: list[str] = []  # tracebacks of sandbox bugs (see raise_internal_errors)
         self.faces = [importlib.import_module(m).Face(self) for m in FACE_MODULES]
-        self._routes = [(face, method, _compile(pattern), f"{method} {pattern}", handler)
-                        for face in self.faces for method, pattern, handler in face.routes]
+        self._routes = [
+            (face, method, _compile(pattern), f"{method} {pattern}", handler)
+            for face in self.faces
+            for method, pattern, handler in face.routes
+        ]
 
     # -- lifecycle of the server ------------------------------------------------
-    def start(self) -> "Emulator":
+    def start(self) -> Emulator:
         if self._server is None:
             self._server = ThreadingHTTPServer((self.host, self.port), _Handler)
             self._server.daemon_threads = True
@@ -150,7 +172,7 @@ class Emulator:
             self._thread.join(timeout=5)
             self._server = self._thread = None
 
-    def __enter__(self) -> "Emulator":
+    def __enter__(self) -> Emulator:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -283,16 +305,18 @@ class Emulator:
         500 in the envelope of the face the path belongs to."""
         self.internal_errors.append("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
         face = self._face_for(path)
-        err = ApiError(500, f"sandbox internal error: {exc!r}", face.server_error_type,
-                       headers={"x-should-retry": "false"})
+        err = ApiError(
+            500, f"sandbox internal error: {exc!r}", face.server_error_type, headers={"x-should-retry": "false"}
+        )
         return self._render_error(face, err)
 
     def raise_internal_errors(self) -> None:
         """Fail loudly if any request hit a bug in the sandbox: a client sees such a bug as a provider 500,
         which a robust client survives, so a test would otherwise pass over it."""
         if self.internal_errors:
-            raise AssertionError(f"the sandbox failed inside {len(self.internal_errors)} time(s); first:\n"
-                                 + self.internal_errors[0])
+            raise AssertionError(
+                f"the sandbox failed inside {len(self.internal_errors)} time(s); first:\n" + self.internal_errors[0]
+            )
 
     def _face_for(self, path: str):
         # The face owning the longest matching prefix (/v1/messages vs /v1) answers for a path.
@@ -351,8 +375,10 @@ class Emulator:
         if fault["kind"] == "proxy_error":  # a proxy in front of the API answers: a page, not JSON
             status = fault["status_code"]
             text = fault["message"] or PROXY_PAGES.get(status, f"{status} Error")
-            body = (f"<html>\r\n<head><title>{text}</title></head>\r\n<body>\r\n<center><h1>{text}</h1></center>"
-                    "\r\n<hr><center>cloudflare</center>\r\n</body>\r\n</html>\r\n").encode()
+            body = (
+                f"<html>\r\n<head><title>{text}</title></head>\r\n<body>\r\n<center><h1>{text}</h1></center>"
+                "\r\n<hr><center>cloudflare</center>\r\n</body>\r\n</html>\r\n"
+            ).encode()
             return Reply(status, body, "text/html")
         err = face.endpoint_fault_error(fault)
         if fault["retry_after"] is not None:
@@ -361,8 +387,11 @@ class Emulator:
 
     def _render_error(self, face, err: ApiError) -> Reply:
         request_id = self._request_id()
-        return Reply(err.status, _json_bytes(face.error_payload(err, request_id)),
-                     headers={face.request_id_header: request_id, **err.headers})
+        return Reply(
+            err.status,
+            _json_bytes(face.error_payload(err, request_id)),
+            headers={face.request_id_header: request_id, **err.headers},
+        )
 
     def _request_id(self) -> str:
         return "req_" + "".join(self.rng.choices("0123456789abcdef", k=32))
@@ -427,7 +456,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.end_headers()
         if reply.cut == "truncate":  # the full Content-Length is promised, half is sent
-            self.wfile.write(reply.body[:len(reply.body) // 2])
+            self.wfile.write(reply.body[: len(reply.body) // 2])
             self.wfile.flush()
             self.close_connection = True
             return

@@ -1,10 +1,13 @@
 """Call and usage statistics of the sandbox (Emulator.stats() and GET /_emulator/stats)."""
+
 from __future__ import annotations
 
 from collections import Counter
 
-USAGE_KEYS = {"openai": ("prompt_tokens", "completion_tokens", "cached_tokens"),
-              "anthropic": ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")}
+USAGE_KEYS = {
+    "openai": ("prompt_tokens", "completion_tokens", "cached_tokens"),
+    "anthropic": ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"),
+}
 
 
 class Counters:
@@ -45,10 +48,17 @@ class Counters:
 
     def snapshot(self) -> dict:
         oai = self.usage["openai"]
-        return {"calls": dict(self.calls), "files_uploaded": self.files_uploaded,
-                "batches_created": self.batches_created, "request_lines": self.request_lines,
-                "batches_by_face": {face: self.batches_by_face[face] for face in USAGE_KEYS},
-                "realtime_requests": {face: self.realtime_requests[face] for face in USAGE_KEYS},
-                "usage": {"prompt_tokens": oai["prompt_tokens"], "completion_tokens": oai["completion_tokens"],
-                          "total_tokens": oai["prompt_tokens"] + oai["completion_tokens"]},
-                "usage_by_face": {face: dict(usage) for face, usage in self.usage.items()}}
+        return {
+            "calls": dict(self.calls),
+            "files_uploaded": self.files_uploaded,
+            "batches_created": self.batches_created,
+            "request_lines": self.request_lines,
+            "batches_by_face": {face: self.batches_by_face[face] for face in USAGE_KEYS},
+            "realtime_requests": {face: self.realtime_requests[face] for face in USAGE_KEYS},
+            "usage": {
+                "prompt_tokens": oai["prompt_tokens"],
+                "completion_tokens": oai["completion_tokens"],
+                "total_tokens": oai["prompt_tokens"] + oai["completion_tokens"],
+            },
+            "usage_by_face": {face: dict(usage) for face, usage in self.usage.items()},
+        }

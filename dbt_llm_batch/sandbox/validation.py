@@ -14,21 +14,38 @@ an `errored` result (Anthropic batch); the callers turn the exceptions raised he
   object lists all its properties in `required` and sets `additionalProperties: false`, at most 10
   levels of nesting and 5,000 properties, and some keywords are not supported.
 """
+
 from __future__ import annotations
 
 import re
 import typing
-from functools import lru_cache
+from functools import cache
 
 import jsonschema
 
 SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # Keywords OpenAI's strict mode does not support (OpenAI structured outputs guide, "Supported schemas").
-OPENAI_STRICT_UNSUPPORTED = ("allOf", "oneOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
-                             "patternProperties", "unevaluatedProperties", "propertyNames", "minProperties",
-                             "maxProperties", "unevaluatedItems", "contains", "minContains", "maxContains",
-                             "uniqueItems")
+OPENAI_STRICT_UNSUPPORTED = (
+    "allOf",
+    "oneOf",
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "patternProperties",
+    "unevaluatedProperties",
+    "propertyNames",
+    "minProperties",
+    "maxProperties",
+    "unevaluatedItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "uniqueItems",
+)
 OPENAI_STRICT_MAX_DEPTH = 10
 OPENAI_STRICT_MAX_PROPERTIES = 5000
 ANTHROPIC_SAMPLING = ("temperature", "top_p", "top_k")
@@ -42,15 +59,17 @@ class Invalid(ValueError):
         self.param = param
 
 
-@lru_cache(maxsize=None)
+@cache
 def openai_chat_params() -> frozenset[str]:
     from openai.types.chat import completion_create_params as p
+
     return frozenset(typing.get_type_hints(p.CompletionCreateParamsNonStreaming)) | {"stream"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def anthropic_message_params() -> frozenset[str]:
     from anthropic.types import message_create_params as p
+
     return frozenset(typing.get_type_hints(p.MessageCreateParamsNonStreaming)) | {"stream", *ANTHROPIC_SAMPLING}
 
 
@@ -66,6 +85,7 @@ def _number(body: dict, name: str, low: float, high: float, where: str, integer:
 
 # -- OpenAI chat completions ---------------------------------------------------------------------
 
+
 def check_openai_chat(body: dict) -> None:
     """Raise Invalid for a /v1/chat/completions body OpenAI would refuse (the messages' content and the
     token limits are checked where they are read, answers.chat_inputs)."""
@@ -76,8 +96,12 @@ def check_openai_chat(body: dict) -> None:
         raise Invalid("model", "Missing required parameter: 'model'.")
     for i, msg in enumerate(body.get("messages") or []):
         if isinstance(msg, dict) and isinstance(msg.get("role"), str) and msg["role"] not in OPENAI_ROLES:
-            raise Invalid(f"messages.[{i}].role", f"Invalid value: '{msg['role']}'. Supported values are: "
-                          + ", ".join(f"'{r}'" for r in OPENAI_ROLES) + ".")
+            raise Invalid(
+                f"messages.[{i}].role",
+                f"Invalid value: '{msg['role']}'. Supported values are: "
+                + ", ".join(f"'{r}'" for r in OPENAI_ROLES)
+                + ".",
+            )
     _number(body, "temperature", 0, 2, "temperature")
     _number(body, "top_p", 0, 1, "top_p")
     _number(body, "presence_penalty", -2, 2, "presence_penalty")
@@ -95,15 +119,21 @@ def check_openai_chat(body: dict) -> None:
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise Invalid(f"tools[{i}].function", f"Missing required parameter: 'tools[{i}].function.name'.")
             if fn.get("parameters") is not None:
-                _openai_schema(fn["parameters"], bool(fn.get("strict")), f"tools[{i}].function.parameters",
-                               f"Invalid schema for function '{fn['name']}'")
+                _openai_schema(
+                    fn["parameters"],
+                    bool(fn.get("strict")),
+                    f"tools[{i}].function.parameters",
+                    f"Invalid schema for function '{fn['name']}'",
+                )
 
 
 def _openai_response_format(fmt: object) -> None:
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise Invalid("response_format.type", f"Invalid value: '{kind}'. Supported values are: 'text', "
-                      "'json_object', and 'json_schema'.")
+        raise Invalid(
+            "response_format.type",
+            f"Invalid value: '{kind}'. Supported values are: 'text', 'json_object', and 'json_schema'.",
+        )
     if fmt["type"] != "json_schema":
         return
     spec = fmt.get("json_schema")
@@ -111,14 +141,22 @@ def _openai_response_format(fmt: object) -> None:
         raise Invalid("response_format.json_schema", "Missing required parameter: 'response_format.json_schema'.")
     name = spec.get("name")
     if not isinstance(name, str):
-        raise Invalid("response_format.json_schema.name",
-                      "Missing required parameter: 'response_format.json_schema.name'.")
+        raise Invalid(
+            "response_format.json_schema.name", "Missing required parameter: 'response_format.json_schema.name'."
+        )
     if not SCHEMA_NAME.match(name):
-        raise Invalid("response_format.json_schema.name", f"Invalid 'response_format.json_schema.name': string "
-                      f"does not match pattern. Expected a string that matches the pattern '{SCHEMA_NAME.pattern}'.")
+        raise Invalid(
+            "response_format.json_schema.name",
+            f"Invalid 'response_format.json_schema.name': string "
+            f"does not match pattern. Expected a string that matches the pattern '{SCHEMA_NAME.pattern}'.",
+        )
     if spec.get("schema") is not None:
-        _openai_schema(spec["schema"], spec.get("strict") is True, "response_format",
-                       f"Invalid schema for response_format '{name}'")
+        _openai_schema(
+            spec["schema"],
+            spec.get("strict") is True,
+            "response_format",
+            f"Invalid schema for response_format '{name}'",
+        )
 
 
 def _openai_schema(schema: object, strict: bool, param: str, lead: str) -> None:
@@ -130,13 +168,19 @@ def _openai_schema(schema: object, strict: bool, param: str, lead: str) -> None:
         raise Invalid(param, f"{lead}: {exc.message}") from None
     if strict:
         if schema.get("type") != "object":
-            raise Invalid(param, f"{lead}: schema must be a JSON Schema of 'type: \"object\"', got "
-                          f"'type: {json_type(schema.get('type'))}'.")
+            raise Invalid(
+                param,
+                f"{lead}: schema must be a JSON Schema of 'type: \"object\"', got "
+                f"'type: {json_type(schema.get('type'))}'.",
+            )
         count = [0]
         _strict(schema, (), count, param, lead)
         if count[0] > OPENAI_STRICT_MAX_PROPERTIES:
-            raise Invalid(param, f"{lead}: a schema may have at most {OPENAI_STRICT_MAX_PROPERTIES} "
-                          f"properties in total, found {count[0]}.")
+            raise Invalid(
+                param,
+                f"{lead}: a schema may have at most {OPENAI_STRICT_MAX_PROPERTIES} "
+                f"properties in total, found {count[0]}.",
+            )
 
 
 def json_type(value: object) -> str:
@@ -150,8 +194,9 @@ def _strict(node: object, path: tuple, count: list[int], param: str, lead: str) 
     context = f"In context=({', '.join(repr(p) for p in path)})"
     depth = sum(1 for p in path if p == "properties")
     if depth > OPENAI_STRICT_MAX_DEPTH:
-        raise Invalid(param, f"{lead}: {context}, the schema exceeds the maximum nesting depth of "
-                      f"{OPENAI_STRICT_MAX_DEPTH}.")
+        raise Invalid(
+            param, f"{lead}: {context}, the schema exceeds the maximum nesting depth of {OPENAI_STRICT_MAX_DEPTH}."
+        )
     for keyword in OPENAI_STRICT_UNSUPPORTED:
         if keyword in node:
             raise Invalid(param, f"{lead}: {context}, '{keyword}' is not permitted.")
@@ -160,13 +205,17 @@ def _strict(node: object, path: tuple, count: list[int], param: str, lead: str) 
         props = node.get("properties") or {}
         count[0] += len(props)
         if node.get("additionalProperties") is not False:
-            raise Invalid(param, f"{lead}: {context}, 'additionalProperties' is required to be supplied and to "
-                          "be false.")
+            raise Invalid(
+                param, f"{lead}: {context}, 'additionalProperties' is required to be supplied and to be false."
+            )
         required = node.get("required") or []
         missing = [name for name in props if name not in required]
         if missing:
-            raise Invalid(param, f"{lead}: {context}, 'required' is required to be supplied and to be an array "
-                          f"including every key in properties. Missing '{missing[0]}'.")
+            raise Invalid(
+                param,
+                f"{lead}: {context}, 'required' is required to be supplied and to be an array "
+                f"including every key in properties. Missing '{missing[0]}'.",
+            )
         for name, sub in props.items():
             _strict(sub, path + ("properties", name), count, param, lead)
     if isinstance(node.get("items"), dict):
@@ -181,6 +230,7 @@ def _strict(node: object, path: tuple, count: list[int], param: str, lead: str) 
 
 # -- Anthropic messages --------------------------------------------------------------------------
 
+
 def check_anthropic_params(params: dict) -> None:
     """Raise Invalid (param None; the message is Anthropic's `loc: message`) for Messages params the
     provider refuses (model, max_tokens, messages and cache_control are checked where they are read)."""
@@ -189,10 +239,10 @@ def check_anthropic_params(params: dict) -> None:
             raise Invalid(name, f"{name}: Extra inputs are not permitted")
     for name, high in (("temperature", 1), ("top_p", 1)):
         value = params.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 <= value <= high):
-            raise Invalid(name, f"{name}: Input should be less than or equal to {high} and greater than or "
-                          "equal to 0")
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high
+        ):
+            raise Invalid(name, f"{name}: Input should be less than or equal to {high} and greater than or equal to 0")
     top_k = params.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
         raise Invalid("top_k", "top_k: Input should be a valid integer greater than or equal to 0")
@@ -206,10 +256,13 @@ def check_anthropic_params(params: dict) -> None:
         for i, tool in enumerate(tools):
             _anthropic_tool(tool, i)
     choice = params.get("tool_choice")
-    if choice is not None and (not isinstance(choice, dict)
-                               or choice.get("type") not in ("auto", "any", "tool", "none")):
-        raise Invalid("tool_choice", "tool_choice: Input tag does not match any of the expected tags: 'auto', "
-                      "'any', 'tool', 'none'")
+    if choice is not None and (
+        not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none")
+    ):
+        raise Invalid(
+            "tool_choice",
+            "tool_choice: Input tag does not match any of the expected tags: 'auto', 'any', 'tool', 'none'",
+        )
 
 
 def _anthropic_tool(tool: object, i: int) -> None:
@@ -228,6 +281,9 @@ def _anthropic_tool(tool: object, i: int) -> None:
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
-        raise Invalid("tools", f"{where}.input_schema: JSON schema is invalid. It must match JSON Schema draft "
-                      f"2020-12 (https://json-schema.org/draft/2020-12). Learn more about tool use at "
-                      f"https://docs.claude.com/en/docs/tool-use. ({exc.message})") from None
+        raise Invalid(
+            "tools",
+            f"{where}.input_schema: JSON schema is invalid. It must match JSON Schema draft "
+            f"2020-12 (https://json-schema.org/draft/2020-12). Learn more about tool use at "
+            f"https://docs.claude.com/en/docs/tool-use. ({exc.message})",
+        ) from None

@@ -1,5 +1,5 @@
 {#-
-  The llm_batch materialization. All the work happens in Python (dbt_llm_batch.runner), inside
+  The llm_batch materialization. All the work happens in Python (dbt_llm_batch.dbt.entry), inside
   dbt-duckdb's Python job, because it talks to a provider API and writes the ledger with its own
   autocommit connection: ledger rows must survive a model that fails later in the run.
   For a SQL model the compiled SELECT is handed to Python as a string; for a Python model, the
@@ -41,7 +41,7 @@ def model(dbt, session):
 
 def materialize(df, con):
     import json
-    from dbt_llm_batch.runner import run_model
+    from dbt_llm_batch.dbt.entry import run_model
     payload = json.loads({{ tojson(tojson(payload)) }})
     run_model(con, df=df, **payload)
   {%- endcall %}

@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 
 from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.dbt.log import logger
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
-from dbt_llm_batch import planner
-from dbt_llm_batch.planner import DESIRED, INPUT, q
-from dbt_llm_batch.runlog import logger
+from dbt_llm_batch.pipeline import plan
+from dbt_llm_batch.pipeline.plan import DESIRED, INPUT
+from dbt_llm_batch.sql import ident, list_literal, literal
 
 
 def ledger_identity(config: ModelConfig, schema: str, identifier: str) -> str:
@@ -30,12 +31,13 @@ def ledger_identity(config: ModelConfig, schema: str, identifier: str) -> str:
 def prepare_ledger(ledger: Ledger, config: ModelConfig, input_columns) -> None:
     """Before planning: when the model's key columns changed since its last run, re-key the ledger;
     when its fingerprints may have been stored the way earlier versions computed them, rename them
-    (planner.adopt_legacy_fingerprints). Both are recorded in `llm_batch_models`, so a run with
+    (plan.adopt_legacy_fingerprints). Both are recorded in `llm_batch_models`, so a run with
     nothing new does neither."""
     con, models = ledger.con, ledger.table("llm_batch_models")
     current, prefix = json.dumps(list(config.unique_key)), config.fingerprint_prefix()
-    row = con.execute(f"select key_columns, fingerprint_prefix from {models} where model = ?",
-                      [ledger.model]).fetchall()
+    row = con.execute(
+        f"select key_columns, fingerprint_prefix from {models} where model = ?", [ledger.model]
+    ).fetchall()
     stored, adopted = row[0] if row else (None, None)
     if stored == current and adopted == prefix:
         return
@@ -46,52 +48,68 @@ def prepare_ledger(ledger: Ledger, config: ModelConfig, input_columns) -> None:
     if stored is not None and stored != current and n:
         _rekey(ledger, config, input_columns, json.loads(stored))
     if n and adopted != prefix:  # after the re-key: it matches on the current key
-        planner.adopt_legacy_fingerprints(ledger, config)
+        plan.adopt_legacy_fingerprints(ledger, config)
 
     def write():
         with transaction(con):
             con.execute(f"delete from {models} where model = ?", [ledger.model])
             con.execute(f"insert into {models} values (?, ?, now(), ?)", [ledger.model, current, prefix])
+
     retry_on_conflict(write)
 
 
 def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str]) -> None:
     con, requests = ledger.con, ledger.table("llm_batch_requests")
     types = dict(input_columns)
-    structure = json.dumps({k: types[k] for k in config.unique_key}).replace("'", "''")
-    names = "[" + ", ".join("'" + k.replace("'", "''") + "'" for k in config.unique_key) + "]"
-    from_row = "to_json([" + ", ".join(f"cast(s.{q(k)} as varchar)" for k in config.unique_key) + "])"
+    structure = literal(json.dumps({k: types[k] for k in config.unique_key}))
+    names = list_literal(config.unique_key)
+    from_row = "to_json([" + ", ".join(f"cast(s.{ident(k)} as varchar)" for k in config.unique_key) + "])"
     con.execute(
         f"""create or replace temp table __llm_rekey as
             select r.custom_id, r.status,
                    coalesce(case when list_has_all(json_keys(r.row_json), {names})
                                  then {from_row} end, d.key) as new_key
-            from (select *, json_transform(row_json, '{structure}') as s from {requests} where model = ?) r
-                 left join ({_key_by_fingerprint(config)}) d using (fingerprint)""", [ledger.model])
+            from (select *, json_transform(row_json, {structure}) as s from {requests} where model = ?) r
+                 left join ({_key_by_fingerprint(config)}) d using (fingerprint)""",
+        [ledger.model],
+    )
     rekeyed, aside = con.execute("select count(new_key), count(*) - count(new_key) from __llm_rekey").fetchall()[0]
     aside_model = f"{ledger.model} (unique_key {', '.join(old_key)})"
 
     def write():
         with transaction(con):
-            con.execute(f"""update {requests} r set key = k.new_key from __llm_rekey k
+            con.execute(
+                f"""update {requests} r set key = k.new_key from __llm_rekey k
                             where r.model = ? and r.custom_id = k.custom_id and k.new_key is not null""",
-                        [ledger.model])
+                [ledger.model],
+            )
             # Never sent: nothing to keep. The rest keep their history (and in-flight ones are still
             # harvested through their job), under a name the merge never reads.
-            con.execute(f"""delete from {requests} where model = ? and status = 'deferred' and custom_id in
-                            (select custom_id from __llm_rekey where new_key is null)""", [ledger.model])
-            con.execute(f"""update {requests} set model = ? where model = ? and custom_id in
-                            (select custom_id from __llm_rekey where new_key is null)""", [aside_model, ledger.model])
+            con.execute(
+                f"""delete from {requests} where model = ? and status = 'deferred' and custom_id in
+                            (select custom_id from __llm_rekey where new_key is null)""",
+                [ledger.model],
+            )
+            con.execute(
+                f"""update {requests} set model = ? where model = ? and custom_id in
+                            (select custom_id from __llm_rekey where new_key is null)""",
+                [aside_model, ledger.model],
+            )
+
     try:
         retry_on_conflict(write)
     finally:
         con.execute("drop table if exists __llm_rekey")
-    message = (f"{ledger.model}: unique_key changed from ({', '.join(old_key)}) to ({', '.join(config.unique_key)}): "
-               f"{rekeyed} stored request(s) now carry the new key (nothing is asked again for them)")
+    message = (
+        f"{ledger.model}: unique_key changed from ({', '.join(old_key)}) to ({', '.join(config.unique_key)}): "
+        f"{rekeyed} stored request(s) now carry the new key (nothing is asked again for them)"
+    )
     if aside:
-        logger().warning(message + f"; {aside} match no selected row and are kept aside as model '{aside_model}' "
-                                   "(harvested and costed, never merged). Selected rows without an answer are "
-                                   "sent now.")
+        logger().warning(
+            message + f"; {aside} match no selected row and are kept aside as model '{aside_model}' "
+            "(harvested and costed, never merged). Selected rows without an answer are "
+            "sent now."
+        )
     else:
         logger().info(message)
 
@@ -103,10 +121,12 @@ def _key_by_fingerprint(config: ModelConfig) -> str:
     current = f"select fingerprint, any_value(key) as key from {DESIRED} group by fingerprint"
     if not config.legacy_prefix:
         return current
-    prompt = f"coalesce(cast(i.{q(config.prompt_column)} as varchar), '')"
+    prompt = f"coalesce(cast(i.{ident(config.prompt_column)} as varchar), '')"
     legacy_prefix = "'" + config.legacy_prefix + "'"  # hex digits only
-    return (f"{current} union all select md5({legacy_prefix} || {prompt}), any_value(d.key) "
-            f"from {DESIRED} d join {INPUT} i on i.rowid = d.row_id group by 1")
+    return (
+        f"{current} union all select md5({legacy_prefix} || {prompt}), any_value(d.key) "
+        f"from {DESIRED} d join {INPUT} i on i.rowid = d.row_id group by 1"
+    )
 
 
 def _warn_if_renamed(ledger: Ledger, config: ModelConfig) -> None:
@@ -115,14 +135,17 @@ def _warn_if_renamed(ledger: Ledger, config: ModelConfig) -> None:
     if config.ledger_identity:
         return  # chosen explicitly
     others = ledger.con.execute(
-        f"""select model, count(distinct fingerprint) from {ledger.table('llm_batch_requests')}
+        f"""select model, count(distinct fingerprint) from {ledger.table("llm_batch_requests")}
             where model <> ? and status in ('succeeded', 'queued', 'submitted')
               and fingerprint in (select fingerprint from {DESIRED})
-            group by model order by 2 desc limit 1""", [ledger.model]).fetchall()
+            group by model order by 2 desc limit 1""",
+        [ledger.model],
+    ).fetchall()
     if others:
         other, n = others[0]
         logger().warning(
             f"{ledger.model}: first run of this model, and {n} of its requests were already answered for model "
             f"'{other}' (the same prompts and settings): they are sent and paid again now. If you renamed the "
             f"model, set llm_ledger_identity = '{other}' in its config to keep that model's answers and batches "
-            f"in flight (set it to '{ledger.model}' to silence this).")
+            f"in flight (set it to '{ledger.model}' to silence this)."
+        )

@@ -17,6 +17,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.sql import literal
 
 PRICES_CSV = Path(__file__).with_name("prices.csv")
 PRICES = "__llm_prices"
@@ -33,22 +34,27 @@ ONE_HOUR_WRITE_MULTIPLIER = 2  # a 1 h cache write, times the input price, when 
 def load_prices(con, user_table: str | None) -> None:
     """The shipped price table, with the user's rows (same columns) replacing or extending it. The
     1 h cache-write column is optional in a user's table."""
+
     def columns(one_hour_column: bool) -> str:
         one_hour = f"{ONE_HOUR_WRITE_MULTIPLIER} * cast(input_per_mtok as decimal(18,6))"
         if one_hour_column:
             one_hour = f"coalesce(cast(cache_write_1h_per_mtok as decimal(18,6)), {one_hour})"
-        return ("provider, model, unit, cast(input_per_mtok as decimal(18,6)) as input_per_mtok, "
-                "cast(output_per_mtok as decimal(18,6)) as output_per_mtok, "
-                "cast(coalesce(cache_write_per_mtok, input_per_mtok) as decimal(18,6)) as cache_write_per_mtok, "
-                f"cast({one_hour} as decimal(18,6)) as cache_write_1h_per_mtok, "
-                "cast(coalesce(cache_read_per_mtok, input_per_mtok) as decimal(18,6)) as cache_read_per_mtok, "
-                "cast(batch_discount as decimal(6,4)) as batch_discount")
-    path = PRICES_CSV.as_posix().replace("'", "''")
-    shipped = f"select {columns(True)}, 1 as priority from read_csv('{path}', header = true, all_varchar = true)"
+        return (
+            "provider, model, unit, cast(input_per_mtok as decimal(18,6)) as input_per_mtok, "
+            "cast(output_per_mtok as decimal(18,6)) as output_per_mtok, "
+            "cast(coalesce(cache_write_per_mtok, input_per_mtok) as decimal(18,6)) as cache_write_per_mtok, "
+            f"cast({one_hour} as decimal(18,6)) as cache_write_1h_per_mtok, "
+            "cast(coalesce(cache_read_per_mtok, input_per_mtok) as decimal(18,6)) as cache_read_per_mtok, "
+            "cast(batch_discount as decimal(6,4)) as batch_discount"
+        )
+
+    shipped = f"select {columns(True)}, 1 as priority from read_csv({literal(PRICES_CSV.as_posix())}, header = true, all_varchar = true)"
     user = ""
     if user_table:
         names = {d[0].lower() for d in con.execute(f"select * from {user_table} limit 0").description}
-        user = f" union all by name select {columns('cache_write_1h_per_mtok' in names)}, 0 as priority from {user_table}"
+        user = (
+            f" union all by name select {columns('cache_write_1h_per_mtok' in names)}, 0 as priority from {user_table}"
+        )
     con.execute(f"""create or replace temp table {PRICES} as
                     select * exclude (priority) from ({shipped}{user})
                     qualify row_number() over (partition by provider, model order by priority) = 1""")
@@ -58,13 +64,18 @@ def price_of(con, provider: str, model: str) -> dict | None:
     """The price row for a model: an exact name, else the longest listed prefix (dated snapshots
     such as 'gpt-4o-mini-2024-07-18' take the price of 'gpt-4o-mini'); an empty model prices every
     model of its provider (the shipped zero price of a self-hosted engine)."""
-    rows = con.execute(f"""select input_per_mtok, output_per_mtok, cache_write_per_mtok, cache_read_per_mtok,
+    rows = con.execute(
+        f"""select input_per_mtok, output_per_mtok, cache_write_per_mtok, cache_read_per_mtok,
                                   batch_discount, cache_write_1h_per_mtok from {PRICES}
                            where provider = ? and unit = 'token' and starts_with(?, coalesce(model, ''))
-                           order by length(coalesce(model, '')) desc limit 1""", [provider, model]).fetchall()
+                           order by length(coalesce(model, '')) desc limit 1""",
+        [provider, model],
+    ).fetchall()
     if not rows:
         return None
-    return dict(zip(("input", "output", "cache_write", "cache_read", "batch_discount", "cache_write_1h"), rows[0]))
+    return dict(
+        zip(("input", "output", "cache_write", "cache_read", "batch_discount", "cache_write_1h"), rows[0], strict=True)
+    )
 
 
 def realtime_cost_sql(price: dict, alias: str = "") -> str:
@@ -72,9 +83,11 @@ def realtime_cost_sql(price: dict, alias: str = "") -> str:
     t = lambda c: f"coalesce({alias}{c}, 0)"  # noqa: E731
     uncached = f"({t('input_tokens')} - {t('cached_tokens')} - {t('cache_write_tokens')})"
     five_minute_writes = f"({t('cache_write_tokens')} - {t('cache_write_1h_tokens')})"
-    total = (f"{uncached} * {price['input']} + {t('cached_tokens')} * {price['cache_read']} + "
-             f"{five_minute_writes} * {price['cache_write']} + {t('cache_write_1h_tokens')} * {price['cache_write_1h']} + "
-             f"{t('output_tokens')} * {price['output']}")
+    total = (
+        f"{uncached} * {price['input']} + {t('cached_tokens')} * {price['cache_read']} + "
+        f"{five_minute_writes} * {price['cache_write']} + {t('cache_write_1h_tokens')} * {price['cache_write_1h']} + "
+        f"{t('output_tokens')} * {price['output']}"
+    )
     return f"cast(({total}) / 1000000 as {MONEY})"
 
 
@@ -92,8 +105,13 @@ def estimated_input_tokens_sql(config: ModelConfig, prompt_sql: str = "prompt", 
     return f"cast(ceil(({fixed_chars} + {chars}) / 4.0) + {MESSAGE_OVERHEAD_TOKENS * messages} as bigint)"
 
 
-def estimated_cost_sql(config: ModelConfig, price: dict, prompt_sql: str = "prompt", route_sql: str = "'batch'",
-                       chars_sql: str | None = None) -> str:
+def estimated_cost_sql(
+    config: ModelConfig,
+    price: dict,
+    prompt_sql: str = "prompt",
+    route_sql: str = "'batch'",
+    chars_sql: str | None = None,
+) -> str:
     """SQL: the most a request is expected to cost (input estimate, output = max tokens), at batch
     prices, or at list prices where `route_sql` is 'realtime'."""
     output = config.max_tokens or DEFAULT_OUTPUT_ESTIMATE

@@ -26,13 +26,12 @@ import sys
 import duckdb
 
 from dbt_llm_batch.config import parse_config
-from dbt_llm_batch.duckdb_plugin import is_lock_conflict, lock_conflict_message
+from dbt_llm_batch.dbt.log import logger as run_log
 from dbt_llm_batch.errors import LlmBatchError
 from dbt_llm_batch.ledger import IN_FLIGHT, Ledger
-from dbt_llm_batch.submit import HELD_BY_RECONCILIATION
-from dbt_llm_batch.locks import database_path, unlock
+from dbt_llm_batch.ledger.locks import database_path, is_lock_conflict, lock_conflict_message, unlock
+from dbt_llm_batch.pipeline.submit import HELD_BY_RECONCILIATION
 from dbt_llm_batch.providers import get_provider
-from dbt_llm_batch.runlog import logger as run_log
 
 log = logging.getLogger("dbt_llm_batch")
 
@@ -60,16 +59,23 @@ def open_database(path: str):
 
 def resolve_model(con, schema: str, model: str) -> Ledger:
     """The ledger of `model` ('schema.name' as the ledger records it, or just the model's name)."""
-    exists = con.execute("select count(*) from information_schema.tables where table_schema = ? "
-                         "and table_name = 'llm_batch_requests'", [schema]).fetchall()[0][0]
+    exists = con.execute(
+        "select count(*) from information_schema.tables where table_schema = ? and table_name = 'llm_batch_requests'",
+        [schema],
+    ).fetchall()[0][0]
     if not exists:
-        raise OperatorError(f"no dbt-llm-batch ledger in schema {schema}: pass --schema (the model's schema, "
-                            f"or its llm_ledger_schema)")
+        raise OperatorError(
+            f"no dbt-llm-batch ledger in schema {schema}: pass --schema (the model's schema, or its llm_ledger_schema)"
+        )
     ledger = Ledger(con, schema, model)
-    names = [r[0] for r in con.execute(
-        f"""select distinct model from {ledger.table('llm_batch_requests')} where model = ? or model like ?
-            union select distinct model from {ledger.table('llm_batch_jobs')} where model = ? or model like ?""",
-        [model, "%." + model, model, "%." + model]).fetchall()]
+    names = [
+        r[0]
+        for r in con.execute(
+            f"""select distinct model from {ledger.table("llm_batch_requests")} where model = ? or model like ?
+            union select distinct model from {ledger.table("llm_batch_jobs")} where model = ? or model like ?""",
+            [model, "%." + model, model, "%." + model],
+        ).fetchall()
+    ]
     exact = [n for n in names if n == model]
     if exact or len(names) == 1:
         ledger.model = (exact or names)[0]
@@ -93,16 +99,19 @@ def cancel_model(con, schema: str, model: str) -> list[str]:
     ledger = resolve_model(con, schema, model)
     who = operator_name()
     jobs = con.execute(
-        f"""select job_id, batch_id, provider, llm_model, status from {ledger.table('llm_batch_jobs')}
+        f"""select job_id, batch_id, provider, llm_model, status from {ledger.table("llm_batch_jobs")}
             where model = ? and harvested_at is null and status <> 'voided' order by created_at""",
-        [ledger.model]).fetchall()
+        [ledger.model],
+    ).fetchall()
     if not jobs:
         return [f"{ledger.model}: no batch in flight; nothing to cancel"]
     lines, providers = [], {}
-    for job_id, batch_id, provider_name, llm_model, status in jobs:
+    for job_id, batch_id, provider_name, llm_model, _status in jobs:
         if not batch_id:
-            lines.append(f"{job_id}: its submission was interrupted and is not matched to a provider batch yet; "
-                         f"run the model once (it reconciles) and cancel again")
+            lines.append(
+                f"{job_id}: its submission was interrupted and is not matched to a provider batch yet; "
+                f"run the model once (it reconciles) and cancel again"
+            )
             continue
         key = (provider_name, llm_model)
         if key not in providers:
@@ -116,23 +125,27 @@ def cancel_model(con, schema: str, model: str) -> list[str]:
             continue
         ledger.update_job(job_id, status=new_status, cancel_requested_at=_now(con), cancelled_by=who)
         lines.append(f"{batch_id}: cancel requested by {who} (provider status: {new_status})")
-    lines.append(f"{ledger.model}: the next `dbt run` of this model harvests what these batches finished; the "
-                 f"requests they left unanswered are held (not resent) until `dbt-llm-batch release "
-                 f"--database {database_path(con)} --schema {schema} --model {ledger.model}`, or until their prompt "
-                 f"or config changes")
+    lines.append(
+        f"{ledger.model}: the next `dbt run` of this model harvests what these batches finished; the "
+        f"requests they left unanswered are held (not resent) until `dbt-llm-batch release "
+        f"--database {database_path(con)} --schema {schema} --model {ledger.model}`, or until their prompt "
+        f"or config changes"
+    )
     return lines
 
 
 def hold_cancelled(ledger: Ledger) -> int:
     """Requests an operator-cancelled batch ended without answering become 'held' (run after harvest)."""
     return ledger.execute(
-        f"""update {ledger.table('llm_batch_requests')} r set status = 'held',
+        f"""update {ledger.table("llm_batch_requests")} r set status = 'held',
               error = 'batch ' || j.batch_id || ' was cancelled by ' || j.cancelled_by || ' at '
                       || strftime(j.cancel_requested_at, '%Y-%m-%d %H:%M:%S') || ' before answering; held until '
                       || '`dbt-llm-batch release` or a change of prompt or config'
-            from {ledger.table('llm_batch_jobs')} j
+            from {ledger.table("llm_batch_jobs")} j
             where r.job_id = j.job_id and j.model = ? and j.cancel_requested_at is not null
-              and j.harvested_at is not null and r.status in {UNANSWERED}""", [ledger.model]).fetchall()[0][0]
+              and j.harvested_at is not null and r.status in {UNANSWERED}""",
+        [ledger.model],
+    ).fetchall()[0][0]
 
 
 def release_model(con, schema: str, model: str) -> tuple[int, int, int, int]:
@@ -145,25 +158,35 @@ def release_model(con, schema: str, model: str) -> tuple[int, int, int, int]:
     requests, jobs = ledger.table("llm_batch_requests"), ledger.table("llm_batch_jobs")
     note = "'; released by ' || ? || ' at ' || strftime(now(), '%Y-%m-%d %H:%M:%S')"
     who = operator_name()
-    held = ledger.execute(f"update {requests} set status = 'released', error = error || {note} "
-                          f"where model = ? and status = 'held'", [who, ledger.model]).fetchall()[0][0]
+    held = ledger.execute(
+        f"update {requests} set status = 'released', error = error || {note} where model = ? and status = 'held'",
+        [who, ledger.model],
+    ).fetchall()[0][0]
     # Only submissions a run looked up and could not decide: one nobody has reconciled yet (or an
     # OpenAI one, which its metadata token settles) may well be a live batch.
-    interrupted = [r[0] for r in con.execute(
-        f"""select job_id from {jobs} where model = ? and batch_id is null and harvested_at is null
-              and status in {INTERRUPTED} and error = ?""", [ledger.model, HELD_BY_RECONCILIATION]).fetchall()]
+    interrupted = [
+        r[0]
+        for r in con.execute(
+            f"""select job_id from {jobs} where model = ? and batch_id is null and harvested_at is null
+              and status in {INTERRUPTED} and error = ?""",
+            [ledger.model, HELD_BY_RECONCILIATION],
+        ).fetchall()
+    ]
     freed = 0
     for job_id in interrupted:
         freed += ledger.execute(
             f"""update {requests} set status = 'released',
                   error = 'its submission ' || job_id || ' was interrupted, never matched to a provider batch' || {note}
-                where job_id = ? and status in {IN_FLIGHT}""", [who, job_id]).fetchall()[0][0]
+                where job_id = ? and status in {IN_FLIGHT}""",
+            [who, job_id],
+        ).fetchall()[0][0]
         ledger.update_job(job_id, status="voided", error=f"released by {who}")
     orphans = ledger.execute(
         f"""update {requests} set status = 'released',
               error = 'its job ' || job_id || ' is missing from llm_batch_jobs' || {note}
             where model = ? and status in {IN_FLIGHT} and job_id not in (select job_id from {jobs})""",
-        [who, ledger.model]).fetchall()[0][0]
+        [who, ledger.model],
+    ).fetchall()[0][0]
     return held, freed, len(interrupted), orphans
 
 
@@ -172,15 +195,17 @@ def warn_missing_jobs(ledger: Ledger) -> int:
     them. Returns how many."""
     jobs = ledger.table("llm_batch_jobs")
     n = ledger.con.execute(
-        f"""select count(*) from {ledger.table('llm_batch_requests')}
+        f"""select count(*) from {ledger.table("llm_batch_requests")}
             where model = ? and status in {IN_FLIGHT} and job_id not in (select job_id from {jobs})""",
-        [ledger.model]).fetchall()[0][0]
+        [ledger.model],
+    ).fetchall()[0][0]
     if n:
         run_log().warning(
             f"{ledger.model}: {n} request(s) are in flight under a job missing from llm_batch_jobs (was its row "
             f"deleted?): no run polls them or sends them again. If their batch never ran (or you accept paying "
             f"again), send them with `dbt-llm-batch release --database {database_path(ledger.con)} --schema "
-            f"{ledger.schema} --model {ledger.model}`")
+            f"{ledger.schema} --model {ledger.model}`"
+        )
     return n
 
 
@@ -190,11 +215,14 @@ def requeue_model(con, schema: str, model: str) -> tuple[int, int]:
     input fixed instead: they stay failed."""
     ledger = resolve_model(con, schema, model)
     requests = ledger.table("llm_batch_requests")
-    n = ledger.execute(f"""update {requests} set status = 'requeued', is_final = false
+    n = ledger.execute(
+        f"""update {requests} set status = 'requeued', is_final = false
                            where model = ? and status = 'failed' and job_id is not null""",
-                       [ledger.model]).fetchall()[0][0]
-    unsent = con.execute(f"select count(*) from {requests} where model = ? and status = 'failed' and job_id is null",
-                         [ledger.model]).fetchall()[0][0]
+        [ledger.model],
+    ).fetchall()[0][0]
+    unsent = con.execute(
+        f"select count(*) from {requests} where model = ? and status = 'failed' and job_id is null", [ledger.model]
+    ).fetchall()[0][0]
     return n, unsent
 
 
@@ -208,19 +236,22 @@ def delete_provider_files(ledger: Ledger, client_for, enabled: bool) -> None:
     # Harvested batches; and voided submissions that uploaded a file but never made a batch with it.
     jobs = ledger.con.execute(
         f"""select job_id, batch_id, provider, llm_model, input_file_id, output_file_id, error_file_id
-            from {ledger.table('llm_batch_jobs')}
+            from {ledger.table("llm_batch_jobs")}
             where model = ? and files_deleted_at is null and provider <> 'openai_compatible'
               and ((harvested_at is not null and batch_id is not null)
                    or (status = 'voided' and batch_id is null and input_file_id is not null))""",
-        [ledger.model]).fetchall()
+        [ledger.model],
+    ).fetchall()
     for job_id, batch_id, provider_name, llm_model, *file_ids in jobs:
         try:  # the job's provider may need a key this run does not have (the model switched provider)
             provider = client_for({"provider": provider_name, "llm_model": llm_model})
             provider.delete_files(batch_id, [f for f in file_ids if f])
         except Exception as exc:
             what = f"batch {batch_id}" if batch_id else f"interrupted submission {job_id}"
-            log.warning(f"{ledger.model}: could not delete the files of {what} at {provider_name} "
-                        f"({type(exc).__name__}: {exc}); the results are stored, the next run tries again")
+            log.warning(
+                f"{ledger.model}: could not delete the files of {what} at {provider_name} "
+                f"({type(exc).__name__}: {exc}); the results are stored, the next run tries again"
+            )
             ledger.update_job(job_id, files_delete_error=f"{type(exc).__name__}: {exc}"[:1000])
             continue
         ledger.update_job(job_id, files_deleted_at=_now(ledger.con), files_delete_error=None)
@@ -242,21 +273,35 @@ def command(args) -> int:
                 if held or not (submissions or orphans):
                     print(f"released {held} held request(s) of {args.model}: the next run sends them")
                 if submissions:
-                    print(f"released {freed} request(s) of {submissions} interrupted submission(s) that no "
-                          f"provider batch was matched to: the next run sends them. WARNING: if a submission did "
-                          f"reach the provider, its batch still runs and those requests are paid twice")
+                    print(
+                        f"released {freed} request(s) of {submissions} interrupted submission(s) that no "
+                        f"provider batch was matched to: the next run sends them. WARNING: if a submission did "
+                        f"reach the provider, its batch still runs and those requests are paid twice"
+                    )
                 if orphans:
-                    print(f"released {orphans} request(s) whose job is missing from llm_batch_jobs: the next run "
-                          f"sends them. WARNING: if their batch ran at the provider, they are paid twice")
+                    print(
+                        f"released {orphans} request(s) whose job is missing from llm_batch_jobs: the next run "
+                        f"sends them. WARNING: if their batch ran at the provider, they are paid twice"
+                    )
             elif args.command == "requeue":
                 n, unsent = requeue_model(con, args.schema, args.model)
-                print(f"requeued {n} failed request(s) of {args.model}: the next run sends them again, with "
-                      f"a fresh set of llm_max_attempts" + (f"; {unsent} row(s) failed before sending (empty, "
-                      f"too long or not UTF-8) and need their input fixed" if unsent else ""))
+                print(
+                    f"requeued {n} failed request(s) of {args.model}: the next run sends them again, with "
+                    f"a fresh set of llm_max_attempts"
+                    + (
+                        f"; {unsent} row(s) failed before sending (empty, "
+                        f"too long or not UTF-8) and need their input fixed"
+                        if unsent
+                        else ""
+                    )
+                )
             elif args.command == "unlock":
                 rows = unlock(con, args.schema, resolve_model(con, args.schema, args.model).model)
-                print(f"removed the lock of {rows[0][0]} (held since {rows[0][1]}, last heartbeat {rows[0][2]})"
-                      if rows else f"{args.model} was not locked")
+                print(
+                    f"removed the lock of {rows[0][0]} (held since {rows[0][1]}, last heartbeat {rows[0][2]})"
+                    if rows
+                    else f"{args.model} was not locked"
+                )
         finally:
             con.close()
     except LlmBatchError as exc:

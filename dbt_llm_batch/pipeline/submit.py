@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import os
 
-from dbt_llm_batch import crashpoints
+from dbt_llm_batch.dbt.log import logger
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.locks import database_path
-from dbt_llm_batch.request_files import RequestFile
+from dbt_llm_batch.ledger.locks import database_path
+from dbt_llm_batch.pipeline import crashpoints
+from dbt_llm_batch.pipeline.request_files import RequestFile
 from dbt_llm_batch.providers.base import UNRESOLVED, BatchProvider
 from dbt_llm_batch.providers.calls import ProviderUnavailable, describe, is_transient, status_of
-from dbt_llm_batch.runlog import logger
 
 NEVER_SENT = "submission interrupted before reaching the provider"
 
@@ -114,16 +114,19 @@ def _stop_after_failed_create(ledger: Ledger, job_id: str, exc: BaseException) -
     else:
         ledger.update_job(job_id, error=describe(exc))
         fate = "it may have reached the provider, so its requests are held until reconciliation can tell"
-    logger().warning(f"{ledger.model}: creating a batch failed ({describe(exc)}); {fate}; the remaining chunks "
-                     "wait for the next run")
+    logger().warning(
+        f"{ledger.model}: creating a batch failed ({describe(exc)}); {fate}; the remaining chunks wait for the next run"
+    )
 
 
 def _stop_after_failed_upload(ledger: Ledger, job_id: str, exc: BaseException) -> None:
     """The upload kept failing: no batch was created. The job stays 'uploading' for reconciliation,
     which voids it and deletes a file the provider may have kept."""
     ledger.update_job(job_id, error=describe(exc))
-    logger().warning(f"{ledger.model}: uploading the request file failed ({describe(exc)}); no batch was created, "
-                     "so its requests are sent again by the next run; the remaining chunks wait for the next run")
+    logger().warning(
+        f"{ledger.model}: uploading the request file failed ({describe(exc)}); no batch was created, "
+        "so its requests are sent again by the next run; the remaining chunks wait for the next run"
+    )
 
 
 def void_submission(ledger: Ledger, job_id: str, reason: str, input_file_id: str | None = None) -> None:
@@ -147,16 +150,19 @@ def reconcile(ledger: Ledger, get_provider, job: dict, run_started) -> None:
         return
     since = job["created_at"].timestamp()
     if job["status"] == "uploading":  # `create` was never called: no batch can exist
-        file_id = ledger.con.execute(f"select input_file_id from {ledger.table('llm_batch_jobs')} where job_id = ?",
-                                     [job["job_id"]]).fetchall()[0][0]
+        file_id = ledger.con.execute(
+            f"select input_file_id from {ledger.table('llm_batch_jobs')} where job_id = ?", [job["job_id"]]
+        ).fetchall()[0][0]
         if file_id is None:
             try:  # an upload whose answer never reached the ledger: found by its name, to delete it
                 file_id = get_provider().find_upload(job["job_id"], since)
             except ProviderUnavailable:
                 raise  # asked again by the next run
             except Exception as exc:  # a file left behind costs nothing: never fail the run for it
-                logger().warning(f"{ledger.model}: could not look for the file an interrupted upload of "
-                                 f"{job['job_id']} may have left at the provider ({describe(exc)})")
+                logger().warning(
+                    f"{ledger.model}: could not look for the file an interrupted upload of "
+                    f"{job['job_id']} may have left at the provider ({describe(exc)})"
+                )
         void_submission(ledger, job["job_id"], NEVER_SENT, file_id)
         return
     if job["created_at"] >= run_started:
@@ -164,10 +170,13 @@ def reconcile(ledger: Ledger, get_provider, job: dict, run_started) -> None:
         # the next run, not seconds later by this one's wait loop.
         return
     requests, jobs = ledger.table("llm_batch_requests"), ledger.table("llm_batch_jobs")
-    custom_ids = {r[0] for r in ledger.con.execute(f"select custom_id from {requests} where job_id = ?",
-                                                   [job["job_id"]]).fetchall()}
-    known = frozenset(r[0] for r in ledger.con.execute(f"select batch_id from {jobs} where batch_id is not null")
-                      .fetchall())
+    custom_ids = {
+        r[0]
+        for r in ledger.con.execute(f"select custom_id from {requests} where job_id = ?", [job["job_id"]]).fetchall()
+    }
+    known = frozenset(
+        r[0] for r in ledger.con.execute(f"select batch_id from {jobs} where batch_id is not null").fetchall()
+    )
     found = get_provider().find_submission(job["job_id"], since, custom_ids, known_batch_ids=known)
     if found == UNRESOLVED:
         # Recorded on the job: `release` frees only submissions a run looked up and could not decide.
@@ -177,7 +186,8 @@ def reconcile(ledger: Ledger, get_provider, job: dict, run_started) -> None:
             f"yet (a batch of the same size created since then has not ended): its {len(custom_ids)} request(s) "
             f"are held, not resent, until that batch ends and its custom_ids confirm or rule it out. To send them "
             f"now: `dbt-llm-batch release --database {database_path(ledger.con)} --schema {ledger.schema} --model "
-            f"{ledger.model}` (if that batch is this submission, they are paid twice)")
+            f"{ledger.model}` (if that batch is this submission, they are paid twice)"
+        )
     elif found:
         ledger.record_submission(job["job_id"], found.batch_id, found.input_file_id, found.status)
         logger().info(f"{ledger.model}: adopted batch {found.batch_id} submitted by an interrupted run")

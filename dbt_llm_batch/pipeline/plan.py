@@ -10,21 +10,17 @@ import json
 
 import duckdb
 
-from dbt_llm_batch import costs
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError, InputError
 from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.pipeline import costs
+from dbt_llm_batch.sql import ident
 
 # Temp tables (connection-local): the model's rows as selected this run (runner.load_input), and
 # the two this module creates.
 INPUT = "__llm_input"
 DESIRED = "__llm_desired"
 PLAN = "__llm_plan"
-
-
-def q(name: str) -> str:
-    """Quote an identifier for DuckDB."""
-    return '"' + name.replace('"', '""') + '"'
 
 
 def describe(con, relation: str) -> list[tuple[str, str]]:
@@ -46,34 +42,44 @@ def check_input(con, input_rel: str, config: ModelConfig) -> list[tuple[str, str
         if key not in names:
             problems.append(f"unique_key column '{key}' is not selected by the model (columns: {', '.join(names)})")
     if config.prompt_column not in names:
-        problems.append(f"prompt column '{config.prompt_column}' is not selected by the model; select a "
-                        f"column named '{config.prompt_column}' or set llm_prompt_column")
+        problems.append(
+            f"prompt column '{config.prompt_column}' is not selected by the model; select a "
+            f"column named '{config.prompt_column}' or set llm_prompt_column"
+        )
     added = [c.name for c in config.output_columns] + [c[0] for c in STATUS_COLUMNS]
     if "rowid" in lowered:  # it would hide DuckDB's own row id, which the plan joins on
         problems.append("a selected column is named 'rowid', which dbt-llm-batch needs; rename it in the model's SQL")
     for clash in [a for a in added if a.lower() in lowered]:
-        problems.append(f"selected column '{clash}' clashes with a column dbt-llm-batch adds; rename it in "
-                        f"the model's SQL{' or in llm_output' if clash in dict(config.output or {}) else ''}")
+        problems.append(
+            f"selected column '{clash}' clashes with a column dbt-llm-batch adds; rename it in "
+            f"the model's SQL{' or in llm_output' if clash in dict(config.output or {}) else ''}"
+        )
     if problems:
         raise ConfigError("invalid llm_batch model:\n  - " + "\n  - ".join(problems))
 
-    keys = ", ".join(q(k) for k in config.unique_key)
-    null_filter = " or ".join(f"{q(k)} is null" for k in config.unique_key)
+    keys = ", ".join(ident(k) for k in config.unique_key)
+    null_filter = " or ".join(f"{ident(k)} is null" for k in config.unique_key)
     nulls = con.execute(f"select count(*) from {input_rel} where {null_filter}").fetchall()[0][0]
     if nulls:
         sample = con.execute(f"select {keys} from {input_rel} where {null_filter} limit 5").fetchall()
-        raise InputError(f"{nulls} selected row(s) have a NULL in unique_key ({', '.join(config.unique_key)}), "
-                         f"for example {_fmt(sample)}; nothing was sent. Filter them out in the model's SQL.")
+        raise InputError(
+            f"{nulls} selected row(s) have a NULL in unique_key ({', '.join(config.unique_key)}), "
+            f"for example {_fmt(sample)}; nothing was sent. Filter them out in the model's SQL."
+        )
     dupes = con.execute(
         f"select {keys}, count(*) from {input_rel} group by all having count(*) > 1 order by count(*) desc limit 5"
     ).fetchall()
     if dupes:
         total = con.execute(
             f"select count(*) from (select 1 from {input_rel} group by all having count(*) > 1)".replace(
-                "group by all", f"group by {keys}")).fetchall()[0][0]
+                "group by all", f"group by {keys}"
+            )
+        ).fetchall()[0][0]
         examples = ", ".join(f"{_fmt([d[:-1]])} ({d[-1]} rows)" for d in dupes)
-        raise InputError(f"{total} unique_key value(s) are duplicated, for example {examples}; nothing was "
-                         f"sent. Make ({', '.join(config.unique_key)}) unique in the model's SQL.")
+        raise InputError(
+            f"{total} unique_key value(s) are duplicated, for example {examples}; nothing was "
+            f"sent. Make ({', '.join(config.unique_key)}) unique in the model's SQL."
+        )
     return columns
 
 
@@ -83,12 +89,12 @@ def _fmt(rows) -> str:
 
 def key_sql(config: ModelConfig) -> str:
     """The ledger's key: a JSON list of the key columns as text (composite keys stay unambiguous)."""
-    return "to_json([" + ", ".join(f"cast({q(k)} as varchar)" for k in config.unique_key) + "])"
+    return "to_json([" + ", ".join(f"cast({ident(k)} as varchar)" for k in config.unique_key) + "])"
 
 
 def row_json_sql(columns, alias: str = "") -> str:
     """The selected row as JSON: stored with each request, so the table can be rebuilt from the ledger."""
-    return "to_json(struct_pack(" + ", ".join(f"{q(c)} := {alias}{q(c)}" for c, _ in columns) + "))"
+    return "to_json(struct_pack(" + ", ".join(f"{ident(c)} := {alias}{ident(c)}" for c, _ in columns) + "))"
 
 
 def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
@@ -110,17 +116,20 @@ def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
             f"""create or replace temp table {DESIRED} as
                 select rowid as row_id, {key_sql(config)} as key,
                        -- md5: change detection, not security, and twice as fast as sha256 over long prompts
-                       md5(? || coalesce(cast({q(config.prompt_column)} as varchar), '')) as fingerprint,
-                       coalesce(cast({q(config.prompt_column)} as varchar), '') <> '' as has_prompt,
+                       md5(? || coalesce(cast({ident(config.prompt_column)} as varchar), '')) as fingerprint,
+                       coalesce(cast({ident(config.prompt_column)} as varchar), '') <> '' as has_prompt,
                        length({prompt_chars}) as prompt_chars,  -- for the token estimate, read in this one scan
                        {realtime} as realtime
                 from {input_rel}""",
-            [config.fingerprint_prefix()])
+            [config.fingerprint_prefix()],
+        )
     except duckdb.Error as exc:
         if not config.realtime_when:
             raise
-        raise ConfigError(f"llm_realtime_when = {config.realtime_when!r} is not a boolean SQL expression over "
-                          f"the model's columns ({', '.join(c for c, _ in columns)}): {exc}; nothing was sent") from None
+        raise ConfigError(
+            f"llm_realtime_when = {config.realtime_when!r} is not a boolean SQL expression over "
+            f"the model's columns ({', '.join(c for c, _ in columns)}): {exc}; nothing was sent"
+        ) from None
 
 
 def adopt_legacy_fingerprints(ledger: Ledger, config: ModelConfig) -> int:
@@ -131,28 +140,30 @@ def adopt_legacy_fingerprints(ledger: Ledger, config: ModelConfig) -> int:
     if not config.legacy_prefix:
         return 0
     requests = ledger.table("llm_batch_requests")
-    prompt = f"coalesce(cast({q(config.prompt_column)} as varchar), '')"
+    prompt = f"coalesce(cast({ident(config.prompt_column)} as varchar), '')"
     return ledger.execute(
         f"""update {requests} r set fingerprint = d.fingerprint
             from (select d.key, d.fingerprint, md5(? || {prompt}) as legacy
                   from {DESIRED} d join {INPUT} i on i.rowid = d.row_id) d
             where r.model = ? and r.key = d.key and r.fingerprint = d.legacy""",
-        [config.legacy_prefix, ledger.model]).fetchall()[0][0]
+        [config.legacy_prefix, ledger.model],
+    ).fetchall()[0][0]
 
 
 def reject_empty_prompts(ledger: Ledger, input_rel: str, columns) -> int:
     """Rows with a NULL or empty prompt fail alone, without a request: record them as final failures."""
     return ledger.execute(
-        f"""insert into {ledger.table('llm_batch_requests')} (custom_id, model, key, fingerprint, seq, status,
+        f"""insert into {ledger.table("llm_batch_requests")} (custom_id, model, key, fingerprint, seq, status,
               is_final, error, row_json, queued_at, completed_at)
             select 'x_' || substr(sha256(? || d.key || d.fingerprint), 1, 40), ?, d.key, d.fingerprint, 0,
-                   'failed', true, 'prompt is NULL or empty: nothing was sent', {row_json_sql(columns, 'i.')},
+                   'failed', true, 'prompt is NULL or empty: nothing was sent', {row_json_sql(columns, "i.")},
                    now(), now()
             from {DESIRED} d join {input_rel} i on i.rowid = d.row_id
             where not d.has_prompt
-              and not exists (select 1 from {ledger.table('llm_batch_requests')} r
+              and not exists (select 1 from {ledger.table("llm_batch_requests")} r
                               where r.model = ? and r.key = d.key and r.fingerprint = d.fingerprint)""",
-        [ledger.model, ledger.model, ledger.model]).fetchall()[0][0]
+        [ledger.model, ledger.model, ledger.model],
+    ).fetchall()[0][0]
 
 
 def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, price: dict | None = None) -> int:
@@ -176,7 +187,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                                   {stored_prompt} as prompt, length({stored_prompt}) as prompt_chars from {requests}
                            where model = ? and status = 'deferred' and key not in (select key from {DESIRED}))
             where prompt is not null""",
-        [path, path, ledger.model])
+        [path, path, ledger.model],
+    )
     estimated_cost = "null::decimal(18, 9)"
     if price is not None:
         estimated_cost = costs.estimated_cost_sql(config, price, route_sql="route", chars_sql="prompt_chars")
@@ -222,8 +234,16 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                   union all
                   select null, key, fingerprint, seq, custom_id, prompt, row_json, ?, prompt_chars
                   from __llm_deferred)""",
-        [ledger.model, ledger.model, config.max_attempts, config.max_attempts, config.fallback == "realtime", ledger.model,
-         "realtime" if config.self_hosted else "batch"])
+        [
+            ledger.model,
+            ledger.model,
+            config.max_attempts,
+            config.max_attempts,
+            config.fallback == "realtime",
+            ledger.model,
+            "realtime" if config.self_hosted else "batch",
+        ],
+    )
     con.execute("drop table __llm_deferred")
     return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
 
@@ -235,7 +255,7 @@ def prompt_is_blob(config: ModelConfig, columns) -> bool:
 def prompt_text_sql(config: ModelConfig, columns, alias: str = "") -> str:
     """The prompt as the text sent. A BLOB prompt column is decoded as UTF-8 (rows whose bytes are
     not UTF-8 fail before planning, bad_input.reject_unsendable); a cast would send escapes like \\xC3."""
-    column = f"{alias}{q(config.prompt_column)}"
+    column = f"{alias}{ident(config.prompt_column)}"
     if prompt_is_blob(config, columns):
         return f"decode({column})"
     return f"cast({column} as varchar)"
@@ -244,6 +264,6 @@ def prompt_text_sql(config: ModelConfig, columns, alias: str = "") -> str:
 def plan_rows(config: ModelConfig, columns, plan: str = PLAN) -> str:
     """The plan joined back to the input: every PLAN column plus `plan_row` (the plan's row id),
     `prompt` and `row_json` (a deferred request brings its own from the ledger). A subquery, so rows are read, not copied."""
-    return f"""(select p.*, p.rowid as plan_row, coalesce(p.deferred_prompt, {prompt_text_sql(config, columns, 'i.')}) as prompt,
-                       coalesce(p.deferred_row_json, {row_json_sql(columns, 'i.')}) as row_json
+    return f"""(select p.*, p.rowid as plan_row, coalesce(p.deferred_prompt, {prompt_text_sql(config, columns, "i.")}) as prompt,
+                       coalesce(p.deferred_row_json, {row_json_sql(columns, "i.")}) as row_json
                 from {plan} p left join {INPUT} i on i.rowid = p.row_id)"""

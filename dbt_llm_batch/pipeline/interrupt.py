@@ -40,8 +40,10 @@ def sleep(seconds: float, slice_seconds: float = 0.2) -> None:
     end = time.monotonic() + seconds
     while True:
         if cancelled():
-            raise Interrupted("the run was interrupted (Ctrl-C) while waiting for batches; nothing is lost: "
-                              "open batches stay in the ledger and the next run harvests them")
+            raise Interrupted(
+                "the run was interrupted (Ctrl-C) while waiting for batches; nothing is lost: "
+                "open batches stay in the ledger and the next run harvests them"
+            )
         left = end - time.monotonic()
         if left <= 0:
             return

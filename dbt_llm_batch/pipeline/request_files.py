@@ -36,6 +36,7 @@ STREAM_BATCH_ROWS = 10_000
 @dataclass
 class Room:
     """What the in-flight caps leave for this run (None: no cap)."""
+
     batches: int | None = None
     requests: int | None = None
     tokens: int | None = None
@@ -112,7 +113,7 @@ class _Writer:
         lines = batch.column("line")
         if lines.type != pa.large_string():
             lines = lines.cast(pa.large_string())
-        offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64)[lines.offset:lines.offset + len(lines) + 1]
+        offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64)[lines.offset : lines.offset + len(lines) + 1]
         sizes = np.diff(offsets)
         if lines.null_count:  # planner.build_plan fails requests without a prompt before they get here
             raise ValueError("dbt-llm-batch bug: a planned request has no request line")
@@ -127,12 +128,16 @@ class _Writer:
                     self._close()
                     continue
                 if sizes[pos] > self.max_bytes:
-                    raise InputError(f"a request is {int(sizes[pos])} bytes, larger than the provider's batch limit "
-                                     f"({self.max_bytes} bytes) on its own; nothing was sent. Shorten that prompt.")
+                    raise InputError(
+                        f"a request is {int(sizes[pos])} bytes, larger than the provider's batch limit "
+                        f"({self.max_bytes} bytes) on its own; nothing was sent. Shorten that prompt."
+                    )
                 if not (self.room.nothing_in_flight and self.requests == 0 and self.room.requests != 0):
                     return False  # the in-flight caps are reached: the rest waits
                 n = 1  # over the token cap alone, with nothing in flight: it goes by itself
-            self._write(batch, lines, offsets, pos, n, int(sizes[pos:pos + n].sum()), int(tokens[pos:pos + n].sum()))
+            self._write(
+                batch, lines, offsets, pos, n, int(sizes[pos : pos + n].sum()), int(tokens[pos : pos + n].sum())
+            )
             pos += n
         return True
 
@@ -161,7 +166,7 @@ class _Writer:
             if self.handle is None:
                 self.handle = open(f.path, "wb")
             # The view keeps this batch's buffer alive until written (at most QUEUED batches).
-            self.writes.write(self.handle, memoryview(lines.buffers()[2])[offsets[pos]:offsets[pos + n]])
+            self.writes.write(self.handle, memoryview(lines.buffers()[2])[offsets[pos] : offsets[pos + n]])
         # A copy: a slice would keep the whole Arrow batch (its lines included) alive until the end.
         self.sent_rows.append(batch.column("plan_row").slice(pos, n).to_numpy(zero_copy_only=False).astype(np.int64))
         self.sent_chunks.append(np.full(n, f.chunk, dtype=np.int32))
@@ -188,9 +193,13 @@ class _Writer:
             self.writes.finish()
 
     def record_sent(self) -> None:
-        sent = pa.table({"plan_row": np.concatenate(self.sent_rows) if self.sent_rows else np.array([], np.int64),
-                         "chunk": np.concatenate(self.sent_chunks) if self.sent_chunks else np.array([], np.int32),
-                         "line": np.concatenate(self.sent_lines) if self.sent_lines else np.array([], np.int32)})
+        sent = pa.table(
+            {
+                "plan_row": np.concatenate(self.sent_rows) if self.sent_rows else np.array([], np.int64),
+                "chunk": np.concatenate(self.sent_chunks) if self.sent_chunks else np.array([], np.int32),
+                "line": np.concatenate(self.sent_lines) if self.sent_lines else np.array([], np.int32),
+            }
+        )
         self.con.register("__llm_sent_arrow", sent)
         try:
             self.con.execute(f"create or replace temp table {SENT} as select * from __llm_sent_arrow")
@@ -209,8 +218,9 @@ def unsent_rows(rows: str, first_unsent_chunk: int) -> str:
                where p.plan_row not in (select plan_row from {SENT} where chunk < {int(first_unsent_chunk)}))"""
 
 
-def write_request_files(con, line_sql: str, rows: str, directory: str | None, max_requests: int, max_bytes: int,
-                        room: Room) -> list[RequestFile]:
+def write_request_files(
+    con, line_sql: str, rows: str, directory: str | None, max_requests: int, max_bytes: int, room: Room
+) -> list[RequestFile]:
     """Write the batch requests of `rows` (planner.plan_rows) into files under `directory` (None: only
     count), within the provider's per-batch limits and the in-flight `room`; returns the files, and
     records the rows written in SENT. Rows not written wait for a later run."""

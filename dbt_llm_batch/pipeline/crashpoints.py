@@ -13,8 +13,16 @@ import collections
 import os
 import signal
 
-POINTS = ("after_intents", "after_upload", "before_create", "after_create", "after_download", "after_store",
-          "before_merge", "after_realtime_group")
+POINTS = (
+    "after_intents",
+    "after_upload",
+    "before_create",
+    "after_create",
+    "after_download",
+    "after_store",
+    "before_merge",
+    "after_realtime_group",
+)
 
 _reached: collections.Counter = collections.Counter()  # times this process reached each point
 

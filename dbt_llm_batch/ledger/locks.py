@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -23,6 +24,27 @@ from dbt_llm_batch.errors import LlmBatchError
 from dbt_llm_batch.ledger import Ledger, transaction
 
 log = logging.getLogger("dbt_llm_batch")
+
+# Another process holds the DuckDB file itself (DuckDB allows one writing process per file).
+HOLDER = re.compile(r"Conflicting lock is held in (?P<program>.+?) \(PID (?P<pid>\d+)\)")
+
+
+def lock_conflict_message(path: str, error: str) -> str:
+    """The user-facing message for a DuckDB file another process holds (DuckDB names the holder)."""
+    m = HOLDER.search(error)
+    holder = f"{m['program']} (PID {m['pid']})" if m else "another process"
+    stop = f" If that process is stuck or forgotten, stop it (for example `kill {m['pid']}`)." if m else ""
+    return (
+        f"The DuckDB file {path} is in use by {holder}. DuckDB lets only one process open a database "
+        f"file for writing, so this dbt run cannot start; nothing was changed. Wait for that process "
+        f"(another dbt run, a notebook or a DuckDB shell) to finish or close the file, then run again."
+        f"{stop} (DuckDB said: {error})"
+    )
+
+
+def is_lock_conflict(exc: Exception) -> bool:
+    return isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower()
+
 
 # A live run refreshes its heartbeat at least every 30 s while it waits (runner.ModelRun.wait); the
 # other steps of a run take seconds to minutes. Ten minutes without a heartbeat means the owner is gone.
@@ -76,42 +98,59 @@ class ModelLock:
                 time.sleep(0.05 * (attempt + 1))
         if previous:
             owner, acquired_at, age = previous
-            why = ("its process is no longer running on this host" if age < self.stale_after else
-                   f"no heartbeat for {int(age)} s, more than {int(self.stale_after)} s")
-            log.warning(f"{self.ledger.model}: took over the lock of {owner} (held since {acquired_at}; {why}): "
-                        f"that run is presumed dead")
+            why = (
+                "its process is no longer running on this host"
+                if age < self.stale_after
+                else f"no heartbeat for {int(age)} s, more than {int(self.stale_after)} s"
+            )
+            log.warning(
+                f"{self.ledger.model}: took over the lock of {owner} (held since {acquired_at}; {why}): "
+                f"that run is presumed dead"
+            )
 
     def _try_acquire(self):
         con, model = self.ledger.con, self.ledger.model
         with transaction(con):
-            rows = con.execute(f"""select owner, acquired_at, heartbeat_at, epoch(now() - heartbeat_at)
-                                   from {self.table} where model = ?""", [model]).fetchall()
+            rows = con.execute(
+                f"""select owner, acquired_at, heartbeat_at, epoch(now() - heartbeat_at)
+                                   from {self.table} where model = ?""",
+                [model],
+            ).fetchall()
             if not rows:
                 con.execute(f"insert into {self.table} values (?, ?, now(), now())", [model, self.owner])
                 return None
             owner, acquired_at, heartbeat_at, age = rows[0]
             if owner != self.owner and age < self.stale_after and not process_is_gone(owner):
                 raise LockHeldError(self.held_message(owner, acquired_at, age))
-            con.execute(f"""update {self.table} set owner = ?, acquired_at = now(), heartbeat_at = now()
-                            where model = ?""", [self.owner, model])
+            con.execute(
+                f"""update {self.table} set owner = ?, acquired_at = now(), heartbeat_at = now()
+                            where model = ?""",
+                [self.owner, model],
+            )
             return None if owner == self.owner else (owner, acquired_at, age)
 
     def held_message(self, owner: str, acquired_at, age: float) -> str:
         ledger = self.ledger
-        return (f"{ledger.model} is being run by {owner} (host:pid:run) since {acquired_at:%Y-%m-%d %H:%M:%S %Z}, "
-                f"last heartbeat {int(age)} s ago. Two runs of one model must not submit at once, so this run "
-                f"stopped before harvesting, planning or sending anything. Wait for that run to finish. If that "
-                f"process is dead, its lock is taken over automatically (at once if it ran on this host, else once its "
-                f"heartbeat is {int(self.stale_after // 60)} minutes old), or clear it now with: dbt-llm-batch unlock "
-                f"--database {database_path(ledger.con)} --schema {ledger.schema} --model {ledger.model}")
+        return (
+            f"{ledger.model} is being run by {owner} (host:pid:run) since {acquired_at:%Y-%m-%d %H:%M:%S %Z}, "
+            f"last heartbeat {int(age)} s ago. Two runs of one model must not submit at once, so this run "
+            f"stopped before harvesting, planning or sending anything. Wait for that run to finish. If that "
+            f"process is dead, its lock is taken over automatically (at once if it ran on this host, else once its "
+            f"heartbeat is {int(self.stale_after // 60)} minutes old), or clear it now with: dbt-llm-batch unlock "
+            f"--database {database_path(ledger.con)} --schema {ledger.schema} --model {ledger.model}"
+        )
 
     def heartbeat(self) -> None:
         """Refresh the heartbeat; raise if another run took the lock over (this run was presumed dead)."""
-        n = self.ledger.execute(f"update {self.table} set heartbeat_at = now() where model = ? and owner = ?",
-                                [self.ledger.model, self.owner]).fetchall()[0][0]
+        n = self.ledger.execute(
+            f"update {self.table} set heartbeat_at = now() where model = ? and owner = ?",
+            [self.ledger.model, self.owner],
+        ).fetchall()[0][0]
         if not n:
-            raise LockHeldError(f"{self.ledger.model}: this run's lock was taken over by another run (no heartbeat "
-                                f"for {int(self.stale_after)} s); stopping before it submits anything more")
+            raise LockHeldError(
+                f"{self.ledger.model}: this run's lock was taken over by another run (no heartbeat "
+                f"for {int(self.stale_after)} s); stopping before it submits anything more"
+            )
 
     def release(self) -> None:
         self.ledger.execute(f"delete from {self.table} where model = ? and owner = ?", [self.ledger.model, self.owner])

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from dbt_llm_batch.dbt.log import logger as run_log
 from dbt_llm_batch.providers.base import BatchState
-from dbt_llm_batch.runlog import logger as run_log
 
 BACKOFF_FIRST_SECONDS = 600
 BACKOFF_MAX_SECONDS = 6 * 3600
 TOKEN_LIMIT = "token_limit_exceeded"
 GIVE_UP_AFTER = 3  # consecutive batch failures naming no request, of one (key, fingerprint)
-LINE_REJECTED = ("not retried: the provider rejected this request line itself, which would be rejected again; "
-                 "fix the prompt or the model's config")
+LINE_REJECTED = (
+    "not retried: the provider rejected this request line itself, which would be rejected again; "
+    "fix the prompt or the model's config"
+)
 
 
 def backoff_seconds(occurrence: int) -> int:
@@ -38,9 +40,10 @@ def backoff_seconds(occurrence: int) -> int:
 def consecutive_token_limits(ledger) -> int:
     """How many of this model's most recently harvested batches failed on the token limit, in a row."""
     rows = ledger.con.execute(
-        f"""select coalesce(error, '') like '%{TOKEN_LIMIT}%' from {ledger.table('llm_batch_jobs')}
+        f"""select coalesce(error, '') like '%{TOKEN_LIMIT}%' from {ledger.table("llm_batch_jobs")}
             where model = ? and harvested_at is not null order by harvested_at desc, ended_at desc limit 64""",
-        [ledger.model]).fetchall()
+        [ledger.model],
+    ).fetchall()
     n = 0
     for (hit,) in rows:
         if not hit:
@@ -57,12 +60,15 @@ def void_details(ledger, jobs: list[tuple[str, BatchState]]) -> tuple[list, list
     for _, state in jobs:
         if state.token_limit:
             wait = backoff_seconds(occurrence)
-            reasons.append(f"{state.error} (resubmitted after a {wait // 60}-minute back-off: "
-                           f"token limit hit {occurrence} time(s) in a row)")
+            reasons.append(
+                f"{state.error} (resubmitted after a {wait // 60}-minute back-off: "
+                f"token limit hit {occurrence} time(s) in a row)"
+            )
             backoffs.append(wait)
         elif state.line_errors:
-            reasons.append("the batch failed validation on other request lines; this request was not at "
-                           "fault and is resubmitted")
+            reasons.append(
+                "the batch failed validation on other request lines; this request was not at fault and is resubmitted"
+            )
             backoffs.append(None)
         else:
             reasons.append(None)
@@ -72,9 +78,13 @@ def void_details(ledger, jobs: list[tuple[str, BatchState]]) -> tuple[list, list
 
 def line_errors_table(jobs: list[tuple[str, BatchState]]) -> pa.Table:
     rows = [(job_id, int(line), message) for job_id, state in jobs for line, message in state.line_errors.items()]
-    return pa.table({"job_id": pa.array([r[0] for r in rows], pa.string()),
-                     "line": pa.array([r[1] for r in rows], pa.int64()),
-                     "message": pa.array([r[2] for r in rows], pa.string())})
+    return pa.table(
+        {
+            "job_id": pa.array([r[0] for r in rows], pa.string()),
+            "line": pa.array([r[1] for r in rows], pa.int64()),
+            "message": pa.array([r[2] for r in rows], pa.string()),
+        }
+    )
 
 
 def fail_named_lines(con, requests: str) -> None:
@@ -90,7 +100,8 @@ def fail_named_lines(con, requests: str) -> None:
                         from {requests} where job_id in (select job_id from __llm_line_errors)) n
                   join __llm_line_errors e using (job_id, line)) x
             where r.custom_id = x.custom_id and r.job_id = x.job_id and r.status in ('queued', 'submitted')""",
-        [LINE_REJECTED])
+        [LINE_REJECTED],
+    )
 
 
 def is_plain_failure(state: BatchState) -> bool:
@@ -122,7 +133,9 @@ def settle_batch_failures(con, requests: str, model: str, priced: bool) -> None:
             from settling s left join last_other l using (custom_id)
                  left join history h on h.key = s.key and h.fingerprint = s.fingerprint and h.seq < s.seq
                                      and h.seq > coalesce(l.seq, -1) and h.failure_kind = 'batch_failed'
-            group by all""", [model])
+            group by all""",
+        [model],
+    )
     wait = f"least({BACKOFF_FIRST_SECONDS} * pow(2, f.occurrence - 1), {BACKOFF_MAX_SECONDS})::bigint"
     con.execute(
         f"""update {requests} r set completed_at = now(),
@@ -138,7 +151,9 @@ def settle_batch_failures(con, requests: str, model: str, priced: bool) -> None:
                        || 'row; resubmitted after a ' || ({wait} // 60) || '-minute back-off, given up after '
                        || {GIVE_UP_AFTER} || ')' end
               {", cost_usd = 0, realtime_cost_usd = 0" if priced else ""}
-            from __llm_batch_failed f where r.custom_id = f.custom_id and r.job_id = f.job_id""", [model])
+            from __llm_batch_failed f where r.custom_id = f.custom_id and r.job_id = f.job_id""",
+        [model],
+    )
     con.execute("drop table __llm_batch_failed")
 
 
@@ -149,24 +164,34 @@ def log_backoffs(ledger, jobs: list[tuple[str, BatchState]]) -> None:
         if not state.token_limit:
             continue
         n, until = ledger.con.execute(
-            f"""select count(*), max(not_before) from {ledger.table('llm_batch_requests')}
-                where job_id = ? and status = 'voided'""", [job_id]).fetchall()[0]
+            f"""select count(*), max(not_before) from {ledger.table("llm_batch_requests")}
+                where job_id = ? and status = 'voided'""",
+            [job_id],
+        ).fetchall()[0]
         if n:
-            run_log().warning(f"{ledger.model}: a batch failed on the provider's enqueued token limit "
-                              f"(token_limit_exceeded); its {n} request(s) will be resubmitted after "
-                              f"{until:%Y-%m-%d %H:%M:%S %Z}")
+            run_log().warning(
+                f"{ledger.model}: a batch failed on the provider's enqueued token limit "
+                f"(token_limit_exceeded); its {n} request(s) will be resubmitted after "
+                f"{until:%Y-%m-%d %H:%M:%S %Z}"
+            )
 
 
 def _log_plain_failure(ledger, job_id: str, state: BatchState) -> None:
     voided, until, failed = ledger.con.execute(
         f"""select count(*) filter (where status = 'voided'), max(not_before) filter (where status = 'voided'),
                    count(*) filter (where status = 'failed' and failure_kind = 'gave_up')
-            from {ledger.table('llm_batch_requests')} where job_id = ?""", [job_id]).fetchall()[0]
+            from {ledger.table("llm_batch_requests")} where job_id = ?""",
+        [job_id],
+    ).fetchall()[0]
     said = state.error or "no error given"
     if voided:
-        run_log().warning(f"{ledger.model}: a batch failed at the provider without naming a request ({said}); its "
-                          f"{voided} request(s) will be resubmitted after {until:%Y-%m-%d %H:%M:%S %Z}")
+        run_log().warning(
+            f"{ledger.model}: a batch failed at the provider without naming a request ({said}); its "
+            f"{voided} request(s) will be resubmitted after {until:%Y-%m-%d %H:%M:%S %Z}"
+        )
     if failed:
-        run_log().warning(f"{ledger.model}: a batch failed at the provider {GIVE_UP_AFTER} times in a row without "
-                          f"naming a request ({said}): {failed} request(s) failed and are not resubmitted; fix the "
-                          f"cause, then run `dbt-llm-batch requeue --model {ledger.model}`")
+        run_log().warning(
+            f"{ledger.model}: a batch failed at the provider {GIVE_UP_AFTER} times in a row without "
+            f"naming a request ({said}): {failed} request(s) failed and are not resubmitted; fix the "
+            f"cause, then run `dbt-llm-batch requeue --model {ledger.model}`"
+        )

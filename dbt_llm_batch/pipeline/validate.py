@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 
-from dbt_llm_batch import costs
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.planner import DESIRED, INPUT, prompt_is_blob, q, row_json_sql
+from dbt_llm_batch.pipeline import costs
+from dbt_llm_batch.pipeline.plan import DESIRED, INPUT, prompt_is_blob, row_json_sql
+from dbt_llm_batch.sql import ident
 
 # Context windows in tokens (input + output), by provider and model-name prefix (the longest listed
 # prefix wins, as for prices); llm_max_context_tokens overrides. Sources: the providers' model pages.
@@ -32,8 +33,11 @@ DEFAULT_OUTPUT_TOKENS = {"anthropic": 1024}
 def context_limit(config: ModelConfig) -> int | None:
     if config.max_context_tokens:
         return config.max_context_tokens
-    matches = [(len(prefix), n) for (provider, prefix), n in CONTEXT_TOKENS.items()
-               if provider == config.provider and config.model.startswith(prefix)]
+    matches = [
+        (len(prefix), n)
+        for (provider, prefix), n in CONTEXT_TOKENS.items()
+        if provider == config.provider and config.model.startswith(prefix)
+    ]
     return max(matches)[1] if matches else None
 
 
@@ -41,13 +45,18 @@ def reject_unsendable(ledger: Ledger, config: ModelConfig, columns, record: bool
     """Fail rows whose prompt bytes are not UTF-8 (a BLOB column) or whose estimated size is over the
     model's context window; returns how many failures were newly recorded. With `record` False (a dry
     run) nothing is written to the ledger: the rows are only kept out of the plan, and counted."""
-    prompt = f"i.{q(config.prompt_column)}"
+    prompt = f"i.{ident(config.prompt_column)}"
     n = 0
     if prompt_is_blob(config, columns):
-        n += _reject(ledger, columns, record, f"{prompt} is not null and try(decode({prompt})) is null",
-                     f"'prompt column {config.prompt_column} (a BLOB) holds bytes that are not valid UTF-8 text; "
-                     f"nothing was sent. Decode or convert it to text in the model''s SQL (for example from "
-                     f"Latin-1), or filter such rows out'")
+        n += _reject(
+            ledger,
+            columns,
+            record,
+            f"{prompt} is not null and try(decode({prompt})) is null",
+            f"'prompt column {config.prompt_column} (a BLOB) holds bytes that are not valid UTF-8 text; "
+            f"nothing was sent. Decode or convert it to text in the model''s SQL (for example from "
+            f"Latin-1), or filter such rows out'",
+        )
         text = f"try(decode({prompt}))"
     else:
         text = f"cast({prompt} as varchar)"
@@ -57,11 +66,16 @@ def reject_unsendable(ledger: Ledger, config: ModelConfig, columns, record: bool
         output_name = "llm_max_tokens" if config.max_tokens else "the default max_tokens"
         estimate = costs.estimated_input_tokens_sql(config, text)
         source = "llm_max_context_tokens" if config.max_context_tokens else f"the context window of {config.model}"
-        n += _reject(ledger, columns, record, f"{estimate} + {output} > {limit}",
-                     f"""'prompt is too long: estimated ' || {estimate} || ' input tokens + {output} output tokens '
+        n += _reject(
+            ledger,
+            columns,
+            record,
+            f"{estimate} + {output} > {limit}",
+            f"""'prompt is too long: estimated ' || {estimate} || ' input tokens + {output} output tokens '
                          || '({output_name}) = ' || ({estimate} + {output}) || ', over {limit} tokens ({source}); '
                          || 'nothing was sent. Shorten the prompt, or set llm_max_context_tokens if the model '
-                         || 'accepts more'""")
+                         || 'accepts more'""",
+        )
     return n
 
 
@@ -71,7 +85,7 @@ def _reject(ledger: Ledger, columns, record: bool, condition: str, error_sql: st
     of this run's plan."""
     requests = ledger.table("llm_batch_requests")
     ledger.execute(f"""create or replace temp table __llm_unsendable as
-                       select d.row_id, d.key, d.fingerprint, {error_sql} as error, {row_json_sql(columns, 'i.')} as row_json
+                       select d.row_id, d.key, d.fingerprint, {error_sql} as error, {row_json_sql(columns, "i.")} as row_json
                        from {DESIRED} d join {INPUT} i on i.rowid = d.row_id
                        where d.has_prompt and ({condition})""")
     if not record:
@@ -88,7 +102,8 @@ def _reject(ledger: Ledger, columns, record: bool, condition: str, error_sql: st
             where not exists (select 1 from {requests} r
                               where r.model = ? and r.key = u.key and r.fingerprint = u.fingerprint
                                 and (r.job_id is null or r.status in ('succeeded', 'queued', 'submitted', 'held')))""",
-        [ledger.model, ledger.model, ledger.model]).fetchall()[0][0]
+        [ledger.model, ledger.model, ledger.model],
+    ).fetchall()[0][0]
     ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from __llm_unsendable)")
     ledger.execute("drop table __llm_unsendable")
     return n
@@ -99,9 +114,10 @@ def reject_deferred_without_prompt(ledger: Ledger, config: ModelConfig) -> int:
     prompt column changed since) cannot be sent: it fails alone, with the reason, instead of waiting
     forever. (The planner leaves such requests out; a dry run records nothing.)"""
     return ledger.execute(
-        f"""update {ledger.table('llm_batch_requests')} set status = 'failed', is_final = true, completed_at = now(),
+        f"""update {ledger.table("llm_batch_requests")} set status = 'failed', is_final = true, completed_at = now(),
               error = 'waited over an in-flight cap, but its stored row has no prompt column ' || ? ||
                       ' (the model''s prompt column changed); nothing was sent'
             where model = ? and status = 'deferred' and key not in (select key from {DESIRED})
               and json_extract_string(row_json, ?) is null""",
-        [config.prompt_column, ledger.model, "$." + json.dumps(config.prompt_column)]).fetchall()[0][0]
+        [config.prompt_column, ledger.model, "$." + json.dumps(config.prompt_column)],
+    ).fetchall()[0][0]

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from dbt_llm_batch import crashpoints, harvest
 from dbt_llm_batch.errors import ProviderError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
+from dbt_llm_batch.pipeline import crashpoints, harvest
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
 from dbt_llm_batch.providers.realtime_transport import RETRYABLE, FatalReply, LostReply, TransientError
 
@@ -60,17 +60,26 @@ class RealtimeOutcome:
     seconds: float = 0.0
 
 
-def run_realtime(ledger: Ledger, provider: BatchProvider, rows: str, price: dict | None,
-                 deadline: float, heartbeat=None) -> RealtimeOutcome:
+def run_realtime(
+    ledger: Ledger, provider: BatchProvider, rows: str, price: dict | None, deadline: float, heartbeat=None
+) -> RealtimeOutcome:
     """Send every row of `rows` (planner.plan_rows over the realtime part of the plan) in realtime,
     starting no request after `deadline` (time.monotonic(); the run's llm_realtime_budget_seconds).
     `heartbeat(ledger)` keeps the model's lock fresh; it is called with the writer's own ledger."""
     config = provider.config
     started = time.monotonic()
-    job_id = ledger.write_intents(provider.name, config.model, f"(select *, 0 as chunk, null::integer as line from {rows})",
-                                  [0], status="realtime")[0]  # one job, no request file
-    outcome = RealtimeOutcome(requests=ledger.con.execute(
-        f"select count(*) from {ledger.table('llm_batch_requests')} where job_id = ?", [job_id]).fetchall()[0][0])
+    job_id = ledger.write_intents(
+        provider.name,
+        config.model,
+        f"(select *, 0 as chunk, null::integer as line from {rows})",
+        [0],
+        status="realtime",
+    )[0]  # one job, no request file
+    outcome = RealtimeOutcome(
+        requests=ledger.con.execute(
+            f"select count(*) from {ledger.table('llm_batch_requests')} where job_id = ?", [job_id]
+        ).fetchall()[0][0]
+    )
     bodies = ledger.con.sql(
         f"select custom_id, {provider.realtime_body_sql()} as body from {rows} order by custom_id"
     ).to_arrow_reader(FETCH_ROWS)
@@ -88,21 +97,37 @@ def run_realtime(ledger: Ledger, provider: BatchProvider, rows: str, price: dict
     if fatal:
         reason = f"not answered: {fatal}; sent again by the next run"
     else:
-        reason = (f"no answer within the realtime time budget (llm_realtime_budget_seconds="
-                  f"{config.realtime_budget_seconds:g}"
-                  + (f"; last error: {outcome.last_transient}" if outcome.last_transient else "")
-                  + "); sent again by the next run") if unsent else None
+        reason = (
+            (
+                f"no answer within the realtime time budget (llm_realtime_budget_seconds="
+                f"{config.realtime_budget_seconds:g}"
+                + (f"; last error: {outcome.last_transient}" if outcome.last_transient else "")
+                + "); sent again by the next run"
+            )
+            if unsent
+            else None
+        )
     # The end of the job: anything unanswered goes back to the queue (no attempt used), job harvested.
-    harvest.settle(ledger, provider, config, [(job_id, BatchState(status="completed", ended=True, error=reason))], price)
+    harvest.settle(
+        ledger, provider, config, [(job_id, BatchState(status="completed", ended=True, error=reason))], price
+    )
     if fatal:
-        raise ProviderError(f"{ledger.model}: {fatal}. {outcome.answered} answer(s) were kept; the "
-                            f"{unsent} request(s) without one are sent again by the next run (no attempt used)"
-                            + (f"; {outcome.given_up} whose reply was lost after sending (possibly billed) failed "
-                               f"as an attempt" if outcome.given_up else "") + ".")
+        raise ProviderError(
+            f"{ledger.model}: {fatal}. {outcome.answered} answer(s) were kept; the "
+            f"{unsent} request(s) without one are sent again by the next run (no attempt used)"
+            + (
+                f"; {outcome.given_up} whose reply was lost after sending (possibly billed) failed as an attempt"
+                if outcome.given_up
+                else ""
+            )
+            + "."
+        )
     outcome.unsent = unsent
     outcome.succeeded, outcome.failed = ledger.con.execute(
         f"""select count(*) filter (where status = 'succeeded'), count(*) filter (where status = 'failed')
-            from {ledger.table('llm_batch_requests')} where job_id = ?""", [job_id]).fetchall()[0]
+            from {ledger.table("llm_batch_requests")} where job_id = ?""",
+        [job_id],
+    ).fetchall()[0]
     outcome.seconds = time.monotonic() - started
     return outcome
 
@@ -111,14 +136,16 @@ def settle_interrupted(ledger: Ledger, provider: BatchProvider, job_id: str, pri
     # `provider` must be the job's own (its result lines are in that provider's format).
     """A realtime job left open by a run that died: settle the answers it stored; the rest (in flight
     when it died, or never sent) go back to the queue without using up an attempt."""
-    state = BatchState(status="interrupted", ended=True,
-                       error="the run sending it in realtime was interrupted before an answer was stored; "
-                             "it is sent again")
+    state = BatchState(
+        status="interrupted",
+        ended=True,
+        error="the run sending it in realtime was interrupted before an answer was stored; it is sent again",
+    )
     fail_possibly_billed(ledger, job_id)
     harvest.settle(ledger, provider, provider.config, [(job_id, state)], price)
 
 
-async def _send_all(provider, bodies, writer: "ResultWriter", outcome: RealtimeOutcome, deadline: float) -> None:
+async def _send_all(provider, bodies, writer: ResultWriter, outcome: RealtimeOutcome, deadline: float) -> None:
     transports = provider.realtime_transports()
     batches = iter(bodies)
     queue: list[tuple[str, str]] = []
@@ -130,7 +157,7 @@ async def _send_all(provider, bodies, writer: "ResultWriter", outcome: RealtimeO
             batch = next(batches, None)
             if batch is None:
                 return None
-            queue.extend(zip(reversed(batch.column(0).to_pylist()), reversed(batch.column(1).to_pylist())))
+            queue.extend(zip(reversed(batch.column(0).to_pylist()), reversed(batch.column(1).to_pylist()), strict=True))
         return queue.pop()
 
     async def worker():
@@ -138,8 +165,14 @@ async def _send_all(provider, bodies, writer: "ResultWriter", outcome: RealtimeO
         while not stop and time.monotonic() < deadline and (row := next_row()) is not None:
             custom_id, body = row
             try:
-                reply = await _ask(transports, body.encode(), deadline, outcome, stop,
-                                   lambda: record_lost(custom_id))
+                reply = await _ask(
+                    transports,
+                    body.encode(),
+                    deadline,
+                    outcome,
+                    stop,
+                    lambda custom_id=custom_id: record_lost(custom_id),
+                )
             except FatalReply as exc:
                 stop.append(exc)
                 return
@@ -202,8 +235,10 @@ async def _ask(transports, body: bytes, deadline: float, outcome: RealtimeOutcom
             if transport.never_connected and transport.failures >= UNREACHABLE_AFTER:
                 transport.dead = True
                 if all(t.dead for t in transports):
-                    raise FatalReply(f"cannot connect to {', '.join(t.name for t in transports)} ({exc}): is the "
-                                     f"engine running (scripts/engine.sh start), and is llm_base_url right?") from None
+                    raise FatalReply(
+                        f"cannot connect to {', '.join(t.name for t in transports)} ({exc}): is the "
+                        f"engine running (scripts/engine.sh start), and is llm_base_url right?"
+                    ) from None
         wait = max(server_wait or 0.0, delay * (1 + random.random() / 4))
         transport.cooldown_until = time.monotonic() + wait  # the next try goes to another replica if any
         if time.monotonic() + wait >= deadline or stop:
@@ -257,22 +292,29 @@ class ResultWriter:
             con.register("__llm_realtime_lines", table)
             try:
                 with transaction(con):
-                    con.execute(f"""insert into {self.ledger.table('llm_batch_results')}
+                    con.execute(
+                        f"""insert into {self.ledger.table("llm_batch_results")}
                                     select custom_id, ?, ?, ?, raw, now() from __llm_realtime_lines""",
-                                [self.ledger.model, self.job_id, source])
+                        [self.ledger.model, self.job_id, source],
+                    )
             finally:
                 con.unregister("__llm_realtime_lines")
+
         retry_on_conflict(store)
         running = BatchState(status="realtime", ended=False)
-        harvest.settle(self.ledger, self.provider, self.provider.config, [(self.job_id, running)], self.price,
-                       source=source)
+        harvest.settle(
+            self.ledger, self.provider, self.provider.config, [(self.job_id, running)], self.price, source=source
+        )
         crashpoints.reach("after_realtime_group")
 
     def mark_lost(self, custom_id: str) -> None:
         """One more send of this request whose reply was lost (possibly billed), committed now."""
-        self.ledger.execute(f"""update {self.ledger.table('llm_batch_requests')}
+        self.ledger.execute(
+            f"""update {self.ledger.table("llm_batch_requests")}
                                 set possibly_billed = coalesce(possibly_billed, 0) + 1
-                                where custom_id = ? and job_id = ?""", [custom_id, self.job_id])
+                                where custom_id = ? and job_id = ?""",
+            [custom_id, self.job_id],
+        )
 
     def close(self) -> None:
         self.cursor.close()
@@ -297,4 +339,5 @@ def fail_possibly_billed(ledger: Ledger, job_id: str) -> None:
                   from {requests} r
                   where job_id = ? and status in ('queued', 'submitted') and possibly_billed > 0
                     and not exists (select 1 from {results} l where l.job_id = r.job_id and l.custom_id = r.custom_id))""",
-        [job_id])
+        [job_id],
+    )

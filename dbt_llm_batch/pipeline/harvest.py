@@ -14,12 +14,13 @@ import time
 
 import pyarrow as pa
 
-from dbt_llm_batch import batch_failures, costs, crashpoints, tempdirs
 from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.dbt.log import logger as run_log
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
+from dbt_llm_batch.pipeline import batch_failures, costs, crashpoints, tempdirs
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
 from dbt_llm_batch.providers.calls import ProviderUnavailable, status_of
-from dbt_llm_batch.runlog import logger as run_log
+from dbt_llm_batch.sql import in_list, literal
 
 RETENTION_ENDED = "results no longer retrievable at the provider (retention ended); resubmitted"
 # A batch the provider says does not exist is taken as deleted only once it must have ended (24 h)
@@ -34,31 +35,41 @@ def answer_problem_sql(config: ModelConfig) -> str:
         limit, fix = "the model''s output limit", "Set llm_max_tokens higher (that asks again), or shorten the prompt"
     else:
         limit, fix = f"llm_max_tokens={config.max_tokens}", "Raise llm_max_tokens (that asks again)"
-    checks = [("truncated",
-               f"'answer was cut off at {limit} (finish reason ' || finish_reason || '); not retried: the same "
-               f"request would be cut off again. {fix}'")]
+    checks = [
+        (
+            "truncated",
+            f"'answer was cut off at {limit} (finish reason ' || finish_reason || '); not retried: the same "
+            f"request would be cut off again. {fix}'",
+        )
+    ]
     if config.structured:
-        checks += [("not coalesce(json_valid(answer), false)", "'answer is not valid JSON'"),
-                   ("json_type(answer) <> 'OBJECT'", "'answer is not a JSON object'")]
+        checks += [
+            ("not coalesce(json_valid(answer), false)", "'answer is not valid JSON'"),
+            ("json_type(answer) <> 'OBJECT'", "'answer is not a JSON object'"),
+        ]
         for col in config.output_columns:
-            path = "'$." + col.name + "'"
+            path = literal("$." + col.name)
             jtype = f"json_type(answer, {path})"
             if col.enum:
-                allowed = ", ".join("'" + v.replace("'", "''") + "'" for v in col.enum)
-                cond = f"{jtype} is distinct from 'VARCHAR' or json_extract_string(answer, {path}) not in ({allowed})"
+                cond = f"{jtype} is distinct from 'VARCHAR' or json_extract_string(answer, {path}) not in {in_list(col.enum)}"
                 why = f"field '{col.name}' is not one of {list(col.enum)}"
             else:
-                expected = {"VARCHAR": "('VARCHAR')", "BIGINT": "('BIGINT', 'UBIGINT')",
-                            "DOUBLE": "('BIGINT', 'UBIGINT', 'DOUBLE')", "BOOLEAN": "('BOOLEAN')"}[col.duckdb_type]
+                expected = {
+                    "VARCHAR": "('VARCHAR')",
+                    "BIGINT": "('BIGINT', 'UBIGINT')",
+                    "DOUBLE": "('BIGINT', 'UBIGINT', 'DOUBLE')",
+                    "BOOLEAN": "('BOOLEAN')",
+                }[col.duckdb_type]
                 cond = f"coalesce({jtype}, 'NULL') not in {expected}"
                 why = f"field '{col.name}' is missing or not of type {col.json_schema['type']}"
-            checks.append((cond, "'" + why.replace("'", "''") + "'"))
+            checks.append((cond, literal(why)))
     cases = " ".join(f"when {cond} then {why}" for cond, why in checks)
     return f"case {cases} end"
 
 
-def poll_and_harvest(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: list[dict],
-                     price: dict | None) -> dict:
+def poll_and_harvest(
+    ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: list[dict], price: dict | None
+) -> dict:
     """Poll each open job once; store the results of those that ended, then settle them together.
     Returns counts for the run summary."""
     stats = {"harvested_jobs": 0, "still_pending_jobs": 0, "unknown_results": 0}
@@ -80,8 +91,9 @@ def poll_and_harvest(ledger: Ledger, provider: BatchProvider, config: ModelConfi
                 break  # the retry budget is spent: this job and the rest stay pending (runner warns)
             if state.results_gone:
                 state.error = RETENTION_ENDED
-                run_log().warning(f"{ledger.model}: batch {job['batch_id']}: {RETENTION_ENDED} "
-                                  "(results already stored are kept)")
+                run_log().warning(
+                    f"{ledger.model}: batch {job['batch_id']}: {RETENTION_ENDED} (results already stored are kept)"
+                )
             ended.append((job["job_id"], state))
         crashpoints.reach("after_download")
         store_lines(ledger, downloads)
@@ -105,13 +117,18 @@ def _poll(ledger: Ledger, provider: BatchProvider, job: dict) -> BatchState | No
     run_log().warning(
         f"{ledger.model}: the provider says batch {job['batch_id']} does not exist; it was created less than a "
         f"day ago, so it is left pending: check that {provider.key_env_var} is the key of the organisation or "
-        "workspace that created it")
+        "workspace that created it"
+    )
     return None
 
 
 def _stored(ledger: Ledger, job_id: str) -> bool:
-    return ledger.con.execute(f"select count(*) from {ledger.table('llm_batch_results')} where job_id = ?",
-                              [job_id]).fetchall()[0][0] > 0
+    return (
+        ledger.con.execute(
+            f"select count(*) from {ledger.table('llm_batch_results')} where job_id = ?", [job_id]
+        ).fetchall()[0][0]
+        > 0
+    )
 
 
 def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
@@ -120,9 +137,14 @@ def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
     to the database file rather than through DuckDB's log."""
     con = ledger.con
     results = ledger.table("llm_batch_results")
-    files = pa.table({"path": [p for _, _, p in downloads], "job_id": [j for j, _, _ in downloads],
-                      "source": [s for _, s, _ in downloads],
-                      "has_lines": [os.path.getsize(p) > 0 for _, _, p in downloads]})
+    files = pa.table(
+        {
+            "path": [p for _, _, p in downloads],
+            "job_id": [j for j, _, _ in downloads],
+            "source": [s for _, s, _ in downloads],
+            "has_lines": [os.path.getsize(p) > 0 for _, _, p in downloads],
+        }
+    )
 
     def write():  # one statement for all files, which DuckDB reads in parallel
         con.register("__llm_downloads", files)
@@ -132,23 +154,32 @@ def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
                     f"""insert into {results}
                         select r.json ->> 'custom_id', ?, d.job_id, d.source, r.json, now()
                         from read_ndjson_objects(?, filename = true) r join __llm_downloads d on d.path = r.filename""",
-                    [ledger.model, files.column("path").to_pylist()])
+                    [ledger.model, files.column("path").to_pylist()],
+                )
                 # Lines are matched to their file by the name DuckDB reports; a file whose lines all went
                 # unmatched would look like a batch without results: refuse, and store nothing.
                 lost = con.execute(f"""select path from __llm_downloads d where has_lines and not exists
-                                       (select 1 from {results} r where r.job_id = d.job_id and r.source = d.source)"""
-                                   ).fetchall()
+                                       (select 1 from {results} r where r.job_id = d.job_id and r.source = d.source)""").fetchall()
                 if lost:
-                    raise RuntimeError(f"dbt-llm-batch bug: the result lines of {lost[0][0]} could not be matched to "
-                                       f"their batch; nothing was stored, and the next run downloads them again")
+                    raise RuntimeError(
+                        f"dbt-llm-batch bug: the result lines of {lost[0][0]} could not be matched to "
+                        f"their batch; nothing was stored, and the next run downloads them again"
+                    )
         finally:
             con.unregister("__llm_downloads")
+
     if downloads:
         retry_on_conflict(write)
 
 
-def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: list[tuple[str, BatchState]],
-           price: dict | None, source: str | None = None) -> int:
+def settle(
+    ledger: Ledger,
+    provider: BatchProvider,
+    config: ModelConfig,
+    jobs: list[tuple[str, BatchState]],
+    price: dict | None,
+    source: str | None = None,
+) -> int:
     """Turn ended jobs' stored lines into request statuses, usage and cost, atomically with marking the
     jobs harvested (one transaction for all of them: the ledger is rewritten once, not once per job).
     Returns the number of result lines for custom_ids their job never sent (ignored, never merged).
@@ -158,28 +189,39 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
     con = ledger.con
     requests, results = ledger.table("llm_batch_requests"), ledger.table("llm_batch_results")
     reasons, backoffs = batch_failures.void_details(ledger, jobs)
-    ended = pa.table({
-        "job_id": [j for j, _ in jobs], "status": [s.status for _, s in jobs], "error": [s.error for _, s in jobs],
-        "plain_failure": [batch_failures.is_plain_failure(s) for _, s in jobs],
-        "line_errors": [bool(s.line_errors) for _, s in jobs],
-        "output_file_id": [s.output_file_id for _, s in jobs], "error_file_id": [s.error_file_id for _, s in jobs],
-        "void_reason": pa.array(reasons, pa.string()), "backoff_seconds": pa.array(backoffs, pa.int64())})
+    ended = pa.table(
+        {
+            "job_id": [j for j, _ in jobs],
+            "status": [s.status for _, s in jobs],
+            "error": [s.error for _, s in jobs],
+            "plain_failure": [batch_failures.is_plain_failure(s) for _, s in jobs],
+            "line_errors": [bool(s.line_errors) for _, s in jobs],
+            "output_file_id": [s.output_file_id for _, s in jobs],
+            "error_file_id": [s.error_file_id for _, s in jobs],
+            "void_reason": pa.array(reasons, pa.string()),
+            "backoff_seconds": pa.array(backoffs, pa.int64()),
+        }
+    )
     con.register("__llm_ended", ended)
     con.register("__llm_line_errors", batch_failures.line_errors_table(jobs))
     scope = f"job_id in (select job_id from __llm_ended) {'and source = ?' if source else ''}"
     # A duplicated line must not settle a request twice (prefer a success). Duplicates are rare and
     # cheap to rule out on the stored custom_ids; ranking every line is not.
-    duplicated = con.execute(f"select count(*) > count(distinct (job_id, custom_id)) from {results} where {scope}",
-                             [source] if source else []).fetchall()[0][0]
+    duplicated = con.execute(
+        f"select count(*) > count(distinct (job_id, custom_id)) from {results} where {scope}",
+        [source] if source else [],
+    ).fetchall()[0][0]
     one_per_id = "select * from lines"
     if duplicated:
-        one_per_id += " qualify row_number() over (partition by job_id, custom_id order by (outcome = 'ok') desc, source) = 1"
+        one_per_id += (
+            " qualify row_number() over (partition by job_id, custom_id order by (outcome = 'ok') desc, source) = 1"
+        )
     con.execute(
         f"""create or replace temp table __llm_outcomes as
             with parsed as (
                 select json_transform(raw, '{json.dumps(provider.result_structure)}') as r, source, job_id
                 from {results} where {scope}),
-            lines as (select {provider.outcomes_sql('r')}, source, job_id from parsed),
+            lines as (select {provider.outcomes_sql("r")}, source, job_id from parsed),
             one_per_id as ({one_per_id}),
             checked as (
                 select *, case when outcome = 'ok' then {answer_problem_sql(config)} end as problem,
@@ -199,11 +241,18 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
                 group by all)
             select s.custom_id, s.job_id, c.* exclude (custom_id, job_id), coalesce(f.n, 0) as earlier_failures
             from settling s join checked c using (custom_id, job_id)
-                 left join failures f using (key, fingerprint)""", ([source] if source else []) + [ledger.model])
-    unknown = 0 if source else con.execute(
-        f"""select count(distinct custom_id) from {results} l
+                 left join failures f using (key, fingerprint)""",
+        ([source] if source else []) + [ledger.model],
+    )
+    unknown = (
+        0
+        if source
+        else con.execute(
+            f"""select count(distinct custom_id) from {results} l
             where job_id in (select job_id from __llm_ended) and not exists
-                  (select 1 from {requests} r where r.custom_id = l.custom_id and r.job_id = l.job_id)""").fetchall()[0][0]
+                  (select 1 from {requests} r where r.custom_id = l.custom_id and r.job_id = l.job_id)"""
+        ).fetchall()[0][0]
+    )
     # Without a price, cost stays NULL: unknown, never $0. Unbilled outcomes (errors, expiries) have no usage: $0.
     cost = costs.cost_columns_sql(price, config.self_hosted, "r.route", "o.") if price is not None else ""
 
@@ -226,7 +275,8 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
                       cache_write_tokens = o.cache_write_tokens, cache_write_1h_tokens = o.cache_write_1h_tokens, {cost}
                       completed_at = now()
                     from __llm_outcomes o where r.custom_id = o.custom_id and r.job_id = o.job_id""",
-                [config.max_attempts])
+                [config.max_attempts],
+            )
             if source:
                 return
             batch_failures.fail_named_lines(con, requests)
@@ -239,12 +289,15 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
                       error = coalesce(e.void_reason, e.error,
                                        'batch ended (' || e.status || ') without a result for this request')
                       {", cost_usd = 0, realtime_cost_usd = 0" if price is not None else ""}
-                    from __llm_ended e where r.job_id = e.job_id and r.status in ('queued', 'submitted')""")
+                    from __llm_ended e where r.job_id = e.job_id and r.status in ('queued', 'submitted')"""
+            )
             con.execute(
-                f"""update {ledger.table('llm_batch_jobs')} j set status = e.status, error = e.error,
+                f"""update {ledger.table("llm_batch_jobs")} j set status = e.status, error = e.error,
                       output_file_id = e.output_file_id, error_file_id = e.error_file_id,
                       ended_at = coalesce(ended_at, now()), harvested_at = now(), updated_at = now()
-                    from __llm_ended e where j.job_id = e.job_id""")
+                    from __llm_ended e where j.job_id = e.job_id"""
+            )
+
     try:
         retry_on_conflict(write)
     finally:
@@ -253,5 +306,7 @@ def settle(ledger: Ledger, provider: BatchProvider, config: ModelConfig, jobs: l
         con.execute("drop table if exists __llm_outcomes")
     batch_failures.log_backoffs(ledger, jobs)
     if unknown:
-        run_log().warning(f"{ledger.model}: {unknown} result line(s) for custom_ids their batch never sent were ignored")
+        run_log().warning(
+            f"{ledger.model}: {unknown} result line(s) for custom_ids their batch never sent were ignored"
+        )
     return unknown

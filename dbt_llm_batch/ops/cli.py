@@ -11,6 +11,7 @@ import duckdb
 def status(database: str, schema: str) -> int:
     """Print in-flight batches (with age) and, per model, requests by status."""
     import os
+
     if os.path.isdir(database):
         print(f"{database} is a directory: pass the DuckDB file your dbt profile writes (its `path`)", file=sys.stderr)
         return 2
@@ -23,13 +24,16 @@ def status(database: str, schema: str) -> int:
         # This process already has the file open read-write (a notebook, or dbt in-process): share it.
         con = duckdb.connect(database)
     except duckdb.IOException as exc:
-        from dbt_llm_batch.duckdb_plugin import is_lock_conflict, lock_conflict_message
+        from dbt_llm_batch.ledger.locks import is_lock_conflict, lock_conflict_message
+
         why = lock_conflict_message(database, str(exc)) if is_lock_conflict(exc) else str(exc)
         print(f"cannot open {database}: {why}", file=sys.stderr)
         return 2
     s = f'"{schema}"'
-    exists = con.execute("select count(*) from information_schema.tables where table_schema = ? "
-                         "and table_name = 'llm_batch_progress'", [schema]).fetchall()[0][0]
+    exists = con.execute(
+        "select count(*) from information_schema.tables where table_schema = ? and table_name = 'llm_batch_progress'",
+        [schema],
+    ).fetchall()[0][0]
     if not exists:
         print(f"no dbt-llm-batch ledger in schema {schema} of {database}")
         return 1
@@ -47,16 +51,20 @@ def status(database: str, schema: str) -> int:
                               from {s}.llm_batch_jobs where batch_id is null and harvested_at is null
                                 and status in ('intent', 'uploading', 'submitting') order by created_at""")
     if interrupted.fetchall():
-        print("Interrupted submissions held by reconciliation (not resent while a provider batch may be theirs; "
-              "`dbt-llm-batch release` sends them again, paid twice if such a batch was theirs):")
+        print(
+            "Interrupted submissions held by reconciliation (not resent while a provider batch may be theirs; "
+            "`dbt-llm-batch release` sends them again, paid twice if such a batch was theirs):"
+        )
         interrupted.show(max_width=200)
     orphans = con.sql(f"""select model, count(*) as requests from {s}.llm_batch_requests
                           where status in ('queued', 'submitted')
                             and job_id not in (select job_id from {s}.llm_batch_jobs)
                           group by model order by model""")
     if orphans.fetchall():
-        print("In-flight requests whose job is missing from llm_batch_jobs (never polled nor resent; "
-              "`dbt-llm-batch release` sends them again):")
+        print(
+            "In-flight requests whose job is missing from llm_batch_jobs (never polled nor resent; "
+            "`dbt-llm-batch release` sends them again):"
+        )
         orphans.show(max_width=200)
     print("Cost per model and day (savings = realtime cost - batch cost):")
     con.sql(f"""select model, provider, day, rows_succeeded, rows_failed, cost_usd, realtime_cost_usd, savings_usd,
@@ -77,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sandbox"]:  # the sandbox has its own options (see `dbt-llm-batch sandbox --help`)
         from dbt_llm_batch.sandbox.cli import main as sandbox_main
+
         return sandbox_main(argv[1:])
     parser = argparse.ArgumentParser(prog="dbt-llm-batch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         op.add_argument("--model", required=True, help="the model, as its name or schema.name")
     args = parser.parse_args(argv)
     if args.command in OPERATOR_COMMANDS:
-        from dbt_llm_batch.operator import command
+        from dbt_llm_batch.ops.operator import command
+
         return command(args)
     return status(args.database, args.schema)
 

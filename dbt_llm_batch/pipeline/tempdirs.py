@@ -14,7 +14,7 @@ import shutil
 import socket
 import tempfile
 
-from dbt_llm_batch.locks import process_is_gone
+from dbt_llm_batch.ledger.locks import process_is_gone
 
 PREFIX = "dbt_llm_batch_"
 
@@ -41,7 +41,7 @@ def remove_stale(parent: str | None = None) -> int:
     except OSError:
         return 0
     for name in names:
-        pid, _, rest = name[len(PREFIX):].partition("_")
+        pid, _, rest = name[len(PREFIX) :].partition("_")
         if not (name.startswith(PREFIX) and pid.isdigit() and rest.startswith(host + "_")):
             continue
         if not process_is_gone(f"{socket.gethostname()}:{pid}:"):

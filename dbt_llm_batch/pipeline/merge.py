@@ -13,8 +13,8 @@ import json
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
-from dbt_llm_batch.planner import DESIRED, INPUT, describe, key_sql, q
-
+from dbt_llm_batch.pipeline.plan import DESIRED, INPUT, describe, key_sql
+from dbt_llm_batch.sql import ident, literal
 
 EMIT = "__llm_emit"
 
@@ -26,8 +26,12 @@ def table_columns(input_columns, config: ModelConfig) -> list[tuple[str, str]]:
 
 
 def relation_exists(con, schema: str, name: str) -> bool:
-    return con.execute("select count(*) from information_schema.tables where table_schema = ? and table_name = ?",
-                       [schema, name]).fetchall()[0][0] > 0
+    return (
+        con.execute(
+            "select count(*) from information_schema.tables where table_schema = ? and table_name = ?", [schema, name]
+        ).fetchall()[0][0]
+        > 0
+    )
 
 
 def check_existing_table(con, target: str, expected, alter: bool = True) -> None:
@@ -42,7 +46,7 @@ def check_existing_table(con, target: str, expected, alter: bool = True) -> None
     missing = [(n, t) for n, t in expected if n.lower() not in have]
     if missing and alter and all(col in STATUS_COLUMNS for col in missing):
         for name, typ in missing:
-            con.execute(f"alter table {target} add column {q(name)} {typ}")
+            con.execute(f"alter table {target} add column {ident(name)} {typ}")
         actual = describe(con, target)
     table, model = {(n.lower(), t) for n, t in actual}, {(n.lower(), t) for n, t in expected}
     if table != model:
@@ -51,7 +55,8 @@ def check_existing_table(con, target: str, expected, alter: bool = True) -> None
             f"the columns of {target} changed (the model's SELECT, unique_key or llm_output changed):\n"
             f"  only in the table: {fmt(table - model)}\n"
             f"  only in the model: {fmt(model - table)}\n"
-            f"Run `dbt run --full-refresh -s <model>`: it rebuilds the table from the ledger and sends nothing.")
+            f"Run `dbt run --full-refresh -s <model>`: it rebuilds the table from the ledger and sends nothing."
+        )
 
 
 # Types DuckDB's JSON reader cannot read back: stored as their text and cast (planner.row_json_sql).
@@ -63,39 +68,47 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
     columns come from the request's stored row, read back with json_transform, which keeps every
     value exact (a DECIMAL(38,9) included); a column the stored row lacks (the SELECT gained it
     since) comes from the key's current row. Incremental runs and full refreshes use the same rule."""
-    structure = json.dumps({name: "VARCHAR" if typ in TEXT_ROUND_TRIP else typ
-                            for name, typ in input_columns}).replace("'", "''")
+    structure = json.dumps({name: "VARCHAR" if typ in TEXT_ROUND_TRIP else typ for name, typ in input_columns})
     selected = []
     for name, typ in input_columns:
-        stored = f"w.stored.{q(name)}"
+        stored = f"w.stored.{ident(name)}"
         if typ in TEXT_ROUND_TRIP:
             stored = f"cast({stored} as {typ})"
-        selected.append(f"case when list_contains(w.stored_keys, {_literal(name)}) then {stored} "
-                        f"else i.{q(name)} end as {q(name)}")
+        selected.append(
+            f"case when list_contains(w.stored_keys, {literal(name)}) then {stored} else i.{ident(name)} end as {ident(name)}"
+        )
     outputs = []
     for col in config.output_columns:
         if config.structured:
             value = f"try_cast(json_extract_string(w.answer, '$.{col.name}') as {col.duckdb_type})"
         else:
             value = "w.answer"
-        outputs.append(f"case when w.status = 'succeeded' then {value} end as {q(col.name)}")
-    model_literal = _literal(config.model)
-    status_values = ["w.status", "w.error", "w.finish_reason", "w.input_tokens", "w.output_tokens",
-                     f"coalesce(j.llm_model, {model_literal})", "j.batch_id", "w.fingerprint", "w.completed_at",
-                     "w.cached_tokens", "w.cache_write_tokens", "w.cost_usd", "w.realtime_cost_usd",
-                     "case when w.job_id is not null then coalesce(w.route, 'batch') end"]
-    status = [f"{value} as {q(name)}" for value, (name, _) in zip(status_values, STATUS_COLUMNS, strict=True)]
+        outputs.append(f"case when w.status = 'succeeded' then {value} end as {ident(col.name)}")
+    model_literal = literal(config.model)
+    status_values = [
+        "w.status",
+        "w.error",
+        "w.finish_reason",
+        "w.input_tokens",
+        "w.output_tokens",
+        f"coalesce(j.llm_model, {model_literal})",
+        "j.batch_id",
+        "w.fingerprint",
+        "w.completed_at",
+        "w.cached_tokens",
+        "w.cache_write_tokens",
+        "w.cost_usd",
+        "w.realtime_cost_usd",
+        "case when w.job_id is not null then coalesce(w.route, 'batch') end",
+    ]
+    status = [f"{value} as {ident(name)}" for value, (name, _) in zip(status_values, STATUS_COLUMNS, strict=True)]
     return f"""
-        select {', '.join(selected + outputs + status)}
-        from (select r.*, json_transform(r.row_json, '{structure}') as stored, json_keys(r.row_json) as stored_keys
-              from {EMIT} e join {ledger.table('llm_batch_requests')} r
-                   on r.custom_id = e.custom_id and r.model = {_literal(ledger.model)} and r.is_final) w
-             left join {ledger.table('llm_batch_jobs')} j on j.job_id = w.job_id
+        select {", ".join(selected + outputs + status)}
+        from (select r.*, json_transform(r.row_json, {literal(structure)}) as stored, json_keys(r.row_json) as stored_keys
+              from {EMIT} e join {ledger.table("llm_batch_requests")} r
+                   on r.custom_id = e.custom_id and r.model = {literal(ledger.model)} and r.is_final) w
+             left join {ledger.table("llm_batch_jobs")} j on j.job_id = w.job_id
              left join {DESIRED} d on d.key = w.key left join {INPUT} i on i.rowid = d.row_id"""
-
-
-def _literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
 
 
 def _winners(ledger: Ledger, keys_sql: str) -> str:
@@ -105,8 +118,8 @@ def _winners(ledger: Ledger, keys_sql: str) -> str:
     # so a million-row merge neither sorts nor copies a million stored rows.
     return f"""
         select r.custom_id, r.key, r.status, r.emitted
-        from {ledger.table('llm_batch_requests')} r left join {DESIRED} d on d.key = r.key
-        where r.model = {_literal(ledger.model)} and r.is_final and r.key in ({keys_sql})
+        from {ledger.table("llm_batch_requests")} r left join {DESIRED} d on d.key = r.key
+        where r.model = {literal(ledger.model)} and r.is_final and r.key in ({keys_sql})
         qualify row_number() over (partition by r.key
                                    order by (r.fingerprint = d.fingerprint) desc nulls last, r.queued_at desc,
                                             r.seq desc) = 1"""
@@ -129,7 +142,7 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
     con = ledger.con
     columns = table_columns(input_columns, config)
     requests = ledger.table("llm_batch_requests")
-    model = ledger.model.replace("'", "''")
+    model = literal(ledger.model)
     if rebuild:
         con.execute(f"create or replace temp table {EMIT} as {_winners(ledger, f'select key from {DESIRED}')}")
     else:
@@ -137,13 +150,13 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
         # is selected and has a final answer the table does not show (a prompt changed back, or a
         # full refresh left the key out). Their winner is written only if it is not shown already.
         candidates = f"""
-            select key from {requests} where model = '{model}' and is_final and emitted is null
+            select key from {requests} where model = {model} and is_final and emitted is null
             union
             select r.key from {requests} r semi join {DESIRED} d on r.key = d.key
-            where r.model = '{model}' and r.is_final and r.emitted = 'superseded'"""
+            where r.model = {model} and r.is_final and r.emitted = 'superseded'"""
         con.execute(f"""create or replace temp table {EMIT} as
                         select * from ({_winners(ledger, candidates)}) where emitted is distinct from 'merged'""")
-    ddl = ", ".join(f"{q(n)} {t}{_compression(n, t, config)}" for n, t in columns)
+    ddl = ", ".join(f"{ident(n)} {t}{_compression(n, t, config)}" for n, t in columns)
     target_key = key_sql(config)
     # Which final requests the table now shows ('merged') and which it does not ('superseded'), so
     # the next run only looks at requests that became final after this one.
@@ -159,13 +172,20 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
             con.execute(
                 f"""update {requests} set emitted = case when custom_id in (select custom_id from {EMIT})
                                                          then 'merged' else 'superseded' end
-                    where model = ? and is_final and ({scope})""", [ledger.model])
-            null_filter = " or ".join(f"{q(k)} is null" for k in config.unique_key)
+                    where model = ? and is_final and ({scope})""",
+                [ledger.model],
+            )
+            null_filter = " or ".join(f"{ident(k)} is null" for k in config.unique_key)
             null_keys = con.execute(f"select count(*) from {target} where {null_filter}").fetchall()[0][0]
             if null_keys:
-                raise ConfigError(f"{null_keys} row(s) of {target} would have a NULL unique_key: the stored rows "
-                                  f"lack the key column(s); nothing was changed")
+                raise ConfigError(
+                    f"{null_keys} row(s) of {target} would have a NULL unique_key: the stored rows "
+                    f"lack the key column(s); nothing was changed"
+                )
+
     retry_on_conflict(write)
-    written, failed = con.execute(f"select count(*), count(*) filter (where status = 'failed') from {EMIT}").fetchall()[0]
+    written, failed = con.execute(f"select count(*), count(*) filter (where status = 'failed') from {EMIT}").fetchall()[
+        0
+    ]
     con.execute(f"drop table if exists {EMIT}")
     return written, failed

@@ -6,9 +6,11 @@ from __future__ import annotations
 def logger():
     try:
         from dbt.adapters.events.logging import AdapterLogger
+
         return AdapterLogger("llm_batch")
     except ImportError:  # outside dbt (unit tests, scripts)
         import logging
+
         return logging.getLogger("dbt_llm_batch")
 
 
