@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
-from dbt_llm_batch.pipeline.runner import run_model
+from dbt_llm_batch.dbt.log import forward_to_dbt
+from dbt_llm_batch.pipeline import runner
 
-__all__ = ["run_model"]
+
+def run_model(con, **payload):
+    """Run one llm_batch model; everything the package logs reaches dbt's log."""
+    forward_to_dbt()
+    return runner.run_model(con, **payload)

@@ -11,7 +11,6 @@ process that died: the next run takes it over, with a warning.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import socket
@@ -22,8 +21,7 @@ import duckdb
 
 from dbt_llm_batch.errors import LlmBatchError
 from dbt_llm_batch.ledger import Ledger, transaction
-
-log = logging.getLogger("dbt_llm_batch")
+from dbt_llm_batch.log import log
 
 # Another process holds the DuckDB file itself (DuckDB allows one writing process per file).
 HOLDER = re.compile(r"Conflicting lock is held in (?P<program>.+?) \(PID (?P<pid>\d+)\)")

@@ -18,7 +18,6 @@ are stored in the ledger (`llm_delete_provider_files`, on by default).
 from __future__ import annotations
 
 import getpass
-import logging
 import os
 import socket
 import sys
@@ -26,14 +25,12 @@ import sys
 import duckdb
 
 from dbt_llm_batch.config import parse_config
-from dbt_llm_batch.dbt.log import logger as run_log
 from dbt_llm_batch.errors import LlmBatchError
 from dbt_llm_batch.ledger import IN_FLIGHT, Ledger
 from dbt_llm_batch.ledger.locks import database_path, is_lock_conflict, lock_conflict_message, unlock
+from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline.submit import HELD_BY_RECONCILIATION
 from dbt_llm_batch.providers import get_provider
-
-log = logging.getLogger("dbt_llm_batch")
 
 # Request statuses a cancelled batch leaves on requests it did not answer (harvest.settle writes
 # 'voided'; the others are the provider words a harvest may record).
@@ -200,7 +197,7 @@ def warn_missing_jobs(ledger: Ledger) -> int:
         [ledger.model],
     ).fetchall()[0][0]
     if n:
-        run_log().warning(
+        log.warning(
             f"{ledger.model}: {n} request(s) are in flight under a job missing from llm_batch_jobs (was its row "
             f"deleted?): no run polls them or sends them again. If their batch never ran (or you accept paying "
             f"again), send them with `dbt-llm-batch release --database {database_path(ledger.con)} --schema "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from dbt_llm_batch.dbt.log import logger as run_log
+from dbt_llm_batch.log import log
 from dbt_llm_batch.providers.base import BatchState
 
 BACKOFF_FIRST_SECONDS = 600
@@ -169,7 +169,7 @@ def log_backoffs(ledger, jobs: list[tuple[str, BatchState]]) -> None:
             [job_id],
         ).fetchall()[0]
         if n:
-            run_log().warning(
+            log.warning(
                 f"{ledger.model}: a batch failed on the provider's enqueued token limit "
                 f"(token_limit_exceeded); its {n} request(s) will be resubmitted after "
                 f"{until:%Y-%m-%d %H:%M:%S %Z}"
@@ -185,12 +185,12 @@ def _log_plain_failure(ledger, job_id: str, state: BatchState) -> None:
     ).fetchall()[0]
     said = state.error or "no error given"
     if voided:
-        run_log().warning(
+        log.warning(
             f"{ledger.model}: a batch failed at the provider without naming a request ({said}); its "
             f"{voided} request(s) will be resubmitted after {until:%Y-%m-%d %H:%M:%S %Z}"
         )
     if failed:
-        run_log().warning(
+        log.warning(
             f"{ledger.model}: a batch failed at the provider {GIVE_UP_AFTER} times in a row without "
             f"naming a request ({said}): {failed} request(s) failed and are not resubmitted; fix the "
             f"cause, then run `dbt-llm-batch requeue --model {ledger.model}`"

@@ -15,8 +15,8 @@ import time
 import pyarrow as pa
 
 from dbt_llm_batch.config import ModelConfig
-from dbt_llm_batch.dbt.log import logger as run_log
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
+from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import batch_failures, costs, crashpoints, tempdirs
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
 from dbt_llm_batch.providers.calls import ProviderUnavailable, status_of
@@ -91,7 +91,7 @@ def poll_and_harvest(
                 break  # the retry budget is spent: this job and the rest stay pending (runner warns)
             if state.results_gone:
                 state.error = RETENTION_ENDED
-                run_log().warning(
+                log.warning(
                     f"{ledger.model}: batch {job['batch_id']}: {RETENTION_ENDED} (results already stored are kept)"
                 )
             ended.append((job["job_id"], state))
@@ -114,7 +114,7 @@ def _poll(ledger: Ledger, provider: BatchProvider, job: dict) -> BatchState | No
             raise
     if time.time() - job["created_at"].timestamp() > GONE_AFTER_SECONDS:
         return BatchState(status="gone", ended=True, results_gone=True)
-    run_log().warning(
+    log.warning(
         f"{ledger.model}: the provider says batch {job['batch_id']} does not exist; it was created less than a "
         f"day ago, so it is left pending: check that {provider.key_env_var} is the key of the organisation or "
         "workspace that created it"
@@ -306,7 +306,5 @@ def settle(
         con.execute("drop table if exists __llm_outcomes")
     batch_failures.log_backoffs(ledger, jobs)
     if unknown:
-        run_log().warning(
-            f"{ledger.model}: {unknown} result line(s) for custom_ids their batch never sent were ignored"
-        )
+        log.warning(f"{ledger.model}: {unknown} result line(s) for custom_ids their batch never sent were ignored")
     return unknown

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 
 from dbt_llm_batch.config import ModelConfig
-from dbt_llm_batch.dbt.log import logger
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
+from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import plan
 from dbt_llm_batch.pipeline.plan import DESIRED, INPUT
 from dbt_llm_batch.sql import ident, list_literal, literal
@@ -105,13 +105,13 @@ def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str
         f"{rekeyed} stored request(s) now carry the new key (nothing is asked again for them)"
     )
     if aside:
-        logger().warning(
+        log.warning(
             message + f"; {aside} match no selected row and are kept aside as model '{aside_model}' "
             "(harvested and costed, never merged). Selected rows without an answer are "
             "sent now."
         )
     else:
-        logger().info(message)
+        log.info(message)
 
 
 def _key_by_fingerprint(config: ModelConfig) -> str:
@@ -143,7 +143,7 @@ def _warn_if_renamed(ledger: Ledger, config: ModelConfig) -> None:
     ).fetchall()
     if others:
         other, n = others[0]
-        logger().warning(
+        log.warning(
             f"{ledger.model}: first run of this model, and {n} of its requests were already answered for model "
             f"'{other}' (the same prompts and settings): they are sent and paid again now. If you renamed the "
             f"model, set llm_ledger_identity = '{other}' in its config to keep that model's answers and batches "

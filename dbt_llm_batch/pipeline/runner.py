@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from dbt_llm_batch.config import ModelConfig, parse_config
-from dbt_llm_batch.dbt import log
-from dbt_llm_batch.dbt.log import logger
 from dbt_llm_batch.errors import BudgetError, ConfigError, ProviderError
 from dbt_llm_batch.ledger import Ledger, locks
+from dbt_llm_batch.log import log, warn_user
 from dbt_llm_batch.ops import operator
 from dbt_llm_batch.pipeline import (
     costs,
@@ -164,7 +163,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
         finally:
             run.lock.release()
         run.finish_summary()
-        logger().info(run.summary.line())
+        log.info(run.summary.line())
         try:
             run.report_unavailable()
         except ProviderError as down:
@@ -230,7 +229,7 @@ class ModelRun:
     def warn_unreachable(self, job: dict, exc: ConfigError, count: int = 1) -> None:
         """A batch sent through a provider this run has no key for (the model switched provider since):
         it stays pending, and the run still merges what is final."""
-        logger().warning(
+        log.warning(
             f"{self.ledger.model}: {count} batch(es) or submission(s) sent through {job['provider']} "
             f"are still open and cannot be checked: {exc}. They stay pending; nothing is resent."
         )
@@ -292,7 +291,7 @@ class ModelRun:
         )
         if self.config.on_unavailable == "error":
             raise ProviderError(message + ". (llm_on_unavailable='error' makes this fail the run.)")
-        log.warn_user(message)
+        warn_user(message)
 
     def harvest_open(self) -> None:
         jobs = self.ledger.open_jobs()
@@ -306,7 +305,7 @@ class ModelRun:
             realtime.settle_interrupted(
                 self.ledger, get_provider(job["provider"])(job_config), job["job_id"], self.price_for(job)
             )
-            logger().warning(
+            log.warning(
                 f"{self.ledger.model}: a realtime run was interrupted; its stored answers are kept and "
                 f"the requests it had not finished are sent again"
             )
@@ -333,7 +332,7 @@ class ModelRun:
             stats = harvest.poll_and_harvest(self.ledger, provider, provider.config, jobs, price)
             self.summary.harvested_batches += stats["harvested_jobs"]
             if stats["harvested_jobs"] and price is None:
-                logger().warning(
+                log.warning(
                     f"{self.ledger.model}: no price known for {provider_name} model "
                     f"'{llm_model}': cost is recorded as unknown (NULL). Add it with llm_price_table."
                 )
@@ -414,7 +413,7 @@ class ModelRun:
     def plan_and_submit(self) -> None:
         held, until = self.ledger.backed_off()
         if held:
-            logger().info(
+            log.info(
                 f"{self.ledger.model}: {held} request(s) wait for a back-off (token limit, or a failed "
                 f"batch) and will be resubmitted after {until:%Y-%m-%d %H:%M:%S %Z}"
             )
@@ -449,7 +448,7 @@ class ModelRun:
         waiting = self.ledger.deferred_count()
         self.summary.deferred = waiting
         if waiting:
-            logger().info(
+            log.info(
                 f"{self.ledger.model}: {waiting} request(s) wait in the ledger for a later run: the "
                 f"in-flight caps are reached (llm_max_batches_in_flight={self.config.max_batches_in_flight}, "
                 f"llm_max_tokens_in_flight={self.tokens_cap()})"
@@ -480,13 +479,13 @@ class ModelRun:
             outcome.seconds += previous.seconds
         self.summary.realtime = outcome
         if lost:
-            logger().warning(
+            log.warning(
                 f"{self.ledger.model}: {lost} realtime reply(ies) were lost after the "
                 f"request was sent (last: {outcome.last_transient}); the provider may have billed "
                 f"them without an answer: see possibly_billed in llm_batch_costs"
             )
         if outcome.unsent:
-            logger().warning(
+            log.warning(
                 f"{self.ledger.model}: {outcome.unsent} realtime request(s) were not sent within "
                 f"llm_realtime_budget_seconds={self.config.realtime_budget_seconds:g}"
                 + (f" (last error: {outcome.last_transient})" if outcome.last_transient else "")
@@ -510,7 +509,7 @@ class ModelRun:
         waiting_part = f"; {waiting} would wait for the in-flight caps" if waiting else ""
         if unsendable:
             waiting_part += f"; {unsendable} would fail without being sent (prompt not sendable)"
-        logger().info(
+        log.info(
             f"{self.ledger.model}: DRY RUN: would submit {batch} request(s) in {len(files)} "
             f"batch(es){realtime_part}, estimated {costs.fmt_usd(estimate if n else 0)} at batch prices"
             f"{' (realtime at list prices)' if n_realtime else ''}{waiting_part}; "
@@ -523,7 +522,7 @@ class ModelRun:
             return
         estimate = provider.prefix_tokens_estimate()
         if estimate < provider.min_cacheable_tokens:
-            logger().warning(
+            log.warning(
                 f"{self.ledger.model}: llm_cache_prefix is on, but the system prompt and examples are about "
                 f"{estimate} tokens, below the {provider.min_cacheable_tokens}-token minimum {provider.name} "
                 f"caches for {self.config.model}: no cache reads will happen"
@@ -540,7 +539,7 @@ class ModelRun:
             open_jobs = self.ledger.open_jobs()
             if not open_jobs:
                 return
-            logger().info(
+            log.info(
                 f"{self.ledger.model}: waiting for {len(open_jobs)} batch(es), "
                 f"{self.ledger.pending_count()} request(s) pending, "
                 f"{max(0, int(deadline - time.monotonic()))} s left of llm_wait_seconds"

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import os
 
-from dbt_llm_batch.dbt.log import logger
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.locks import database_path
+from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import crashpoints
 from dbt_llm_batch.pipeline.request_files import RequestFile
 from dbt_llm_batch.providers.base import UNRESOLVED, BatchProvider
@@ -114,7 +114,7 @@ def _stop_after_failed_create(ledger: Ledger, job_id: str, exc: BaseException) -
     else:
         ledger.update_job(job_id, error=describe(exc))
         fate = "it may have reached the provider, so its requests are held until reconciliation can tell"
-    logger().warning(
+    log.warning(
         f"{ledger.model}: creating a batch failed ({describe(exc)}); {fate}; the remaining chunks wait for the next run"
     )
 
@@ -123,7 +123,7 @@ def _stop_after_failed_upload(ledger: Ledger, job_id: str, exc: BaseException) -
     """The upload kept failing: no batch was created. The job stays 'uploading' for reconciliation,
     which voids it and deletes a file the provider may have kept."""
     ledger.update_job(job_id, error=describe(exc))
-    logger().warning(
+    log.warning(
         f"{ledger.model}: uploading the request file failed ({describe(exc)}); no batch was created, "
         "so its requests are sent again by the next run; the remaining chunks wait for the next run"
     )
@@ -159,7 +159,7 @@ def reconcile(ledger: Ledger, get_provider, job: dict, run_started) -> None:
             except ProviderUnavailable:
                 raise  # asked again by the next run
             except Exception as exc:  # a file left behind costs nothing: never fail the run for it
-                logger().warning(
+                log.warning(
                     f"{ledger.model}: could not look for the file an interrupted upload of "
                     f"{job['job_id']} may have left at the provider ({describe(exc)})"
                 )
@@ -181,7 +181,7 @@ def reconcile(ledger: Ledger, get_provider, job: dict, run_started) -> None:
     if found == UNRESOLVED:
         # Recorded on the job: `release` frees only submissions a run looked up and could not decide.
         ledger.update_job(job["job_id"], error=HELD_BY_RECONCILIATION)
-        logger().warning(
+        log.warning(
             f"{ledger.model}: submission {job['job_id']} was interrupted and cannot be matched to a provider batch "
             f"yet (a batch of the same size created since then has not ended): its {len(custom_ids)} request(s) "
             f"are held, not resent, until that batch ends and its custom_ids confirm or rule it out. To send them "
@@ -190,6 +190,6 @@ def reconcile(ledger: Ledger, get_provider, job: dict, run_started) -> None:
         )
     elif found:
         ledger.record_submission(job["job_id"], found.batch_id, found.input_file_id, found.status)
-        logger().info(f"{ledger.model}: adopted batch {found.batch_id} submitted by an interrupted run")
+        log.info(f"{ledger.model}: adopted batch {found.batch_id} submitted by an interrupted run")
     else:
         void_submission(ledger, job["job_id"], "submission interrupted; no batch at the provider is it; resubmitted")

@@ -8,17 +8,15 @@ host. A directory of another host (a shared $TMPDIR) or of a live process is lef
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import socket
 import tempfile
 
 from dbt_llm_batch.ledger.locks import process_is_gone
+from dbt_llm_batch.log import log
 
 PREFIX = "dbt_llm_batch_"
-
-log = logging.getLogger("dbt_llm_batch")
 
 
 def _host() -> str:
