@@ -6,28 +6,22 @@ Invariants:
   merged into the model table;
 - the model table is a pure function of these tables.
 Schema changes are numbered migrations below; `llm_batch_meta` records the applied version. New
-columns go at the end.
+columns go at the end. The statuses and their allowed changes are in status.py; the writes, by table,
+in requests.py, jobs.py and results.py.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-import uuid
-from contextlib import contextmanager
 
-import duckdb
-import pyarrow as pa
-
+from dbt_llm_batch.ledger.base import retry_on_conflict, transaction
+from dbt_llm_batch.ledger.jobs import JobWrites
+from dbt_llm_batch.ledger.requests import RequestWrites
+from dbt_llm_batch.ledger.results import ResultWrites
+from dbt_llm_batch.ledger.status import IN_FLIGHT, IN_FLIGHT_SQL, LEGACY_REQUEST_STATUSES, RequestStatus, sql
 from dbt_llm_batch.sql import ident
 
-# Request statuses. 'queued' is in flight (whether its job reached the provider is the job's batch_id;
-# 'submitted' is the same state as written by ledgers before schema version 5); 'voided' means the request never produced
-# an outcome of its own (batch-level failure, expiry, intent that never reached the provider): it
-# does not use up an attempt and is planned again.
-IN_FLIGHT = ("queued", "submitted")
-# Provider batch statuses after which nothing more will happen to a job.
-JOB_TERMINAL = ("completed", "failed", "expired", "cancelled")
+__all__ = ["IN_FLIGHT", "MIGRATIONS", "SCHEMA_VERSION", "Ledger", "retry_on_conflict", "transaction"]
 
 MIGRATIONS: list[tuple[int, list[str]]] = [
     # row_json and raw (a request's selected row, a result line) are large texts written once and read
@@ -216,56 +210,42 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         ],
     ),
 ]
+# Migration 13 recreates these views of version 12 with 'queued' as the only in-flight status.
+MIGRATIONS_12_VIEWS = [sql_text for sql_text in MIGRATIONS[-1][1] if sql_text.startswith("create or replace view")]
+MIGRATIONS += [
+    # One in-flight status: ledgers before this version also wrote 'submitted' for 'queued'
+    # (status.LEGACY_REQUEST_STATUSES); rewritten here, so no predicate carries it, and the views of
+    # version 12 recreated without it.
+    (
+        13,
+        [
+            *(
+                f"update {{s}}.llm_batch_requests set status = {sql(new)} where status = {sql(old)}"
+                for old, new in LEGACY_REQUEST_STATUSES.items()
+            ),
+            *(view.replace("in ('queued', 'submitted')", "= 'queued'") for view in MIGRATIONS_12_VIEWS),
+        ],
+    ),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # dbt runs models in threads of one process; DuckDB rejects concurrent DDL on one catalog
 # ("Catalog write-write conflict"), so migrations are serialised here and retried across processes.
 _MIGRATION_LOCK = threading.Lock()
 
-
-@contextmanager
-def transaction(con):
-    """One DuckDB transaction: committed if the block succeeds, rolled back (if still open) if not."""
-    con.execute("begin transaction")
-    try:
-        yield
-        con.execute("commit")
-    except BaseException:
-        try:
-            con.execute("rollback")
-        except duckdb.TransactionException:
-            pass  # a failed COMMIT has already ended the transaction; keep the original error
-        raise
+VOIDED, DEFERRED, HELD = sql(RequestStatus.VOIDED), sql(RequestStatus.DEFERRED), sql(RequestStatus.HELD)
 
 
-def retry_on_conflict(fn, attempts: int = 20):
-    """Run fn(), retrying DuckDB transaction conflicts between concurrent model threads."""
-    for i in range(attempts):
-        try:
-            return fn()
-        except duckdb.TransactionException as exc:
-            if "conflict" not in str(exc).lower() or i == attempts - 1:
-                raise
-            time.sleep(0.05 * (i + 1))
+class Ledger(RequestWrites, JobWrites, ResultWrites):
+    """The state tables of one schema, seen from one dbt model: the only code that writes them."""
 
-
-class Ledger:
-    """The state tables of one schema, seen from one dbt model."""
-
-    def __init__(self, con, schema: str, model: str):
-        self.con = con
-        self.schema = schema
-        self.model = model
-
-    def table(self, name: str) -> str:
-        return f"{ident(self.schema)}.{name}"
-
-    def migrate(self) -> None:
-        """Create or upgrade the state tables to SCHEMA_VERSION (idempotent)."""
+    def migrate(self, up_to: int = SCHEMA_VERSION) -> None:
+        """Create or upgrade the state tables to SCHEMA_VERSION (idempotent); `up_to` stops at an
+        earlier version (tests build the ledger an older release left)."""
         with _MIGRATION_LOCK:
-            retry_on_conflict(self._migrate_once)
+            retry_on_conflict(lambda: self._migrate_once(up_to))
 
-    def _migrate_once(self) -> None:
+    def _migrate_once(self, up_to: int = SCHEMA_VERSION) -> None:
         s = ident(self.schema)
         self.con.execute(f"create schema if not exists {s}")
         self.con.execute(MIGRATIONS[0][1][0].format(s=s))
@@ -276,166 +256,26 @@ class Ledger:
                 f"dbt-llm-batch ({SCHEMA_VERSION}): upgrade the package"
             )
         for version, statements in MIGRATIONS:
-            if version <= current:
+            if version <= current or version > up_to:
                 continue
             with transaction(self.con):
-                for sql in statements:
-                    self.con.execute(sql.format(s=s))
+                for statement in statements:
+                    self.con.execute(statement.format(s=s))
                 self.con.execute(f"insert into {s}.llm_batch_meta values (?, now())", [version])
 
-    def execute(self, sql: str, params=None):
-        """Execute one statement (autocommit), retrying write conflicts with other model threads."""
-        return retry_on_conflict(lambda: self.con.execute(sql, params or []))
-
-    # --- jobs -------------------------------------------------------------------------------
-
-    def open_jobs(self) -> list[dict]:
-        """Jobs of this model that may still yield results: intents and unharvested batches."""
-        rows = self.con.execute(
-            f"""select job_id, batch_id, status, provider, created_at, llm_model from {self.table("llm_batch_jobs")}
-                where model = ? and harvested_at is null and status <> 'voided'
-                order by created_at""",
-            [self.model],
-        ).fetchall()
-        return [
-            dict(zip(("job_id", "batch_id", "status", "provider", "created_at", "llm_model"), r, strict=True))
-            for r in rows
-        ]
-
-    def write_intents(
-        self, provider: str, llm_model: str, plan_rows: str, chunks: list[int], status: str = "intent"
-    ) -> dict[int, str]:
-        """Record one job intent per chunk and every request ('queued') in one transaction, before the
-        provider is contacted; returns {chunk: job id}. `plan_rows` has each request's `chunk` and
-        its `line` in the chunk's request file (NULL when there is no file: realtime).
-
-        A crash after this point leaves a trace reconciliation can follow, and nothing is ever sent
-        that the ledger does not know about. One transaction for the whole plan also lets DuckDB
-        write large plans straight to the database file instead of through its log.
-        """
-        job_ids = {chunk: "job_" + uuid.uuid4().hex for chunk in chunks}
-        mapping = pa.table({"chunk": pa.array(list(job_ids), pa.int64()), "job_id": list(job_ids.values())})
-        requests = self.table("llm_batch_requests")
-
-        def write():
-            self.con.register("__llm_job_ids", mapping)
-            try:
-                with transaction(self.con):
-                    self.con.execute(
-                        f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
-                              status, request_count, created_at, updated_at)
-                            select m.job_id, ?, ?, ?, ?, count(*), now(), now()
-                            from {plan_rows} p join __llm_job_ids m using (chunk) group by m.job_id""",
-                        [self.model, provider, llm_model, status],
-                    )
-                    self.con.execute(  # a deferred request being sent now becomes a queued one
-                        f"""delete from {requests} where model = ? and status = 'deferred' and custom_id in
-                            (select custom_id from {plan_rows} join __llm_job_ids using (chunk))""",
-                        [self.model],
-                    )
-                    self.con.execute(
-                        f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
-                              row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line)
-                            select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, 'queued', p.row_json, now(),
-                                   p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line
-                            from {plan_rows} p join __llm_job_ids m using (chunk)""",
-                        [self.model],
-                    )
-            finally:
-                self.con.unregister("__llm_job_ids")
-
-        retry_on_conflict(write)
-        return job_ids
-
-    def record_submission(self, job_id: str, batch_id: str, input_file_id: str | None, status: str) -> None:
-        self.execute(
-            f"""update {self.table("llm_batch_jobs")} set batch_id = ?, input_file_id = ?, status = ?,
-                  submitted_at = now(), updated_at = now() where job_id = ?""",
-            [batch_id, input_file_id, status, job_id],
-        )
-
-    def update_job(self, job_id: str, **fields) -> None:
-        sets = ", ".join(f"{k} = ?" for k in fields)
-        self.execute(
-            f"update {self.table('llm_batch_jobs')} set {sets}, updated_at = now() where job_id = ?",
-            [*fields.values(), job_id],
-        )
-
-    def void_job(self, job_id: str, reason: str) -> None:
-        """The job produced no per-request outcome: its unresolved requests go back to the queue
-        without using up an attempt."""
-        self.execute(
-            f"""update {self.table("llm_batch_requests")} set status = 'voided', error = ?, completed_at = now()
-                where job_id = ? and status in ('queued', 'submitted')""",
-            [reason, job_id],
-        )
-
-    # --- summary ----------------------------------------------------------------------------
-
-    def defer(self, plan_rows: str | None) -> None:
-        """Replace this model's deferred requests with `plan_rows`, the plan's requests not sent (None:
-        none): over an in-flight cap, they wait here (with their row) for a later run, which sends them
-        even if it no longer selects them. Deferred requests superseded by this run's plan are dropped."""
-
-        def write():
-            with transaction(self.con):
-                self.con.execute(
-                    f"delete from {self.table('llm_batch_requests')} where model = ? and status = 'deferred'",
-                    [self.model],
-                )
-                if plan_rows is None:
-                    return
-                self.con.execute(
-                    f"""insert into {self.table("llm_batch_requests")} (custom_id, model, key, fingerprint, seq,
-                          status, row_json, queued_at, estimated_cost_usd, estimated_input_tokens)
-                        select custom_id, ?, key, fingerprint, seq, 'deferred', row_json, now(), estimated_cost_usd,
-                               estimated_input_tokens
-                        from {plan_rows}""",
-                    [self.model],
-                )
-
-        retry_on_conflict(write)
-
-    def finalize_exhausted(self, max_attempts: int) -> None:
-        """Failures that reached the current llm_max_attempts are final (the limit may have been
-        lowered since they were harvested); without this such a key would be neither sent nor merged."""
-        requests = self.table("llm_batch_requests")
-        self.execute(
-            f"""update {requests} r set is_final = true
-                from (select key, fingerprint from {requests} where model = ? and status = 'failed'
-                      group by key, fingerprint having count(*) >= ?) x
-                where r.model = ? and r.status = 'failed' and not r.is_final
-                  and r.key = x.key and r.fingerprint = x.fingerprint""",
-            [self.model, max_attempts, self.model],
-        )
-
-    def return_to_deferred(self, job_ids: list[str]) -> None:
-        """Jobs whose intents were written but whose upload was never attempted (an earlier chunk's
-        submission failed): their requests wait as deferred again, and the intents go."""
-
-        def write():
-            with transaction(self.con):
-                for job_id in job_ids:
-                    self.con.execute(
-                        f"""update {self.table("llm_batch_requests")} set status = 'deferred', job_id = null
-                                         where job_id = ? and status = 'queued'""",
-                        [job_id],
-                    )
-                    self.con.execute(f"delete from {self.table('llm_batch_jobs')} where job_id = ?", [job_id])
-
-        retry_on_conflict(write)
+    # --- reads ---------------------------------------------------------------------------------
 
     def backed_off(self) -> tuple[int, object]:
         """(keys waiting for a back-off, when the last of them may go) of this model."""
         return self.con.execute(
             f"""select count(distinct (key, fingerprint)), max(not_before) from {self.table("llm_batch_requests")}
-                where model = ? and status = 'voided' and not_before > now()""",
+                where model = ? and status = {VOIDED} and not_before > now()""",
             [self.model],
         ).fetchall()[0]
 
     def deferred_count(self) -> int:
         return self.con.execute(
-            f"select count(*) from {self.table('llm_batch_requests')} where model = ? and status = 'deferred'",
+            f"select count(*) from {self.table('llm_batch_requests')} where model = ? and status = {DEFERRED}",
             [self.model],
         ).fetchall()[0][0]
 
@@ -447,7 +287,7 @@ class Ledger:
         jobs = len(self.open_jobs())
         requests, tokens = self.con.execute(
             f"""select count(*), coalesce(sum(estimated_input_tokens), 0) from {self.table("llm_batch_requests")}
-                where model = ? and status in ('queued', 'submitted')""",
+                where model = ? and status in {IN_FLIGHT_SQL}""",
             [self.model],
         ).fetchall()[0]
         return jobs, requests, int(tokens)
@@ -457,7 +297,7 @@ class Ledger:
         scope = "" if all_models else "and model = ?"
         return self.con.execute(
             f"""select coalesce(sum(estimated_cost_usd), 0) from {self.table("llm_batch_requests")}
-                where status in ('queued', 'submitted') {scope}""",
+                where status in {IN_FLIGHT_SQL} {scope}""",
             [] if all_models else [self.model],
         ).fetchall()[0][0]
 
@@ -465,8 +305,8 @@ class Ledger:
         """(requests waiting for a back-off, requests held after a cancel) of this model."""
         return tuple(
             self.con.execute(
-                f"""select count(*) filter (where status = 'voided' and not_before > now()),
-                       count(*) filter (where status = 'held')
+                f"""select count(*) filter (where status = {VOIDED} and not_before > now()),
+                       count(*) filter (where status = {HELD})
                 from {self.table("llm_batch_requests")} where model = ?""",
                 [self.model],
             ).fetchall()[0]
@@ -474,6 +314,6 @@ class Ledger:
 
     def pending_count(self) -> int:
         return self.con.execute(
-            f"select count(*) from {self.table('llm_batch_requests')} where model = ? and status in ('queued', 'submitted')",
+            f"select count(*) from {self.table('llm_batch_requests')} where model = ? and status in {IN_FLIGHT_SQL}",
             [self.model],
         ).fetchall()[0][0]

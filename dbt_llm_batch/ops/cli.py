@@ -29,6 +29,8 @@ def status(database: str, schema: str) -> int:
         why = lock_conflict_message(database, str(exc)) if is_lock_conflict(exc) else str(exc)
         print(f"cannot open {database}: {why}", file=sys.stderr)
         return 2
+    from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, PRE_SUBMISSION, RequestStatus, sql, sql_in
+
     s = f'"{schema}"'
     exists = con.execute(
         "select count(*) from information_schema.tables where table_schema = ? and table_name = 'llm_batch_progress'",
@@ -41,7 +43,7 @@ def status(database: str, schema: str) -> int:
     con.sql(f"select * exclude (submitted_at) from {s}.llm_batch_in_flight order by submitted_at").show(max_width=200)
     print("Progress per model:")
     con.sql(f"select * from {s}.llm_batch_progress order by model").show(max_width=200)
-    held = con.sql(f"""select model, count(*) as requests_held from {s}.llm_batch_requests where status = 'held'
+    held = con.sql(f"""select model, count(*) as requests_held from {s}.llm_batch_requests where status = {sql(RequestStatus.HELD)}
                        group by model order by model""")
     if held.fetchall():
         print("Held after `dbt-llm-batch cancel` (sent again after `dbt-llm-batch release`):")
@@ -49,7 +51,7 @@ def status(database: str, schema: str) -> int:
     interrupted = con.sql(f"""select model, job_id, status, request_count as requests,
                                      date_trunc('second', now() - created_at) as age, error
                               from {s}.llm_batch_jobs where batch_id is null and harvested_at is null
-                                and status in ('intent', 'uploading', 'submitting') order by created_at""")
+                                and status in {sql_in(PRE_SUBMISSION)} order by created_at""")
     if interrupted.fetchall():
         print(
             "Interrupted submissions held by reconciliation (not resent while a provider batch may be theirs; "
@@ -57,7 +59,7 @@ def status(database: str, schema: str) -> int:
         )
         interrupted.show(max_width=200)
     orphans = con.sql(f"""select model, count(*) as requests from {s}.llm_batch_requests
-                          where status in ('queued', 'submitted')
+                          where status in {IN_FLIGHT_SQL}
                             and job_id not in (select job_id from {s}.llm_batch_jobs)
                           group by model order by model""")
     if orphans.fetchall():

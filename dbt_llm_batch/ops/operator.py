@@ -26,17 +26,15 @@ import duckdb
 
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import LlmBatchError
-from dbt_llm_batch.ledger import IN_FLIGHT, Ledger
+from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.locks import database_path, is_lock_conflict, lock_conflict_message, unlock
+from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, PRE_SUBMISSION, JobStatus, RequestStatus, sql, sql_in
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline.submit import HELD_BY_RECONCILIATION
 from dbt_llm_batch.providers import get_provider
 
-# Request statuses a cancelled batch leaves on requests it did not answer (harvest.settle writes
-# 'voided'; the others are the provider words a harvest may record).
-UNANSWERED = ("voided", "canceled", "cancelled", "expired")
 # Job statuses of a submission whose batch id is not known (submit.py).
-INTERRUPTED = ("intent", "uploading", "submitting")
+INTERRUPTED = PRE_SUBMISSION
 
 
 class OperatorError(LlmBatchError):
@@ -97,7 +95,7 @@ def cancel_model(con, schema: str, model: str) -> list[str]:
     who = operator_name()
     jobs = con.execute(
         f"""select job_id, batch_id, provider, llm_model, status from {ledger.table("llm_batch_jobs")}
-            where model = ? and harvested_at is null and status <> 'voided' order by created_at""",
+            where model = ? and harvested_at is null and status <> {sql(JobStatus.VOIDED)} order by created_at""",
         [ledger.model],
     ).fetchall()
     if not jobs:
@@ -120,7 +118,7 @@ def cancel_model(con, schema: str, model: str) -> list[str]:
         except Exception as exc:  # e.g. it ended meanwhile: the provider refuses to cancel it
             lines.append(f"{batch_id}: not cancelled ({type(exc).__name__}: {exc}); the next run harvests it")
             continue
-        ledger.update_job(job_id, status=new_status, cancel_requested_at=_now(con), cancelled_by=who)
+        ledger.record_provider_status(job_id, new_status, cancel_requested_at=_now(con), cancelled_by=who)
         lines.append(f"{batch_id}: cancel requested by {who} (provider status: {new_status})")
     lines.append(
         f"{ledger.model}: the next `dbt run` of this model harvests what these batches finished; the "
@@ -133,16 +131,7 @@ def cancel_model(con, schema: str, model: str) -> list[str]:
 
 def hold_cancelled(ledger: Ledger) -> int:
     """Requests an operator-cancelled batch ended without answering become 'held' (run after harvest)."""
-    return ledger.execute(
-        f"""update {ledger.table("llm_batch_requests")} r set status = 'held',
-              error = 'batch ' || j.batch_id || ' was cancelled by ' || j.cancelled_by || ' at '
-                      || strftime(j.cancel_requested_at, '%Y-%m-%d %H:%M:%S') || ' before answering; held until '
-                      || '`dbt-llm-batch release` or a change of prompt or config'
-            from {ledger.table("llm_batch_jobs")} j
-            where r.job_id = j.job_id and j.model = ? and j.cancel_requested_at is not null
-              and j.harvested_at is not null and r.status in {UNANSWERED}""",
-        [ledger.model],
-    ).fetchall()[0][0]
+    return ledger.hold_cancelled()
 
 
 def release_model(con, schema: str, model: str) -> tuple[int, int, int, int]:
@@ -152,38 +141,24 @@ def release_model(con, schema: str, model: str) -> tuple[int, int, int, int]:
     (no batch id: the provider may or may not have their batch), and in-flight ones whose job row is
     missing. Returns (held, interrupted requests, interrupted submissions, job missing)."""
     ledger = resolve_model(con, schema, model)
-    requests, jobs = ledger.table("llm_batch_requests"), ledger.table("llm_batch_jobs")
-    note = "'; released by ' || ? || ' at ' || strftime(now(), '%Y-%m-%d %H:%M:%S')"
+    jobs = ledger.table("llm_batch_jobs")
     who = operator_name()
-    held = ledger.execute(
-        f"update {requests} set status = 'released', error = error || {note} where model = ? and status = 'held'",
-        [who, ledger.model],
-    ).fetchall()[0][0]
+    held = ledger.release_held(who)
     # Only submissions a run looked up and could not decide: one nobody has reconciled yet (or an
     # OpenAI one, which its metadata token settles) may well be a live batch.
     interrupted = [
         r[0]
         for r in con.execute(
             f"""select job_id from {jobs} where model = ? and batch_id is null and harvested_at is null
-              and status in {INTERRUPTED} and error = ?""",
+              and status in {sql_in(INTERRUPTED)} and error = ?""",
             [ledger.model, HELD_BY_RECONCILIATION],
         ).fetchall()
     ]
     freed = 0
     for job_id in interrupted:
-        freed += ledger.execute(
-            f"""update {requests} set status = 'released',
-                  error = 'its submission ' || job_id || ' was interrupted, never matched to a provider batch' || {note}
-                where job_id = ? and status in {IN_FLIGHT}""",
-            [who, job_id],
-        ).fetchall()[0][0]
-        ledger.update_job(job_id, status="voided", error=f"released by {who}")
-    orphans = ledger.execute(
-        f"""update {requests} set status = 'released',
-              error = 'its job ' || job_id || ' is missing from llm_batch_jobs' || {note}
-            where model = ? and status in {IN_FLIGHT} and job_id not in (select job_id from {jobs})""",
-        [who, ledger.model],
-    ).fetchall()[0][0]
+        freed += ledger.release_interrupted(job_id, who)
+        ledger.mark_job_voided(job_id, error=f"released by {who}")
+    orphans = ledger.release_orphans(who)
     return held, freed, len(interrupted), orphans
 
 
@@ -193,7 +168,7 @@ def warn_missing_jobs(ledger: Ledger) -> int:
     jobs = ledger.table("llm_batch_jobs")
     n = ledger.con.execute(
         f"""select count(*) from {ledger.table("llm_batch_requests")}
-            where model = ? and status in {IN_FLIGHT} and job_id not in (select job_id from {jobs})""",
+            where model = ? and status in {IN_FLIGHT_SQL} and job_id not in (select job_id from {jobs})""",
         [ledger.model],
     ).fetchall()[0][0]
     if n:
@@ -212,13 +187,10 @@ def requeue_model(con, schema: str, model: str) -> tuple[int, int]:
     input fixed instead: they stay failed."""
     ledger = resolve_model(con, schema, model)
     requests = ledger.table("llm_batch_requests")
-    n = ledger.execute(
-        f"""update {requests} set status = 'requeued', is_final = false
-                           where model = ? and status = 'failed' and job_id is not null""",
-        [ledger.model],
-    ).fetchall()[0][0]
+    n = ledger.requeue_failed()
     unsent = con.execute(
-        f"select count(*) from {requests} where model = ? and status = 'failed' and job_id is null", [ledger.model]
+        f"select count(*) from {requests} where model = ? and status = {sql(RequestStatus.FAILED)} and job_id is null",
+        [ledger.model],
     ).fetchall()[0][0]
     return n, unsent
 
@@ -236,7 +208,7 @@ def delete_provider_files(ledger: Ledger, client_for, enabled: bool) -> None:
             from {ledger.table("llm_batch_jobs")}
             where model = ? and files_deleted_at is null and provider <> 'openai_compatible'
               and ((harvested_at is not null and batch_id is not null)
-                   or (status = 'voided' and batch_id is null and input_file_id is not null))""",
+                   or (status = {sql(JobStatus.VOIDED)} and batch_id is null and input_file_id is not null))""",
         [ledger.model],
     ).fetchall()
     for job_id, batch_id, provider_name, llm_model, *file_ids in jobs:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, RequestStatus, sql
 from dbt_llm_batch.log import log
 from dbt_llm_batch.providers.base import BatchState
 
@@ -87,21 +88,10 @@ def line_errors_table(jobs: list[tuple[str, BatchState]]) -> pa.Table:
     )
 
 
-def fail_named_lines(con, requests: str) -> None:
+def fail_named_lines(ledger) -> None:
     """Fail the requests whose lines validation named (table __llm_line_errors), with its message:
     final at once, since the same line would fail validation again (and take its batch down again)."""
-    con.execute(
-        f"""update {requests} r set status = 'failed', completed_at = now(), is_final = true,
-              failure_kind = 'deterministic', error = x.message || ' (' || ? || ')'
-            from (select n.custom_id, n.job_id, e.message
-                  from (select custom_id, job_id,
-                               -- ledgers before version 9 wrote request files in custom_id order
-                               coalesce(file_line, row_number() over (partition by job_id order by custom_id)) as line
-                        from {requests} where job_id in (select job_id from __llm_line_errors)) n
-                  join __llm_line_errors e using (job_id, line)) x
-            where r.custom_id = x.custom_id and r.job_id = x.job_id and r.status in ('queued', 'submitted')""",
-        [LINE_REJECTED],
-    )
+    ledger.fail_named_lines("__llm_line_errors", LINE_REJECTED)
 
 
 def is_plain_failure(state: BatchState) -> bool:
@@ -109,23 +99,24 @@ def is_plain_failure(state: BatchState) -> bool:
     return state.status == "failed" and not state.token_limit and not state.line_errors and not state.results_gone
 
 
-def settle_batch_failures(con, requests: str, model: str, priced: bool) -> None:
+def settle_batch_failures(ledger, priced: bool) -> None:
     """The unanswered requests of plainly failed batches (__llm_ended.plain_failure): voided with a
     growing back-off, or, at the GIVE_UP_AFTER-th such failure in a row of the same (key,
     fingerprint), failed and final (until `dbt-llm-batch requeue`). Unbilled: cost $0."""
+    con, requests, model = ledger.con, ledger.table("llm_batch_requests"), ledger.model
     con.execute(
         f"""create or replace temp table __llm_batch_failed as
             with settling as (
                 select r.custom_id, r.job_id, r.key, r.fingerprint, r.seq,
                        coalesce(e.error, 'batch ' || e.status || ' with no error given') as error
                 from {requests} r join __llm_ended e using (job_id)
-                where r.status in ('queued', 'submitted')
+                where r.status in {IN_FLIGHT_SQL}
                   -- validation named lines, none of them this job's requests: as good as naming none
                   and (e.plain_failure or (e.line_errors and not exists (
                           select 1 from {requests} x where x.job_id = e.job_id and x.failure_kind = 'deterministic')))),
             history as (
                 select key, fingerprint, seq, failure_kind from {requests}
-                where model = ? and status <> 'deferred' and (key, fingerprint) in (select (key, fingerprint) from settling)),
+                where model = ? and status <> {sql(RequestStatus.DEFERRED)} and (key, fingerprint) in (select (key, fingerprint) from settling)),
             last_other as (  -- the latest earlier request that did not end in such a failure: the streak starts after it
                 select s.custom_id, max(h.seq) as seq from settling s join history h using (key, fingerprint)
                 where h.seq < s.seq and h.failure_kind is distinct from 'batch_failed' group by s.custom_id)
@@ -137,22 +128,20 @@ def settle_batch_failures(con, requests: str, model: str, priced: bool) -> None:
         [model],
     )
     wait = f"least({BACKOFF_FIRST_SECONDS} * pow(2, f.occurrence - 1), {BACKOFF_MAX_SECONDS})::bigint"
-    con.execute(
-        f"""update {requests} r set completed_at = now(),
-              status = case when f.occurrence >= {GIVE_UP_AFTER} then 'failed' else 'voided' end,
-              is_final = f.occurrence >= {GIVE_UP_AFTER},
-              failure_kind = case when f.occurrence >= {GIVE_UP_AFTER} then 'gave_up' else 'batch_failed' end,
-              not_before = case when f.occurrence < {GIVE_UP_AFTER} then now() + to_seconds({wait}) end,
-              error = case when f.occurrence >= {GIVE_UP_AFTER}
-                  then 'the batch failed at the provider ' || f.occurrence || ' times in a row without naming a '
-                       || 'request (last: ' || f.error || '); not resubmitted. Fix the cause, then run '
-                       || '`dbt-llm-batch requeue --model ' || ? || '` to send these rows again'
-                  else f.error || ' (the batch failed without naming a request, ' || f.occurrence || ' time(s) in a '
-                       || 'row; resubmitted after a ' || ({wait} // 60) || '-minute back-off, given up after '
-                       || {GIVE_UP_AFTER} || ')' end
-              {", cost_usd = 0, realtime_cost_usd = 0" if priced else ""}
-            from __llm_batch_failed f where r.custom_id = f.custom_id and r.job_id = f.job_id""",
+    give_up = f"f.occurrence >= {GIVE_UP_AFTER}"
+    ledger.settle_plain_failures(
+        f"""(select f.custom_id, f.job_id, {give_up} as give_up,
+                    case when not {give_up} then now() + to_seconds({wait}) end as not_before,
+                    case when {give_up}
+                      then 'the batch failed at the provider ' || f.occurrence || ' times in a row without naming a '
+                           || 'request (last: ' || f.error || '); not resubmitted. Fix the cause, then run '
+                           || '`dbt-llm-batch requeue --model ' || ? || '` to send these rows again'
+                      else f.error || ' (the batch failed without naming a request, ' || f.occurrence || ' time(s) in a '
+                           || 'row; resubmitted after a ' || ({wait} // 60) || '-minute back-off, given up after '
+                           || {GIVE_UP_AFTER} || ')' end as error
+             from __llm_batch_failed f)""",
         [model],
+        priced,
     )
     con.execute("drop table __llm_batch_failed")
 
@@ -165,7 +154,7 @@ def log_backoffs(ledger, jobs: list[tuple[str, BatchState]]) -> None:
             continue
         n, until = ledger.con.execute(
             f"""select count(*), max(not_before) from {ledger.table("llm_batch_requests")}
-                where job_id = ? and status = 'voided'""",
+                where job_id = ? and status = {sql(RequestStatus.VOIDED)}""",
             [job_id],
         ).fetchall()[0]
         if n:
@@ -177,9 +166,10 @@ def log_backoffs(ledger, jobs: list[tuple[str, BatchState]]) -> None:
 
 
 def _log_plain_failure(ledger, job_id: str, state: BatchState) -> None:
+    voided_sql = sql(RequestStatus.VOIDED)
     voided, until, failed = ledger.con.execute(
-        f"""select count(*) filter (where status = 'voided'), max(not_before) filter (where status = 'voided'),
-                   count(*) filter (where status = 'failed' and failure_kind = 'gave_up')
+        f"""select count(*) filter (where status = {voided_sql}), max(not_before) filter (where status = {voided_sql}),
+                   count(*) filter (where status = {sql(RequestStatus.FAILED)} and failure_kind = 'gave_up')
             from {ledger.table("llm_batch_requests")} where job_id = ?""",
         [job_id],
     ).fetchall()[0]

@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
+from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, JobStatus, RequestStatus, sql
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import batch_failures, costs, crashpoints, tempdirs
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
@@ -81,7 +82,7 @@ def poll_and_harvest(
                 state = _poll(ledger, provider, job)
                 if state is None or not state.ended:
                     if state is not None:
-                        ledger.update_job(job["job_id"], status=state.status)
+                        ledger.record_provider_status(job["job_id"], state.status)
                     stats["still_pending_jobs"] += 1
                     continue
                 if not _stored(ledger, job["job_id"]):  # an interrupted run may have stored them already
@@ -113,7 +114,7 @@ def _poll(ledger: Ledger, provider: BatchProvider, job: dict) -> BatchState | No
         if status_of(exc) != 404:
             raise
     if time.time() - job["created_at"].timestamp() > GONE_AFTER_SECONDS:
-        return BatchState(status="gone", ended=True, results_gone=True)
+        return BatchState(status=JobStatus.GONE, ended=True, results_gone=True)
     log.warning(
         f"{ledger.model}: the provider says batch {job['batch_id']} does not exist; it was created less than a "
         f"day ago, so it is left pending: check that {provider.key_env_var} is the key of the organisation or "
@@ -150,12 +151,7 @@ def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
         con.register("__llm_downloads", files)
         try:
             with transaction(con):
-                con.execute(
-                    f"""insert into {results}
-                        select r.json ->> 'custom_id', ?, d.job_id, d.source, r.json, now()
-                        from read_ndjson_objects(?, filename = true) r join __llm_downloads d on d.path = r.filename""",
-                    [ledger.model, files.column("path").to_pylist()],
-                )
+                ledger.store_result_files("__llm_downloads", files.column("path").to_pylist())
                 # Lines are matched to their file by the name DuckDB reports; a file whose lines all went
                 # unmatched would look like a batch without results: refuse, and store nothing.
                 lost = con.execute(f"""select path from __llm_downloads d where has_lines and not exists
@@ -233,10 +229,10 @@ def settle(
                 from one_per_id),
             settling as (
                 select key, fingerprint, custom_id, job_id from {requests}
-                where job_id in (select job_id from __llm_ended) and status in ('queued', 'submitted')),
+                where job_id in (select job_id from __llm_ended) and status in {IN_FLIGHT_SQL}),
             failures as (  -- earlier failed attempts of the same (key, fingerprint)
                 select p.key, p.fingerprint, count(*) as n from {requests} p
-                where p.model = ? and p.status = 'failed' and (p.key, p.fingerprint) in
+                where p.model = ? and p.status = {sql(RequestStatus.FAILED)} and (p.key, p.fingerprint) in
                       (select (key, fingerprint) from settling)
                 group by all)
             select s.custom_id, s.job_id, c.* exclude (custom_id, job_id), coalesce(f.n, 0) as earlier_failures
@@ -258,45 +254,15 @@ def settle(
 
     def write():
         with transaction(con):
-            con.execute(
-                f"""update {requests} r set
-                      status = case when o.outcome = 'void' then 'voided'
-                                    when o.outcome = 'ok' and o.problem is null then 'succeeded' else 'failed' end,
-                      is_final = case when o.outcome = 'void' then false
-                                      when o.outcome = 'ok' and o.problem is null then true
-                                      when o.permanent then true
-                                      else o.earlier_failures + 1 >= ? end,
-                      error = case when o.outcome = 'ok' then o.problem
-                                   when o.permanent then coalesce(o.error, 'failed') || ' (' || o.not_retried || ')'
-                                   else o.error end,
-                      failure_kind = case when o.permanent then 'deterministic' end,
-                      finish_reason = o.finish_reason, answer = o.answer,
-                      input_tokens = o.input_tokens, output_tokens = o.output_tokens, cached_tokens = o.cached_tokens,
-                      cache_write_tokens = o.cache_write_tokens, cache_write_1h_tokens = o.cache_write_1h_tokens, {cost}
-                      completed_at = now()
-                    from __llm_outcomes o where r.custom_id = o.custom_id and r.job_id = o.job_id""",
-                [config.max_attempts],
-            )
+            ledger.settle_outcomes("__llm_outcomes", config.max_attempts, cost)
             if source:
                 return
-            batch_failures.fail_named_lines(con, requests)
-            batch_failures.settle_batch_failures(con, requests, ledger.model, price is not None)
+            batch_failures.fail_named_lines(ledger)
+            batch_failures.settle_batch_failures(ledger, price is not None)
             # Requests a batch ended without answering (batch-level failure, lost lines) were never
             # settled by the provider: they go back to the queue without using up an attempt.
-            con.execute(
-                f"""update {requests} r set status = 'voided', completed_at = now(),
-                      not_before = now() + to_seconds(e.backoff_seconds),
-                      error = coalesce(e.void_reason, e.error,
-                                       'batch ended (' || e.status || ') without a result for this request')
-                      {", cost_usd = 0, realtime_cost_usd = 0" if price is not None else ""}
-                    from __llm_ended e where r.job_id = e.job_id and r.status in ('queued', 'submitted')"""
-            )
-            con.execute(
-                f"""update {ledger.table("llm_batch_jobs")} j set status = e.status, error = e.error,
-                      output_file_id = e.output_file_id, error_file_id = e.error_file_id,
-                      ended_at = coalesce(ended_at, now()), harvested_at = now(), updated_at = now()
-                    from __llm_ended e where j.job_id = e.job_id"""
-            )
+            ledger.void_unanswered("__llm_ended", priced=price is not None)
+            ledger.mark_harvested("__llm_ended")
 
     try:
         retry_on_conflict(write)

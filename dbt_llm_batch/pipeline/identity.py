@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 
 from dbt_llm_batch.config import ModelConfig
-from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
+from dbt_llm_batch.ledger import IN_FLIGHT, Ledger
+from dbt_llm_batch.ledger.status import RequestStatus, sql_in
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import plan
 from dbt_llm_batch.pipeline.plan import DESIRED, INPUT
@@ -49,13 +50,7 @@ def prepare_ledger(ledger: Ledger, config: ModelConfig, input_columns) -> None:
         _rekey(ledger, config, input_columns, json.loads(stored))
     if n and adopted != prefix:  # after the re-key: it matches on the current key
         plan.adopt_legacy_fingerprints(ledger, config)
-
-    def write():
-        with transaction(con):
-            con.execute(f"delete from {models} where model = ?", [ledger.model])
-            con.execute(f"insert into {models} values (?, ?, now(), ?)", [ledger.model, current, prefix])
-
-    retry_on_conflict(write)
+    ledger.record_model_identity(current, prefix)
 
 
 def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str]) -> None:
@@ -76,28 +71,10 @@ def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str
     rekeyed, aside = con.execute("select count(new_key), count(*) - count(new_key) from __llm_rekey").fetchall()[0]
     aside_model = f"{ledger.model} (unique_key {', '.join(old_key)})"
 
-    def write():
-        with transaction(con):
-            con.execute(
-                f"""update {requests} r set key = k.new_key from __llm_rekey k
-                            where r.model = ? and r.custom_id = k.custom_id and k.new_key is not null""",
-                [ledger.model],
-            )
-            # Never sent: nothing to keep. The rest keep their history (and in-flight ones are still
-            # harvested through their job), under a name the merge never reads.
-            con.execute(
-                f"""delete from {requests} where model = ? and status = 'deferred' and custom_id in
-                            (select custom_id from __llm_rekey where new_key is null)""",
-                [ledger.model],
-            )
-            con.execute(
-                f"""update {requests} set model = ? where model = ? and custom_id in
-                            (select custom_id from __llm_rekey where new_key is null)""",
-                [aside_model, ledger.model],
-            )
-
     try:
-        retry_on_conflict(write)
+        # Never sent: nothing to keep. The rest keep their history (and in-flight ones are still
+        # harvested through their job), under a name the merge never reads.
+        ledger.rekey("__llm_rekey", aside_model)
     finally:
         con.execute("drop table if exists __llm_rekey")
     message = (
@@ -136,7 +113,7 @@ def _warn_if_renamed(ledger: Ledger, config: ModelConfig) -> None:
         return  # chosen explicitly
     others = ledger.con.execute(
         f"""select model, count(distinct fingerprint) from {ledger.table("llm_batch_requests")}
-            where model <> ? and status in ('succeeded', 'queued', 'submitted')
+            where model <> ? and status in {sql_in((RequestStatus.SUCCEEDED, *IN_FLIGHT))}
               and fingerprint in (select fingerprint from {DESIRED})
             group by model order by 2 desc limit 1""",
         [ledger.model],

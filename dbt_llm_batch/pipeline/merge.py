@@ -13,6 +13,7 @@ import json
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
+from dbt_llm_batch.ledger.status import RequestStatus, sql
 from dbt_llm_batch.pipeline.plan import DESIRED, INPUT, describe, key_sql
 from dbt_llm_batch.sql import ident, literal
 
@@ -83,7 +84,7 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
             value = f"try_cast(json_extract_string(w.answer, '$.{col.name}') as {col.duckdb_type})"
         else:
             value = "w.answer"
-        outputs.append(f"case when w.status = 'succeeded' then {value} end as {ident(col.name)}")
+        outputs.append(f"case when w.status = {sql(RequestStatus.SUCCEEDED)} then {value} end as {ident(col.name)}")
     model_literal = literal(config.model)
     status_values = [
         "w.status",
@@ -169,12 +170,7 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
             else:
                 con.execute(f"delete from {target} where {target_key} in (select key from {EMIT})")
             con.execute(f"insert into {target} by name {_row_select(ledger, config, input_columns)}")
-            con.execute(
-                f"""update {requests} set emitted = case when custom_id in (select custom_id from {EMIT})
-                                                         then 'merged' else 'superseded' end
-                    where model = ? and is_final and ({scope})""",
-                [ledger.model],
-            )
+            ledger.mark_emitted(EMIT, scope)
             null_filter = " or ".join(f"{ident(k)} is null" for k in config.unique_key)
             null_keys = con.execute(f"select count(*) from {target} where {null_filter}").fetchall()[0][0]
             if null_keys:
@@ -184,8 +180,8 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
                 )
 
     retry_on_conflict(write)
-    written, failed = con.execute(f"select count(*), count(*) filter (where status = 'failed') from {EMIT}").fetchall()[
-        0
-    ]
+    written, failed = con.execute(
+        f"select count(*), count(*) filter (where status = {sql(RequestStatus.FAILED)}) from {EMIT}"
+    ).fetchall()[0]
     con.execute(f"drop table if exists {EMIT}")
     return written, failed

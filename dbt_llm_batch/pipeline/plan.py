@@ -13,6 +13,7 @@ import duckdb
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError, InputError
 from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT_SQL, RequestStatus, sql, sql_in
 from dbt_llm_batch.pipeline import costs
 from dbt_llm_batch.sql import ident
 
@@ -139,31 +140,24 @@ def adopt_legacy_fingerprints(ledger: Ledger, config: ModelConfig) -> int:
     request sent was the same apart from that order, so its answer stands and nothing is asked again."""
     if not config.legacy_prefix:
         return 0
-    requests = ledger.table("llm_batch_requests")
     prompt = f"coalesce(cast({ident(config.prompt_column)} as varchar), '')"
-    return ledger.execute(
-        f"""update {requests} r set fingerprint = d.fingerprint
-            from (select d.key, d.fingerprint, md5(? || {prompt}) as legacy
-                  from {DESIRED} d join {INPUT} i on i.rowid = d.row_id) d
-            where r.model = ? and r.key = d.key and r.fingerprint = d.legacy""",
-        [config.legacy_prefix, ledger.model],
-    ).fetchall()[0][0]
+    return ledger.rename_fingerprints(
+        f"""(select d.key, d.fingerprint, md5(? || {prompt}) as legacy
+             from {DESIRED} d join {INPUT} i on i.rowid = d.row_id)""",
+        [config.legacy_prefix],
+    )
 
 
 def reject_empty_prompts(ledger: Ledger, input_rel: str, columns) -> int:
     """Rows with a NULL or empty prompt fail alone, without a request: record them as final failures."""
-    return ledger.execute(
-        f"""insert into {ledger.table("llm_batch_requests")} (custom_id, model, key, fingerprint, seq, status,
-              is_final, error, row_json, queued_at, completed_at)
-            select 'x_' || substr(sha256(? || d.key || d.fingerprint), 1, 40), ?, d.key, d.fingerprint, 0,
-                   'failed', true, 'prompt is NULL or empty: nothing was sent', {row_json_sql(columns, "i.")},
-                   now(), now()
-            from {DESIRED} d join {input_rel} i on i.rowid = d.row_id
-            where not d.has_prompt
-              and not exists (select 1 from {ledger.table("llm_batch_requests")} r
-                              where r.model = ? and r.key = d.key and r.fingerprint = d.fingerprint)""",
-        [ledger.model, ledger.model, ledger.model],
-    ).fetchall()[0][0]
+    return ledger.record_never_sent(
+        f"""(select d.key, d.fingerprint, 'prompt is NULL or empty: nothing was sent' as error,
+                    {row_json_sql(columns, "i.")} as row_json
+             from {DESIRED} d join {input_rel} i on i.rowid = d.row_id
+             where not d.has_prompt)""",
+        [],
+        only_without_live_request=False,
+    )
 
 
 def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, price: dict | None = None) -> int:
@@ -185,7 +179,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         f"""create or replace temp table __llm_deferred as
             select * from (select key, fingerprint, seq, custom_id, row_json,
                                   {stored_prompt} as prompt, length({stored_prompt}) as prompt_chars from {requests}
-                           where model = ? and status = 'deferred' and key not in (select key from {DESIRED}))
+                           where model = ? and status = {sql(RequestStatus.DEFERRED)} and key not in (select key from {DESIRED}))
             where prompt is not null""",
         [path, path, ledger.model],
     )
@@ -198,22 +192,22 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                 select * from {DESIRED} d
                 where d.has_prompt and not exists (
                     select 1 from {requests} b
-                    where b.model = ? and b.status in ('queued', 'submitted', 'succeeded', 'held')
+                    where b.model = ? and b.status in {sql_in(BLOCKS_REPLANNING)}
                       and b.key = d.key and b.fingerprint = d.fingerprint)),
             history as (
                 select key, fingerprint, count(*) as n_requests,
-                       count(*) filter (where status in ('queued', 'submitted')) as in_flight,
-                       count(*) filter (where status = 'succeeded') as succeeded,
-                       count(*) filter (where status = 'failed') as failed,
-                       count(*) filter (where route = 'realtime' and status <> 'voided') as realtime_tried,
+                       count(*) filter (where status in {IN_FLIGHT_SQL}) as in_flight,
+                       count(*) filter (where status = {sql(RequestStatus.SUCCEEDED)}) as succeeded,
+                       count(*) filter (where status = {sql(RequestStatus.FAILED)}) as failed,
+                       count(*) filter (where route = 'realtime' and status <> {sql(RequestStatus.VOIDED)}) as realtime_tried,
                        max(not_before) as not_before,  -- a back-off (token limit) holds the key until then
-                       count(*) filter (where status = 'held') as held,  -- cancelled by an operator (operator.py)
+                       count(*) filter (where status = {sql(RequestStatus.HELD)}) as held,  -- cancelled by an operator (operator.py)
                        -- failed in a way no retry changes (batch_failures.py): not sent again for this fingerprint
-                       count(*) filter (where status = 'failed' and failure_kind in ('deterministic', 'gave_up'))
+                       count(*) filter (where status = {sql(RequestStatus.FAILED)} and failure_kind in ('deterministic', 'gave_up'))
                            as final_failed
                 from {requests}
                 -- only the candidates' history: a run with nothing new aggregates nothing
-                where model = ? and status <> 'deferred' and key in (select key from candidates)
+                where model = ? and status <> {sql(RequestStatus.DEFERRED)} and key in (select key from candidates)
                 group by key, fingerprint),
             fresh as (
                 select d.row_id, d.key, d.fingerprint, d.prompt_chars, coalesce(h.n_requests, 0) as seq,

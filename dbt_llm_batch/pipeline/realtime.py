@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from dbt_llm_batch.errors import ProviderError
-from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
+from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.ledger.status import JobStatus, RequestStatus, sql
 from dbt_llm_batch.pipeline import crashpoints, harvest
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
 from dbt_llm_batch.providers.realtime_transport import RETRYABLE, FatalReply, LostReply, TransientError
@@ -73,7 +74,7 @@ def run_realtime(
         config.model,
         f"(select *, 0 as chunk, null::integer as line from {rows})",
         [0],
-        status="realtime",
+        status=JobStatus.REALTIME,
     )[0]  # one job, no request file
     outcome = RealtimeOutcome(
         requests=ledger.con.execute(
@@ -109,7 +110,7 @@ def run_realtime(
         )
     # The end of the job: anything unanswered goes back to the queue (no attempt used), job harvested.
     harvest.settle(
-        ledger, provider, config, [(job_id, BatchState(status="completed", ended=True, error=reason))], price
+        ledger, provider, config, [(job_id, BatchState(status=JobStatus.COMPLETED, ended=True, error=reason))], price
     )
     if fatal:
         raise ProviderError(
@@ -124,7 +125,8 @@ def run_realtime(
         )
     outcome.unsent = unsent
     outcome.succeeded, outcome.failed = ledger.con.execute(
-        f"""select count(*) filter (where status = 'succeeded'), count(*) filter (where status = 'failed')
+        f"""select count(*) filter (where status = {sql(RequestStatus.SUCCEEDED)}),
+                   count(*) filter (where status = {sql(RequestStatus.FAILED)})
             from {ledger.table("llm_batch_requests")} where job_id = ?""",
         [job_id],
     ).fetchall()[0]
@@ -137,7 +139,7 @@ def settle_interrupted(ledger: Ledger, provider: BatchProvider, job_id: str, pri
     """A realtime job left open by a run that died: settle the answers it stored; the rest (in flight
     when it died, or never sent) go back to the queue without using up an attempt."""
     state = BatchState(
-        status="interrupted",
+        status=JobStatus.INTERRUPTED,
         ended=True,
         error="the run sending it in realtime was interrupted before an answer was stored; it is sent again",
     )
@@ -287,21 +289,12 @@ class ResultWriter:
         source = f"realtime-{self.groups}"
         table = pa.table({"custom_id": [c for c, _ in lines], "raw": [raw for _, raw in lines]})
         con = self.cursor
-
-        def store():
-            con.register("__llm_realtime_lines", table)
-            try:
-                with transaction(con):
-                    con.execute(
-                        f"""insert into {self.ledger.table("llm_batch_results")}
-                                    select custom_id, ?, ?, ?, raw, now() from __llm_realtime_lines""",
-                        [self.ledger.model, self.job_id, source],
-                    )
-            finally:
-                con.unregister("__llm_realtime_lines")
-
-        retry_on_conflict(store)
-        running = BatchState(status="realtime", ended=False)
+        con.register("__llm_realtime_lines", table)
+        try:
+            self.ledger.store_lines(self.job_id, source, "__llm_realtime_lines")
+        finally:
+            con.unregister("__llm_realtime_lines")
+        running = BatchState(status=JobStatus.REALTIME, ended=False)
         harvest.settle(
             self.ledger, self.provider, self.provider.config, [(self.job_id, running)], self.price, source=source
         )
@@ -309,12 +302,7 @@ class ResultWriter:
 
     def mark_lost(self, custom_id: str) -> None:
         """One more send of this request whose reply was lost (possibly billed), committed now."""
-        self.ledger.execute(
-            f"""update {self.ledger.table("llm_batch_requests")}
-                                set possibly_billed = coalesce(possibly_billed, 0) + 1
-                                where custom_id = ? and job_id = ?""",
-            [custom_id, self.job_id],
-        )
+        self.ledger.count_lost_reply(custom_id, self.job_id)
 
     def close(self) -> None:
         self.cursor.close()
@@ -325,19 +313,10 @@ def fail_possibly_billed(ledger: Ledger, job_id: str) -> None:
     sending: it then fails when the job is settled (using up an attempt) instead of being voided and
     sent again for free, which could pay for it any number of times. The line is in both providers'
     error shapes at once (OpenAI reads body.error.message, Anthropic result.error.error.message)."""
-    requests, results = ledger.table("llm_batch_requests"), ledger.table("llm_batch_results")
-    ledger.execute(
-        f"""insert into {results}
-            select custom_id, model, job_id, 'realtime-lost',
-                   json_object('custom_id', custom_id, 'error', null,
-                               'response', json_object('status_code', 0, 'body', envelope),
-                               'result', json_object('type', 'errored', 'error', envelope)), now()
-            from (select custom_id, model, job_id, json_object('type', 'error', 'error', json_object(
-                             'type', 'lost_reply', 'message', 'the reply was lost after the request was sent, '
-                             || possibly_billed || ' time(s) (each may have been billed); counted as a failed '
-                             || 'attempt instead of being sent again')) as envelope
-                  from {requests} r
-                  where job_id = ? and status in ('queued', 'submitted') and possibly_billed > 0
-                    and not exists (select 1 from {results} l where l.job_id = r.job_id and l.custom_id = r.custom_id))""",
-        [job_id],
+    ledger.store_lost_reply_failures(
+        job_id,
+        """json_object('type', 'error', 'error', json_object(
+               'type', 'lost_reply', 'message', 'the reply was lost after the request was sent, '
+               || possibly_billed || ' time(s) (each may have been billed); counted as a failed '
+               || 'attempt instead of being sent again'))""",
     )

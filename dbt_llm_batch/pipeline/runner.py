@@ -14,6 +14,7 @@ from decimal import Decimal
 from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.errors import BudgetError, ConfigError, ProviderError
 from dbt_llm_batch.ledger import Ledger, locks
+from dbt_llm_batch.ledger.status import PRE_SUBMISSION, JobStatus
 from dbt_llm_batch.log import log, warn_user
 from dbt_llm_batch.ops import operator
 from dbt_llm_batch.pipeline import (
@@ -297,7 +298,7 @@ class ModelRun:
         jobs = self.ledger.open_jobs()
         if not jobs:
             return
-        for job in [j for j in jobs if j["status"] == "realtime"]:
+        for job in [j for j in jobs if j["status"] == JobStatus.REALTIME]:
             # Its lines are in the format of the provider that ran it, which the model may have changed since.
             job_config = dataclasses.replace(
                 self.config, provider=job["provider"], model=job["llm_model"] or self.config.model
@@ -309,7 +310,7 @@ class ModelRun:
                 f"{self.ledger.model}: a realtime run was interrupted; its stored answers are kept and "
                 f"the requests it had not finished are sent again"
             )
-        for job in [j for j in jobs if j["status"] in ("intent", "uploading", "submitting")]:
+        for job in [j for j in jobs if j["status"] in PRE_SUBMISSION]:
             try:
                 self.reconcile(job)
             except ProviderUnavailable:

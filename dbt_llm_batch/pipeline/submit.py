@@ -19,6 +19,7 @@ import os
 
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.locks import database_path
+from dbt_llm_batch.ledger.status import JobStatus
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import crashpoints
 from dbt_llm_batch.pipeline.request_files import RequestFile
@@ -40,7 +41,7 @@ def submit_chunks(ledger: Ledger, provider: BatchProvider, files: list[RequestFi
             job_id = job_ids[request_file.chunk]
             attempted += 1
             # From here a file may be at the provider, but no batch: `create` was not called.
-            ledger.update_job(job_id, status="uploading")
+            ledger.mark_uploading(job_id)
             try:
                 file_id = provider.upload(request_file.path, token=job_id)
             except Exception as exc:
@@ -53,7 +54,7 @@ def submit_chunks(ledger: Ledger, provider: BatchProvider, files: list[RequestFi
                 break
             crashpoints.reach("after_upload")
             # From here the provider may have the batch: reconciliation asks it before anything is resent.
-            ledger.update_job(job_id, status="submitting", input_file_id=file_id)
+            ledger.mark_submitting(job_id, file_id)
             crashpoints.reach("before_create")
             try:
                 submission = provider.create(request_file.path, file_id, token=job_id, model_name=ledger.model)
@@ -103,7 +104,7 @@ def _void_if_refused(ledger: Ledger, job_id: str, exc: BaseException) -> bool:
     else:
         reason = f"the provider refused the batch ({describe(exc)}); resubmitted"
     ledger.void_job(job_id, reason)
-    ledger.update_job(job_id, status="voided", error=describe(exc))
+    ledger.mark_job_voided(job_id, error=describe(exc))
     return True
 
 
@@ -133,8 +134,7 @@ def void_submission(ledger: Ledger, job_id: str, reason: str, input_file_id: str
     """The submission never made a batch: its requests are planned again (no attempt used). A file it
     uploaded is recorded on the job, and deleted at the provider (operator.delete_provider_files)."""
     ledger.void_job(job_id, reason)
-    fields = {"input_file_id": input_file_id} if input_file_id else {}
-    ledger.update_job(job_id, status="voided", **fields)
+    ledger.mark_job_voided(job_id, input_file_id=input_file_id or None)
 
 
 # The job error of a submission reconciliation holds (UNRESOLVED): the only ones `release` may void.
@@ -145,11 +145,11 @@ def reconcile(ledger: Ledger, get_provider, job: dict, run_started) -> None:
     """A job without a batch id whose run died (or whose upload or `create` failed). Adopt its batch,
     void it when no batch at the provider can be it, or hold it (leave it, and its requests, alone)
     while a batch that could be it has not ended. `get_provider()` gives the run's provider."""
-    if job["status"] == "intent":  # the run died before asking the provider (submit_chunks)
+    if job["status"] == JobStatus.INTENT:  # the run died before asking the provider (submit_chunks)
         void_submission(ledger, job["job_id"], NEVER_SENT)
         return
     since = job["created_at"].timestamp()
-    if job["status"] == "uploading":  # `create` was never called: no batch can exist
+    if job["status"] == JobStatus.UPLOADING:  # `create` was never called: no batch can exist
         file_id = ledger.con.execute(
             f"select input_file_id from {ledger.table('llm_batch_jobs')} where job_id = ?", [job["job_id"]]
         ).fetchall()[0][0]

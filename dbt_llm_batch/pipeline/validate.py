@@ -83,7 +83,6 @@ def _reject(ledger: Ledger, columns, record: bool, condition: str, error_sql: st
     """Record a final failure for each sendable row matching `condition` (once per key and
     fingerprint; with `record` False, none: returns how many match), and take all matching rows out
     of this run's plan."""
-    requests = ledger.table("llm_batch_requests")
     ledger.execute(f"""create or replace temp table __llm_unsendable as
                        select d.row_id, d.key, d.fingerprint, {error_sql} as error, {row_json_sql(columns, "i.")} as row_json
                        from {DESIRED} d join {INPUT} i on i.rowid = d.row_id
@@ -93,17 +92,7 @@ def _reject(ledger: Ledger, columns, record: bool, condition: str, error_sql: st
         ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from __llm_unsendable)")
         ledger.execute("drop table __llm_unsendable")
         return n
-    n = ledger.execute(
-        f"""insert into {requests} (custom_id, model, key, fingerprint, seq, status, is_final, error, row_json,
-              queued_at, completed_at)
-            select 'x_' || substr(sha256(? || u.key || u.fingerprint), 1, 40), ?, u.key, u.fingerprint, 0, 'failed',
-                   true, u.error, u.row_json, now(), now()
-            from __llm_unsendable u
-            where not exists (select 1 from {requests} r
-                              where r.model = ? and r.key = u.key and r.fingerprint = u.fingerprint
-                                and (r.job_id is null or r.status in ('succeeded', 'queued', 'submitted', 'held')))""",
-        [ledger.model, ledger.model, ledger.model],
-    ).fetchall()[0][0]
+    n = ledger.record_never_sent("__llm_unsendable", [], only_without_live_request=True)
     ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from __llm_unsendable)")
     ledger.execute("drop table __llm_unsendable")
     return n
@@ -113,11 +102,4 @@ def reject_deferred_without_prompt(ledger: Ledger, config: ModelConfig) -> int:
     """A request waiting over an in-flight cap whose stored row lacks the prompt column (the model's
     prompt column changed since) cannot be sent: it fails alone, with the reason, instead of waiting
     forever. (The planner leaves such requests out; a dry run records nothing.)"""
-    return ledger.execute(
-        f"""update {ledger.table("llm_batch_requests")} set status = 'failed', is_final = true, completed_at = now(),
-              error = 'waited over an in-flight cap, but its stored row has no prompt column ' || ? ||
-                      ' (the model''s prompt column changed); nothing was sent'
-            where model = ? and status = 'deferred' and key not in (select key from {DESIRED})
-              and json_extract_string(row_json, ?) is null""",
-        [config.prompt_column, ledger.model, "$." + json.dumps(config.prompt_column)],
-    ).fetchall()[0][0]
+    return ledger.fail_deferred_without_field(DESIRED, "$." + json.dumps(config.prompt_column), config.prompt_column)

@@ -1,0 +1,351 @@
+"""Writes to `llm_batch_requests`: a request's way from plan to outcome (transition table: status.py).
+
+Each method that changes a status names the statuses it may start from in its WHERE clause, so a
+change the table does not allow changes nothing. Methods documented "inside a transaction" run on
+the connection as is: their caller holds a transaction (and retries it as a whole)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pyarrow as pa
+
+from dbt_llm_batch.ledger.base import LedgerBase, retry_on_conflict, transaction
+from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT_SQL, JobStatus, RequestStatus, sql, sql_in
+
+R = RequestStatus
+QUEUED, DEFERRED, FAILED, VOIDED = sql(R.QUEUED), sql(R.DEFERRED), sql(R.FAILED), sql(R.VOIDED)
+# Appended to an error when an operator releases a request.
+_RELEASED_NOTE = "'; released by ' || ? || ' at ' || strftime(now(), '%Y-%m-%d %H:%M:%S')"
+
+
+class RequestWrites(LedgerBase):
+    # --- planning ---------------------------------------------------------------------------
+
+    def write_intents(
+        self, provider: str, llm_model: str, plan_rows: str, chunks: list[int], status: str = JobStatus.INTENT
+    ) -> dict[int, str]:
+        """Record one job intent per chunk and every request ('queued') in one transaction, before the
+        provider is contacted; returns {chunk: job id}. `plan_rows` has each request's `chunk` and
+        its `line` in the chunk's request file (NULL when there is no file: realtime). `status` is the
+        jobs' first status: JobStatus.INTENT, or JobStatus.REALTIME for the realtime path.
+
+        A crash after this point leaves a trace reconciliation can follow, and nothing is ever sent
+        that the ledger does not know about. One transaction for the whole plan also lets DuckDB
+        write large plans straight to the database file instead of through its log.
+        """
+        if status not in (JobStatus.INTENT, JobStatus.REALTIME):
+            raise ValueError(f"a job starts as {JobStatus.INTENT} or {JobStatus.REALTIME}, not {status}")
+        job_ids = {chunk: "job_" + uuid.uuid4().hex for chunk in chunks}
+        mapping = pa.table({"chunk": pa.array(list(job_ids), pa.int64()), "job_id": list(job_ids.values())})
+        requests = self.table("llm_batch_requests")
+
+        def write():
+            self.con.register("__llm_job_ids", mapping)
+            try:
+                with transaction(self.con):
+                    self.con.execute(
+                        f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
+                              status, request_count, created_at, updated_at)
+                            select m.job_id, ?, ?, ?, ?, count(*), now(), now()
+                            from {plan_rows} p join __llm_job_ids m using (chunk) group by m.job_id""",
+                        [self.model, provider, llm_model, status],
+                    )
+                    self.con.execute(  # a deferred request being sent now becomes a queued one
+                        f"""delete from {requests} where model = ? and status = {DEFERRED} and custom_id in
+                            (select custom_id from {plan_rows} join __llm_job_ids using (chunk))""",
+                        [self.model],
+                    )
+                    self.con.execute(
+                        f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
+                              row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line)
+                            select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, {QUEUED}, p.row_json, now(),
+                                   p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line
+                            from {plan_rows} p join __llm_job_ids m using (chunk)""",
+                        [self.model],
+                    )
+            finally:
+                self.con.unregister("__llm_job_ids")
+
+        retry_on_conflict(write)
+        return job_ids
+
+    def defer(self, plan_rows: str | None) -> None:
+        """Replace this model's deferred requests with `plan_rows`, the plan's requests not sent (None:
+        none): over an in-flight cap, they wait here (with their row) for a later run, which sends them
+        even if it no longer selects them. Deferred requests superseded by this run's plan are dropped."""
+
+        def write():
+            with transaction(self.con):
+                self.con.execute(
+                    f"delete from {self.table('llm_batch_requests')} where model = ? and status = {DEFERRED}",
+                    [self.model],
+                )
+                if plan_rows is None:
+                    return
+                self.con.execute(
+                    f"""insert into {self.table("llm_batch_requests")} (custom_id, model, key, fingerprint, seq,
+                          status, row_json, queued_at, estimated_cost_usd, estimated_input_tokens)
+                        select custom_id, ?, key, fingerprint, seq, {DEFERRED}, row_json, now(), estimated_cost_usd,
+                               estimated_input_tokens
+                        from {plan_rows}""",
+                    [self.model],
+                )
+
+        retry_on_conflict(write)
+
+    def return_to_deferred(self, job_ids: list[str]) -> None:
+        """Jobs whose intents were written but whose upload was never attempted (an earlier chunk's
+        submission failed): their requests wait as deferred again, and the intents go."""
+
+        def write():
+            with transaction(self.con):
+                for job_id in job_ids:
+                    self.con.execute(
+                        f"""update {self.table("llm_batch_requests")} set status = {DEFERRED}, job_id = null
+                                         where job_id = ? and status = {QUEUED}""",
+                        [job_id],
+                    )
+                    self.con.execute(
+                        f"delete from {self.table('llm_batch_jobs')} where job_id = ? and status = ?",
+                        [job_id, JobStatus.INTENT],
+                    )
+
+        retry_on_conflict(write)
+
+    def record_never_sent(self, rows: str, params: list, only_without_live_request: bool) -> int:
+        """Record a final failure, never sent, for each row of `rows` (an SQL relation with key,
+        fingerprint, error and row_json; `params` its parameters), once per key and fingerprint: not if
+        the ledger has a request for them already, or with `only_without_live_request`, not if it has one
+        never sent or answered, in flight or held. Returns how many were recorded."""
+        requests = self.table("llm_batch_requests")
+        existing = "true"
+        if only_without_live_request:
+            existing = f"(r.job_id is null or r.status in {sql_in(BLOCKS_REPLANNING)})"
+        return self.count(
+            f"""insert into {requests} (custom_id, model, key, fingerprint, seq, status, is_final, error, row_json,
+                  queued_at, completed_at)
+                select 'x_' || substr(sha256(? || u.key || u.fingerprint), 1, 40), ?, u.key, u.fingerprint, 0,
+                       {FAILED}, true, u.error, u.row_json, now(), now()
+                from {rows} u
+                where not exists (select 1 from {requests} r
+                                  where r.model = ? and r.key = u.key and r.fingerprint = u.fingerprint
+                                    and {existing})""",
+            [self.model, self.model, *params, self.model],
+        )
+
+    def fail_deferred_without_field(self, selected_keys: str, path: str, field: str) -> int:
+        """Deferred requests of keys not in `selected_keys` (a relation with `key`) whose stored row
+        lacks `path` (the prompt column `field`) fail, final: they can never be sent."""
+        return self.count(
+            f"""update {self.table("llm_batch_requests")} set status = {FAILED}, is_final = true, completed_at = now(),
+                  error = 'waited over an in-flight cap, but its stored row has no prompt column ' || ? ||
+                          ' (the model''s prompt column changed); nothing was sent'
+                where model = ? and status = {DEFERRED} and key not in (select key from {selected_keys})
+                  and json_extract_string(row_json, ?) is null""",
+            [field, self.model, path],
+        )
+
+    def finalize_exhausted(self, max_attempts: int) -> None:
+        """Failures that reached the current llm_max_attempts are final (the limit may have been
+        lowered since they were harvested); without this such a key would be neither sent nor merged."""
+        requests = self.table("llm_batch_requests")
+        self.execute(
+            f"""update {requests} r set is_final = true
+                from (select key, fingerprint from {requests} where model = ? and status = {FAILED}
+                      group by key, fingerprint having count(*) >= ?) x
+                where r.model = ? and r.status = {FAILED} and not r.is_final
+                  and r.key = x.key and r.fingerprint = x.fingerprint""",
+            [self.model, max_attempts, self.model],
+        )
+
+    # --- identity ---------------------------------------------------------------------------
+
+    def rename_fingerprints(self, renames: str, params: list) -> int:
+        """Give this model's requests whose fingerprint is `legacy` the new `fingerprint`, per key
+        (`renames`: an SQL relation with key, fingerprint, legacy; `params` its parameters)."""
+        return self.count(
+            f"""update {self.table("llm_batch_requests")} r set fingerprint = d.fingerprint
+                from {renames} d
+                where r.model = ? and r.key = d.key and r.fingerprint = d.legacy""",
+            [*params, self.model],
+        )
+
+    def rekey(self, rekeys: str, aside_model: str) -> None:
+        """Give this model's requests the key `rekeys` (custom_id, new_key) maps them to; those mapped to
+        NULL match no selected row: never sent (deferred) ones go, the rest are kept aside under
+        `aside_model` (harvested and costed, never merged)."""
+        con, requests = self.con, self.table("llm_batch_requests")
+
+        def write():
+            with transaction(con):
+                con.execute(
+                    f"""update {requests} r set key = k.new_key from {rekeys} k
+                                where r.model = ? and r.custom_id = k.custom_id and k.new_key is not null""",
+                    [self.model],
+                )
+                con.execute(
+                    f"""delete from {requests} where model = ? and status = {DEFERRED} and custom_id in
+                                (select custom_id from {rekeys} where new_key is null)""",
+                    [self.model],
+                )
+                con.execute(
+                    f"""update {requests} set model = ? where model = ? and custom_id in
+                                (select custom_id from {rekeys} where new_key is null)""",
+                    [aside_model, self.model],
+                )
+
+        retry_on_conflict(write)
+
+    # --- merge --------------------------------------------------------------------------------
+
+    def mark_emitted(self, emitted: str, scope: str) -> None:
+        """Inside the merge's transaction: final requests within `scope` (an SQL condition) are 'merged'
+        if `emitted` (a relation with custom_id) holds them, else 'superseded'."""
+        self.con.execute(
+            f"""update {self.table("llm_batch_requests")} set emitted = case when custom_id in (select custom_id from {emitted})
+                                                     then 'merged' else 'superseded' end
+                where model = ? and is_final and ({scope})""",
+            [self.model],
+        )
+
+    # --- harvest ------------------------------------------------------------------------------
+
+    def settle_outcomes(self, outcomes: str, max_attempts: int, cost: str) -> None:
+        """Inside harvest's transaction: each queued request of `outcomes` (harvest.settle's
+        __llm_outcomes) takes its outcome: succeeded, failed, or voided (the provider settled nothing
+        for it). `cost` is SQL assigning the cost columns (ending with a comma), or ''."""
+        self.con.execute(
+            f"""update {self.table("llm_batch_requests")} r set
+                  status = case when o.outcome = 'void' then {VOIDED}
+                                when o.outcome = 'ok' and o.problem is null then {sql(R.SUCCEEDED)} else {FAILED} end,
+                  is_final = case when o.outcome = 'void' then false
+                                  when o.outcome = 'ok' and o.problem is null then true
+                                  when o.permanent then true
+                                  else o.earlier_failures + 1 >= ? end,
+                  error = case when o.outcome = 'ok' then o.problem
+                               when o.permanent then coalesce(o.error, 'failed') || ' (' || o.not_retried || ')'
+                               else o.error end,
+                  failure_kind = case when o.permanent then 'deterministic' end,
+                  finish_reason = o.finish_reason, answer = o.answer,
+                  input_tokens = o.input_tokens, output_tokens = o.output_tokens, cached_tokens = o.cached_tokens,
+                  cache_write_tokens = o.cache_write_tokens, cache_write_1h_tokens = o.cache_write_1h_tokens, {cost}
+                  completed_at = now()
+                from {outcomes} o where r.custom_id = o.custom_id and r.job_id = o.job_id and r.status = {QUEUED}""",
+            [max_attempts],
+        )
+
+    def fail_named_lines(self, line_errors: str, note: str) -> None:
+        """Inside harvest's transaction: fail the queued requests whose lines validation named
+        (`line_errors`: job_id, line, message), with its message and `note`: final at once."""
+        requests = self.table("llm_batch_requests")
+        self.con.execute(
+            f"""update {requests} r set status = {FAILED}, completed_at = now(), is_final = true,
+                  failure_kind = 'deterministic', error = x.message || ' (' || ? || ')'
+                from (select n.custom_id, n.job_id, e.message
+                      from (select custom_id, job_id,
+                                   -- ledgers before version 9 wrote request files in custom_id order
+                                   coalesce(file_line, row_number() over (partition by job_id order by custom_id)) as line
+                            from {requests} where job_id in (select job_id from {line_errors})) n
+                      join {line_errors} e using (job_id, line)) x
+                where r.custom_id = x.custom_id and r.job_id = x.job_id and r.status = {QUEUED}""",
+            [note],
+        )
+
+    def settle_plain_failures(self, failures: str, params: list, priced: bool) -> None:
+        """Inside harvest's transaction: each queued request of `failures` (custom_id, job_id, give_up,
+        not_before, error; `params` its parameters) of a batch that failed naming no request is voided
+        (to be resubmitted after `not_before`), or with `give_up` failed and final. Unbilled: with
+        `priced`, cost $0."""
+        self.con.execute(
+            f"""update {self.table("llm_batch_requests")} r set completed_at = now(),
+                  status = case when f.give_up then {FAILED} else {VOIDED} end,
+                  is_final = f.give_up,
+                  failure_kind = case when f.give_up then 'gave_up' else 'batch_failed' end,
+                  not_before = f.not_before, error = f.error
+                  {", cost_usd = 0, realtime_cost_usd = 0" if priced else ""}
+                from {failures} f where r.custom_id = f.custom_id and r.job_id = f.job_id and r.status = {QUEUED}""",
+            params,
+        )
+
+    def void_unanswered(self, ended: str, priced: bool) -> None:
+        """Inside harvest's transaction: queued requests of the jobs of `ended` (job_id, status, error,
+        void_reason, backoff_seconds) that the batch ended without settling go back to the queue
+        without using up an attempt (after the back-off, if any). Unbilled: with `priced`, cost $0."""
+        self.con.execute(
+            f"""update {self.table("llm_batch_requests")} r set status = {VOIDED}, completed_at = now(),
+                  not_before = now() + to_seconds(e.backoff_seconds),
+                  error = coalesce(e.void_reason, e.error,
+                                   'batch ended (' || e.status || ') without a result for this request')
+                  {", cost_usd = 0, realtime_cost_usd = 0" if priced else ""}
+                from {ended} e where r.job_id = e.job_id and r.status in {IN_FLIGHT_SQL}"""
+        )
+
+    def void_job(self, job_id: str, reason: str) -> None:
+        """The job produced no per-request outcome: its unresolved requests go back to the queue
+        without using up an attempt."""
+        self.execute(
+            f"""update {self.table("llm_batch_requests")} set status = {VOIDED}, error = ?, completed_at = now()
+                where job_id = ? and status in {IN_FLIGHT_SQL}""",
+            [reason, job_id],
+        )
+
+    def count_lost_reply(self, custom_id: str, job_id: str) -> None:
+        """One more send of this realtime request whose reply was lost (possibly billed), committed now."""
+        self.execute(
+            f"""update {self.table("llm_batch_requests")} set possibly_billed = coalesce(possibly_billed, 0) + 1
+                where custom_id = ? and job_id = ?""",
+            [custom_id, job_id],
+        )
+
+    # --- operator -----------------------------------------------------------------------------
+
+    def hold_cancelled(self) -> int:
+        """Voided requests of this model's operator-cancelled, harvested batches are held (until
+        `release` or a new fingerprint). Returns how many."""
+        return self.count(
+            f"""update {self.table("llm_batch_requests")} r set status = {sql(R.HELD)},
+                  error = 'batch ' || j.batch_id || ' was cancelled by ' || j.cancelled_by || ' at '
+                          || strftime(j.cancel_requested_at, '%Y-%m-%d %H:%M:%S') || ' before answering; held until '
+                          || '`dbt-llm-batch release` or a change of prompt or config'
+                from {self.table("llm_batch_jobs")} j
+                where r.job_id = j.job_id and j.model = ? and j.cancel_requested_at is not null
+                  and j.harvested_at is not null and r.status = {VOIDED}""",
+            [self.model],
+        )
+
+    def release_held(self, who: str) -> int:
+        """held -> released (planned again without using an attempt); returns how many."""
+        return self.count(
+            f"""update {self.table("llm_batch_requests")} set status = {sql(R.RELEASED)}, error = error || {_RELEASED_NOTE}
+                where model = ? and status = {sql(R.HELD)}""",
+            [who, self.model],
+        )
+
+    def release_interrupted(self, job_id: str, who: str) -> int:
+        """The in-flight requests of an interrupted submission (no batch id) -> released; returns how many."""
+        return self.count(
+            f"""update {self.table("llm_batch_requests")} set status = {sql(R.RELEASED)},
+                  error = 'its submission ' || job_id || ' was interrupted, never matched to a provider batch'
+                          || {_RELEASED_NOTE}
+                where job_id = ? and status in {IN_FLIGHT_SQL}""",
+            [who, job_id],
+        )
+
+    def release_orphans(self, who: str) -> int:
+        """In-flight requests of this model whose job row is missing -> released; returns how many."""
+        return self.count(
+            f"""update {self.table("llm_batch_requests")} set status = {sql(R.RELEASED)},
+                  error = 'its job ' || job_id || ' is missing from llm_batch_jobs' || {_RELEASED_NOTE}
+                where model = ? and status in {IN_FLIGHT_SQL}
+                  and job_id not in (select job_id from {self.table("llm_batch_jobs")})""",
+            [who, self.model],
+        )
+
+    def requeue_failed(self) -> int:
+        """This model's failed requests that were sent -> requeued (they stop counting as attempts)."""
+        return self.count(
+            f"""update {self.table("llm_batch_requests")} set status = {sql(R.REQUEUED)}, is_final = false
+                where model = ? and status = {FAILED} and job_id is not null""",
+            [self.model],
+        )
