@@ -1,10 +1,11 @@
 """The ledger's state machine: every status a request or a job row can have, and which changes are
-allowed. The ledger (store.py) is the only code that writes these words; the rest of the package
-reads them through the constants and SQL lists below, never as literals.
+allowed. The ledger package (requests.py, jobs.py, results.py) is the only code that writes these
+words; the rest of the package reads them through the constants and SQL lists below, never as
+literals.
 
-Requests (`llm_batch_requests.status`). "new" means the row is inserted with that status; "gone"
-that the row is deleted. One row is one attempt: a request that ends voided, released or requeued
-is not changed again; the planner plans a new row (seq + 1) for its key.
+Requests (`llm_batch_requests.status`). "new" means the row is inserted with that status, "deleted"
+that the row is deleted. One row is one attempt: once it is succeeded, released or requeued it never
+changes again (voided only becomes held); the planner plans a new row (seq + 1) for its key.
 
     from      to         who / when                                  why
     --------  ---------  ------------------------------------------  --------------------------------------
@@ -13,7 +14,7 @@ is not changed again; the planner plans a new row (seq + 1) for its key.
     new       failed     Ledger.record_never_sent (planning)         empty / too long / not UTF-8: final
     deferred  queued     Ledger.write_intents (deleted, re-inserted) a later run sends it
     deferred  failed     Ledger.fail_deferred_without_field          its stored row lost the prompt column
-    deferred  gone       Ledger.defer, Ledger.rekey                  superseded by a new plan / key change
+    deferred  deleted    Ledger.defer, Ledger.rekey                  superseded by a new plan / key change
     queued    deferred   Ledger.return_to_deferred                   its chunk was never uploaded
     queued    succeeded  Ledger.settle_outcomes (harvest)            an answer that passed the checks
     queued    failed     Ledger.settle_outcomes, fail_named_lines,   an error line, an unusable answer, a
@@ -51,11 +52,11 @@ records the latest word polled).
     uploading   submitting   Ledger.mark_submitting                  `create` is called
     submitting  <provider>   Ledger.record_submission                `create` answered, or reconciliation
                                                                      adopted the batch it made
-    intent      voided       Ledger.void_submission                  never reached the provider
-    uploading   voided       Ledger.void_submission                  upload refused / interrupted
-    submitting  voided       Ledger.void_submission                  refused, or no batch is it, or
+    intent      voided       Ledger.mark_job_voided                  never reached the provider
+    uploading   voided       Ledger.mark_job_voided                  upload refused / interrupted
+    submitting  voided       Ledger.mark_job_voided                  refused, or no batch is it, or
                                                                      operator `release`
-    intent      gone (row)   Ledger.return_to_deferred               its chunk was never attempted
+    intent      deleted      Ledger.return_to_deferred               its chunk was never attempted
     <provider>  <provider>   Ledger.record_provider_status           polled, or an operator `cancel`
     <provider>  <provider>,  Ledger.mark_harvested                   the batch ended: harvested (also
                 gone                                                 `gone`: the provider no longer has it)

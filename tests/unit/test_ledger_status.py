@@ -86,6 +86,33 @@ def test_the_scan_finds_a_status_literal():
     assert "queued" in ledger_hits and "submitted" in ledger_hits  # the migrations' old views
 
 
+# A write whose target is a ledger table: `insert into {ledger.table(...)}`, `update {requests} ...`.
+_WRITE = re.compile(r"(insert\s+into|update|delete\s+from)\s*$", re.IGNORECASE)
+_LEDGER_TABLE = re.compile(r"\btable\(|\b(requests|jobs|results|models|locks)\b|llm_batch_")
+
+
+def test_no_ledger_table_is_written_outside_the_ledger():
+    """Every INSERT/UPDATE/DELETE on llm_batch_* is a Ledger method: the pipeline asks, the ledger
+    writes. (Writes to the model's own table and to the run's temp tables stay where they are.)"""
+    hits = []
+    for path in _sources(include_exempt=True):
+        if path.relative_to(PACKAGE).parts[0] in ("ledger", "sandbox"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.JoinedStr):
+                continue
+            text = ""
+            for part in node.values:
+                if isinstance(part, ast.Constant):
+                    text += str(part.value)
+                    continue
+                target = ast.unparse(part.value)
+                if _WRITE.search(text.split(";")[-1]) and _LEDGER_TABLE.search(target):
+                    hits.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: ...{text[-30:]}{{{target}}}")
+                text += "{}"
+    assert not hits, "ledger tables written outside dbt_llm_batch/ledger:\n" + "\n".join(hits)
+
+
 # Where the ledger's SQL names a status: `status = 'x'`, `status <> 'x'`, `status in ('x', ...)`,
 # `then 'x'` / `else 'x'` of a status CASE.
 _STATUS_USE = re.compile(r"status\s*(?:=|<>)\s*'(\w+)'|status\s+in\s*\(([^)]*)\)|(?:then|else)\s+'(\w+)'")
