@@ -370,7 +370,7 @@ class ModelRun:
         (directory None: counted, not written)."""
         provider_cls = get_provider(self.config.provider)
         if not issubclass(provider_cls, BatchProvider):  # no batch API: every row went to realtime
-            return []
+            return request_files.nothing_to_write(self.con)
         return request_files.write_request_files(
             self.con,
             provider_cls(self.config).request_line_sql(),
