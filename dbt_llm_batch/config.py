@@ -361,8 +361,8 @@ def _check_keys(raw: dict, provider, errors: list[str]) -> None:
             names = " or ".join(repr(n) for n in owners[key])
             errors.append(f"{key} is only for llm_provider {names}{hint}")
             continue
-        hint = difflib.get_close_matches(key, [*DEFAULTS, *own, *owners], n=1)
-        errors.append(f"unknown config key '{key}'" + (f" (did you mean '{hint[0]}'?)" if hint else ""))
+        close = difflib.get_close_matches(key, [*DEFAULTS, *own, *owners], n=1)
+        errors.append(f"unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
 
 
 def _parse_realtime(cfg, provider, errors) -> None:
