@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from dbt_llm_batch import registry
 from dbt_llm_batch.errors import ConfigError
 
 # Output type names a user may write in `llm_output`, and the DuckDB / JSON-schema types they become.
@@ -41,10 +42,11 @@ STATUS_COLUMNS = [
     ("llm_route", "VARCHAR"),
 ]
 
-# Every key the plugin understands, with its default. Keys starting with `llm_` that are not here are
+# Every key the plugin understands, with its default; a provider adds its own (Provider.config_keys,
+# e.g. a self-hosted engine's llm_base_url). Keys starting with `llm_` that are in neither are
 # reported as errors (with a did-you-mean), because a typo would otherwise silently change nothing.
 DEFAULTS: dict[str, Any] = {
-    "llm_provider": "openai",
+    "llm_provider": "openai",  # a name registered in the entry-point group dbt_llm_batch.providers
     "llm_model": None,  # required
     "llm_prompt_column": "prompt",
     "llm_system": None,
@@ -63,21 +65,18 @@ DEFAULTS: dict[str, Any] = {
     "llm_price_table": None,
     "llm_max_batches_in_flight": 20,
     "llm_max_tokens_in_flight": None,  # provider default (OpenAI: 2,000,000 enqueued tokens)
-    # The realtime path: a self-hosted engine (llm_provider='openai_compatible'), urgent rows of a batch
-    # provider (llm_realtime_when), and rows whose batch attempts are exhausted (llm_fallback='realtime').
-    "llm_base_url": None,  # openai_compatible: an engine's URL, or a list of replicas
-    "llm_api_key_env": None,  # openai_compatible: the environment variable holding the engine's key, if any
+    # The realtime path: every row of a provider without a batch API (a self-hosted engine), urgent rows
+    # of a batch provider (llm_realtime_when), and rows whose batch attempts are exhausted (llm_fallback).
     "llm_concurrency": 16,  # realtime requests in flight at once
     "llm_realtime_when": None,  # SQL boolean expression over the model's columns
     "llm_fallback": None,  # 'realtime'
     "llm_realtime_budget_seconds": 600,  # a run stops starting realtime requests after this; the rest wait
     "llm_retry_budget_seconds": 300,  # per run: how long throttled / failing provider calls are retried
     "llm_on_unavailable": "warn",  # a provider down for the whole retry budget: 'warn' (dbt warning) or 'error'
-    "llm_max_context_tokens": None,  # the model's context window; default from bad_input.CONTEXT_TOKENS
+    "llm_max_context_tokens": None,  # the model's context window; default: the provider's context_window(model)
     "llm_delete_provider_files": True,  # delete input/result files at the provider once results are stored
 }
 
-KNOWN_PROVIDERS = ("openai", "anthropic", "openai_compatible")
 FALLBACKS = ("realtime",)
 CACHE_TTLS = ("5m", "1h")
 
@@ -128,8 +127,8 @@ class ModelConfig:
     price_table: str | None = None  # the user's price rows (a relation), overriding the shipped table
     max_batches_in_flight: int = 20
     max_tokens_in_flight: int | None = None  # estimated input tokens; None: the provider's default
-    base_urls: tuple[str, ...] = ()
-    api_key_env: str | None = None
+    # The provider's own keys as its parse_options returned them (e.g. a self-hosted engine's URLs).
+    options: dict = field(default_factory=dict)
     concurrency: int = 16
     realtime_when: str | None = None
     fallback: str | None = None
@@ -141,11 +140,6 @@ class ModelConfig:
     # The fingerprint prefix earlier versions computed for this config from the key order dbt's parse
     # gave (see legacy_fingerprint_prefix); None when it equals fingerprint_prefix().
     legacy_prefix: str | None = None
-
-    @property
-    def self_hosted(self) -> bool:
-        """Every row goes to the configured engine's realtime endpoint; there is no batch path."""
-        return self.provider == "openai_compatible"
 
     @property
     def structured(self) -> bool:
@@ -225,10 +219,10 @@ def legacy_fingerprint_prefix(config: ModelConfig, raw_output, raw_examples) -> 
 def parse_config(raw: dict) -> ModelConfig:
     """Validate a model's raw config dict; raise one ConfigError listing every problem."""
     errors: list[str] = []
-    for name in sorted(k for k in raw if k.startswith("llm_") and k not in DEFAULTS):
-        hint = difflib.get_close_matches(name, DEFAULTS, n=1)
-        errors.append(f"unknown config key '{name}'" + (f" (did you mean '{hint[0]}'?)" if hint else ""))
-    cfg = {k: (raw.get(k) if raw.get(k) is not None else d) for k, d in DEFAULTS.items()}
+    cfg: dict[str, Any] = {k: (raw.get(k) if raw.get(k) is not None else d) for k, d in DEFAULTS.items()}
+    provider = _provider_class(cfg["llm_provider"], errors)
+    own_keys = provider.config_keys if provider is not None else {}
+    _check_keys(raw, provider, errors)
 
     unique_key = raw.get("unique_key")
     keys: tuple[str, ...] = ()
@@ -239,8 +233,6 @@ def parse_config(raw: dict) -> ModelConfig:
     else:
         errors.append("unique_key is required: a column name or a list of column names")
 
-    if cfg["llm_provider"] not in KNOWN_PROVIDERS:
-        errors.append(f"llm_provider must be one of {list(KNOWN_PROVIDERS)}, got {cfg['llm_provider']!r}")
     if not isinstance(cfg["llm_model"], str) or not cfg["llm_model"]:
         errors.append("llm_model is required (for example llm_model='gpt-4o-mini')")
     if not isinstance(cfg["llm_prompt_column"], str) or not cfg["llm_prompt_column"]:
@@ -285,7 +277,12 @@ def parse_config(raw: dict) -> ModelConfig:
     elif cache_prefix not in CACHE_TTLS:
         errors.append(f"llm_cache_prefix must be true, false, '5m' or '1h', got {cache_prefix!r}")
 
-    base_urls = _parse_realtime(cfg, errors)
+    _parse_realtime(cfg, provider, errors)
+    options: dict[str, Any] = {}
+    if provider is not None:
+        # The provider validates its own keys (and their defaults), e.g. an engine's llm_base_url.
+        own = {k: (raw.get(k) if raw.get(k) is not None else d) for k, d in own_keys.items()}
+        options = provider.parse_options(own, errors)
 
     if errors:
         raise ConfigError("invalid llm_batch config:\n  - " + "\n  - ".join(errors))
@@ -311,8 +308,7 @@ def parse_config(raw: dict) -> ModelConfig:
         price_table=cfg["llm_price_table"],
         max_batches_in_flight=cfg["llm_max_batches_in_flight"],
         max_tokens_in_flight=cfg["llm_max_tokens_in_flight"],
-        base_urls=base_urls,
-        api_key_env=cfg["llm_api_key_env"],
+        options=options,
         concurrency=cfg["llm_concurrency"],
         realtime_when=cfg["llm_realtime_when"],
         fallback=cfg["llm_fallback"],
@@ -328,51 +324,63 @@ def parse_config(raw: dict) -> ModelConfig:
     return dataclasses.replace(config, legacy_prefix=legacy) if legacy else config
 
 
-def _parse_realtime(cfg, errors) -> tuple[str, ...]:
-    """The realtime keys; returns the engine URLs (openai_compatible only)."""
+def _provider_class(name, errors: list[str]):
+    """The registered provider class named `name` (registry.py), or None with the reason in `errors`."""
+    if not registry.is_registered(name):
+        # The default provider first, then the others as registered.
+        known = sorted(registry.provider_names(), key=lambda n: n != DEFAULTS["llm_provider"])
+        errors.append(f"llm_provider must be one of {known}, got {name!r}")
+        return None
+    try:
+        return registry.load_provider(name)
+    except ConfigError as exc:  # registered, but its class cannot be loaded
+        errors.append(str(exc))
+        return None
+
+
+def _check_keys(raw: dict, provider, errors: list[str]) -> None:
+    """Report each `llm_` key neither the core nor the model's provider reads: another provider's
+    key (with where this provider reads that setting instead), or an unknown one (with a did-you-mean)."""
+    own = provider.config_keys if provider is not None else {}
+    strays = sorted(k for k in raw if k.startswith("llm_") and k not in DEFAULTS and k not in own)
+    if not strays:
+        return
+    owners: dict[str, list[str]] = {}  # every other registered provider's keys: read only on this error path
+    for name in registry.provider_names():
+        try:
+            other = registry.load_provider(name)
+        except ConfigError:
+            continue  # a broken registration is reported when a model names it
+        for key in other.config_keys:
+            owners.setdefault(key, []).append(name)
+    for key in strays:
+        if key in owners:
+            if raw[key] is None or provider is None:
+                continue  # unset, or the provider itself is unknown (reported already)
+            hint = f" ({provider.environment_hint})" if provider.environment_hint else ""
+            names = " or ".join(repr(n) for n in owners[key])
+            errors.append(f"{key} is only for llm_provider {names}{hint}")
+            continue
+        close = difflib.get_close_matches(key, [*DEFAULTS, *own, *owners], n=1)
+        errors.append(f"unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+
+
+def _parse_realtime(cfg, provider, errors) -> None:
+    """The realtime keys every provider shares (a provider's own, e.g. an engine's URLs, are its parse_options')."""
     _check_number(errors, cfg, "llm_concurrency", int, minimum=1, maximum=1024)
     _check_number(errors, cfg, "llm_realtime_budget_seconds", (int, float), minimum=1)
-    urls = cfg["llm_base_url"]
-    urls = [urls] if isinstance(urls, str) else urls
-    self_hosted = cfg["llm_provider"] == "openai_compatible"
-    if urls is None:
-        if self_hosted:
-            errors.append(
-                "llm_provider 'openai_compatible' needs llm_base_url: the engine's URL, e.g. "
-                "'http://127.0.0.1:8000/v1', or a list of replicas"
-            )
-        urls = []
-    elif not self_hosted:
-        errors.append(
-            "llm_base_url is only for llm_provider 'openai_compatible' (OpenAI and Anthropic read "
-            "OPENAI_BASE_URL / ANTHROPIC_BASE_URL from the environment)"
-        )
-    elif (
-        not isinstance(urls, list)
-        or not urls
-        or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls)
-    ):
-        errors.append(f"llm_base_url must be an http(s) URL or a list of them, got {cfg['llm_base_url']!r}")
-        urls = []
-    key_env = cfg["llm_api_key_env"]
-    if key_env is not None and (not isinstance(key_env, str) or not key_env.isidentifier()):
-        errors.append(
-            f"llm_api_key_env must be the NAME of an environment variable (never the key), got a "
-            f"{type(key_env).__name__}"
-        )
     when = cfg["llm_realtime_when"]
     if when is not None and (not isinstance(when, str) or not when.strip()):
         errors.append(
             "llm_realtime_when must be a SQL boolean expression over the model's columns, e.g. \"priority = 'urgent'\""
         )
-    if self_hosted and (when is not None or cfg["llm_fallback"] is not None):
+    if provider is not None and not provider.has_batch_api and (when is not None or cfg["llm_fallback"] is not None):
         errors.append(
             "llm_realtime_when and llm_fallback route rows of a batch provider to its realtime "
-            "path; with llm_provider 'openai_compatible' every row is already realtime"
+            f"path; with llm_provider {provider.name!r} every row is already realtime"
         )
     if cfg["llm_fallback"] is not None and cfg["llm_fallback"] not in FALLBACKS:
         errors.append(f"llm_fallback must be one of {list(FALLBACKS)}, got {cfg['llm_fallback']!r}")
-    return tuple(u.rstrip("/") for u in urls)
 
 
 def _check_number(errors, cfg, name, types, minimum=None, maximum=None):

@@ -31,7 +31,7 @@ from dbt_llm_batch.ledger.locks import database_path, is_lock_conflict, lock_con
 from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, PRE_SUBMISSION, JobStatus, RequestStatus, sql, sql_in
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline.submit import HELD_BY_RECONCILIATION
-from dbt_llm_batch.providers import get_provider
+from dbt_llm_batch.providers import BatchProvider, get_provider
 
 # Job statuses of a submission whose batch id is not known (submit.py).
 INTERRUPTED = PRE_SUBMISSION
@@ -100,7 +100,8 @@ def cancel_model(con, schema: str, model: str) -> list[str]:
     ).fetchall()
     if not jobs:
         return [f"{ledger.model}: no batch in flight; nothing to cancel"]
-    lines, providers = [], {}
+    lines: list[str] = []
+    providers: dict[tuple[str, str], BatchProvider] = {}
     for job_id, batch_id, provider_name, llm_model, _status in jobs:
         if not batch_id:
             lines.append(
@@ -111,7 +112,11 @@ def cancel_model(con, schema: str, model: str) -> list[str]:
         key = (provider_name, llm_model)
         if key not in providers:
             config = parse_config({"unique_key": "key", "llm_provider": provider_name, "llm_model": llm_model})
-            providers[key] = get_provider(provider_name)(config)
+            client = get_provider(provider_name)(config)
+            if not isinstance(client, BatchProvider):  # never the case: only a batch API gives batch ids
+                lines.append(f"{batch_id}: {provider_name} has no batch API; nothing to cancel")
+                continue
+            providers[key] = client
             providers[key].check_credentials()
         try:
             new_status = providers[key].cancel(batch_id)
@@ -206,7 +211,7 @@ def delete_provider_files(ledger: Ledger, client_for, enabled: bool) -> None:
     jobs = ledger.con.execute(
         f"""select job_id, batch_id, provider, llm_model, input_file_id, output_file_id, error_file_id
             from {ledger.table("llm_batch_jobs")}
-            where model = ? and files_deleted_at is null and provider <> 'openai_compatible'
+            where model = ? and files_deleted_at is null
               and ((harvested_at is not null and batch_id is not null)
                    or (status = {sql(JobStatus.VOIDED)} and batch_id is null and input_file_id is not null))""",
         [ledger.model],
@@ -214,7 +219,8 @@ def delete_provider_files(ledger: Ledger, client_for, enabled: bool) -> None:
     for job_id, batch_id, provider_name, llm_model, *file_ids in jobs:
         try:  # the job's provider may need a key this run does not have (the model switched provider)
             provider = client_for({"provider": provider_name, "llm_model": llm_model})
-            provider.delete_files(batch_id, [f for f in file_ids if f])
+            if isinstance(provider, BatchProvider):  # a provider without a batch API keeps no files
+                provider.delete_files(batch_id, [f for f in file_ids if f])
         except Exception as exc:
             what = f"batch {batch_id}" if batch_id else f"interrupted submission {job_id}"
             log.warning(

@@ -19,7 +19,7 @@ from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, JobStatus, RequestStatus, sql
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import batch_failures, costs, crashpoints, tempdirs
-from dbt_llm_batch.providers.base import BatchProvider, BatchState
+from dbt_llm_batch.providers.base import BatchProvider, BatchState, Provider
 from dbt_llm_batch.providers.calls import ProviderUnavailable, status_of
 from dbt_llm_batch.sql import in_list, literal
 
@@ -170,7 +170,7 @@ def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
 
 def settle(
     ledger: Ledger,
-    provider: BatchProvider,
+    provider: Provider,
     config: ModelConfig,
     jobs: list[tuple[str, BatchState]],
     price: dict | None,
@@ -250,7 +250,7 @@ def settle(
         ).fetchall()[0][0]
     )
     # Without a price, cost stays NULL: unknown, never $0. Unbilled outcomes (errors, expiries) have no usage: $0.
-    cost = costs.cost_columns_sql(price, config.self_hosted, "r.route", "o.") if price is not None else ""
+    cost = costs.cost_columns_sql(price, provider.self_hosted, "r.route", "o.") if price is not None else ""
 
     def write():
         with transaction(con):

@@ -15,6 +15,7 @@ from dbt_llm_batch.errors import ConfigError, InputError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT_SQL, RequestStatus, sql, sql_in
 from dbt_llm_batch.pipeline import costs
+from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.sql import ident
 
 # Temp tables (connection-local): the model's rows as selected this run (runner.load_input), and
@@ -105,7 +106,7 @@ def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
     prompt_chars = prompt_text_sql(config, columns)
     if prompt_is_blob(config, columns):  # not-UTF-8 BLOBs fail later, alone (bad_input.reject_unsendable)
         prompt_chars = f"try({prompt_chars})"
-    if config.self_hosted:
+    if not get_provider(config.provider).has_batch_api:
         realtime = "true"
     elif config.realtime_when:
         # On lines of its own: a `--` comment in the expression must not swallow the rest of the query.
@@ -235,7 +236,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
             config.max_attempts,
             config.fallback == "realtime",
             ledger.model,
-            "realtime" if config.self_hosted else "batch",
+            "batch" if get_provider(config.provider).has_batch_api else "realtime",
         ],
     )
     con.execute("drop table __llm_deferred")

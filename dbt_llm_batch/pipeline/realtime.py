@@ -1,6 +1,6 @@
 """The realtime path: rows sent one request each, concurrently, and answered within the run.
 
-Used for every row of a self-hosted engine (llm_provider='openai_compatible'), for a batch provider's
+Used for every row of a provider without a batch API (a self-hosted engine), for a batch provider's
 urgent rows (llm_realtime_when) and for rows whose batch attempts are used up (llm_fallback).
 Ledger order is the batch path's: one job and its 'queued' requests are committed before the first
 request goes out. Answers are then kept as they arrive: every FLUSH_SECONDS the replies so far are
@@ -35,7 +35,7 @@ from dbt_llm_batch.errors import ProviderError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import JobStatus, RequestStatus, sql
 from dbt_llm_batch.pipeline import crashpoints, harvest
-from dbt_llm_batch.providers.base import BatchProvider, BatchState
+from dbt_llm_batch.providers.base import BatchState, Provider
 from dbt_llm_batch.providers.realtime_transport import RETRYABLE, FatalReply, LostReply, TransientError
 
 FLUSH_SECONDS = 0.2  # most time between an answer arriving and its commit to the ledger
@@ -62,7 +62,7 @@ class RealtimeOutcome:
 
 
 def run_realtime(
-    ledger: Ledger, provider: BatchProvider, rows: str, price: dict | None, deadline: float, heartbeat=None
+    ledger: Ledger, provider: Provider, rows: str, price: dict | None, deadline: float, heartbeat=None
 ) -> RealtimeOutcome:
     """Send every row of `rows` (planner.plan_rows over the realtime part of the plan) in realtime,
     starting no request after `deadline` (time.monotonic(); the run's llm_realtime_budget_seconds).
@@ -134,7 +134,7 @@ def run_realtime(
     return outcome
 
 
-def settle_interrupted(ledger: Ledger, provider: BatchProvider, job_id: str, price: dict | None) -> None:
+def settle_interrupted(ledger: Ledger, provider: Provider, job_id: str, price: dict | None) -> None:
     # `provider` must be the job's own (its result lines are in that provider's format).
     """A realtime job left open by a run that died: settle the answers it stored; the rest (in flight
     when it died, or never sent) go back to the queue without using up an attempt."""
@@ -264,7 +264,7 @@ class ResultWriter:
     """Stores and settles groups of realtime replies, on a DuckDB connection of its own (a cursor of
     the run's), from one background thread: each group's lines are committed before they settle."""
 
-    def __init__(self, ledger: Ledger, provider: BatchProvider, job_id: str, price: dict | None, heartbeat=None):
+    def __init__(self, ledger: Ledger, provider: Provider, job_id: str, price: dict | None, heartbeat=None):
         self.cursor = ledger.con.cursor()
         self.heartbeat = heartbeat
         self.ledger = Ledger(self.cursor, ledger.schema, ledger.model)

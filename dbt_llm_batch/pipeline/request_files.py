@@ -207,6 +207,13 @@ class _Writer:
             self.con.unregister("__llm_sent_arrow")
 
 
+def nothing_to_write(con) -> list[RequestFile]:
+    """No request file at all (a provider without a batch API: every row goes in realtime): SENT is
+    recorded empty, as write_request_files would for an empty plan."""
+    con.execute(f"create or replace temp table {SENT} (plan_row bigint, chunk integer, line integer)")
+    return []
+
+
 def sent_rows(rows: str) -> str:
     """`rows` (planner.plan_rows) that were written, with their file (`chunk`) and `line`."""
     return f"(select p.*, s.chunk, s.line from {rows} p join {SENT} s using (plan_row))"

@@ -32,7 +32,7 @@ from dbt_llm_batch.pipeline import (
     validate,
 )
 from dbt_llm_batch.pipeline.plan import INPUT
-from dbt_llm_batch.providers import get_provider
+from dbt_llm_batch.providers import BatchProvider, get_provider
 from dbt_llm_batch.providers.calls import ProviderUnavailable
 
 REALTIME_PLAN = "__llm_realtime_plan"  # the plan's realtime rows (ModelRun.split_realtime)
@@ -370,6 +370,8 @@ class ModelRun:
         """The plan's batch requests as provider-sized files, as many as the in-flight caps allow
         (directory None: counted, not written)."""
         provider_cls = get_provider(self.config.provider)
+        if not issubclass(provider_cls, BatchProvider):  # no batch API: every row went to realtime
+            return request_files.nothing_to_write(self.con)
         return request_files.write_request_files(
             self.con,
             provider_cls(self.config).request_line_sql(),
@@ -560,6 +562,6 @@ class ModelRun:
         ).fetchall()[0]
         if cost is None and self.price is not None:
             cost = realtime = Decimal(0)  # nothing harvested this run
-        if self.config.self_hosted:
+        if get_provider(self.config.provider).self_hosted:
             realtime = None  # no realtime counterfactual for a self-hosted engine
         s.cost_usd, s.realtime_usd = cost, realtime

@@ -13,32 +13,15 @@ from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.pipeline import costs
 from dbt_llm_batch.pipeline.plan import DESIRED, INPUT, prompt_is_blob, row_json_sql
+from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.sql import ident
-
-# Context windows in tokens (input + output), by provider and model-name prefix (the longest listed
-# prefix wins, as for prices); llm_max_context_tokens overrides. Sources: the providers' model pages.
-CONTEXT_TOKENS = {
-    ("openai", "gpt-4o"): 128_000,
-    ("openai", "gpt-4o-mini"): 128_000,
-    ("openai", "gpt-4.1"): 1_047_576,
-    ("openai", "gpt-4.1-mini"): 1_047_576,
-    ("openai", "gpt-4.1-nano"): 1_047_576,
-    ("anthropic", "claude-"): 200_000,
-}
-# Output allowance when llm_max_tokens is not set: Anthropic's request default (anthropic_batch.py);
-# OpenAI then reserves nothing in advance, so only the input is checked.
-DEFAULT_OUTPUT_TOKENS = {"anthropic": 1024}
 
 
 def context_limit(config: ModelConfig) -> int | None:
+    """llm_max_context_tokens, else the context window the provider knows for the model (if any)."""
     if config.max_context_tokens:
         return config.max_context_tokens
-    matches = [
-        (len(prefix), n)
-        for (provider, prefix), n in CONTEXT_TOKENS.items()
-        if provider == config.provider and config.model.startswith(prefix)
-    ]
-    return max(matches)[1] if matches else None
+    return get_provider(config.provider).context_window(config.model)
 
 
 def reject_unsendable(ledger: Ledger, config: ModelConfig, columns, record: bool = True) -> int:
@@ -62,7 +45,8 @@ def reject_unsendable(ledger: Ledger, config: ModelConfig, columns, record: bool
         text = f"cast({prompt} as varchar)"
     limit = context_limit(config)
     if limit:
-        output = config.max_tokens or DEFAULT_OUTPUT_TOKENS.get(config.provider, 0)
+        # Without llm_max_tokens: what the provider reserves for the output (nothing, for some).
+        output = config.max_tokens or get_provider(config.provider).default_max_tokens(config.model) or 0
         output_name = "llm_max_tokens" if config.max_tokens else "the default max_tokens"
         estimate = costs.estimated_input_tokens_sql(config, text)
         source = "llm_max_context_tokens" if config.max_context_tokens else f"the context window of {config.model}"

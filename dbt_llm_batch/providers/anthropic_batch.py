@@ -43,6 +43,9 @@ class AnthropicBatchProvider(BatchProvider):
     max_bytes_per_batch = 256_000_000 - 64 * 1024
     # Batch requests in the processing queue: 100,000 at the lowest published tier.
     max_requests_in_flight = 100_000
+    context_windows = {"claude-": 200_000}  # every Claude model (Anthropic's model overview)
+    default_output_tokens = DEFAULT_MAX_TOKENS  # what params() sends without llm_max_tokens
+    environment_hint = "Anthropic reads ANTHROPIC_API_KEY and ANTHROPIC_BASE_URL from the environment"
 
     def __init__(self, config):
         super().__init__(config)

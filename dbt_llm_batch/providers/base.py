@@ -1,8 +1,10 @@
-"""The provider boundary: what the core needs from a batch API, and nothing provider-specific.
+"""The provider boundary: what the core needs from a provider, and nothing provider-specific.
 
-A provider turns planned rows into request lines (as a SQL expression, so lines are built in bulk),
-submits a file of lines as one batch, polls it, downloads its result lines, and says how to read
-those lines into the normalised outcome columns the core understands.
+Every provider (Provider) declares its capabilities and its own config keys, renders requests (as
+SQL expressions, so they are built in bulk), sends rows through its realtime path, and says how to
+read its result lines into the normalised outcome columns the core understands. A provider with a
+batch API (BatchProvider) also turns planned rows into request lines, submits a file of lines as
+one batch, polls it and downloads its result lines.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.errors import ConfigError
@@ -106,15 +108,53 @@ class BatchState:
     results_gone: bool = False  # set by poll (archived) or download_results: results could no longer be fetched
 
 
-class BatchProvider(ABC):
-    name: ClassVar[str]
-    key_env_var: ClassVar[str]
-    max_requests_per_batch: ClassVar[int]
-    max_bytes_per_batch: ClassVar[int]
-    min_cacheable_tokens: ClassVar[int] = 1024  # shorter prefixes are not cached by the provider
+class Provider(ABC):
+    """What every provider has: its capabilities, its own config keys, credentials, request rendering,
+    the realtime path, and how its result lines read. The core asks these, never a provider's name.
+
+    A provider with a batch API subclasses BatchProvider instead."""
+
+    name: ClassVar[str]  # the llm_provider value it is registered under (entry-point group dbt_llm_batch.providers)
+    key_env_var: ClassVar[str] = ""  # the environment variable holding the API key ("": none, or set per model)
+
+    # --- capabilities ----------------------------------------------------------------------------
+    has_batch_api: ClassVar[bool] = False  # True on BatchProvider: rows go in batches unless routed to realtime
+    has_realtime: ClassVar[bool] = True  # every provider has the realtime path (urgent rows, fallback, no batch API)
+    # A self-hosted engine: it bills nothing itself (cost comes from llm_price_table only), so there is no
+    # realtime counterfactual, and a lost reply costs nothing to send again.
+    self_hosted: ClassVar[bool] = False
+    min_cacheable_tokens: int = 1024  # shorter prefixes are not cached (an instance may say per model)
+    # Context windows in tokens (input + output) by model-name prefix; the longest matching prefix wins.
+    # llm_max_context_tokens overrides. Empty: unknown, nothing is checked.
+    context_windows: ClassVar[dict[str, int]] = {}
+    # Output tokens a request reserves when llm_max_tokens is not set; None: nothing reserved in advance.
+    default_output_tokens: ClassVar[int | None] = None
     # Defaults for what a model may have in flight, under the provider's published queue limits.
     default_max_tokens_in_flight: ClassVar[int | None] = None
     max_requests_in_flight: ClassVar[int | None] = None
+
+    # --- the provider's own config keys ------------------------------------------------------------
+    # llm_* keys only this provider reads, with their defaults; parse_options validates them.
+    config_keys: ClassVar[dict[str, Any]] = {}
+    # Said when a model of this provider sets another provider's key (where this provider reads it instead).
+    environment_hint: ClassVar[str | None] = None
+
+    @classmethod
+    def parse_options(cls, values: dict[str, Any], errors: list[str]) -> dict[str, Any]:
+        """Validate this provider's own keys (`values` holds each of config_keys, defaults filled in);
+        append one message per problem to `errors`; return the parsed values (ModelConfig.options)."""
+        return dict(values)
+
+    @classmethod
+    def context_window(cls, model: str) -> int | None:
+        """The model's context window in tokens, if known (the longest listed prefix of its name wins)."""
+        matches = [(len(prefix), n) for prefix, n in cls.context_windows.items() if model.startswith(prefix)]
+        return max(matches)[1] if matches else None
+
+    @classmethod
+    def default_max_tokens(cls, model: str) -> int | None:
+        """Output tokens a request of `model` reserves when llm_max_tokens is not set (None: nothing)."""
+        return cls.default_output_tokens
 
     def __init__(self, config: ModelConfig):
         self.config = config
@@ -123,11 +163,57 @@ class BatchProvider(ABC):
 
     def check_credentials(self) -> None:
         """Raise a ConfigError naming the variable to set when the API key is missing."""
-        if not os.environ.get(self.key_env_var):
+        if self.key_env_var and not os.environ.get(self.key_env_var):
             raise ConfigError(
                 f"{self.key_env_var} is not set: export it in the shell that runs dbt "
                 f"(never put the key in dbt config; dbt writes config into target/)"
             )
+
+    def render_messages(self) -> list[dict]:
+        """The few-shot examples as alternating user/assistant turns (the prompt follows them)."""
+        turns = []
+        for example_input, example_output in self.config.examples:
+            turns += [{"role": "user", "content": example_input}, {"role": "assistant", "content": example_output}]
+        return turns
+
+    def prefix_tokens_estimate(self) -> int:
+        """Rough size of the system + examples prefix (4 characters a token), for the cache warning."""
+        text = (self.config.system or "") + "".join(a + b for a, b in self.config.examples)
+        return len(text) // 4
+
+    # --- the realtime path (urgent rows, exhausted batch attempts, providers without a batch API) ---
+
+    @abstractmethod
+    def realtime_body(self) -> dict:
+        """The body of one realtime request, with PROMPT_MARK where the row's prompt goes."""
+
+    def realtime_body_sql(self) -> str:
+        return spliced_body_sql(self.realtime_body())
+
+    @abstractmethod
+    def realtime_transports(self) -> list:
+        """Transports (providers/realtime_transport.py) to send realtime requests through."""
+
+    @abstractmethod
+    def realtime_result_line(self, custom_id: str, status: int, text: str) -> str:
+        """One realtime reply as a result line of this provider's format (its batch results' format, if
+        it has a batch API), so that it is stored and settled exactly like a batch result."""
+
+    # DuckDB json_transform structure of one result line: parsed once, then read as a STRUCT.
+    result_structure: ClassVar[dict]
+
+    @abstractmethod
+    def outcomes_sql(self, r: str) -> str:
+        """SELECT-list expressions (aliased as OUTCOME_COLUMNS) over `r`, one result line parsed
+        with `result_structure`."""
+
+
+class BatchProvider(Provider):
+    """A provider with a batch API: request files are submitted as batches, polled and downloaded."""
+
+    has_batch_api = True
+    max_requests_per_batch: ClassVar[int]
+    max_bytes_per_batch: ClassVar[int]
 
     @abstractmethod
     def request_line_sql(self) -> str:
@@ -180,42 +266,3 @@ class BatchProvider(ABC):
         """Delete what the provider keeps of an ended, harvested batch (uploaded input, result files);
         returns what was deleted. Something already gone counts as deleted."""
         return []
-
-    def render_messages(self) -> list[dict]:
-        """The few-shot examples as alternating user/assistant turns (the prompt follows them)."""
-        turns = []
-        for example_input, example_output in self.config.examples:
-            turns += [{"role": "user", "content": example_input}, {"role": "assistant", "content": example_output}]
-        return turns
-
-    def prefix_tokens_estimate(self) -> int:
-        """Rough size of the system + examples prefix (4 characters a token), for the cache warning."""
-        text = (self.config.system or "") + "".join(a + b for a, b in self.config.examples)
-        return len(text) // 4
-
-    # --- the realtime path (urgent rows, exhausted batch attempts, self-hosted engines) ---------
-    batch_capable: ClassVar[bool] = True  # False: every row is sent in realtime (a self-hosted engine)
-
-    @abstractmethod
-    def realtime_body(self) -> dict:
-        """The body of one realtime request, with PROMPT_MARK where the row's prompt goes."""
-
-    def realtime_body_sql(self) -> str:
-        return spliced_body_sql(self.realtime_body())
-
-    @abstractmethod
-    def realtime_transports(self) -> list:
-        """Transports (providers/realtime_transport.py) to send realtime requests through."""
-
-    @abstractmethod
-    def realtime_result_line(self, custom_id: str, status: int, text: str) -> str:
-        """One realtime reply as a line of this provider's batch results, so that it is stored and
-        settled exactly like a batch result."""
-
-    # DuckDB json_transform structure of one result line: parsed once, then read as a STRUCT.
-    result_structure: ClassVar[dict]
-
-    @abstractmethod
-    def outcomes_sql(self, r: str) -> str:
-        """SELECT-list expressions (aliased as OUTCOME_COLUMNS) over `r`, one result line parsed
-        with `result_structure`."""

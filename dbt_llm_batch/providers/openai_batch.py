@@ -6,22 +6,11 @@ tests point it at the local emulator. Behaviour follows the OpenAI Batch API doc
 
 from __future__ import annotations
 
-import json
 import os
 
-from dbt_llm_batch.providers.base import (
-    CUSTOM_ID_MARK,
-    PROMPT_MARK,
-    REFUSED,
-    REJECTED,
-    BatchProvider,
-    BatchState,
-    Submission,
-    json_object_text,
-    spliced_line_sql,
-)
+from dbt_llm_batch.providers.base import CUSTOM_ID_MARK, BatchProvider, BatchState, Submission, spliced_line_sql
 from dbt_llm_batch.providers.calls import status_of
-from dbt_llm_batch.sql import literal
+from dbt_llm_batch.providers.openai_chat import OpenAIChatProvider
 
 ENDPOINT = "/v1/chat/completions"
 TOKEN_KEY = "dbt_llm_batch_token"  # batch metadata key carrying the ledger's job id
@@ -34,7 +23,7 @@ def upload_name(token: str) -> str:
     return f"dbt_llm_batch-{token}.jsonl"
 
 
-class OpenAIBatchProvider(BatchProvider):
+class OpenAIBatchProvider(OpenAIChatProvider, BatchProvider):
     name = "openai"
     key_env_var = "OPENAI_API_KEY"
     max_requests_per_batch = 50_000
@@ -44,6 +33,16 @@ class OpenAIBatchProvider(BatchProvider):
     # Enqueued prompt tokens per model: 2,000,000 at usage tier 1 for gpt-4o-mini; going over fails
     # the batch with token_limit_exceeded. Raise llm_max_tokens_in_flight on a higher tier.
     default_max_tokens_in_flight = 2_000_000
+    # Context windows (input + output), from OpenAI's model pages. Without llm_max_tokens OpenAI
+    # reserves no output in advance (default_output_tokens None), so only the input is checked.
+    context_windows = {
+        "gpt-4o": 128_000,
+        "gpt-4o-mini": 128_000,
+        "gpt-4.1": 1_047_576,
+        "gpt-4.1-mini": 1_047_576,
+        "gpt-4.1-nano": 1_047_576,
+    }
+    environment_hint = "OpenAI reads OPENAI_API_KEY and OPENAI_BASE_URL from the environment"
 
     def __init__(self, config):
         super().__init__(config)
@@ -58,48 +57,15 @@ class OpenAIBatchProvider(BatchProvider):
             self._client = openai.OpenAI(max_retries=0, timeout=120)
         return self._client
 
-    def request_body(self) -> dict:
-        cfg = self.config
-        # System and examples first and identical in every request: OpenAI caches such a prefix
-        # automatically; prompt_cache_key keeps the batch's requests on the same cache.
-        messages = (
-            ([{"role": "system", "content": cfg.system}] if cfg.system else [])
-            + self.render_messages()
-            + [{"role": "user", "content": PROMPT_MARK}]
-        )
-        body: dict = {"model": cfg.model, "messages": messages}
-        if cfg.cache_prefix:
-            body["prompt_cache_key"] = "dbt-llm-batch-" + cfg.fingerprint_prefix()[:32]
-        if cfg.max_tokens is not None:
-            body["max_completion_tokens"] = cfg.max_tokens
-        if cfg.temperature is not None:
-            body["temperature"] = cfg.temperature
-        schema = cfg.output_json_schema()
-        if schema is not None:
-            body["response_format"] = {
-                "type": "json_schema",
-                "json_schema": {"name": "llm_output", "strict": True, "schema": schema},
-            }
-        body.update(cfg.params)
-        return body
-
     def request_line_sql(self) -> str:
         return spliced_line_sql(
             {"custom_id": CUSTOM_ID_MARK, "method": "POST", "url": ENDPOINT, "body": self.request_body()}
         )
 
-    def realtime_body(self) -> dict:
-        return self.request_body()
-
     def realtime_transports(self) -> list:
         from dbt_llm_batch.providers.realtime_transport import openai_transports
 
         return openai_transports(concurrency=self.config.concurrency)
-
-    def realtime_result_line(self, custom_id, status, text):
-        # As a line of the batch output file: {"custom_id", "response": {"status_code", "body"}}.
-        body = json_object_text(text) or json.dumps({"error": {"message": f"HTTP {status}: {text[:500]}"}})
-        return f'{{"custom_id":{json.dumps(custom_id)},"response":{{"status_code":{int(status)},"body":{body}}},"error":null}}'
 
     def upload(self, jsonl_path, token):
         def upload():  # safe to repeat: an unused input file bills nothing
@@ -198,47 +164,3 @@ class OpenAIBatchProvider(BatchProvider):
                 pass  # already gone (deleted before, or expired after 30 days)
             deleted.append(file_id)
         return deleted
-
-    # One parse per result line (json_transform), then cheap struct access. `error` stays JSON: the
-    # error file has an object there, an OpenAI-compatible server may put a plain string.
-    result_structure = {
-        "custom_id": "VARCHAR",
-        "response": {
-            "status_code": "INTEGER",
-            "body": {
-                "choices": [{"finish_reason": "VARCHAR", "message": {"content": "VARCHAR", "refusal": "VARCHAR"}}],
-                "usage": {
-                    "prompt_tokens": "BIGINT",
-                    "completion_tokens": "BIGINT",
-                    "prompt_tokens_details": {"cached_tokens": "BIGINT", "cache_write_tokens": "BIGINT"},
-                },
-                "error": {"message": "VARCHAR", "code": "VARCHAR"},
-            },
-        },
-        "error": "JSON",
-    }
-
-    def outcomes_sql(self, r):
-        body, choice = f"{r}.response.body", f"{r}.response.body.choices[1]"
-        error_code = f"coalesce(json_extract_string({r}.error, '$.code'), {body}.error.code)"
-        return f"""
-            {r}.custom_id as custom_id,
-            case when {error_code} = 'batch_expired' then 'void'
-                 when {r}.response.status_code = 200 and {choice}.message.content is not null then 'ok'
-                 else 'error' end as outcome,
-            {choice}.message.content as answer,
-            {choice}.finish_reason as finish_reason,
-            coalesce({choice}.finish_reason = 'length', false) as truncated,
-            coalesce({body}.error.message, json_extract_string({r}.error, '$.message'),
-                     case when json_type({r}.error) = 'VARCHAR' then json_extract_string({r}.error, '$') end,
-                     case when {choice}.message.refusal is not null then 'model refused: ' || {choice}.message.refusal end,
-                     case when {r}.response.status_code <> 200 then 'HTTP ' || {r}.response.status_code end) as error,
-            {body}.usage.prompt_tokens as input_tokens,
-            {body}.usage.completion_tokens as output_tokens,
-            {body}.usage.prompt_tokens_details.cached_tokens as cached_tokens,
-            {body}.usage.prompt_tokens_details.cache_write_tokens as cache_write_tokens,
-            -- A refusal, and a request the API rejects (400 invalid_request_error, 404 unknown model,
-            -- 413 too large, 422), would come back the same; 408, 409, 429 and 5xx are transient.
-            case when {choice}.message.refusal is not null and {choice}.message.content is null then {literal(REFUSED)}
-                 when {r}.response.status_code in (400, 404, 413, 422) then {literal(REJECTED)} end as not_retried,
-            null::bigint as cache_write_1h_tokens"""

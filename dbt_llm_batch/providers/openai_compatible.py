@@ -1,26 +1,69 @@
 """A self-hosted OpenAI-compatible engine (vLLM, SGLang, llama.cpp's server, ...): every row is sent
 in realtime to `/v1/chat/completions` on the configured base URL(s); the engine batches continuously.
 
-Requests and result lines have OpenAI's shapes (the engine speaks OpenAI's chat API), so storing and
-settling are the OpenAI provider's. There is no batch API and no realtime counterfactual: a row's
-cost comes from the price table (zero unless the user prices the engine with llm_price_table).
+Requests and result lines have OpenAI's shapes (the engine speaks OpenAI's chat API), so they are
+OpenAIChatProvider's. There is no batch API (this is not a BatchProvider) and no realtime
+counterfactual: a row's cost comes from the price table (zero unless the user prices the engine
+with llm_price_table).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from dbt_llm_batch.errors import ConfigError
-from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
+from dbt_llm_batch.providers.openai_chat import OpenAIChatProvider
 
 
-class OpenAICompatibleProvider(OpenAIBatchProvider):
+class OpenAICompatibleProvider(OpenAIChatProvider):
     name = "openai_compatible"
     key_env_var = ""  # the model's llm_api_key_env, if the engine wants a key at all
-    batch_capable = False
+    self_hosted = True
+    config_keys = {
+        "llm_base_url": None,  # the engine's URL, or a list of replicas
+        "llm_api_key_env": None,  # the environment variable holding the engine's key, if any
+    }
+
+    @classmethod
+    def parse_options(cls, values: dict[str, Any], errors: list[str]) -> dict[str, Any]:
+        """llm_base_url (required: a URL or a list of replicas' URLs) and llm_api_key_env (the NAME of
+        the variable holding the engine's key). Returns base_urls (a tuple, no trailing slash) and
+        api_key_env."""
+        urls = values["llm_base_url"]
+        urls = [urls] if isinstance(urls, str) else urls
+        if urls is None:
+            errors.append(
+                f"llm_provider {cls.name!r} needs llm_base_url: the engine's URL, e.g. "
+                "'http://127.0.0.1:8000/v1', or a list of replicas"
+            )
+            urls = []
+        elif (
+            not isinstance(urls, list)
+            or not urls
+            or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls)
+        ):
+            errors.append(f"llm_base_url must be an http(s) URL or a list of them, got {values['llm_base_url']!r}")
+            urls = []
+        key_env = values["llm_api_key_env"]
+        if key_env is not None and (not isinstance(key_env, str) or not key_env.isidentifier()):
+            errors.append(
+                f"llm_api_key_env must be the NAME of an environment variable (never the key), got a "
+                f"{type(key_env).__name__}"
+            )
+            key_env = None
+        return {"base_urls": tuple(u.rstrip("/") for u in urls), "api_key_env": key_env}
+
+    @property
+    def base_urls(self) -> tuple[str, ...]:
+        return self.config.options["base_urls"]
+
+    @property
+    def api_key_env(self) -> str | None:
+        return self.config.options["api_key_env"]
 
     def check_credentials(self) -> None:
-        var = self.config.api_key_env
+        var = self.api_key_env
         if var and not os.environ.get(var):
             raise ConfigError(
                 f"{var} is not set (named by llm_api_key_env): export it in the shell that runs "
@@ -30,19 +73,4 @@ class OpenAICompatibleProvider(OpenAIBatchProvider):
     def realtime_transports(self) -> list:
         from dbt_llm_batch.providers.engine_http import engine_transports
 
-        return engine_transports(self.config.base_urls, self.config.api_key_env)
-
-    def upload(self, jsonl_path, token):
-        raise NotImplementedError("a self-hosted engine has no batch API; its rows are sent in realtime")
-
-    def create(self, jsonl_path, file_id, token, model_name):
-        raise NotImplementedError("a self-hosted engine has no batch API; its rows are sent in realtime")
-
-    def find_upload(self, token, since_epoch):
-        return None
-
-    def find_submission(self, token, since_epoch, custom_ids, known_batch_ids=frozenset()):
-        return None  # never submits batches, so an intent of this provider never reached one
-
-    def poll(self, batch_id):
-        raise NotImplementedError("a self-hosted engine has no batch API")
+        return engine_transports(self.base_urls, self.api_key_env)
