@@ -3,8 +3,11 @@ real dbt (in-process, through dbtRunner) on a real DuckDB file."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -16,6 +19,19 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 INTEGRATION = REPO / "integration_project"
+
+
+@pytest.fixture(autouse=True)
+def package_logger_as_python_leaves_it():
+    """An in-process dbt run hands the package's logger to dbt (dbt_llm_batch/dbt/log.py): give each
+    test the logger as plain Python has it, so `caplog` sees its records again."""
+    yield
+    from dbt_llm_batch.log import log
+
+    # By name: importing the dbt glue would import dbt, which a unit test does not need.
+    log.handlers = [h for h in log.handlers if type(h).__name__ != "DbtLogHandler"]
+    log.propagate = True
+    log.setLevel(logging.NOTSET)
 
 
 @pytest.fixture
@@ -75,6 +91,14 @@ class Project:
         if expect_ok and not result.success:
             raise AssertionError(f"dbt {' '.join(args)} failed: {result.exception or _failures(result)}")
         return result
+
+    def dbt_process(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """dbt in a process of its own, as a user runs it: the console is what it printed. The
+        database is released first (see release_database)."""
+        self.release_database()
+        dbt = Path(sys.executable).parent / "dbt"
+        argv = [str(dbt), *args, "--project-dir", str(self.root), "--profiles-dir", str(self.root)]
+        return subprocess.run(argv, env=dict(os.environ), capture_output=True, text=True, timeout=timeout)
 
     def release_database(self) -> None:
         """dbt-duckdb keeps the database open in this process after an in-process run; close it, so
