@@ -35,6 +35,14 @@ def package_logger_as_python_leaves_it():
 
 
 @pytest.fixture
+def memory_con():
+    """An in-memory DuckDB connection: what the unit tests (tests/unit) run the package's SQL on."""
+    con = duckdb.connect(":memory:")
+    yield con
+    con.close()
+
+
+@pytest.fixture
 def api_key() -> str:
     # Distinctive, so a test can search every file for it.
     return "sk-test-" + uuid.uuid4().hex
