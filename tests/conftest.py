@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -78,6 +76,22 @@ def emu():
     emulator.raise_internal_errors()
 
 
+@pytest.fixture
+def client(emu):
+    """The official OpenAI SDK on the `emu` sandbox (max_retries=0: call counts and errors are exact)."""
+    import openai
+
+    return openai.OpenAI(base_url=emu.openai_base_url, api_key=SANDBOX_KEY, max_retries=0)
+
+
+@pytest.fixture
+def claude(emu):
+    """The official Anthropic SDK on the `emu` sandbox (max_retries=0)."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=emu.anthropic_base_url, api_key=SANDBOX_KEY, max_retries=0)
+
+
 class Project:
     """A copy of integration_project in a temp dir, with its own DuckDB file, target/ and logs/."""
 
@@ -99,14 +113,6 @@ class Project:
         if expect_ok and not result.success:
             raise AssertionError(f"dbt {' '.join(args)} failed: {result.exception or _failures(result)}")
         return result
-
-    def dbt_process(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        """dbt in a process of its own, as a user runs it: the console is what it printed. The
-        database is released first (see release_database)."""
-        self.release_database()
-        dbt = Path(sys.executable).parent / "dbt"
-        argv = [str(dbt), *args, "--project-dir", str(self.root), "--profiles-dir", str(self.root)]
-        return subprocess.run(argv, env=dict(os.environ), capture_output=True, text=True, timeout=timeout)
 
     def release_database(self) -> None:
         """dbt-duckdb keeps the database open in this process after an in-process run; close it, so
