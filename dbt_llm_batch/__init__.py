@@ -1,0 +1,6 @@
+"""dbt-llm-batch: enrich warehouse tables with LLMs at batch prices, from dbt."""
+
+# The one place the version is written for Python (pyproject.toml reads it). The dbt package's
+# dbt_project.yml and the materialization macro carry the same string: the macro passes it to
+# dbt_llm_batch.dbt.entry, which refuses to run when the two halves were released apart.
+__version__ = "0.2.0"

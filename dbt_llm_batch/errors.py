@@ -19,3 +19,7 @@ class ProviderError(LlmBatchError):
 
 class BudgetError(LlmBatchError):
     """A submission would exceed a cost budget. Raised before anything is uploaded."""
+
+
+class VersionMismatchError(LlmBatchError):
+    """The dbt package (macros) and the installed Python package are different versions."""

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set everything up and run the whole test suite (CI runs this through .ci/run).
+# Set everything up, check lint, format, types and import contracts, and run the whole test suite
+# (CI runs this through .ci/run).
 # The suite includes a real `dbt build` against the local engine (vLLM + Gemma 3 270M, scripts/engine.sh):
 # it is set up here (the first time: a few minutes; the converted model is cached in ~/.cache), started in
 # the background so that it warms up while the other tests run, and stopped at the end if this script
@@ -7,6 +8,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+# Lint, format, types and import layering first: each fails the script, before the slow suite starts.
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
+.venv/bin/lint-imports
 ./scripts/engine.sh setup
 export DO_NOT_TRACK=1
 if ! ./scripts/engine.sh status >/dev/null 2>&1; then

@@ -3,6 +3,7 @@ real dbt (in-process, through dbtRunner) on a real DuckDB file."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
@@ -16,6 +17,27 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 INTEGRATION = REPO / "integration_project"
+
+
+@pytest.fixture(autouse=True)
+def package_logger_as_python_leaves_it():
+    """An in-process dbt run hands the package's logger to dbt (dbt_llm_batch/dbt/log.py): give each
+    test the logger as plain Python has it, so `caplog` sees its records again."""
+    yield
+    from dbt_llm_batch.log import log
+
+    # By name: importing the dbt glue would import dbt, which a unit test does not need.
+    log.handlers = [h for h in log.handlers if type(h).__name__ != "DbtLogHandler"]
+    log.propagate = True
+    log.setLevel(logging.NOTSET)
+
+
+@pytest.fixture
+def memory_con():
+    """An in-memory DuckDB connection: what the unit tests (tests/unit) run the package's SQL on."""
+    con = duckdb.connect(":memory:")
+    yield con
+    con.close()
 
 
 @pytest.fixture
@@ -52,6 +74,22 @@ def emu():
     with Emulator(SANDBOX_KEY, seed=7) as emulator:
         yield emulator
     emulator.raise_internal_errors()
+
+
+@pytest.fixture
+def client(emu):
+    """The official OpenAI SDK on the `emu` sandbox (max_retries=0: call counts and errors are exact)."""
+    import openai
+
+    return openai.OpenAI(base_url=emu.openai_base_url, api_key=SANDBOX_KEY, max_retries=0)
+
+
+@pytest.fixture
+def claude(emu):
+    """The official Anthropic SDK on the `emu` sandbox (max_retries=0)."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=emu.anthropic_base_url, api_key=SANDBOX_KEY, max_retries=0)
 
 
 class Project:

@@ -1,9 +1,18 @@
-"""Helpers for tests that check the model table against the emulator's answer function."""
+"""Helpers shared by the test modules (no test module imports another): the triage model and its
+expected answers, request lines for driving the sandbox with the SDKs, and dbt-story helpers.
+Fixtures are in conftest.py."""
 
 from __future__ import annotations
 
 import collections
 import json
+import math
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 from dbt_llm_batch.sandbox import expected_answer
 
@@ -88,3 +97,176 @@ def billed_per_key(emulator, key_of_prompt: dict) -> collections.Counter:
     never reached the client). `key_of_prompt` maps each row's prompt to its key."""
     emulator.complete_all()
     return collections.Counter(key_of_prompt[b["prompt"]] for b in emulator.billed())
+
+
+# -- The sandbox driven with the official SDKs (tests/test_emulator*.py; clients: conftest.py) ------
+
+SCHEMA = {  # five field types, asked through both faces
+    "type": "object",
+    "properties": {
+        "label": {"type": "string", "enum": ["pos", "neg", "neutral"]},
+        "count": {"type": "integer"},
+        "score": {"type": "number"},
+        "flag": {"type": "boolean"},
+        "note": {"type": "string"},
+    },
+}
+
+
+def line(custom_id, prompt, model="gpt-x", system=None, schema=None, **body_extra):
+    """An OpenAI Batch request line."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    body = {"model": model, "messages": messages, **body_extra}
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def submit(client, lines, raw: bytes | None = None, **create_kw):
+    data = raw if raw is not None else "".join(json.dumps(x) + "\n" for x in lines).encode()
+    f = client.files.create(file=("input.jsonl", data), purpose="batch")
+    return client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", **create_kw
+    )
+
+
+def download(client, file_id):
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines() if x.strip()]
+
+
+def control(emu, method, path, body=None):
+    """A call to the emulator's own control API (/_emulator/...)."""
+    req = urllib.request.Request(
+        emu.base_url + path, method=method, data=None if body is None else json.dumps(body).encode()
+    )
+    with urllib.request.urlopen(req) as resp:
+        return json.loads(resp.read())
+
+
+CLAUDE_MODEL = "claude-x"
+
+TOOL = {"name": "classify", "description": "Record the classification.", "input_schema": SCHEMA}
+
+
+def req(custom_id, prompt, system=None, tool=False, max_tokens=200, **params):
+    """An Anthropic Message Batches request."""
+    p = {"model": CLAUDE_MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": prompt}], **params}
+    if system is not None:
+        p["system"] = system
+    if tool:
+        p["tools"], p["tool_choice"] = [TOOL], {"type": "tool", "name": TOOL["name"]}
+    return {"custom_id": custom_id, "params": p}
+
+
+def results_of(client, batch_id):
+    return {r.custom_id: r.result for r in client.messages.batches.results(batch_id)}
+
+
+def raw(emu, method, path, headers=None, body=None):
+    """(status, headers, body bytes) of a plain HTTP call."""
+    request = urllib.request.Request(
+        emu.base_url + path,
+        method=method,
+        headers=headers or {},
+        data=None if body is None else json.dumps(body).encode(),
+    )
+    try:
+        with urllib.request.urlopen(request) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, err.read()
+
+
+def tokens(chars):
+    return math.ceil(chars / 4)
+
+
+# -- dbt stories: processes, the ledger, the operator commands -------------------------------------
+
+
+def dbt_subprocess(project, env_extra: dict) -> subprocess.CompletedProcess:
+    """`dbt run -s triage` in a process of its own, with extra environment (a crash point, say)."""
+    dbt = Path(sys.executable).parent / "dbt"
+    env = {**os.environ, **env_extra}
+    return subprocess.run(
+        [str(dbt), "run", "-s", "triage", "--project-dir", str(project.root), "--profiles-dir", str(project.root)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def succeeded_custom_ids(emulator) -> list[str]:
+    """custom_ids of every successful result the emulator returned, over all batches, from the
+    emulator's own record (runs delete the files and batches at the provider once results are stored)."""
+    ids = []
+    for batch in sorted_batches(emulator):
+        if is_anthropic(batch):
+            if batch["processing_status"] == "ended":
+                lines = [json.loads(line) for line in emulator.anthropic_results(batch["id"]).splitlines() if line]
+                ids += [r["custom_id"] for r in lines if r["result"]["type"] == "succeeded"]
+        elif batch.get("output_file_id"):
+            content = emulator.file_bytes(batch["output_file_id"]).decode()
+            ids += [line.split('"custom_id":', 1)[1].split('"')[1] for line in content.splitlines() if line]
+    return ids
+
+
+def log_text(project) -> str:
+    return (project.root / "logs" / "dbt.log").read_text()
+
+
+def command(project, capsys, *args: str) -> tuple[int, str, str]:
+    """`dbt-llm-batch <args>` on the project's database (for the model triage): (exit code, out, err)."""
+    from dbt_llm_batch.ops.cli import main as cli
+
+    capsys.readouterr()
+    model = ["--model", "triage"] if args[0] != "status" else []
+    rc = cli([*args, "--database", str(project.db_path), "--schema", "main", *model])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# -- The model `m` over `things` (a table of `a`, `prompt`), for the provider-outcome stories ------
+
+THINGS_SYSTEM = "Summarise."
+
+
+def things_model(provider: str, extra: str = "") -> str:
+    return f"""
+{{{{ config(materialized='llm_batch', unique_key='a', llm_provider='{provider}',
+            llm_model='{PROVIDER_MODELS[provider]}', llm_system={THINGS_SYSTEM!r}, llm_max_tokens=100, {extra}) }}}}
+select * from {{{{ ref('things') }}}}
+"""
+
+
+def setup(project, provider: str, extra: str = "", rows: int = 6) -> None:
+    values = ", ".join(f"({i}, 'row {i}')" for i in range(rows))
+    project.write("models/things.sql", f"select * from (values {values}) t(a, prompt)")
+    project.write("models/m.sql", things_model(provider, extra))
+    project.dbt("run", "-s", "things")
+
+
+def run(project, expect_ok: bool = True):
+    return project.dbt("run", "-s", "m", expect_ok=expect_ok)
+
+
+def table(project) -> dict:
+    return {a: (s, e, o) for a, s, e, o in project.query("select a, llm_status, llm_error, llm_output from main.m")}
+
+
+def assert_all_succeeded(project, rows: int = 6) -> None:
+    got = project.query("select prompt, llm_status, llm_output from main.m")
+    assert len(got) == rows
+    assert all(s == "succeeded" and o == expected_answer(THINGS_SYSTEM, p, None) for p, s, o in got), got
+
+
+def request_statuses(project) -> list[tuple]:
+    return project.query("select status, count(*) from main.llm_batch_requests group by 1 order by 1")
+
+
+def end_backoff(project) -> None:
+    project.release_database()
+    project.query(
+        "update main.llm_batch_requests set not_before = now() - interval 1 second where not_before is not null"
+    )

@@ -3,45 +3,25 @@ with nothing billed twice and nothing the provider returned missing from the led
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from helpers import TRIAGE_SYSTEM, billed_per_key, expected_triage, is_anthropic, sorted_batches, triage_model
+from helpers import (
+    TRIAGE_SYSTEM,
+    billed_per_key,
+    dbt_subprocess,
+    expected_triage,
+    is_anthropic,
+    sorted_batches,
+    succeeded_custom_ids,
+    triage_model,
+)
 
 from dbt_llm_batch.pipeline.crashpoints import POINTS
 
 HARVEST_POINTS = ("after_download", "after_store", "before_merge")
-
-
-def dbt_subprocess(project, env_extra: dict) -> subprocess.CompletedProcess:
-    dbt = Path(sys.executable).parent / "dbt"
-    env = {**os.environ, **env_extra}
-    return subprocess.run(
-        [str(dbt), "run", "-s", "triage", "--project-dir", str(project.root), "--profiles-dir", str(project.root)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def succeeded_custom_ids(emulator) -> list[str]:
-    """custom_ids of every successful result the emulator returned, over all batches, from the
-    emulator's own record (runs delete the files and batches at the provider once results are stored)."""
-    ids = []
-    for batch in sorted_batches(emulator):
-        if is_anthropic(batch):
-            if batch["processing_status"] == "ended":
-                lines = [json.loads(line) for line in emulator.anthropic_results(batch["id"]).splitlines() if line]
-                ids += [r["custom_id"] for r in lines if r["result"]["type"] == "succeeded"]
-        elif batch.get("output_file_id"):
-            content = emulator.file_bytes(batch["output_file_id"]).decode()
-            ids += [line.split('"custom_id":', 1)[1].split('"')[1] for line in content.splitlines() if line]
-    return ids
 
 
 CASES = [

@@ -14,52 +14,9 @@ import urllib.request
 import openai
 import pytest
 from helpers import SANDBOX_KEY as KEY
+from helpers import SCHEMA, control, download, line, submit
 
 from dbt_llm_batch.sandbox import Emulator, expected_answer
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "label": {"type": "string", "enum": ["pos", "neg", "neutral"]},
-        "count": {"type": "integer"},
-        "score": {"type": "number"},
-        "flag": {"type": "boolean"},
-        "note": {"type": "string"},
-    },
-}
-
-
-@pytest.fixture
-def client(emu):
-    return openai.OpenAI(base_url=emu.openai_base_url, api_key=KEY, max_retries=0)
-
-
-def line(custom_id, prompt, model="gpt-x", system=None, schema=None, **body_extra):
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    body = {"model": model, "messages": messages, **body_extra}
-    if schema is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
-
-
-def submit(client, lines, raw: bytes | None = None, **create_kw):
-    data = raw if raw is not None else "".join(json.dumps(x) + "\n" for x in lines).encode()
-    f = client.files.create(file=("input.jsonl", data), purpose="batch")
-    return client.batches.create(
-        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", **create_kw
-    )
-
-
-def download(client, file_id):
-    return [json.loads(x) for x in client.files.content(file_id).text.splitlines() if x.strip()]
-
-
-def control(emu, method, path, body=None):
-    req = urllib.request.Request(
-        emu.base_url + path, method=method, data=None if body is None else json.dumps(body).encode()
-    )
-    with urllib.request.urlopen(req) as resp:
-        return json.loads(resp.read())
 
 
 def content_of(result):

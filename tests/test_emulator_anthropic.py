@@ -7,68 +7,24 @@ Clients use max_retries=0 so call counts and errors are exact; only the retry te
 from __future__ import annotations
 
 import json
-import math
 import time
-import urllib.error
-import urllib.request
 
 import anthropic
 import openai
 import pytest
+from helpers import CLAUDE_MODEL as MODEL
 from helpers import SANDBOX_KEY as KEY
-from test_emulator import SCHEMA  # the same five field types, asked through the other face
+from helpers import SCHEMA, raw, req, results_of, tokens
 
 from dbt_llm_batch.sandbox import Emulator, expected_answer
-
-MODEL = "claude-x"
-
-TOOL = {"name": "classify", "description": "Record the classification.", "input_schema": SCHEMA}
-
-
-@pytest.fixture
-def client(emu):
-    return anthropic.Anthropic(base_url=emu.anthropic_base_url, api_key=KEY, max_retries=0)
-
-
-def req(custom_id, prompt, system=None, tool=False, max_tokens=200, **params):
-    p = {"model": MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": prompt}], **params}
-    if system is not None:
-        p["system"] = system
-    if tool:
-        p["tools"], p["tool_choice"] = [TOOL], {"type": "tool", "name": TOOL["name"]}
-    return {"custom_id": custom_id, "params": p}
-
-
-def results_of(client, batch_id):
-    return {r.custom_id: r.result for r in client.messages.batches.results(batch_id)}
-
-
-def raw(emu, method, path, headers=None, body=None):
-    """(status, headers, body bytes) of a plain HTTP call."""
-    request = urllib.request.Request(
-        emu.base_url + path,
-        method=method,
-        headers=headers or {},
-        data=None if body is None else json.dumps(body).encode(),
-    )
-    try:
-        with urllib.request.urlopen(request) as resp:
-            return resp.status, resp.headers, resp.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.headers, err.read()
-
-
-def tokens(chars):
-    return math.ceil(chars / 4)
-
 
 # -- happy path -------------------------------------------------------------------------
 
 
-def test_lifecycle_counts_and_answers_match_expected_answer(emu, client):
+def test_lifecycle_counts_and_answers_match_expected_answer(emu, claude):
     requests = [req(f"t{i}", f"text prompt {i}", system="Be brief.") for i in range(5)]
     requests += [req(f"j{i}", f"json prompt {i}", tool=True) for i in range(5)]
-    batch = client.messages.batches.create(requests=requests)
+    batch = claude.messages.batches.create(requests=requests)
     assert batch.type == "message_batch" and batch.processing_status == "in_progress"
     assert batch.request_counts.model_dump() == {
         "processing": 10,
@@ -81,14 +37,14 @@ def test_lifecycle_counts_and_answers_match_expected_answer(emu, client):
     assert (batch.expires_at - batch.created_at).total_seconds() == 86400 and batch.id.startswith("msgbatch_")
 
     emu.advance(batch.id, "in_progress", done_fraction=0.5)  # work happens, counts do not show it yet
-    running = client.messages.batches.with_raw_response.retrieve(batch.id)
+    running = claude.messages.batches.with_raw_response.retrieve(batch.id)
     assert running.headers["request-id"].startswith("req_")
     assert running.parse().request_counts.processing == 10 and running.parse().request_counts.succeeded == 0
     with pytest.raises(anthropic.AnthropicError):  # no results_url yet: the SDK refuses by itself
-        client.messages.batches.results(batch.id)
+        claude.messages.batches.results(batch.id)
 
     emu.advance(batch.id, "ended")
-    done = client.messages.batches.retrieve(batch.id)
+    done = claude.messages.batches.retrieve(batch.id)
     assert done.processing_status == "ended" and done.ended_at is not None
     assert done.request_counts.model_dump() == {
         "processing": 0,
@@ -103,7 +59,7 @@ def test_lifecycle_counts_and_answers_match_expected_answer(emu, client):
     )
     assert via_localhost["results_url"] == f"http://localhost:{emu.port}/v1/messages/batches/{batch.id}/results"
 
-    results = results_of(client, batch.id)
+    results = results_of(claude, batch.id)
     assert set(results) == {r["custom_id"] for r in requests}
     for i in range(5):
         text = results[f"t{i}"].message
@@ -136,19 +92,19 @@ def test_lifecycle_counts_and_answers_match_expected_answer(emu, client):
     assert stats["usage"]["prompt_tokens"] == 0  # `usage` keeps the OpenAI totals
 
 
-def test_results_stream_is_shuffled_jsonl_without_blank_lines(emu, client):
+def test_results_stream_is_shuffled_jsonl_without_blank_lines(emu, claude):
     requests = [req(f"r{i:02d}", f"prompt {i}") for i in range(40)]
-    batch = client.messages.batches.create(requests=requests)
+    batch = claude.messages.batches.create(requests=requests)
     emu.advance(batch.id, "ended")
     status, headers, body = raw(emu, "GET", f"/v1/messages/batches/{batch.id}/results", {"x-api-key": KEY})
     assert status == 200 and headers["request-id"]
     assert body.endswith(b"\n") and b"\n\n" not in body and not body.startswith(b"\n")
     order = [json.loads(x)["custom_id"] for x in body.decode().split("\n")[:-1]]
     assert sorted(order) == [r["custom_id"] for r in requests] and order != sorted(order)
-    assert [r.custom_id for r in client.messages.batches.results(batch.id)] == order
+    assert [r.custom_id for r in claude.messages.batches.results(batch.id)] == order
 
 
-def test_content_blocks_last_user_message_and_max_tokens(emu, client):
+def test_content_blocks_last_user_message_and_max_tokens(emu, claude):
     multi = {
         "custom_id": "multi",
         "params": {
@@ -162,11 +118,11 @@ def test_content_blocks_last_user_message_and_max_tokens(emu, client):
             ],
         },
     }
-    batch = client.messages.batches.create(
+    batch = claude.messages.batches.create(
         requests=[multi, req("cut", "q", max_tokens=3), req("cut_tool", "q", tool=True, max_tokens=3)]
     )
     emu.advance(batch.id, "ended")
-    results = results_of(client, batch.id)
+    results = results_of(claude, batch.id)
     m = results["multi"].message
     assert m.content[0].text == expected_answer("Rule one.\nRule two.", "part a\npart b", None)
     chars = len("Rule one.\nRule two.") + len("old question") + len("old answer") + len("part a\npart b")
@@ -179,19 +135,19 @@ def test_content_blocks_last_user_message_and_max_tokens(emu, client):
     assert cut_tool.content[0].type == "tool_use" and cut_tool.content[0].input == {}
 
 
-def test_bad_params_become_errored_lines_after_the_batch_ends(emu, client):
+def test_bad_params_become_errored_lines_after_the_batch_ends(emu, claude):
     good = req("good", "fine")
     no_max = {"custom_id": "no_max", "params": {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}}
     zero = req("zero", "x", max_tokens=0)
     no_model = {"custom_id": "no_model", "params": {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}}
     no_messages = {"custom_id": "no_messages", "params": {"model": MODEL, "max_tokens": 5, "messages": []}}
     streaming = req("streaming", "x", stream=True)
-    batch = client.messages.batches.create(requests=[good, no_max, zero, no_model, no_messages, streaming])
+    batch = claude.messages.batches.create(requests=[good, no_max, zero, no_model, no_messages, streaming])
     assert batch.processing_status == "in_progress"  # create accepted them all
     emu.advance(batch.id, "ended")
-    done = client.messages.batches.retrieve(batch.id)
+    done = claude.messages.batches.retrieve(batch.id)
     assert (done.request_counts.succeeded, done.request_counts.errored) == (1, 5)
-    results = results_of(client, batch.id)
+    results = results_of(claude, batch.id)
     assert results["good"].type == "succeeded"
     messages = {cid: r.error.error.message for cid, r in results.items() if r.type == "errored"}
     assert messages == {
@@ -209,14 +165,14 @@ def test_bad_params_become_errored_lines_after_the_batch_ends(emu, client):
 # -- cancel, expiry, delete ------------------------------------------------------------
 
 
-def test_cancel_with_done_fraction_gives_partial_results_and_canceled_items(emu, client):
-    batch = client.messages.batches.create(requests=[req(f"c{i}", f"p{i}") for i in range(10)])
-    canceling = client.messages.batches.cancel(batch.id)
+def test_cancel_with_done_fraction_gives_partial_results_and_canceled_items(emu, claude):
+    batch = claude.messages.batches.create(requests=[req(f"c{i}", f"p{i}") for i in range(10)])
+    canceling = claude.messages.batches.cancel(batch.id)
     assert canceling.processing_status == "canceling" and canceling.cancel_initiated_at is not None
     assert canceling.request_counts.processing == 10 and canceling.results_url is None
-    assert client.messages.batches.cancel(batch.id).processing_status == "canceling"  # twice is harmless
+    assert claude.messages.batches.cancel(batch.id).processing_status == "canceling"  # twice is harmless
     emu.advance(batch.id, "canceled", done_fraction=0.3)
-    ended = client.messages.batches.retrieve(batch.id)
+    ended = claude.messages.batches.retrieve(batch.id)
     assert ended.processing_status == "ended"
     assert ended.request_counts.model_dump() == {
         "processing": 0,
@@ -225,69 +181,69 @@ def test_cancel_with_done_fraction_gives_partial_results_and_canceled_items(emu,
         "canceled": 7,
         "expired": 0,
     }
-    results = results_of(client, batch.id)
+    results = results_of(claude, batch.id)
     assert sorted(cid for cid, r in results.items() if r.type == "succeeded") == ["c0", "c1", "c2"]  # input order
     assert all(r.type == "canceled" for cid, r in results.items() if cid not in ("c0", "c1", "c2"))
     with pytest.raises(anthropic.BadRequestError):
-        client.messages.batches.cancel(batch.id)
+        claude.messages.batches.cancel(batch.id)
 
 
-def test_expiry_ends_with_expired_items(emu, client):
-    batch = client.messages.batches.create(requests=[req(f"e{i}", f"p{i}") for i in range(10)])
+def test_expiry_ends_with_expired_items(emu, claude):
+    batch = claude.messages.batches.create(requests=[req(f"e{i}", f"p{i}") for i in range(10)])
     emu.advance(batch.id, "expired", done_fraction=0.4)
-    ended = client.messages.batches.retrieve(batch.id)
+    ended = claude.messages.batches.retrieve(batch.id)
     assert ended.processing_status == "ended" and ended.cancel_initiated_at is None
     assert (ended.request_counts.succeeded, ended.request_counts.expired) == (4, 6)
-    kinds = [r.type for r in results_of(client, batch.id).values()]
+    kinds = [r.type for r in results_of(claude, batch.id).values()]
     assert sorted(kinds) == ["expired"] * 6 + ["succeeded"] * 4
 
 
-def test_clock_expires_open_batches_after_24h_and_archives_results_after_29_days(emu, client):
+def test_clock_expires_open_batches_after_24h_and_archives_results_after_29_days(emu, claude):
     start = time.time()
-    batch = client.messages.batches.create(requests=[req("a", "x"), req("b", "y")])
+    batch = claude.messages.batches.create(requests=[req("a", "x"), req("b", "y")])
     emu.now = lambda: start + 86400 + 1
-    expired = client.messages.batches.retrieve(batch.id)
+    expired = claude.messages.batches.retrieve(batch.id)
     assert expired.processing_status == "ended" and expired.request_counts.expired == 2
     assert expired.ended_at == expired.expires_at
     emu.now = lambda: start + 29 * 86400 + 1
-    archived = client.messages.batches.retrieve(batch.id)
+    archived = claude.messages.batches.retrieve(batch.id)
     assert archived.archived_at is not None and archived.results_url is not None
     with pytest.raises(anthropic.NotFoundError):
-        list(client.messages.batches.results(batch.id))
+        list(claude.messages.batches.results(batch.id))
 
 
-def test_delete_only_once_ended(emu, client):
-    batch = client.messages.batches.create(requests=[req("a", "x")])
+def test_delete_only_once_ended(emu, claude):
+    batch = claude.messages.batches.create(requests=[req("a", "x")])
     with pytest.raises(anthropic.BadRequestError) as info:
-        client.messages.batches.delete(batch.id)
+        claude.messages.batches.delete(batch.id)
     assert "cancel" in info.value.body["error"]["message"]
     emu.advance(batch.id, "ended")
-    deleted = client.messages.batches.delete(batch.id)
+    deleted = claude.messages.batches.delete(batch.id)
     assert (deleted.id, deleted.type) == (batch.id, "message_batch_deleted")
     with pytest.raises(anthropic.NotFoundError) as missing:
-        client.messages.batches.retrieve(batch.id)
+        claude.messages.batches.retrieve(batch.id)
     assert missing.value.body["error"]["type"] == "not_found_error"
 
 
 # -- listing, control --------------------------------------------------------------------
 
 
-def test_list_pagination_newest_first(emu, client):
-    created = [client.messages.batches.create(requests=[req("a", "x")]).id for _ in range(25)]
-    assert [b.id for b in client.messages.batches.list()] == created[::-1]
+def test_list_pagination_newest_first(emu, claude):
+    created = [claude.messages.batches.create(requests=[req("a", "x")]).id for _ in range(25)]
+    assert [b.id for b in claude.messages.batches.list()] == created[::-1]
     assert emu.stats()["calls"]["GET /v1/messages/batches"] == 2  # 20, then after_id=<last id>
-    page = client.messages.batches.list(limit=10)
+    page = claude.messages.batches.list(limit=10)
     assert [b.id for b in page.data] == created[::-1][:10] and page.has_more
     assert (page.first_id, page.last_id) == (created[-1], created[-10])
-    after = client.messages.batches.list(limit=10, after_id=page.last_id)
+    after = claude.messages.batches.list(limit=10, after_id=page.last_id)
     assert [b.id for b in after.data] == created[::-1][10:20]
-    before = client.messages.batches.list(limit=3, before_id=after.first_id)
+    before = claude.messages.batches.list(limit=3, before_id=after.first_id)
     assert [b.id for b in before.data] == created[::-1][7:10] and before.has_more
     with pytest.raises(anthropic.BadRequestError):
-        client.messages.batches.list(limit=1001)
+        claude.messages.batches.list(limit=1001)
 
 
-def test_control_surface_covers_both_faces(emu, client):
+def test_control_surface_covers_both_faces(emu, claude):
     oai = openai.OpenAI(base_url=emu.openai_base_url, api_key=KEY, max_retries=0)
     f = oai.files.create(
         file=(
@@ -304,9 +260,9 @@ def test_control_surface_covers_both_faces(emu, client):
         purpose="batch",
     )
     first = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    second = client.messages.batches.create(requests=[req("a", "x")])
-    third = client.messages.batches.create(requests=[req("a", "x"), req("b", "y")])
-    client.messages.batches.cancel(third.id)
+    second = claude.messages.batches.create(requests=[req("a", "x")])
+    third = claude.messages.batches.create(requests=[req("a", "x"), req("b", "y")])
+    claude.messages.batches.cancel(third.id)
     assert [b["id"] for b in emu.batches()] == [third.id, second.id, first.id]  # newest first, both faces
     moved = json.loads(raw(emu, "POST", f"/_emulator/batches/{second.id}/advance", body={"to": "ended"})[2])
     assert moved["processing_status"] == "ended" and moved["results_url"].endswith(f"/{second.id}/results")
@@ -315,7 +271,7 @@ def test_control_surface_covers_both_faces(emu, client):
         ("batch", None, "completed"),
         (None, "message_batch", "ended"),
     }
-    assert client.messages.batches.retrieve(third.id).request_counts.canceled == 2
+    assert claude.messages.batches.retrieve(third.id).request_counts.canceled == 2
     with pytest.raises(ValueError):
         emu.advance(second.id, "canceling")
 
@@ -325,12 +281,12 @@ def test_auto_advance_ends_anthropic_batches():
     with Emulator(KEY, auto_advance_seconds=60) as emu:
         start = time.time()
         emu.now = lambda: start
-        client = anthropic.Anthropic(base_url=emu.base_url, api_key=KEY, max_retries=0)
-        batch = client.messages.batches.create(requests=[req("a", "x"), req("b", "y")])
+        claude = anthropic.Anthropic(base_url=emu.base_url, api_key=KEY, max_retries=0)
+        batch = claude.messages.batches.create(requests=[req("a", "x"), req("b", "y")])
         emu.now = lambda: start + 30
-        halfway = client.messages.batches.retrieve(batch.id)
+        halfway = claude.messages.batches.retrieve(batch.id)
         assert halfway.processing_status == "in_progress" and halfway.request_counts.processing == 2
         emu.now = lambda: start + 61
-        batch = client.messages.batches.retrieve(batch.id)
+        batch = claude.messages.batches.retrieve(batch.id)
         assert batch.processing_status == "ended" and batch.request_counts.succeeded == 2
-        assert len(list(client.messages.batches.results(batch.id))) == 2
+        assert len(list(claude.messages.batches.results(batch.id))) == 2

@@ -8,15 +8,10 @@ import time
 
 import anthropic
 import pytest
-from test_emulator_anthropic import KEY, raw, req, results_of
+from helpers import SANDBOX_KEY as KEY
+from helpers import raw, req, results_of
 
 from dbt_llm_batch.sandbox import Emulator, expected_answer
-
-
-@pytest.fixture
-def client(emu):
-    return anthropic.Anthropic(base_url=emu.anthropic_base_url, api_key=KEY, max_retries=0)
-
 
 # -- create validation ---------------------------------------------------------------------------
 
@@ -30,9 +25,9 @@ def client(emu):
         ("ok", "requests.1.custom_id: Duplicate custom_id"),
     ],
 )
-def test_bad_custom_id_is_a_synchronous_400(emu, client, custom_id, message):
+def test_bad_custom_id_is_a_synchronous_400(emu, claude, custom_id, message):
     with pytest.raises(anthropic.BadRequestError) as info:
-        client.messages.batches.create(requests=[req("ok", "a"), req(custom_id, "b")])
+        claude.messages.batches.create(requests=[req("ok", "a"), req(custom_id, "b")])
     assert info.value.status_code == 400 and info.value.body["error"]["type"] == "invalid_request_error"
     assert info.value.body["error"]["message"].startswith(message)
     assert info.value.body["type"] == "error" and info.value.body["request_id"].startswith("req_")
@@ -41,22 +36,22 @@ def test_bad_custom_id_is_a_synchronous_400(emu, client, custom_id, message):
 
 def test_request_count_limits():
     with Emulator(KEY, max_message_batch_requests=3) as emu:
-        client = anthropic.Anthropic(base_url=emu.base_url, api_key=KEY, max_retries=0)
+        claude = anthropic.Anthropic(base_url=emu.base_url, api_key=KEY, max_retries=0)
         with pytest.raises(anthropic.BadRequestError, match="at least 1 item"):
-            client.messages.batches.create(requests=[])
+            claude.messages.batches.create(requests=[])
         with pytest.raises(anthropic.BadRequestError, match="at most 3 items"):
-            client.messages.batches.create(requests=[req(f"r{i}", "x") for i in range(4)])
+            claude.messages.batches.create(requests=[req(f"r{i}", "x") for i in range(4)])
         assert (
-            client.messages.batches.create(requests=[req(f"r{i}", "x") for i in range(3)]).request_counts.processing
+            claude.messages.batches.create(requests=[req(f"r{i}", "x") for i in range(3)]).request_counts.processing
             == 3
         )
 
 
 def test_too_large_body_is_413_before_auth():
     with Emulator(KEY, max_batch_bytes=2000) as emu:
-        client = anthropic.Anthropic(base_url=emu.base_url, api_key=KEY, max_retries=0)
+        claude = anthropic.Anthropic(base_url=emu.base_url, api_key=KEY, max_retries=0)
         with pytest.raises(anthropic.RequestTooLargeError) as info:
-            client.messages.batches.create(requests=[req(f"r{i}", "x" * 100) for i in range(20)])
+            claude.messages.batches.create(requests=[req(f"r{i}", "x" * 100) for i in range(20)])
         assert info.value.status_code == 413 and info.value.body["error"]["type"] == "request_too_large"
         status, _, _ = raw(
             emu,
@@ -66,20 +61,20 @@ def test_too_large_body_is_413_before_auth():
             {"requests": [req(f"r{i}", "x" * 100) for i in range(20)]},
         )
         assert status == 413
-        assert client.messages.batches.create(requests=[req("small", "x")]).processing_status == "in_progress"
+        assert claude.messages.batches.create(requests=[req("small", "x")]).processing_status == "in_progress"
 
 
 # -- faults -------------------------------------------------------------------------------
 
 
-def test_request_faults_become_errored_or_altered_lines(emu, client):
+def test_request_faults_become_errored_or_altered_lines(emu, claude):
     emu.add_fault(prompt_contains="BAD", kind="http_error", status_code=500, message="Internal server error")
     emu.add_fault(prompt_contains="ODD", kind="content", content="not json")
-    batch = client.messages.batches.create(
+    batch = claude.messages.batches.create(
         requests=[req("good", "fine"), req("bad", "a BAD one"), req("odd", "ODD", tool=True)]
     )
     emu.advance(batch.id, "ended")
-    results = results_of(client, batch.id)
+    results = results_of(claude, batch.id)
     assert results["bad"].type == "errored"
     assert (results["bad"].error.error.type, results["bad"].error.error.message) == (
         "api_error",
@@ -106,20 +101,20 @@ def test_529_endpoint_fault_is_retried_by_the_sdk_after_retry_after(emu):
         (500, anthropic.InternalServerError, "api_error"),
     ],
 )
-def test_endpoint_faults_use_the_anthropic_envelope(emu, client, status, error_class, error_type):
+def test_endpoint_faults_use_the_anthropic_envelope(emu, claude, status, error_class, error_type):
     emu.add_fault(endpoint="GET /v1/messages/batches", status_code=status, retry_after=1)
     with pytest.raises(error_class) as info:
-        client.messages.batches.list()
+        claude.messages.batches.list()
     assert info.value.status_code == status and info.value.body["error"]["type"] == error_type
     assert info.value.response.headers["retry-after"] == "1"
-    assert client.messages.batches.list().data == []
+    assert claude.messages.batches.list().data == []
 
 
 # -- auth -----------------------------------------------------------------------------------
 
 
-def test_auth_accepts_x_api_key_and_bearer_and_rejects_others(emu, client):
-    assert client.messages.batches.list().data == []  # the SDK sends Authorization: Bearer
+def test_auth_accepts_x_api_key_and_bearer_and_rejects_others(emu, claude):
+    assert claude.messages.batches.list().data == []  # the SDK sends Authorization: Bearer
     status, headers, body = raw(
         emu, "GET", "/v1/messages/batches", {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
     )

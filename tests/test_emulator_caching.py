@@ -6,16 +6,10 @@ from __future__ import annotations
 import json
 import time
 
-import anthropic
 import openai
-import pytest
-from test_emulator_anthropic import KEY, MODEL, req, results_of, tokens
-
-
-@pytest.fixture
-def client(emu):
-    return anthropic.Anthropic(base_url=emu.anthropic_base_url, api_key=KEY, max_retries=0)
-
+from helpers import CLAUDE_MODEL as MODEL
+from helpers import SANDBOX_KEY as KEY
+from helpers import req, results_of, tokens
 
 # -- prompt caching ----------------------------------------------------------------------
 
@@ -25,11 +19,11 @@ def cached_system(chars, ttl=None):
     return [{"type": "text", "text": "S" * chars, "cache_control": control}]
 
 
-def test_one_batch_writes_the_cache_once_and_reads_it_after(emu, client):
+def test_one_batch_writes_the_cache_once_and_reads_it_after(emu, claude):
     system = cached_system(20000)  # 5000 tokens
-    batch = client.messages.batches.create(requests=[req(f"r{i}", f"question {i}", system=system) for i in range(10)])
+    batch = claude.messages.batches.create(requests=[req(f"r{i}", f"question {i}", system=system) for i in range(10)])
     emu.advance(batch.id, "ended")
-    usage = {cid: r.message.usage for cid, r in results_of(client, batch.id).items()}
+    usage = {cid: r.message.usage for cid, r in results_of(claude, batch.id).items()}
     for cid, u in usage.items():
         total = tokens(20000 + len(f"question {cid[1:]}"))
         assert u.input_tokens == total - 5000
@@ -42,39 +36,39 @@ def test_one_batch_writes_the_cache_once_and_reads_it_after(emu, client):
     ant = emu.stats()["usage_by_face"]["anthropic"]
     assert (ant["cache_creation_input_tokens"], ant["cache_read_input_tokens"]) == (5000, 45000)
 
-    again = client.messages.batches.create(requests=[req("next", "question 0", system=system)])
+    again = claude.messages.batches.create(requests=[req("next", "question 0", system=system)])
     emu.advance(again.id, "ended")
-    assert results_of(client, again.id)["next"].message.usage.cache_read_input_tokens == 5000
-    other_model = client.messages.batches.create(requests=[req("m", "q", system=system, model="claude-y")])
+    assert results_of(claude, again.id)["next"].message.usage.cache_read_input_tokens == 5000
+    other_model = claude.messages.batches.create(requests=[req("m", "q", system=system, model="claude-y")])
     emu.advance(other_model.id, "ended")  # the cache is per model
-    assert results_of(client, other_model.id)["m"].message.usage.cache_creation_input_tokens == 5000
+    assert results_of(claude, other_model.id)["m"].message.usage.cache_creation_input_tokens == 5000
 
 
-def test_cache_entries_expire_after_their_ttl_on_the_emulator_clock(emu, client):
+def test_cache_entries_expire_after_their_ttl_on_the_emulator_clock(emu, claude):
     start = time.time()
     short, long = cached_system(8000), cached_system(8400, ttl="1h")
-    first = client.messages.batches.create(requests=[req("s", "q", system=short), req("l", "q", system=long)])
+    first = claude.messages.batches.create(requests=[req("s", "q", system=short), req("l", "q", system=long)])
     emu.advance(first.id, "ended")
-    assert results_of(client, first.id)["l"].message.usage.cache_creation.ephemeral_1h_input_tokens == 2100
+    assert results_of(claude, first.id)["l"].message.usage.cache_creation.ephemeral_1h_input_tokens == 2100
     emu.now = lambda: start + 301
-    later = client.messages.batches.create(requests=[req("s", "q", system=short), req("l", "q", system=long)])
+    later = claude.messages.batches.create(requests=[req("s", "q", system=short), req("l", "q", system=long)])
     emu.advance(later.id, "ended")
-    results = results_of(client, later.id)
+    results = results_of(claude, later.id)
     assert results["s"].message.usage.cache_creation_input_tokens == 2000  # 5 minutes passed: written again
     assert results["l"].message.usage.cache_read_input_tokens == 2100  # the 1 h entry is still there
 
 
-def test_prefix_below_min_cache_tokens_is_not_cached(emu, client):
+def test_prefix_below_min_cache_tokens_is_not_cached(emu, claude):
     system = cached_system(4000)  # 1000 tokens < 1024
-    batch = client.messages.batches.create(requests=[req(f"r{i}", "q", system=system) for i in range(3)])
+    batch = claude.messages.batches.create(requests=[req(f"r{i}", "q", system=system) for i in range(3)])
     emu.advance(batch.id, "ended")
-    for r in results_of(client, batch.id).values():
+    for r in results_of(claude, batch.id).values():
         u = r.message.usage
         assert (u.cache_creation_input_tokens, u.cache_read_input_tokens) == (0, 0)
         assert u.input_tokens == tokens(4001)
 
 
-def test_breakpoint_on_a_message_block_caches_up_to_that_block(client, emu):
+def test_breakpoint_on_a_message_block_caches_up_to_that_block(claude, emu):
     shots = [
         {"role": "user", "content": "E" * 5000},
         {
@@ -91,11 +85,11 @@ def test_breakpoint_on_a_message_block_caches_up_to_that_block(client, emu):
         "system": "Sys.",
         "messages": shots + [{"role": "user", "content": "the question"}],
     }
-    batch = client.messages.batches.create(
+    batch = claude.messages.batches.create(
         requests=[{"custom_id": "a", "params": params}, {"custom_id": "b", "params": params}]
     )
     emu.advance(batch.id, "ended")
-    results = results_of(client, batch.id)
+    results = results_of(claude, batch.id)
     prefix = tokens(len("Sys.") + 5000 + 3000)
     total = tokens(len("Sys.") + 5000 + len("A" * 3000 + "\ntail") + len("the question"))
     assert results["a"].message.usage.cache_creation_input_tokens == prefix

@@ -6,18 +6,7 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
-from helpers import SANDBOX_KEY as KEY
-from test_emulator import control, download, line, submit
-
-
-@pytest.fixture
-def client(emu):
-    return openai.OpenAI(base_url=emu.openai_base_url, api_key=KEY, max_retries=0)
-
-
-@pytest.fixture
-def claude(emu):
-    return anthropic.Anthropic(base_url=emu.base_url, api_key=KEY, max_retries=0)
+from helpers import control, download, line, submit
 
 
 def test_invalid_line_fault_fails_validation_naming_1_based_lines(emu, client):

@@ -11,19 +11,8 @@ import re
 import anthropic
 import openai
 import pytest
-from helpers import SANDBOX_KEY as KEY
-from test_emulator import line, submit
-from test_emulator_anthropic import MODEL, req, results_of
-
-
-@pytest.fixture
-def client(emu):
-    return openai.OpenAI(base_url=emu.openai_base_url, api_key=KEY, max_retries=0)
-
-
-@pytest.fixture
-def claude(emu):
-    return anthropic.Anthropic(base_url=emu.base_url, api_key=KEY, max_retries=0)
+from helpers import CLAUDE_MODEL as MODEL
+from helpers import line, req, results_of, submit
 
 
 def chat(prompt="hi", **extra):

@@ -13,9 +13,12 @@ the ledger. `pytest --collect-only -q tests/test_fault_table.py` lists the cases
 from __future__ import annotations
 
 import pytest
-from helpers import billed_per_key
-from test_crash_recovery import succeeded_custom_ids
-from test_faults import run, setup
+from helpers import (
+    billed_per_key,
+    run,
+    setup,
+    succeeded_custom_ids,
+)
 
 ENDPOINTS = {
     "openai": [

@@ -11,52 +11,23 @@ import time
 import anthropic
 import openai
 import pytest
-from helpers import PROVIDER_MODELS, batch_counts, sorted_batches
+from helpers import (
+    assert_all_succeeded,
+    batch_counts,
+    end_backoff,
+    log_text,
+    run,
+    setup,
+    sorted_batches,
+    table,
+)
+from helpers import request_statuses as statuses
 
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import ConfigError
-from dbt_llm_batch.sandbox import expected_answer
 
-SYSTEM = "Summarise."
 RESULTS_ENDPOINT = {"openai": "GET /v1/files/{id}/content", "anthropic": "GET /v1/messages/batches/{id}/results"}
 POLL_ENDPOINT = {"openai": "GET /v1/batches/{id}", "anthropic": "GET /v1/messages/batches/{id}"}
-
-
-def model_sql(provider: str, extra: str = "") -> str:
-    return f"""
-{{{{ config(materialized='llm_batch', unique_key='a', llm_provider='{provider}',
-            llm_model='{PROVIDER_MODELS[provider]}', llm_system={SYSTEM!r}, llm_max_tokens=100, {extra}) }}}}
-select * from {{{{ ref('things') }}}}
-"""
-
-
-def setup(project, provider: str, extra: str = "", rows: int = 6) -> None:
-    values = ", ".join(f"({i}, 'row {i}')" for i in range(rows))
-    project.write("models/things.sql", f"select * from (values {values}) t(a, prompt)")
-    project.write("models/m.sql", model_sql(provider, extra))
-    project.dbt("run", "-s", "things")
-
-
-def run(project, expect_ok: bool = True):
-    return project.dbt("run", "-s", "m", expect_ok=expect_ok)
-
-
-def log_text(project) -> str:
-    return (project.root / "logs" / "dbt.log").read_text()
-
-
-def table(project) -> dict:
-    return {a: (s, e, o) for a, s, e, o in project.query("select a, llm_status, llm_error, llm_output from main.m")}
-
-
-def assert_all_succeeded(project, rows: int = 6) -> None:
-    got = project.query("select prompt, llm_status, llm_output from main.m")
-    assert len(got) == rows
-    assert all(s == "succeeded" and o == expected_answer(SYSTEM, p, None) for p, s, o in got), got
-
-
-def statuses(project) -> list[tuple]:
-    return project.query("select status, count(*) from main.llm_batch_requests group by 1 order by 1")
 
 
 # -- 1. validation errors that name lines -------------------------------------------------------
@@ -123,13 +94,6 @@ def backoff_seconds(project) -> list[float]:
            where status = 'voided' and not_before > now() order by 1"""
         )
     ]
-
-
-def end_backoff(project) -> None:
-    project.release_database()
-    project.query(
-        "update main.llm_batch_requests set not_before = now() - interval 1 second where not_before is not null"
-    )
 
 
 def test_token_limit_backs_off_doubling_then_resubmits_without_using_attempts(project, emulator):

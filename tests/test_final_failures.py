@@ -12,8 +12,17 @@ from __future__ import annotations
 
 import json
 
-from helpers import batch_counts, sorted_batches
-from test_faults import assert_all_succeeded, end_backoff, log_text, run, setup, statuses, table
+from helpers import (
+    assert_all_succeeded,
+    batch_counts,
+    end_backoff,
+    log_text,
+    run,
+    setup,
+    sorted_batches,
+    table,
+)
+from helpers import request_statuses as statuses
 
 from dbt_llm_batch.ops import operator
 

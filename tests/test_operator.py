@@ -5,19 +5,17 @@ without a config change, and delete the provider's files once results are stored
 from __future__ import annotations
 
 import pytest
-from helpers import TRIAGE_SYSTEM, batch_counts, expected_triage, triage_model
+from helpers import (
+    TRIAGE_SYSTEM,
+    batch_counts,
+    command,
+    expected_triage,
+    triage_model,
+)
 
 from dbt_llm_batch.ops.cli import main as cli
 
 MODEL, SELECT = "models/triage.sql", ["-s", "triage"]
-
-
-def command(project, capsys, *args: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    model = ["--model", "triage"] if args[0] != "status" else []
-    rc = cli([*args, "--database", str(project.db_path), "--schema", "main", *model])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def statuses(project) -> dict[str, int]:

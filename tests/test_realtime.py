@@ -9,8 +9,15 @@ import threading
 from decimal import Decimal
 
 import pytest
-from helpers import TRIAGE_SYSTEM, batch_counts, batch_input_lines, expected_triage, sorted_batches, triage_model
-from test_crash_recovery import dbt_subprocess
+from helpers import (
+    TRIAGE_SYSTEM,
+    batch_counts,
+    batch_input_lines,
+    dbt_subprocess,
+    expected_triage,
+    sorted_batches,
+    triage_model,
+)
 
 from dbt_llm_batch.sandbox.server import Reply
 

@@ -16,26 +16,23 @@ import tempfile
 
 import anthropic
 import openai
-from helpers import PROVIDER_MODELS, TRIAGE_SYSTEM, batch_counts, expected_triage, sorted_batches, triage_model
-from test_crash_recovery import dbt_subprocess, succeeded_custom_ids
+from helpers import (
+    PROVIDER_MODELS,
+    TRIAGE_SYSTEM,
+    batch_counts,
+    command,
+    dbt_subprocess,
+    expected_triage,
+    log_text,
+    sorted_batches,
+    succeeded_custom_ids,
+    triage_model,
+)
 
-from dbt_llm_batch.ops.cli import main as cli
 from dbt_llm_batch.pipeline import tempdirs
 
 MODEL, SELECT = "models/triage.sql", ["-s", "triage"]
 CREATE = {"openai": "POST /v1/batches", "anthropic": "POST /v1/messages/batches"}
-
-
-def log_text(project) -> str:
-    return (project.root / "logs" / "dbt.log").read_text()
-
-
-def command(project, capsys, *args: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    model = ["--model", "triage"] if args[0] != "status" else []
-    rc = cli([*args, "--database", str(project.db_path), "--schema", "main", *model])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def jobs(project) -> list[tuple]:

@@ -39,5 +39,8 @@ def forward_to_dbt() -> None:
     """Attach the handler once per process (dbt runs models on threads of one process)."""
     if not any(isinstance(h, DbtLogHandler) for h in log.handlers):
         log.addHandler(DbtLogHandler())
+    # dbt's event tracker (snowplow_tracker) calls logging.basicConfig() on import: a root handler that
+    # would print every line a second time on stderr. Inside dbt, dbt's log is the one destination.
+    log.propagate = False
     if log.level == logging.NOTSET or log.level > logging.INFO:
         log.setLevel(logging.INFO)

@@ -22,6 +22,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -103,10 +104,18 @@ class _Writer:
         self.max_requests, self.max_bytes, self.room = max_requests, max_bytes, room
         self.files: list[RequestFile] = []
         self.current: RequestFile | None = None
-        self.handle = None  # the current file, opened at its first line
+        self.handle: BinaryIO | None = None  # the current file, opened at its first line
         self.writes = _BackgroundWrites() if directory else None
         self.requests = self.tokens = 0  # over all files
-        self.sent_rows, self.sent_chunks, self.sent_lines = [], [], []
+        self.sent_rows: list[np.ndarray] = []
+        self.sent_chunks: list[np.ndarray] = []
+        self.sent_lines: list[np.ndarray] = []
+
+    @property
+    def file(self) -> RequestFile:
+        """The file being filled: take() opens one before anything else is asked of it."""
+        assert self.current is not None
+        return self.current
 
     def take(self, batch: pa.RecordBatch) -> bool:
         """Write as much of `batch` as the limits allow; False once writing must stop."""
@@ -124,7 +133,7 @@ class _Writer:
                 return False
             n = self._fitting(sizes[pos:], tokens[pos:])
             if n == 0:
-                if self.current.requests:  # full: the next line starts a new file
+                if self.file.requests:  # full: the next line starts a new file
                     self._close()
                     continue
                 if sizes[pos] > self.max_bytes:
@@ -143,7 +152,7 @@ class _Writer:
 
     def _fitting(self, sizes, tokens) -> int:
         """How many of the next lines the current file takes."""
-        f = self.current
+        f = self.file
         n = self.max_requests - f.requests
         if self.room.requests is not None:
             n = min(n, self.room.requests - self.requests)
@@ -161,8 +170,9 @@ class _Writer:
         return True
 
     def _write(self, batch, lines, offsets, pos, n, size, tokens) -> None:
-        f = self.current
+        f = self.file
         if f.path:
+            assert self.writes is not None  # a file has a path only when there is a directory to write to
             if self.handle is None:
                 self.handle = open(f.path, "wb")
             # The view keeps this batch's buffer alive until written (at most QUEUED batches).
@@ -179,10 +189,11 @@ class _Writer:
 
     def _close(self) -> None:
         if self.handle:
+            assert self.writes is not None
             self.writes.close(self.handle)
             self.handle = None
-        if self.current.requests:
-            self.files.append(self.current)
+        if self.file.requests:
+            self.files.append(self.file)
         self.current = None
 
     def finish(self) -> None:

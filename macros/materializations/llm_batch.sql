@@ -4,10 +4,14 @@
   autocommit connection: ledger rows must survive a model that fails later in the run.
   For a SQL model the compiled SELECT is handed to Python as a string; for a Python model, the
   relation its `model()` returns is.
+  `package_version` is the version of this dbt package, the same string as dbt_project.yml's
+  `version` and the Python package's `dbt_llm_batch.__version__`: the Python side refuses to run
+  macros written for another version of it, with a message saying which versions to align.
 -#}
 {% materialization llm_batch, adapter='duckdb', supported_languages=['sql', 'python'] %}
   {%- set target_relation = this.incorporate(type='table') -%}
   {%- set payload = {
+      'package_version': '0.2.0',
       'schema': this.schema,
       'identifier': this.identifier,
       'target': target_relation.render(),

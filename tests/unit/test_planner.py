@@ -1,0 +1,105 @@
+"""The planner's first steps on in-memory DuckDB: checking the selected rows, one desired row per
+key (fingerprint, prompt, realtime route), and the plan read back joined to the input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from dbt_llm_batch.config import parse_config
+from dbt_llm_batch.errors import ConfigError, InputError
+from dbt_llm_batch.pipeline import plan
+
+BASE = {"unique_key": ["shop", "id"], "llm_model": "gpt-4o-mini", "llm_system": "Be brief."}
+
+
+def given_input(con, rows, columns="shop varchar, id integer, priority varchar, prompt varchar") -> None:
+    con.execute(f"create or replace temp table {plan.INPUT} ({columns})")
+    con.executemany(f"insert into {plan.INPUT} values ({', '.join('?' * len(rows[0]))})", rows)
+
+
+def desired(con) -> dict:
+    rows = con.execute(
+        f"select key, fingerprint, has_prompt, prompt_chars, realtime, row_id from {plan.DESIRED}"
+    ).fetchall()
+    return {tuple(json.loads(r[0])): r[1:] for r in rows}
+
+
+ROWS = [("a", 1, "urgent", "Refund please"), ("a", 2, "low", ""), ("b", 1, "low", None), ("b", 2, "low", "Héllo")]
+
+
+def test_one_desired_row_per_key_with_its_fingerprint(memory_con):
+    config = parse_config(BASE)
+    given_input(memory_con, ROWS)
+    columns = plan.check_input(memory_con, plan.INPUT, config)
+    plan.build_desired(memory_con, plan.INPUT, columns, config)
+    got = desired(memory_con)
+
+    def md5(prompt: str) -> str:
+        return hashlib.md5((config.fingerprint_prefix() + prompt).encode()).hexdigest()
+
+    # The key is a JSON list of the key columns as text, so a composite key stays unambiguous.
+    assert set(got) == {("a", "1"), ("a", "2"), ("b", "1"), ("b", "2")}
+    assert got[("a", "1")][:4] == (md5("Refund please"), True, 13, False)
+    assert got[("a", "2")][:4] == (md5(""), False, 0, False)  # an empty prompt is not sent
+    assert got[("b", "1")][:4] == (md5(""), False, None, False)  # nor a NULL one
+    assert got[("b", "2")][:4] == (md5("Héllo"), True, 5, False)  # characters, not bytes
+
+
+def test_the_fingerprint_changes_with_what_is_asked_not_with_how(memory_con):
+    given_input(memory_con, ROWS)
+    fingerprints = {}
+    for name, extra in {"base": {}, "retries": {"llm_max_attempts": 7}, "system": {"llm_system": "Be long."}}.items():
+        config = parse_config({**BASE, **extra})
+        plan.build_desired(memory_con, plan.INPUT, plan.check_input(memory_con, plan.INPUT, config), config)
+        fingerprints[name] = {k: v[0] for k, v in desired(memory_con).items()}
+    assert fingerprints["retries"] == fingerprints["base"]
+    assert all(fingerprints["system"][k] != fingerprints["base"][k] for k in fingerprints["base"])
+
+
+def test_realtime_when_routes_rows_and_a_bad_expression_is_a_config_error(memory_con):
+    given_input(memory_con, ROWS)
+    config = parse_config({**BASE, "llm_realtime_when": "priority = 'urgent' -- the rest waits for a batch"})
+    plan.build_desired(memory_con, plan.INPUT, plan.check_input(memory_con, plan.INPUT, config), config)
+    assert {k: v[3] for k, v in desired(memory_con).items()} == {
+        ("a", "1"): True,
+        ("a", "2"): False,
+        ("b", "1"): False,
+        ("b", "2"): False,
+    }
+    bad = parse_config({**BASE, "llm_realtime_when": "no_such_column > 1"})
+    with pytest.raises(ConfigError, match=r"llm_realtime_when = 'no_such_column > 1' is not a boolean SQL expression"):
+        plan.build_desired(memory_con, plan.INPUT, plan.check_input(memory_con, plan.INPUT, bad), bad)
+
+
+def test_bad_input_is_refused_naming_examples(memory_con):
+    config = parse_config(BASE)
+    given_input(memory_con, [*ROWS, ("a", 1, "low", "again"), ("a", 1, "low", "and again")])
+    with pytest.raises(InputError, match=r"1 unique_key value\(s\) are duplicated, for example \('a', 1\) \(3 rows\)"):
+        plan.check_input(memory_con, plan.INPUT, config)
+    given_input(memory_con, [*ROWS, (None, 3, "low", "x")])
+    with pytest.raises(InputError, match=r"1 selected row\(s\) have a NULL in unique_key \(shop, id\)"):
+        plan.check_input(memory_con, plan.INPUT, config)
+    given_input(memory_con, [("a", 1, "x")], columns="shop varchar, id integer, text varchar")
+    with pytest.raises(ConfigError, match="prompt column 'prompt' is not selected by the model"):
+        plan.check_input(memory_con, plan.INPUT, config)
+
+
+def test_plan_rows_reads_prompt_and_row_from_the_input_or_from_a_deferred_request(memory_con):
+    config = parse_config(BASE)
+    given_input(memory_con, ROWS)
+    columns = plan.check_input(memory_con, plan.INPUT, config)
+    plan.build_desired(memory_con, plan.INPUT, columns, config)
+    # A plan of two rows: one read from the input; one a deferred request that brings its own.
+    memory_con.execute(
+        f"""create temp table my_plan as
+            select row_id, null::varchar as deferred_prompt, null::varchar as deferred_row_json
+            from {plan.DESIRED} where key = '["a","1"]'
+            union all select null, 'kept prompt', '{{"shop":"z"}}'"""
+    )
+    rows = memory_con.execute(
+        f"select prompt, json_extract_string(row_json, '$.shop'), plan_row from {plan.plan_rows(config, columns, 'my_plan')} order by plan_row"
+    ).fetchall()
+    assert rows == [("Refund please", "a", 0), ("kept prompt", "z", 1)]
