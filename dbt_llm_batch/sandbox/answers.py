@@ -143,8 +143,9 @@ def simulate(answer: str, prompt_chars: int, max_tokens: int | None) -> Completi
     `prompt_chars` is the length of all message text sent in the request.
     """
     completion_tokens = count_tokens(len(answer))
-    truncated = max_tokens is not None and completion_tokens > max_tokens
-    if truncated:
+    truncated = False
+    if max_tokens is not None and completion_tokens > max_tokens:
+        truncated = True
         # A real model stops mid-answer; a cut JSON answer is deliberately
         # left unparseable so clients exercise their "length" handling.
         answer = answer[: max_tokens * 4]
@@ -240,7 +241,9 @@ def check_lines(data: bytes, endpoint: str, limit: int) -> tuple[list[dict], lis
     if len(numbered) > limit:
         message = f"The batch input file contains {len(numbered):,} requests; a batch may contain at most {limit:,}."
         return [batch_error("too_many_requests_in_batch", None, message)], [], None
-    errors, requests, seen, model = [], [], set(), None
+    errors, requests = [], []
+    seen: set[str] = set()
+    model: str | None = None
     for n, raw in numbered:
         try:
             line = json.loads(raw)
@@ -249,7 +252,7 @@ def check_lines(data: bytes, endpoint: str, limit: int) -> tuple[list[dict], lis
         if not isinstance(line, dict):
             errors.append(batch_error("invalid_json_line", n, "This line is not parseable as valid JSON."))
             continue
-        body = line.get("body") if isinstance(line.get("body"), dict) else {}
+        body = line["body"] if isinstance(line.get("body"), dict) else {}
         model = model or (body["model"] if isinstance(body.get("model"), str) else None)  # first model wins
         problem = _line_problem(line, endpoint, seen, model)
         if isinstance(line.get("custom_id"), str):

@@ -22,6 +22,7 @@ import math
 import string
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Any
 
 from .anthropic_messages import CUSTOM_ID, error_type_for, read_params, run_request
 from .realtime import anthropic_create_message
@@ -163,7 +164,7 @@ class Face:
                     headers={"retry-after": "60"},
                 )
         now = self.emu.now()
-        obj = {
+        obj: dict[str, Any] = {
             "id": self._id("msgbatch_01", 22),
             "type": "message_batch",
             "processing_status": "in_progress",

@@ -26,6 +26,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .answers import Faults, count_tokens, expected_answer, simulate
 from .caching import PromptCache, min_cache_tokens
@@ -181,7 +182,7 @@ def _read_cache_control(ask: Ask, params: dict, containers: list[tuple[str, str,
 
 def cache_usage(ask: Ask, total: int, cache: PromptCache, min_tokens: int | None, now: float) -> dict:
     """The usage fields about input, with the prompt cache read or written as the provider would."""
-    usage = {
+    usage: dict[str, Any] = {
         "input_tokens": total,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": 0,
@@ -234,7 +235,8 @@ def run_request(
         ), None
     answer = fault["content"] if fault else expected_answer(ask.system, ask.prompt, ask.schema)
     done = simulate(answer, ask.total_chars, ask.max_tokens)
-    content, stop = [{"type": "text", "text": done.content}], "end_turn"
+    content: list[dict[str, Any]] = [{"type": "text", "text": done.content}]
+    stop = "end_turn"
     if ask.tool is not None:
         try:
             tool_input = {} if done.truncated else json.loads(done.content)
@@ -245,7 +247,7 @@ def run_request(
             stop = "tool_use"
     if done.truncated:
         stop = "max_tokens"
-    usage = {
+    usage: dict[str, Any] = {
         **cache_usage(ask, done.prompt_tokens, cache, min_tokens, now),
         "output_tokens": done.completion_tokens,
         "service_tier": "batch",

@@ -427,6 +427,7 @@ class Face(FilesMixin):
         """Enter a terminal status: write result files and the batch's usage."""
         if status == "expired":  # unfinished requests are reported, not silently dropped
             for index in run.todo:
+                assert run.requests is not None  # only a validated batch has requests to run
                 run.err_lines.append(self._line(run.requests[index], None, dict(EXPIRED)))
             run.obj["request_counts"]["failed"] += len(run.todo)
         run.todo = []  # a cancelled batch simply never runs the rest
@@ -468,6 +469,7 @@ def _metadata(metadata: object) -> dict | None:
         "Invalid 'metadata': expected an object with at most 16 pairs.",
         "metadata",
     )
+    assert isinstance(metadata, dict)  # require() raised otherwise
     for key, value in metadata.items():
         require(
             len(key) <= 64 and isinstance(value, str) and len(value) <= 512,

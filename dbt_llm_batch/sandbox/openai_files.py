@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import email.parser
 import email.policy
+from collections.abc import Callable
+from typing import Any
 
 from .server import ApiError, Reply, Request
 
@@ -24,7 +26,7 @@ def parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[str | Non
     msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
         b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body
     )
-    fields = {}
+    fields: dict = {}  # the email package types names and payloads loosely; form fields are str and bytes
     for part in msg.iter_parts():
         name = part.get_param("name", header="content-disposition")
         if name:
@@ -38,6 +40,8 @@ class FilesMixin:
     files: dict[str, dict]
     contents: dict[str, bytes]
     deleted_contents: dict[str, bytes]  # what clients deleted: gone from the API, kept for test oracles
+    emu: Any  # the Emulator, and the id maker, of the face that mixes this in
+    _id: Callable[[str, int], str]
 
     def upload_file(self, req: Request) -> dict:
         fields = parse_multipart(req.headers.get("content-type", ""), req.body)
@@ -84,7 +88,7 @@ class FilesMixin:
         return self.files[file_id]
 
     def _store(self, filename: str, purpose: str, data: bytes, at: float, ttl: int | None) -> dict:
-        f = {
+        f: dict[str, Any] = {
             "id": self._id("file-", 22),
             "object": "file",
             "bytes": len(data),
@@ -126,7 +130,7 @@ def list_page(items: list[dict], query: dict[str, str], default: int, maximum: i
 
 def ttl_seconds(seconds: object, param: str) -> int:
     try:
-        value = int(seconds)  # type: ignore[arg-type]
+        value = int(seconds)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         value = 0
     require(3600 <= value <= 30 * DAY, f"Invalid '{param}': expected an integer between 3600 and 2592000.", param)

@@ -58,6 +58,7 @@ def anthropic_create_message(face, req: Request) -> dict:
             error["type"],
             headers={"retry-after": "1"} if status == 429 or status >= 500 else None,
         )
+    assert usage is not None  # a succeeded request has usage
     usage["service_tier"] = "standard"
     emu.counters.add_usage(
         face.name,

@@ -31,7 +31,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, urlsplit
 
 from .answers import Faults
@@ -169,7 +169,8 @@ class Emulator:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
-            self._thread.join(timeout=5)
+            if self._thread is not None:
+                self._thread.join(timeout=5)
             self._server = self._thread = None
 
     def __enter__(self) -> Emulator:
@@ -404,17 +405,26 @@ class Emulator:
             route = f"{method} {path.rstrip('/')}"
             m = re.fullmatch(r"POST /_emulator/batches/([^/]+)/advance", route)
             expire = re.fullmatch(r"POST /_emulator/batches/([^/]+)/expire_results", route)
+
+            def clear_faults() -> dict:
+                self.clear_faults()
+                return {"faults": []}
+
+            def reset() -> dict:
+                self.reset()
+                return {"reset": True}
+
             simple = {
                 "POST /_emulator/complete_all": lambda: {"batches": self.complete_all()},
                 "POST /_emulator/faults": lambda: self.add_fault(**data),
                 "GET /_emulator/faults": lambda: {"faults": self.faults()},
-                "DELETE /_emulator/faults": lambda: {"faults": self.clear_faults() or []},
+                "DELETE /_emulator/faults": clear_faults,
                 "GET /_emulator/stats": self.stats,
                 "GET /_emulator/batches": lambda: {"batches": self.batches()},
-                "POST /_emulator/reset": lambda: {"reset": self.reset() or True},
+                "POST /_emulator/reset": reset,
             }
             if m:
-                result = self.advance(m.group(1), data.get("to"), data.get("done_fraction") or 0.0)
+                result = self.advance(m.group(1), cast(str, data.get("to")), data.get("done_fraction") or 0.0)
             elif expire:
                 result = self.expire_results(expire.group(1))
             elif route in simple:

@@ -200,7 +200,8 @@ def _strict(node: object, path: tuple, count: list[int], param: str, lead: str) 
     for keyword in OPENAI_STRICT_UNSUPPORTED:
         if keyword in node:
             raise Invalid(param, f"{lead}: {context}, '{keyword}' is not permitted.")
-    types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
+    declared = node.get("type")
+    types = declared if isinstance(declared, list) else [declared]
     if "object" in types or "properties" in node:
         props = node.get("properties") or {}
         count[0] += len(props)
