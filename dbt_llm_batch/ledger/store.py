@@ -17,9 +17,8 @@ import uuid
 from contextlib import contextmanager
 
 import duckdb
-import pyarrow as pa
 
-from dbt_llm_batch.sql import ident
+from dbt_llm_batch.sql import ident, list_literal
 
 # Request statuses. 'queued' is in flight (whether its job reached the provider is the job's batch_id;
 # 'submitted' is the same state as written by ledgers before schema version 5); 'voided' means the request never produced
@@ -314,35 +313,33 @@ class Ledger:
         write large plans straight to the database file instead of through its log.
         """
         job_ids = {chunk: "job_" + uuid.uuid4().hex for chunk in chunks}
-        mapping = pa.table({"chunk": pa.array(list(job_ids), pa.int64()), "job_id": list(job_ids.values())})
+        # {chunk: job id} as a relation in the statements (a few rows: one per request file)
+        chunk_list, job_id_list = list_literal(map(str, job_ids)), list_literal(job_ids.values())
+        mapping = f"(select unnest({chunk_list})::bigint as chunk, unnest({job_id_list}) as job_id)"
         requests = self.table("llm_batch_requests")
 
         def write():
-            self.con.register("__llm_job_ids", mapping)
-            try:
-                with transaction(self.con):
-                    self.con.execute(
-                        f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
-                              status, request_count, created_at, updated_at)
-                            select m.job_id, ?, ?, ?, ?, count(*), now(), now()
-                            from {plan_rows} p join __llm_job_ids m using (chunk) group by m.job_id""",
-                        [self.model, provider, llm_model, status],
-                    )
-                    self.con.execute(  # a deferred request being sent now becomes a queued one
-                        f"""delete from {requests} where model = ? and status = 'deferred' and custom_id in
-                            (select custom_id from {plan_rows} join __llm_job_ids using (chunk))""",
-                        [self.model],
-                    )
-                    self.con.execute(
-                        f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
-                              row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line)
-                            select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, 'queued', p.row_json, now(),
-                                   p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line
-                            from {plan_rows} p join __llm_job_ids m using (chunk)""",
-                        [self.model],
-                    )
-            finally:
-                self.con.unregister("__llm_job_ids")
+            with transaction(self.con):
+                self.con.execute(
+                    f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
+                          status, request_count, created_at, updated_at)
+                        select m.job_id, ?, ?, ?, ?, count(*), now(), now()
+                        from {plan_rows} p join {mapping} m using (chunk) group by m.job_id""",
+                    [self.model, provider, llm_model, status],
+                )
+                self.con.execute(  # a deferred request being sent now becomes a queued one
+                    f"""delete from {requests} where model = ? and status = 'deferred' and custom_id in
+                        (select custom_id from {plan_rows} join {mapping} using (chunk))""",
+                    [self.model],
+                )
+                self.con.execute(
+                    f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
+                          row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line)
+                        select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, 'queued', p.row_json, now(),
+                               p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line
+                        from {plan_rows} p join {mapping} m using (chunk)""",
+                    [self.model],
+                )
 
         retry_on_conflict(write)
         return job_ids

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from dbt_llm_batch.log import log
+from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchState
 
 BACKOFF_FIRST_SECONDS = 600
@@ -88,7 +89,7 @@ def line_errors_table(jobs: list[tuple[str, BatchState]]) -> pa.Table:
 
 
 def fail_named_lines(con, requests: str) -> None:
-    """Fail the requests whose lines validation named (table __llm_line_errors), with its message:
+    """Fail the requests whose lines validation named (table Scratch.line_errors), with its message:
     final at once, since the same line would fail validation again (and take its batch down again)."""
     con.execute(
         f"""update {requests} r set status = 'failed', completed_at = now(), is_final = true,
@@ -97,8 +98,8 @@ def fail_named_lines(con, requests: str) -> None:
                   from (select custom_id, job_id,
                                -- ledgers before version 9 wrote request files in custom_id order
                                coalesce(file_line, row_number() over (partition by job_id order by custom_id)) as line
-                        from {requests} where job_id in (select job_id from __llm_line_errors)) n
-                  join __llm_line_errors e using (job_id, line)) x
+                        from {requests} where job_id in (select job_id from {Scratch.line_errors})) n
+                  join {Scratch.line_errors} e using (job_id, line)) x
             where r.custom_id = x.custom_id and r.job_id = x.job_id and r.status in ('queued', 'submitted')""",
         [LINE_REJECTED],
     )
@@ -110,15 +111,15 @@ def is_plain_failure(state: BatchState) -> bool:
 
 
 def settle_batch_failures(con, requests: str, model: str, priced: bool) -> None:
-    """The unanswered requests of plainly failed batches (__llm_ended.plain_failure): voided with a
+    """The unanswered requests of plainly failed batches (Scratch.ended, its plain_failure): voided with a
     growing back-off, or, at the GIVE_UP_AFTER-th such failure in a row of the same (key,
     fingerprint), failed and final (until `dbt-llm-batch requeue`). Unbilled: cost $0."""
     con.execute(
-        f"""create or replace temp table __llm_batch_failed as
+        f"""create or replace temp table {Scratch.batch_failed} as
             with settling as (
                 select r.custom_id, r.job_id, r.key, r.fingerprint, r.seq,
                        coalesce(e.error, 'batch ' || e.status || ' with no error given') as error
-                from {requests} r join __llm_ended e using (job_id)
+                from {requests} r join {Scratch.ended} e using (job_id)
                 where r.status in ('queued', 'submitted')
                   -- validation named lines, none of them this job's requests: as good as naming none
                   and (e.plain_failure or (e.line_errors and not exists (
@@ -151,10 +152,10 @@ def settle_batch_failures(con, requests: str, model: str, priced: bool) -> None:
                        || 'row; resubmitted after a ' || ({wait} // 60) || '-minute back-off, given up after '
                        || {GIVE_UP_AFTER} || ')' end
               {", cost_usd = 0, realtime_cost_usd = 0" if priced else ""}
-            from __llm_batch_failed f where r.custom_id = f.custom_id and r.job_id = f.job_id""",
+            from {Scratch.batch_failed} f where r.custom_id = f.custom_id and r.job_id = f.job_id""",
         [model],
     )
-    con.execute("drop table __llm_batch_failed")
+    con.execute(f"drop table {Scratch.batch_failed}")
 
 
 def log_backoffs(ledger, jobs: list[tuple[str, BatchState]]) -> None:

@@ -18,6 +18,7 @@ from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import batch_failures, costs, crashpoints, tempdirs
+from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
 from dbt_llm_batch.providers.calls import ProviderUnavailable, status_of
 from dbt_llm_batch.sql import in_list, literal
@@ -147,18 +148,18 @@ def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
     )
 
     def write():  # one statement for all files, which DuckDB reads in parallel
-        con.register("__llm_downloads", files)
+        con.register(Scratch.downloads, files)
         try:
             with transaction(con):
                 con.execute(
                     f"""insert into {results}
                         select r.json ->> 'custom_id', ?, d.job_id, d.source, r.json, now()
-                        from read_ndjson_objects(?, filename = true) r join __llm_downloads d on d.path = r.filename""",
+                        from read_ndjson_objects(?, filename = true) r join {Scratch.downloads} d on d.path = r.filename""",
                     [ledger.model, files.column("path").to_pylist()],
                 )
                 # Lines are matched to their file by the name DuckDB reports; a file whose lines all went
                 # unmatched would look like a batch without results: refuse, and store nothing.
-                lost = con.execute(f"""select path from __llm_downloads d where has_lines and not exists
+                lost = con.execute(f"""select path from {Scratch.downloads} d where has_lines and not exists
                                        (select 1 from {results} r where r.job_id = d.job_id and r.source = d.source)""").fetchall()
                 if lost:
                     raise RuntimeError(
@@ -166,7 +167,7 @@ def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
                         f"their batch; nothing was stored, and the next run downloads them again"
                     )
         finally:
-            con.unregister("__llm_downloads")
+            con.unregister(Scratch.downloads)
 
     if downloads:
         retry_on_conflict(write)
@@ -202,9 +203,9 @@ def settle(
             "backoff_seconds": pa.array(backoffs, pa.int64()),
         }
     )
-    con.register("__llm_ended", ended)
-    con.register("__llm_line_errors", batch_failures.line_errors_table(jobs))
-    scope = f"job_id in (select job_id from __llm_ended) {'and source = ?' if source else ''}"
+    con.register(Scratch.ended, ended)
+    con.register(Scratch.line_errors, batch_failures.line_errors_table(jobs))
+    scope = f"job_id in (select job_id from {Scratch.ended}) {'and source = ?' if source else ''}"
     # A duplicated line must not settle a request twice (prefer a success). Duplicates are rare and
     # cheap to rule out on the stored custom_ids; ranking every line is not.
     duplicated = con.execute(
@@ -217,7 +218,7 @@ def settle(
             " qualify row_number() over (partition by job_id, custom_id order by (outcome = 'ok') desc, source) = 1"
         )
     con.execute(
-        f"""create or replace temp table __llm_outcomes as
+        f"""create or replace temp table {Scratch.outcomes} as
             with parsed as (
                 select json_transform(raw, '{json.dumps(provider.result_structure)}') as r, source, job_id
                 from {results} where {scope}),
@@ -233,7 +234,7 @@ def settle(
                 from one_per_id),
             settling as (
                 select key, fingerprint, custom_id, job_id from {requests}
-                where job_id in (select job_id from __llm_ended) and status in ('queued', 'submitted')),
+                where job_id in (select job_id from {Scratch.ended}) and status in ('queued', 'submitted')),
             failures as (  -- earlier failed attempts of the same (key, fingerprint)
                 select p.key, p.fingerprint, count(*) as n from {requests} p
                 where p.model = ? and p.status = 'failed' and (p.key, p.fingerprint) in
@@ -249,7 +250,7 @@ def settle(
         if source
         else con.execute(
             f"""select count(distinct custom_id) from {results} l
-            where job_id in (select job_id from __llm_ended) and not exists
+            where job_id in (select job_id from {Scratch.ended}) and not exists
                   (select 1 from {requests} r where r.custom_id = l.custom_id and r.job_id = l.job_id)"""
         ).fetchall()[0][0]
     )
@@ -274,7 +275,7 @@ def settle(
                       input_tokens = o.input_tokens, output_tokens = o.output_tokens, cached_tokens = o.cached_tokens,
                       cache_write_tokens = o.cache_write_tokens, cache_write_1h_tokens = o.cache_write_1h_tokens, {cost}
                       completed_at = now()
-                    from __llm_outcomes o where r.custom_id = o.custom_id and r.job_id = o.job_id""",
+                    from {Scratch.outcomes} o where r.custom_id = o.custom_id and r.job_id = o.job_id""",
                 [config.max_attempts],
             )
             if source:
@@ -289,21 +290,21 @@ def settle(
                       error = coalesce(e.void_reason, e.error,
                                        'batch ended (' || e.status || ') without a result for this request')
                       {", cost_usd = 0, realtime_cost_usd = 0" if price is not None else ""}
-                    from __llm_ended e where r.job_id = e.job_id and r.status in ('queued', 'submitted')"""
+                    from {Scratch.ended} e where r.job_id = e.job_id and r.status in ('queued', 'submitted')"""
             )
             con.execute(
                 f"""update {ledger.table("llm_batch_jobs")} j set status = e.status, error = e.error,
                       output_file_id = e.output_file_id, error_file_id = e.error_file_id,
                       ended_at = coalesce(ended_at, now()), harvested_at = now(), updated_at = now()
-                    from __llm_ended e where j.job_id = e.job_id"""
+                    from {Scratch.ended} e where j.job_id = e.job_id"""
             )
 
     try:
         retry_on_conflict(write)
     finally:
-        con.unregister("__llm_ended")
-        con.unregister("__llm_line_errors")
-        con.execute("drop table if exists __llm_outcomes")
+        con.unregister(Scratch.ended)
+        con.unregister(Scratch.line_errors)
+        con.execute(f"drop table if exists {Scratch.outcomes}")
     batch_failures.log_backoffs(ledger, jobs)
     if unknown:
         log.warning(f"{ledger.model}: {unknown} result line(s) for custom_ids their batch never sent were ignored")

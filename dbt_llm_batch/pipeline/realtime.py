@@ -34,6 +34,7 @@ import pyarrow as pa
 from dbt_llm_batch.errors import ProviderError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.pipeline import crashpoints, harvest
+from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
 from dbt_llm_batch.providers.realtime_transport import RETRYABLE, FatalReply, LostReply, TransientError
 
@@ -289,16 +290,16 @@ class ResultWriter:
         con = self.cursor
 
         def store():
-            con.register("__llm_realtime_lines", table)
+            con.register(Scratch.realtime_lines, table)
             try:
                 with transaction(con):
                     con.execute(
                         f"""insert into {self.ledger.table("llm_batch_results")}
-                                    select custom_id, ?, ?, ?, raw, now() from __llm_realtime_lines""",
+                                    select custom_id, ?, ?, ?, raw, now() from {Scratch.realtime_lines}""",
                         [self.ledger.model, self.job_id, source],
                     )
             finally:
-                con.unregister("__llm_realtime_lines")
+                con.unregister(Scratch.realtime_lines)
 
         retry_on_conflict(store)
         running = BatchState(status="realtime", ended=False)

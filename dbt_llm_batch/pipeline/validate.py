@@ -12,8 +12,11 @@ import json
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.pipeline import costs
-from dbt_llm_batch.pipeline.plan import DESIRED, INPUT, prompt_is_blob, row_json_sql
+from dbt_llm_batch.pipeline.plan import prompt_is_blob, row_json_sql
+from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.sql import ident
+
+DESIRED, INPUT, UNSENDABLE = Scratch.desired, Scratch.input, Scratch.unsendable
 
 # Context windows in tokens (input + output), by provider and model-name prefix (the longest listed
 # prefix wins, as for prices); llm_max_context_tokens overrides. Sources: the providers' model pages.
@@ -84,28 +87,28 @@ def _reject(ledger: Ledger, columns, record: bool, condition: str, error_sql: st
     fingerprint; with `record` False, none: returns how many match), and take all matching rows out
     of this run's plan."""
     requests = ledger.table("llm_batch_requests")
-    ledger.execute(f"""create or replace temp table __llm_unsendable as
+    ledger.execute(f"""create or replace temp table {UNSENDABLE} as
                        select d.row_id, d.key, d.fingerprint, {error_sql} as error, {row_json_sql(columns, "i.")} as row_json
                        from {DESIRED} d join {INPUT} i on i.rowid = d.row_id
                        where d.has_prompt and ({condition})""")
     if not record:
-        n = ledger.execute("select count(*) from __llm_unsendable").fetchall()[0][0]
-        ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from __llm_unsendable)")
-        ledger.execute("drop table __llm_unsendable")
+        n = ledger.execute(f"select count(*) from {UNSENDABLE}").fetchall()[0][0]
+        ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from {UNSENDABLE})")
+        ledger.execute(f"drop table {UNSENDABLE}")
         return n
     n = ledger.execute(
         f"""insert into {requests} (custom_id, model, key, fingerprint, seq, status, is_final, error, row_json,
               queued_at, completed_at)
             select 'x_' || substr(sha256(? || u.key || u.fingerprint), 1, 40), ?, u.key, u.fingerprint, 0, 'failed',
                    true, u.error, u.row_json, now(), now()
-            from __llm_unsendable u
+            from {UNSENDABLE} u
             where not exists (select 1 from {requests} r
                               where r.model = ? and r.key = u.key and r.fingerprint = u.fingerprint
                                 and (r.job_id is null or r.status in ('succeeded', 'queued', 'submitted', 'held')))""",
         [ledger.model, ledger.model, ledger.model],
     ).fetchall()[0][0]
-    ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from __llm_unsendable)")
-    ledger.execute("drop table __llm_unsendable")
+    ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from {UNSENDABLE})")
+    ledger.execute(f"drop table {UNSENDABLE}")
     return n
 
 
