@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import uuid
 
-import pyarrow as pa
-
 from dbt_llm_batch.ledger.base import LedgerBase, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT_SQL, JobStatus, RequestStatus, sql, sql_in
+from dbt_llm_batch.sql import list_literal
 
 R = RequestStatus
 QUEUED, DEFERRED, FAILED, VOIDED = sql(R.QUEUED), sql(R.DEFERRED), sql(R.FAILED), sql(R.VOIDED)
@@ -37,35 +36,33 @@ class RequestWrites(LedgerBase):
         if status not in (JobStatus.INTENT, JobStatus.REALTIME):
             raise ValueError(f"a job starts as {JobStatus.INTENT} or {JobStatus.REALTIME}, not {status}")
         job_ids = {chunk: "job_" + uuid.uuid4().hex for chunk in chunks}
-        mapping = pa.table({"chunk": pa.array(list(job_ids), pa.int64()), "job_id": list(job_ids.values())})
+        # {chunk: job id} as a relation in the statements (a few rows: one per request file)
+        chunk_list, job_id_list = list_literal(map(str, job_ids)), list_literal(job_ids.values())
+        mapping = f"(select unnest({chunk_list})::bigint as chunk, unnest({job_id_list}) as job_id)"
         requests = self.table("llm_batch_requests")
 
         def write():
-            self.con.register("__llm_job_ids", mapping)
-            try:
-                with transaction(self.con):
-                    self.con.execute(
-                        f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
-                              status, request_count, created_at, updated_at)
-                            select m.job_id, ?, ?, ?, ?, count(*), now(), now()
-                            from {plan_rows} p join __llm_job_ids m using (chunk) group by m.job_id""",
-                        [self.model, provider, llm_model, status],
-                    )
-                    self.con.execute(  # a deferred request being sent now becomes a queued one
-                        f"""delete from {requests} where model = ? and status = {DEFERRED} and custom_id in
-                            (select custom_id from {plan_rows} join __llm_job_ids using (chunk))""",
-                        [self.model],
-                    )
-                    self.con.execute(
-                        f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
-                              row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line)
-                            select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, {QUEUED}, p.row_json, now(),
-                                   p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line
-                            from {plan_rows} p join __llm_job_ids m using (chunk)""",
-                        [self.model],
-                    )
-            finally:
-                self.con.unregister("__llm_job_ids")
+            with transaction(self.con):
+                self.con.execute(
+                    f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
+                          status, request_count, created_at, updated_at)
+                        select m.job_id, ?, ?, ?, ?, count(*), now(), now()
+                        from {plan_rows} p join {mapping} m using (chunk) group by m.job_id""",
+                    [self.model, provider, llm_model, status],
+                )
+                self.con.execute(  # a deferred request being sent now becomes a queued one
+                    f"""delete from {requests} where model = ? and status = {DEFERRED} and custom_id in
+                        (select custom_id from {plan_rows} join {mapping} using (chunk))""",
+                    [self.model],
+                )
+                self.con.execute(
+                    f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
+                          row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line)
+                        select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, {QUEUED}, p.row_json, now(),
+                               p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line
+                        from {plan_rows} p join {mapping} m using (chunk)""",
+                    [self.model],
+                )
 
         retry_on_conflict(write)
         return job_ids
@@ -213,7 +210,7 @@ class RequestWrites(LedgerBase):
 
     def settle_outcomes(self, outcomes: str, max_attempts: int, cost: str) -> None:
         """Inside harvest's transaction: each queued request of `outcomes` (harvest.settle's
-        __llm_outcomes) takes its outcome: succeeded, failed, or voided (the provider settled nothing
+        outcomes table) takes its outcome: succeeded, failed, or voided (the provider settled nothing
         for it). `cost` is SQL assigning the cost columns (ending with a comma), or ''."""
         self.con.execute(
             f"""update {self.table("llm_batch_requests")} r set

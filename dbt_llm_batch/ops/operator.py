@@ -11,8 +11,8 @@
   The failures stay in the ledger (status `requeued`, error and answer kept); they stop counting.
 - `unlock`: remove a dead run's lock (locks.py).
 
-And, called by every run after a harvest: delete a batch's files at the provider once its results
-are stored in the ledger (`llm_delete_provider_files`, on by default).
+What a run does with these after a harvest (hold, report, delete files at the provider) is in
+pipeline/reconcile.py.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import LlmBatchError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.locks import database_path, is_lock_conflict, lock_conflict_message, unlock
-from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, PRE_SUBMISSION, JobStatus, RequestStatus, sql, sql_in
-from dbt_llm_batch.log import log
+from dbt_llm_batch.ledger.status import PRE_SUBMISSION, JobStatus, RequestStatus, sql, sql_in
 from dbt_llm_batch.pipeline.submit import HELD_BY_RECONCILIATION
 from dbt_llm_batch.providers import BatchProvider, get_provider
 
@@ -134,14 +133,9 @@ def cancel_model(con, schema: str, model: str) -> list[str]:
     return lines
 
 
-def hold_cancelled(ledger: Ledger) -> int:
-    """Requests an operator-cancelled batch ended without answering become 'held' (run after harvest)."""
-    return ledger.hold_cancelled()
-
-
 def release_model(con, schema: str, model: str) -> tuple[int, int, int, int]:
     """Make the model's requests that no run will send eligible again, as 'released' (like 'voided':
-    planned again without using up an attempt; a status of its own, so hold_cancelled does not hold
+    planned again without using up an attempt; a status of its own, so reconcile.hold_cancelled does not hold
     them again): the held ones (after a cancel), those of interrupted submissions reconciliation holds
     (no batch id: the provider may or may not have their batch), and in-flight ones whose job row is
     missing. Returns (held, interrupted requests, interrupted submissions, job missing)."""
@@ -167,25 +161,6 @@ def release_model(con, schema: str, model: str) -> tuple[int, int, int, int]:
     return held, freed, len(interrupted), orphans
 
 
-def warn_missing_jobs(ledger: Ledger) -> int:
-    """Warn about in-flight requests whose job row is gone (deleted by hand?): no run polls or resends
-    them. Returns how many."""
-    jobs = ledger.table("llm_batch_jobs")
-    n = ledger.con.execute(
-        f"""select count(*) from {ledger.table("llm_batch_requests")}
-            where model = ? and status in {IN_FLIGHT_SQL} and job_id not in (select job_id from {jobs})""",
-        [ledger.model],
-    ).fetchall()[0][0]
-    if n:
-        log.warning(
-            f"{ledger.model}: {n} request(s) are in flight under a job missing from llm_batch_jobs (was its row "
-            f"deleted?): no run polls them or sends them again. If their batch never ran (or you accept paying "
-            f"again), send them with `dbt-llm-batch release --database {database_path(ledger.con)} --schema "
-            f"{ledger.schema} --model {ledger.model}`"
-        )
-    return n
-
-
 def requeue_model(con, schema: str, model: str) -> tuple[int, int]:
     """Failed requests that were sent stop counting as attempts (status 'requeued'); returns (requeued,
     failed before sending). Rows that failed before sending (empty, too long, not UTF-8) need their
@@ -198,38 +173,6 @@ def requeue_model(con, schema: str, model: str) -> tuple[int, int]:
         [ledger.model],
     ).fetchall()[0][0]
     return n, unsent
-
-
-def delete_provider_files(ledger: Ledger, client_for, enabled: bool) -> None:
-    """After results are stored: delete each harvested batch's input and result files at the provider.
-    Recorded on the job; a failure is logged (and retried next run) and never fails the run.
-    `client_for(job)` gives the provider the job was submitted through (the model may have switched
-    provider since): called only when there is something to delete."""
-    if not enabled:
-        return
-    # Harvested batches; and voided submissions that uploaded a file but never made a batch with it.
-    jobs = ledger.con.execute(
-        f"""select job_id, batch_id, provider, llm_model, input_file_id, output_file_id, error_file_id
-            from {ledger.table("llm_batch_jobs")}
-            where model = ? and files_deleted_at is null
-              and ((harvested_at is not null and batch_id is not null)
-                   or (status = {sql(JobStatus.VOIDED)} and batch_id is null and input_file_id is not null))""",
-        [ledger.model],
-    ).fetchall()
-    for job_id, batch_id, provider_name, llm_model, *file_ids in jobs:
-        try:  # the job's provider may need a key this run does not have (the model switched provider)
-            provider = client_for({"provider": provider_name, "llm_model": llm_model})
-            if isinstance(provider, BatchProvider):  # a provider without a batch API keeps no files
-                provider.delete_files(batch_id, [f for f in file_ids if f])
-        except Exception as exc:
-            what = f"batch {batch_id}" if batch_id else f"interrupted submission {job_id}"
-            log.warning(
-                f"{ledger.model}: could not delete the files of {what} at {provider_name} "
-                f"({type(exc).__name__}: {exc}); the results are stored, the next run tries again"
-            )
-            ledger.update_job(job_id, files_delete_error=f"{type(exc).__name__}: {exc}"[:1000])
-            continue
-        ledger.update_job(job_id, files_deleted_at=_now(ledger.con), files_delete_error=None)
 
 
 def _now(con):

@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, RequestStatus, sql
 from dbt_llm_batch.log import log
+from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchState
 
 BACKOFF_FIRST_SECONDS = 600
@@ -89,9 +90,9 @@ def line_errors_table(jobs: list[tuple[str, BatchState]]) -> pa.Table:
 
 
 def fail_named_lines(ledger) -> None:
-    """Fail the requests whose lines validation named (table __llm_line_errors), with its message:
+    """Fail the requests whose lines validation named (table Scratch.line_errors), with its message:
     final at once, since the same line would fail validation again (and take its batch down again)."""
-    ledger.fail_named_lines("__llm_line_errors", LINE_REJECTED)
+    ledger.fail_named_lines(Scratch.line_errors, LINE_REJECTED)
 
 
 def is_plain_failure(state: BatchState) -> bool:
@@ -100,16 +101,16 @@ def is_plain_failure(state: BatchState) -> bool:
 
 
 def settle_batch_failures(ledger, priced: bool) -> None:
-    """The unanswered requests of plainly failed batches (__llm_ended.plain_failure): voided with a
+    """The unanswered requests of plainly failed batches (Scratch.ended, its plain_failure): voided with a
     growing back-off, or, at the GIVE_UP_AFTER-th such failure in a row of the same (key,
     fingerprint), failed and final (until `dbt-llm-batch requeue`). Unbilled: cost $0."""
     con, requests, model = ledger.con, ledger.table("llm_batch_requests"), ledger.model
     con.execute(
-        f"""create or replace temp table __llm_batch_failed as
+        f"""create or replace temp table {Scratch.batch_failed} as
             with settling as (
                 select r.custom_id, r.job_id, r.key, r.fingerprint, r.seq,
                        coalesce(e.error, 'batch ' || e.status || ' with no error given') as error
-                from {requests} r join __llm_ended e using (job_id)
+                from {requests} r join {Scratch.ended} e using (job_id)
                 where r.status in {IN_FLIGHT_SQL}
                   -- validation named lines, none of them this job's requests: as good as naming none
                   and (e.plain_failure or (e.line_errors and not exists (
@@ -139,11 +140,11 @@ def settle_batch_failures(ledger, priced: bool) -> None:
                       else f.error || ' (the batch failed without naming a request, ' || f.occurrence || ' time(s) in a '
                            || 'row; resubmitted after a ' || ({wait} // 60) || '-minute back-off, given up after '
                            || {GIVE_UP_AFTER} || ')' end as error
-             from __llm_batch_failed f)""",
+             from {Scratch.batch_failed} f)""",
         [model],
         priced,
     )
-    con.execute("drop table __llm_batch_failed")
+    con.execute(f"drop table {Scratch.batch_failed}")
 
 
 def log_backoffs(ledger, jobs: list[tuple[str, BatchState]]) -> None:

@@ -17,10 +17,11 @@ from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.sql import literal
 
 PRICES_CSV = Path(__file__).with_name("prices.csv")
-PRICES = "__llm_prices"
+PRICES = Scratch.prices
 MONEY = "decimal(18, 9)"
 # Estimated output tokens when llm_max_tokens is not set (the estimate is then a guess, not a bound).
 DEFAULT_OUTPUT_ESTIMATE = 1000

@@ -19,6 +19,7 @@ from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, JobStatus, RequestStatus, sql
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import batch_failures, costs, crashpoints, tempdirs
+from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchProvider, BatchState, Provider
 from dbt_llm_batch.providers.calls import ProviderUnavailable, status_of
 from dbt_llm_batch.sql import in_list, literal
@@ -148,13 +149,13 @@ def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
     )
 
     def write():  # one statement for all files, which DuckDB reads in parallel
-        con.register("__llm_downloads", files)
+        con.register(Scratch.downloads, files)
         try:
             with transaction(con):
-                ledger.store_result_files("__llm_downloads", files.column("path").to_pylist())
+                ledger.store_result_files(Scratch.downloads, files.column("path").to_pylist())
                 # Lines are matched to their file by the name DuckDB reports; a file whose lines all went
                 # unmatched would look like a batch without results: refuse, and store nothing.
-                lost = con.execute(f"""select path from __llm_downloads d where has_lines and not exists
+                lost = con.execute(f"""select path from {Scratch.downloads} d where has_lines and not exists
                                        (select 1 from {results} r where r.job_id = d.job_id and r.source = d.source)""").fetchall()
                 if lost:
                     raise RuntimeError(
@@ -162,7 +163,7 @@ def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
                         f"their batch; nothing was stored, and the next run downloads them again"
                     )
         finally:
-            con.unregister("__llm_downloads")
+            con.unregister(Scratch.downloads)
 
     if downloads:
         retry_on_conflict(write)
@@ -198,9 +199,9 @@ def settle(
             "backoff_seconds": pa.array(backoffs, pa.int64()),
         }
     )
-    con.register("__llm_ended", ended)
-    con.register("__llm_line_errors", batch_failures.line_errors_table(jobs))
-    scope = f"job_id in (select job_id from __llm_ended) {'and source = ?' if source else ''}"
+    con.register(Scratch.ended, ended)
+    con.register(Scratch.line_errors, batch_failures.line_errors_table(jobs))
+    scope = f"job_id in (select job_id from {Scratch.ended}) {'and source = ?' if source else ''}"
     # A duplicated line must not settle a request twice (prefer a success). Duplicates are rare and
     # cheap to rule out on the stored custom_ids; ranking every line is not.
     duplicated = con.execute(
@@ -213,7 +214,7 @@ def settle(
             " qualify row_number() over (partition by job_id, custom_id order by (outcome = 'ok') desc, source) = 1"
         )
     con.execute(
-        f"""create or replace temp table __llm_outcomes as
+        f"""create or replace temp table {Scratch.outcomes} as
             with parsed as (
                 select json_transform(raw, '{json.dumps(provider.result_structure)}') as r, source, job_id
                 from {results} where {scope}),
@@ -229,7 +230,7 @@ def settle(
                 from one_per_id),
             settling as (
                 select key, fingerprint, custom_id, job_id from {requests}
-                where job_id in (select job_id from __llm_ended) and status in {IN_FLIGHT_SQL}),
+                where job_id in (select job_id from {Scratch.ended}) and status in {IN_FLIGHT_SQL}),
             failures as (  -- earlier failed attempts of the same (key, fingerprint)
                 select p.key, p.fingerprint, count(*) as n from {requests} p
                 where p.model = ? and p.status = {sql(RequestStatus.FAILED)} and (p.key, p.fingerprint) in
@@ -245,7 +246,7 @@ def settle(
         if source
         else con.execute(
             f"""select count(distinct custom_id) from {results} l
-            where job_id in (select job_id from __llm_ended) and not exists
+            where job_id in (select job_id from {Scratch.ended}) and not exists
                   (select 1 from {requests} r where r.custom_id = l.custom_id and r.job_id = l.job_id)"""
         ).fetchall()[0][0]
     )
@@ -254,22 +255,22 @@ def settle(
 
     def write():
         with transaction(con):
-            ledger.settle_outcomes("__llm_outcomes", config.max_attempts, cost)
+            ledger.settle_outcomes(Scratch.outcomes, config.max_attempts, cost)
             if source:
                 return
             batch_failures.fail_named_lines(ledger)
             batch_failures.settle_batch_failures(ledger, price is not None)
             # Requests a batch ended without answering (batch-level failure, lost lines) were never
             # settled by the provider: they go back to the queue without using up an attempt.
-            ledger.void_unanswered("__llm_ended", priced=price is not None)
-            ledger.mark_harvested("__llm_ended")
+            ledger.void_unanswered(Scratch.ended, priced=price is not None)
+            ledger.mark_harvested(Scratch.ended)
 
     try:
         retry_on_conflict(write)
     finally:
-        con.unregister("__llm_ended")
-        con.unregister("__llm_line_errors")
-        con.execute("drop table if exists __llm_outcomes")
+        con.unregister(Scratch.ended)
+        con.unregister(Scratch.line_errors)
+        con.execute(f"drop table if exists {Scratch.outcomes}")
     batch_failures.log_backoffs(ledger, jobs)
     if unknown:
         log.warning(f"{ledger.model}: {unknown} result line(s) for custom_ids their batch never sent were ignored")

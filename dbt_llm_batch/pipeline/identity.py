@@ -21,8 +21,10 @@ from dbt_llm_batch.ledger import IN_FLIGHT, Ledger
 from dbt_llm_batch.ledger.status import RequestStatus, sql_in
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import plan
-from dbt_llm_batch.pipeline.plan import DESIRED, INPUT
+from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.sql import ident, list_literal, literal
+
+DESIRED, INPUT, REKEY = Scratch.desired, Scratch.input, Scratch.rekey
 
 
 def ledger_identity(config: ModelConfig, schema: str, identifier: str) -> str:
@@ -60,7 +62,7 @@ def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str
     names = list_literal(config.unique_key)
     from_row = "to_json([" + ", ".join(f"cast(s.{ident(k)} as varchar)" for k in config.unique_key) + "])"
     con.execute(
-        f"""create or replace temp table __llm_rekey as
+        f"""create or replace temp table {REKEY} as
             select r.custom_id, r.status,
                    coalesce(case when list_has_all(json_keys(r.row_json), {names})
                                  then {from_row} end, d.key) as new_key
@@ -68,15 +70,15 @@ def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str
                  left join ({_key_by_fingerprint(config)}) d using (fingerprint)""",
         [ledger.model],
     )
-    rekeyed, aside = con.execute("select count(new_key), count(*) - count(new_key) from __llm_rekey").fetchall()[0]
+    rekeyed, aside = con.execute(f"select count(new_key), count(*) - count(new_key) from {REKEY}").fetchall()[0]
     aside_model = f"{ledger.model} (unique_key {', '.join(old_key)})"
 
     try:
         # Never sent: nothing to keep. The rest keep their history (and in-flight ones are still
         # harvested through their job), under a name the merge never reads.
-        ledger.rekey("__llm_rekey", aside_model)
+        ledger.rekey(Scratch.rekey, aside_model)
     finally:
-        con.execute("drop table if exists __llm_rekey")
+        con.execute(f"drop table if exists {REKEY}")
     message = (
         f"{ledger.model}: unique_key changed from ({', '.join(old_key)}) to ({', '.join(config.unique_key)}): "
         f"{rekeyed} stored request(s) now carry the new key (nothing is asked again for them)"

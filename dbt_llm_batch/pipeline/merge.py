@@ -14,10 +14,11 @@ from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import RequestStatus, sql
-from dbt_llm_batch.pipeline.plan import DESIRED, INPUT, describe, key_sql
+from dbt_llm_batch.pipeline.plan import describe, key_sql
+from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.sql import ident, literal
 
-EMIT = "__llm_emit"
+DESIRED, INPUT, EMIT = Scratch.desired, Scratch.input, Scratch.emit
 
 
 def table_columns(input_columns, config: ModelConfig) -> list[tuple[str, str]]:

@@ -15,14 +15,13 @@ from dbt_llm_batch.errors import ConfigError, InputError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT_SQL, RequestStatus, sql, sql_in
 from dbt_llm_batch.pipeline import costs
+from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.sql import ident
 
 # Temp tables (connection-local): the model's rows as selected this run (runner.load_input), and
 # the two this module creates.
-INPUT = "__llm_input"
-DESIRED = "__llm_desired"
-PLAN = "__llm_plan"
+INPUT, DESIRED, PLAN = Scratch.input, Scratch.desired, Scratch.plan
 
 
 def describe(con, relation: str) -> list[tuple[str, str]]:
@@ -177,7 +176,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         stored_prompt = f"decode(cast({stored_prompt} as blob))"
     path = "$." + json.dumps(config.prompt_column)
     con.execute(  # one whose stored row lacks the prompt column cannot be sent (bad_input.reject_deferred_without_prompt)
-        f"""create or replace temp table __llm_deferred as
+        f"""create or replace temp table {Scratch.deferred} as
             select * from (select key, fingerprint, seq, custom_id, row_json,
                                   {stored_prompt} as prompt, length({stored_prompt}) as prompt_chars from {requests}
                            where model = ? and status = {sql(RequestStatus.DEFERRED)} and key not in (select key from {DESIRED}))
@@ -228,7 +227,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                   from fresh
                   union all
                   select null, key, fingerprint, seq, custom_id, prompt, row_json, ?, prompt_chars
-                  from __llm_deferred)""",
+                  from {Scratch.deferred})""",
         [
             ledger.model,
             ledger.model,
@@ -239,7 +238,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
             "batch" if get_provider(config.provider).has_batch_api else "realtime",
         ],
     )
-    con.execute("drop table __llm_deferred")
+    con.execute(f"drop table {Scratch.deferred}")
     return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
 
 

@@ -35,6 +35,7 @@ from dbt_llm_batch.errors import ProviderError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import JobStatus, RequestStatus, sql
 from dbt_llm_batch.pipeline import crashpoints, harvest
+from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchState, Provider
 from dbt_llm_batch.providers.realtime_transport import RETRYABLE, FatalReply, LostReply, TransientError
 
@@ -289,11 +290,11 @@ class ResultWriter:
         source = f"realtime-{self.groups}"
         table = pa.table({"custom_id": [c for c, _ in lines], "raw": [raw for _, raw in lines]})
         con = self.cursor
-        con.register("__llm_realtime_lines", table)
+        con.register(Scratch.realtime_lines, table)
         try:
-            self.ledger.store_lines(self.job_id, source, "__llm_realtime_lines")
+            self.ledger.store_lines(self.job_id, source, Scratch.realtime_lines)
         finally:
-            con.unregister("__llm_realtime_lines")
+            con.unregister(Scratch.realtime_lines)
         running = BatchState(status=JobStatus.REALTIME, ended=False)
         harvest.settle(
             self.ledger, self.provider, self.provider.config, [(self.job_id, running)], self.price, source=source

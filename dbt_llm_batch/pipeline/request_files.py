@@ -29,8 +29,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dbt_llm_batch.errors import InputError
+from dbt_llm_batch.pipeline.scratch import Scratch
 
-SENT = "__llm_sent"
+SENT = Scratch.sent
 STREAM_BATCH_ROWS = 10_000
 
 
@@ -211,11 +212,11 @@ class _Writer:
                 "line": np.concatenate(self.sent_lines) if self.sent_lines else np.array([], np.int32),
             }
         )
-        self.con.register("__llm_sent_arrow", sent)
+        self.con.register(Scratch.sent_arrow, sent)
         try:
-            self.con.execute(f"create or replace temp table {SENT} as select * from __llm_sent_arrow")
+            self.con.execute(f"create or replace temp table {SENT} as select * from {Scratch.sent_arrow}")
         finally:
-            self.con.unregister("__llm_sent_arrow")
+            self.con.unregister(Scratch.sent_arrow)
 
 
 def nothing_to_write(con) -> list[RequestFile]:

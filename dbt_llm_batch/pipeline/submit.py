@@ -94,7 +94,7 @@ def never_sent(exc: BaseException) -> bool:
 def _void_if_refused(ledger: Ledger, job_id: str, exc: BaseException) -> bool:
     """A 4xx answer to `create` (429 included) means the provider refused it, and a refused connection
     means it never got it: no batch exists, so the requests go back to the queue at once (an
-    uploaded file is deleted by the run, operator.delete_provider_files). A 5xx, a timeout or a
+    uploaded file is deleted by the run, reconcile.delete_provider_files). A 5xx, a timeout or a
     dropped connection proves nothing: the batch may exist, and reconciliation finds out."""
     status = status_of(exc)
     if status is None and never_sent(exc):
@@ -132,7 +132,7 @@ def _stop_after_failed_upload(ledger: Ledger, job_id: str, exc: BaseException) -
 
 def void_submission(ledger: Ledger, job_id: str, reason: str, input_file_id: str | None = None) -> None:
     """The submission never made a batch: its requests are planned again (no attempt used). A file it
-    uploaded is recorded on the job, and deleted at the provider (operator.delete_provider_files)."""
+    uploaded is recorded on the job, and deleted at the provider (reconcile.delete_provider_files)."""
     ledger.void_job(job_id, reason)
     ledger.mark_job_voided(job_id, input_file_id=input_file_id or None)
 

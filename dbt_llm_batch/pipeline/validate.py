@@ -12,9 +12,12 @@ import json
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.pipeline import costs
-from dbt_llm_batch.pipeline.plan import DESIRED, INPUT, prompt_is_blob, row_json_sql
+from dbt_llm_batch.pipeline.plan import prompt_is_blob, row_json_sql
+from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.sql import ident
+
+DESIRED, INPUT, UNSENDABLE = Scratch.desired, Scratch.input, Scratch.unsendable
 
 
 def context_limit(config: ModelConfig) -> int | None:
@@ -67,18 +70,18 @@ def _reject(ledger: Ledger, columns, record: bool, condition: str, error_sql: st
     """Record a final failure for each sendable row matching `condition` (once per key and
     fingerprint; with `record` False, none: returns how many match), and take all matching rows out
     of this run's plan."""
-    ledger.execute(f"""create or replace temp table __llm_unsendable as
+    ledger.execute(f"""create or replace temp table {Scratch.unsendable} as
                        select d.row_id, d.key, d.fingerprint, {error_sql} as error, {row_json_sql(columns, "i.")} as row_json
                        from {DESIRED} d join {INPUT} i on i.rowid = d.row_id
                        where d.has_prompt and ({condition})""")
     if not record:
-        n = ledger.execute("select count(*) from __llm_unsendable").fetchall()[0][0]
-        ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from __llm_unsendable)")
-        ledger.execute("drop table __llm_unsendable")
+        n = ledger.execute(f"select count(*) from {UNSENDABLE}").fetchall()[0][0]
+        ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from {UNSENDABLE})")
+        ledger.execute(f"drop table {UNSENDABLE}")
         return n
-    n = ledger.record_never_sent("__llm_unsendable", [], only_without_live_request=True)
-    ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from __llm_unsendable)")
-    ledger.execute("drop table __llm_unsendable")
+    n = ledger.record_never_sent(Scratch.unsendable, [], only_without_live_request=True)
+    ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from {Scratch.unsendable})")
+    ledger.execute(f"drop table {Scratch.unsendable}")
     return n
 
 

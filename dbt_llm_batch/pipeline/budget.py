@@ -1,0 +1,51 @@
+"""The budget gate: before anything is uploaded, a plan whose estimate would take the money committed
+in flight over a limit is refused (llm_max_cost_usd for the model, var llm_batch_max_cost_usd for all
+models of the ledger). A refused run still merges what is already final, then fails saying so."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.errors import BudgetError
+from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.pipeline import costs
+
+
+def committed(ledger: Ledger, all_models: bool = False) -> Decimal:
+    """Money committed in flight: the estimate of requests submitted and not yet billed."""
+    return ledger.committed_usd(all_models=all_models)
+
+
+def check_budget(ledger: Ledger, config: ModelConfig, project_max_cost, n: int, estimate: Decimal | int | None) -> None:
+    """Refuse, before any upload, a plan of `n` requests that would take committed spend over a budget."""
+    limits = [
+        (config.max_cost_usd, False, "llm_max_cost_usd (this model)"),
+        (project_max_cost, True, "var llm_batch_max_cost_usd"),
+    ]
+    for limit, all_models, name in limits:
+        if limit is None:
+            continue
+        if estimate is None:
+            raise BudgetError(
+                f"{ledger.model}: {name} is set to {costs.fmt_usd(limit)} but there is no price "
+                f"for {config.provider} model '{config.model}', so the cost of {n} "
+                f"request(s) cannot be estimated; nothing was sent. Add a price with llm_price_table."
+            )
+        spent = committed(ledger, all_models)
+        if spent + estimate > Decimal(str(limit)):
+            raise BudgetError(
+                f"{ledger.model}: refusing to submit {n} request(s): estimated {costs.fmt_usd(estimate)} "
+                f"plus {costs.fmt_usd(spent)} already in flight exceeds {name} = {costs.fmt_usd(limit)}; "
+                f"nothing was sent. Raise the limit, or select fewer rows."
+            )
+
+
+def also_unavailable(refused: BudgetError, down: Exception) -> BudgetError:
+    """A refused run whose provider also stayed down: one failure that says both."""
+    return BudgetError(f"{refused} Also: {down}")
+
+
+def refused_after_merge(refused: BudgetError, merged: int) -> BudgetError:
+    """The refusal as the run ends with it, after merging what was final."""
+    return BudgetError(f"{refused} (Results that were final are merged: {merged} row(s).)")

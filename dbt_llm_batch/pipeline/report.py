@@ -1,0 +1,169 @@
+"""What a run tells the user: the run-log line (RunSummary), the dry-run report, and the notices and
+warnings the run's steps log. Text only: the steps decide, these say it (runner.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+
+from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.log import log
+from dbt_llm_batch.pipeline import costs
+from dbt_llm_batch.pipeline.realtime import RealtimeOutcome
+
+
+@dataclass
+class RunSummary:
+    model: str
+    submitted: int = 0
+    batches: int = 0
+    pending: int = 0
+    merged: int = 0
+    failed: int = 0
+    harvested_batches: int = 0
+    rejected_prompts: int = 0
+    deferred: int = 0  # over an in-flight cap: waiting in the ledger for a later run
+    backed_off: int = 0  # waiting for a back-off (token limit, failed batch) before they are sent again
+    held: int = 0  # held after a cancel, until `dbt-llm-batch release`
+    estimated_usd: Decimal | int | None = None  # estimate of what this run submitted, None without a price
+    cost_usd: Decimal | None = None  # actual cost of what this run harvested, at batch prices
+    realtime_usd: Decimal | None = None  # the same tokens at realtime prices
+    realtime: RealtimeOutcome | None = None  # rows sent in realtime this run
+
+    def line(self) -> str:
+        saved = (
+            f", saved {costs.fmt_usd(self.realtime_usd - self.cost_usd)} vs realtime"
+            if self.cost_usd is not None and self.realtime_usd is not None
+            else ""
+        )
+        estimated = costs.fmt_usd(self.estimated_usd) if self.submitted else "$0"
+        return (
+            f"{self.model}: submitted {self.submitted} request(s) in {self.batches} batch(es) "
+            f"(estimated {estimated}); harvested {self.harvested_batches} batch(es) "
+            f"(cost {costs.fmt_usd(self.cost_usd)}{saved}); merged {self.merged} row(s) ({self.failed} failed); "
+            f"pending {self.pending}"
+            + (f"; deferred {self.deferred} (in-flight cap)" if self.deferred else "")
+            + (f"; waiting {self.backed_off} (back-off)" if self.backed_off else "")
+            + (f"; held {self.held} (release with `dbt-llm-batch release`)" if self.held else "")
+            + (self.realtime_part() if self.realtime else "")
+        )
+
+    def realtime_part(self) -> str:
+        r = self.realtime
+        if r is None:
+            return ""
+        left = f", {r.unsent} left for the next run (llm_realtime_budget_seconds)" if r.unsent else ""
+        lost = f", {r.lost_replies} reply(ies) lost after sending (possibly billed)" if r.lost_replies else ""
+        return (
+            f"; realtime {r.requests} request(s) in {r.seconds:.1f} s: {r.succeeded} succeeded, "
+            f"{r.failed} failed{left}" + (f", {r.retries} retried" if r.retries else "") + lost
+        )
+
+
+def dry_run(
+    model: str,
+    planned: int,
+    batch: int,
+    files: int,
+    n_realtime: int,
+    unsendable: int,
+    estimate: Decimal | int | None,
+    committed: Decimal | int,
+) -> None:
+    """The dry run's one line: what a real run would send, what it would cost, what would wait."""
+    realtime_part = f" and {n_realtime} in realtime" if n_realtime else ""
+    waiting = planned - n_realtime - batch
+    waiting_part = f"; {waiting} would wait for the in-flight caps" if waiting else ""
+    if unsendable:
+        waiting_part += f"; {unsendable} would fail without being sent (prompt not sendable)"
+    log.info(
+        f"{model}: DRY RUN: would submit {batch} request(s) in {files} "
+        f"batch(es){realtime_part}, estimated {costs.fmt_usd(estimate if planned else 0)} at batch prices"
+        f"{' (realtime at list prices)' if n_realtime else ''}{waiting_part}; "
+        f"{costs.fmt_usd(committed)} already committed in flight; nothing was sent"
+    )
+
+
+def unavailable_message(model: str, config: ModelConfig, error: str, submitted: int, waiting: int) -> str:
+    """The provider stayed down for the retry budget: what was (not) sent, and what happens next."""
+    sent = f"only {submitted} request(s) were submitted" if submitted else "nothing was sent"
+    return (
+        f"{model}: the provider kept failing for llm_retry_budget_seconds="
+        f"{config.retry_budget_seconds:g} ({error}); {sent} this run, open "
+        f"batches stay pending, and the next run carries on ({waiting} request(s) pending or waiting)"
+    )
+
+
+def unreachable(model: str, provider_name: str, exc: Exception, count: int = 1) -> None:
+    """A batch sent through a provider this run has no key for (the model switched provider since)."""
+    log.warning(
+        f"{model}: {count} batch(es) or submission(s) sent through {provider_name} "
+        f"are still open and cannot be checked: {exc}. They stay pending; nothing is resent."
+    )
+
+
+def interrupted_realtime(model: str) -> None:
+    log.warning(
+        f"{model}: a realtime run was interrupted; its stored answers are kept and "
+        f"the requests it had not finished are sent again"
+    )
+
+
+def no_price(model: str, provider_name: str, llm_model: str) -> None:
+    log.warning(
+        f"{model}: no price known for {provider_name} model "
+        f"'{llm_model}': cost is recorded as unknown (NULL). Add it with llm_price_table."
+    )
+
+
+def backed_off(model: str, held: int, until: object) -> None:
+    """`until`: a timestamp (the last back-off's end)."""
+    log.info(
+        f"{model}: {held} request(s) wait for a back-off (token limit, or a failed "
+        f"batch) and will be resubmitted after {until:%Y-%m-%d %H:%M:%S %Z}"
+    )
+
+
+def deferred(model: str, waiting: int, config: ModelConfig, tokens_cap: int | None) -> None:
+    log.info(
+        f"{model}: {waiting} request(s) wait in the ledger for a later run: the "
+        f"in-flight caps are reached (llm_max_batches_in_flight={config.max_batches_in_flight}, "
+        f"llm_max_tokens_in_flight={tokens_cap})"
+    )
+
+
+def realtime_round(model: str, outcome: RealtimeOutcome, lost: int, config: ModelConfig) -> None:
+    """After a realtime round: replies lost after sending (possibly billed), requests left unsent."""
+    if lost:
+        log.warning(
+            f"{model}: {lost} realtime reply(ies) were lost after the "
+            f"request was sent (last: {outcome.last_transient}); the provider may have billed "
+            f"them without an answer: see possibly_billed in llm_batch_costs"
+        )
+    if outcome.unsent:
+        log.warning(
+            f"{model}: {outcome.unsent} realtime request(s) were not sent within "
+            f"llm_realtime_budget_seconds={config.realtime_budget_seconds:g}"
+            + (f" (last error: {outcome.last_transient})" if outcome.last_transient else "")
+            + "; the next run sends them"
+        )
+
+
+def prefix_too_short(model: str, config: ModelConfig, provider) -> None:
+    """Say plainly when llm_cache_prefix cannot save anything, instead of promising a saving."""
+    if not config.cache_prefix:
+        return
+    estimate = provider.prefix_tokens_estimate()
+    if estimate < provider.min_cacheable_tokens:
+        log.warning(
+            f"{model}: llm_cache_prefix is on, but the system prompt and examples are about "
+            f"{estimate} tokens, below the {provider.min_cacheable_tokens}-token minimum {provider.name} "
+            f"caches for {config.model}: no cache reads will happen"
+        )
+
+
+def waiting(model: str, jobs: int, pending: int, seconds_left: int) -> None:
+    log.info(
+        f"{model}: waiting for {jobs} batch(es), {pending} request(s) pending, "
+        f"{seconds_left} s left of llm_wait_seconds"
+    )

@@ -1,0 +1,75 @@
+"""The run's scratch space: every temporary table (and registered Arrow view) a run uses, named in
+one place and dropped in one place.
+
+A run works on DuckDB temp tables: the model's rows, the desired requests, the plan, the rows sent,
+the harvest's outcomes, the merge's winners... They are connection-local, and for a SQL model the
+connection is dbt's, which lives on after the run: so the run drops all of them when it ends,
+however it ends (`Scratch.drop_all`, from run_model's `finally`). Each module names its tables
+through `Scratch`'s attributes (no other module spells a scratch name), so a table added here is
+cleaned up without anyone remembering to.
+
+Some modules also drop their own tables as soon as they are done with them (to free memory during a
+long run); dropping again at the end is harmless.
+"""
+
+from __future__ import annotations
+
+from dbt_llm_batch.log import log
+
+
+class Scratch:
+    """The scratch tables of one run on one connection; `drop_all` removes every one of them."""
+
+    # Temp tables, by the step that creates them.
+    input = "__llm_input"  # the model's rows as selected this run (runner.load_input)
+    prices = "__llm_prices"  # the price list: shipped prices plus llm_price_table (costs.load_prices)
+    rekey = "__llm_rekey"  # ledger rows whose key changed with the model's unique_key (identity)
+    desired = "__llm_desired"  # one request per input row: key, fingerprint, has_prompt (plan.build_desired)
+    unsendable = "__llm_unsendable"  # rows whose prompt cannot be sent (validate)
+    deferred = "__llm_deferred"  # requests deferred by an earlier run, still wanted (plan.build_plan)
+    plan = "__llm_plan"  # what this run sends (plan.build_plan)
+    realtime_plan = "__llm_realtime_plan"  # the plan's realtime rows (runner: ModelRun.split_realtime)
+    sent = "__llm_sent"  # which plan rows went into which request file, at which line (request_files)
+    outcomes = "__llm_outcomes"  # each harvested request's outcome (harvest.settle)
+    batch_failed = "__llm_batch_failed"  # unanswered requests of failed batches (batch_failures)
+    emit = "__llm_emit"  # the ledger rows the merge writes to the model's table (merge)
+    TABLES = (
+        "input", "prices", "rekey", "desired", "unsendable", "deferred", "plan", "realtime_plan",
+        "sent", "outcomes", "batch_failed", "emit",
+    )  # fmt: skip
+
+    # Python objects (Arrow tables, readers, pandas frames) registered on the connection as views.
+    input_view = "__llm_input_view"  # a Python model's rows, while they are copied (runner.load_input)
+    sent_arrow = "__llm_sent_arrow"  # the rows written to request files, while they are stored (request_files)
+    downloads = "__llm_downloads"  # the batch result files downloaded for a harvest (harvest)
+    ended = "__llm_ended"  # the jobs a harvest settles (harvest, batch_failures)
+    line_errors = "__llm_line_errors"  # request lines a provider's validation named (harvest, batch_failures)
+    realtime_lines = "__llm_realtime_lines"  # realtime answers, while they are stored (realtime)
+    VIEWS = ("input_view", "sent_arrow", "downloads", "ended", "line_errors", "realtime_lines")
+
+    def __init__(self, con):
+        self.con = con
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """Every scratch name, tables and views."""
+        return [getattr(cls, role) for role in (*cls.TABLES, *cls.VIEWS)]
+
+    def drop_all(self) -> None:
+        """Drop every scratch table and unregister every scratch view on the run's connection.
+
+        Called from a `finally`: it never raises, so the error that ended the run is the one the user
+        sees; a table it could not drop is only logged (it is connection-local and replaced by the next run).
+        """
+        for role in self.VIEWS:
+            name = getattr(self, role)
+            self._quietly(f"view {name}", self.con.unregister, name)
+        for role in self.TABLES:
+            name = getattr(self, role)
+            self._quietly(f"table {name}", self.con.execute, f"drop table if exists {name}")
+
+    def _quietly(self, what: str, drop, argument: str) -> None:
+        try:
+            drop(argument)
+        except Exception as exc:  # e.g. the connection is already closed or interrupted
+            log.debug(f"could not drop the run's scratch {what}: {type(exc).__name__}: {exc}")
