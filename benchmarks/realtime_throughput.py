@@ -30,7 +30,7 @@ import duckdb
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from realtime_spike import HERE, free_port, run_openai, server_stats  # noqa: E402
 
-from dbt_llm_batch import runner  # noqa: E402
+from dbt_llm_batch.pipeline import runner  # noqa: E402
 
 CATEGORIES = ["billing", "bug", "how_to", "other"]
 ENGINE_URL = os.environ.get("DBT_LLM_BATCH_ENGINE_URL", "http://127.0.0.1:8791/v1")

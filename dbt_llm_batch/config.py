@@ -379,6 +379,11 @@ def _parse_realtime(cfg, provider, errors) -> None:
             "llm_realtime_when and llm_fallback route rows of a batch provider to its realtime "
             f"path; with llm_provider {provider.name!r} every row is already realtime"
         )
+    if provider is not None and not provider.has_realtime and (when is not None or cfg["llm_fallback"] is not None):
+        errors.append(
+            "llm_realtime_when and llm_fallback send rows through the provider's realtime path, which "
+            f"llm_provider {provider.name!r} does not have"
+        )
     if cfg["llm_fallback"] is not None and cfg["llm_fallback"] not in FALLBACKS:
         errors.append(f"llm_fallback must be one of {list(FALLBACKS)}, got {cfg['llm_fallback']!r}")
 

@@ -32,11 +32,11 @@ class AcmeProvider(OpenAIChatProvider):
 
 def install_plugin(path: Path, monkeypatch) -> None:
     """What `pip install acme-llm` leaves on sys.path: the module and its dist-info metadata."""
-    (path / "acme_llm.py").write_text(PLUGIN)
+    (path / "acme_llm_service.py").write_text(PLUGIN)  # a module name no other test imports
     dist = path / "acme_llm-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-llm\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[dbt_llm_batch.providers]\nacme = acme_llm:AcmeProvider\n")
+    (dist / "entry_points.txt").write_text("[dbt_llm_batch.providers]\nacme = acme_llm_service:AcmeProvider\n")
     monkeypatch.syspath_prepend(str(path))
 
 

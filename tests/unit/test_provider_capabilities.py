@@ -60,6 +60,9 @@ def name_comparisons(source: str, names: set[str]) -> list[tuple[int, str]]:
             for operand in [node.left, *node.comparators]:
                 for name in literal_names(operand):
                     found.append((node.lineno, f"compares with {name!r}"))
+        elif isinstance(node, ast.MatchValue):
+            for name in literal_names(node.value):
+                found.append((node.value.lineno, f"matches {name!r}"))
         elif isinstance(node, ast.Dict):
             for key in node.keys:
                 for name in literal_names(key) if key is not None else ():
@@ -92,6 +95,9 @@ def test_the_scan_finds_each_way_of_deciding_by_name():
         c = config.provider in ("openai", "other")
         WINDOWS = {("openai", "gpt-4o"): 128_000, "anthropic": 1}
         q = "select 1 from jobs where provider <> 'openai_compatible' or provider in ('anthropic')"
+        match config.provider:
+            case "anthropic":
+                pass
         DEFAULTS = {"llm_provider": "openai"}
         ok = name == other
         """
@@ -104,6 +110,7 @@ def test_the_scan_finds_each_way_of_deciding_by_name():
         "a table keyed by 'anthropic'",
         "SQL compares with 'openai_compatible'",
         "SQL compares with 'anthropic'",
+        "matches 'anthropic'",
     ]
 
 
@@ -182,6 +189,17 @@ def test_a_provider_validates_its_own_keys_with_the_messages_a_user_sees():
     assert config.options == {"base_urls": ("http://a:8000/v1", "http://b:8000/v1"), "api_key_env": "K"}
 
 
+def test_realtime_routing_needs_a_provider_with_a_realtime_path(monkeypatch):
+    from dbt_llm_batch.providers import get_provider
+
+    raw = {"unique_key": "id", "llm_model": "m", "llm_provider": "anthropic", "llm_fallback": "realtime"}
+    assert parse_config(raw).fallback == "realtime"
+    monkeypatch.setattr(get_provider("anthropic"), "has_realtime", False)  # a batch-only provider
+    with pytest.raises(ConfigError) as error:
+        parse_config(raw)
+    assert "llm_provider 'anthropic' does not have" in str(error.value)
+
+
 def test_another_providers_key_is_refused_saying_whose_it_is():
     for provider, reads in (("openai", "OPENAI_BASE_URL"), ("anthropic", "ANTHROPIC_BASE_URL")):
         with pytest.raises(ConfigError) as error:
@@ -225,13 +243,14 @@ class AcmeProvider(OpenAIChatProvider):
 '''
 
 
-def install_plugin(path: Path, monkeypatch, entry_point: str = "acme = acme_llm:AcmeProvider") -> None:
-    """What `pip install acme-llm` leaves on sys.path: the module and its dist-info metadata."""
-    (path / "acme_llm.py").write_text(PLUGIN)
+def install_plugin(path: Path, monkeypatch, module: str, class_name: str = "AcmeProvider") -> None:
+    """What `pip install acme-llm` leaves on sys.path: the module and its dist-info metadata. (Each
+    test names its own module: a module once imported stays in sys.modules for the session.)"""
+    (path / f"{module}.py").write_text(PLUGIN)
     dist = path / "acme_llm-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-llm\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(f"[dbt_llm_batch.providers]\n{entry_point}\n")
+    (dist / "entry_points.txt").write_text(f"[dbt_llm_batch.providers]\nacme = {module}:{class_name}\n")
     monkeypatch.syspath_prepend(str(path))
 
 
@@ -242,9 +261,9 @@ def test_a_third_party_provider_is_found_through_its_entry_point(tmp_path, monke
     with pytest.raises(ConfigError, match="llm_provider must be one of"):
         parse_config(raw)  # not installed yet
 
-    install_plugin(tmp_path, monkeypatch)
+    install_plugin(tmp_path, monkeypatch, "acme_llm_unit")
     acme = get_provider("acme")
-    assert acme.__module__ == "acme_llm" and acme.__name__ == "AcmeProvider"
+    assert acme.__module__ == "acme_llm_unit" and acme.__name__ == "AcmeProvider"
     assert "acme" in provider_names() and BUILT_IN <= set(provider_names())
     assert (acme.has_batch_api, acme.context_window("acme-large")) == (False, 32_000)
 
@@ -261,10 +280,10 @@ def test_a_third_party_provider_is_found_through_its_entry_point(tmp_path, monke
 
 
 def test_a_broken_registration_says_which_one(tmp_path, monkeypatch):
-    install_plugin(tmp_path, monkeypatch, entry_point="acme = acme_llm:NoSuchClass")
+    install_plugin(tmp_path, monkeypatch, "acme_llm_broken", class_name="NoSuchClass")
     with pytest.raises(ConfigError) as error:
         parse_config({"unique_key": "id", "llm_provider": "acme", "llm_model": "m"})
-    assert "llm_provider 'acme' is registered as 'acme_llm:NoSuchClass'" in str(error.value)
+    assert "llm_provider 'acme' is registered as 'acme_llm_broken:NoSuchClass'" in str(error.value)
     assert "cannot be loaded: AttributeError" in str(error.value)
     # The built-in providers are unaffected by a broken plugin.
     assert parse_config({"unique_key": "id", "llm_model": "m"}).provider == "openai"
