@@ -57,7 +57,8 @@ def consecutive_token_limits(ledger) -> int:
 def void_details(ledger, jobs: list[tuple[str, BatchState]]) -> tuple[list, list]:
     """Per ended job: the reason its unanswered requests are voided with (None: the default) and the
     back-off in seconds before they may be resubmitted (None: at once)."""
-    reasons, backoffs = [], []
+    reasons: list[str | None] = []
+    backoffs: list[int | None] = []
     occurrence = consecutive_token_limits(ledger) + 1 if any(s.token_limit for _, s in jobs) else 0
     for _, state in jobs:
         if state.token_limit:

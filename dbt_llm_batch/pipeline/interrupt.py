@@ -27,7 +27,7 @@ def cancelled() -> bool:
         return False  # KeyboardInterrupt reaches this thread directly
     if not main.is_alive():
         return True
-    frame = sys._current_frames().get(main.ident)
+    frame = sys._current_frames().get(main.ident) if main.ident is not None else None
     while frame is not None:
         if frame.f_code.co_name == DBT_CANCELLING:
             return True

@@ -96,6 +96,7 @@ def run_realtime(
         writer.close()
     fail_possibly_billed(ledger, job_id)
     unsent = outcome.requests - outcome.answered - outcome.given_up
+    reason: str | None
     if fatal:
         reason = f"not answered: {fatal}; sent again by the next run"
     else:

@@ -39,6 +39,7 @@ def submit_chunks(ledger: Ledger, provider: BatchProvider, files: list[RequestFi
     try:
         for request_file in files:
             job_id = job_ids[request_file.chunk]
+            assert request_file.path is not None  # a dry run writes no file and submits nothing
             attempted += 1
             # From here a file may be at the provider, but no batch: `create` was not called.
             ledger.mark_uploading(job_id)
@@ -83,11 +84,12 @@ def never_sent(exc: BaseException) -> bool:
     APIConnectionError with the socket's ConnectionRefusedError as its cause). A timeout or a
     connection dropped later proves nothing: the request may have arrived."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, ConnectionRefusedError):
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, ConnectionRefusedError):
             return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
     return False
 
 
