@@ -18,7 +18,14 @@ from dbt_llm_batch.ledger.base import retry_on_conflict, transaction
 from dbt_llm_batch.ledger.jobs import JobWrites
 from dbt_llm_batch.ledger.requests import RequestWrites
 from dbt_llm_batch.ledger.results import ResultWrites
-from dbt_llm_batch.ledger.status import IN_FLIGHT, IN_FLIGHT_SQL, LEGACY_REQUEST_STATUSES, RequestStatus, sql
+from dbt_llm_batch.ledger.status import (
+    IN_FLIGHT,
+    IN_FLIGHT_SQL,
+    LEGACY_REQUEST_STATUSES,
+    JobStatus,
+    RequestStatus,
+    sql,
+)
 from dbt_llm_batch.sql import ident
 
 __all__ = ["IN_FLIGHT", "MIGRATIONS", "SCHEMA_VERSION", "Ledger", "retry_on_conflict", "transaction"]
@@ -59,46 +66,11 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "alter table {s}.llm_batch_requests add column estimated_cost_usd decimal(18, 9)",
             "alter table {s}.llm_batch_requests add column cost_usd decimal(18, 9)",
             "alter table {s}.llm_batch_requests add column realtime_cost_usd decimal(18, 9)",
-            """create or replace view {s}.llm_batch_costs as
-            select r.model, j.provider, coalesce(j.llm_model, '') as llm_model,
-                   cast(coalesce(r.completed_at, r.queued_at) as date) as day,
-                   count(*) filter (where r.status = 'succeeded') as rows_succeeded,
-                   count(*) filter (where r.status = 'failed') as rows_failed,
-                   count(*) filter (where r.status in ('queued', 'submitted')) as rows_pending,
-                   sum(r.input_tokens) as input_tokens, sum(r.output_tokens) as output_tokens,
-                   sum(r.cached_tokens) as cache_read_tokens, sum(r.cache_write_tokens) as cache_write_tokens,
-                   sum(r.cost_usd) as cost_usd, sum(r.realtime_cost_usd) as realtime_cost_usd,
-                   sum(r.realtime_cost_usd) - sum(r.cost_usd) as savings_usd,
-                   coalesce(sum(r.estimated_cost_usd) filter (where r.status in ('queued', 'submitted')), 0)
-                       as committed_not_billed_usd,
-                   count(*) filter (where r.status in ('succeeded', 'failed') and r.job_id is not null
-                                    and r.cost_usd is null) as rows_without_price
-            from {s}.llm_batch_requests r left join {s}.llm_batch_jobs j using (job_id)
-            group by all""",
         ],
     ),
-    # What `dbt-llm-batch status` and `dbt run-operation dbt_llm_batch.status` show.
-    (
-        4,
-        [
-            """create or replace view {s}.llm_batch_in_flight as
-            select model, provider, llm_model, batch_id, status, request_count, submitted_at,
-                   date_trunc('second', now() - coalesce(submitted_at, created_at)) as age
-            from {s}.llm_batch_jobs where harvested_at is null and status <> 'voided'""",
-            """create or replace view {s}.llm_batch_progress as
-            select model,
-                   count(distinct key) filter (where is_final and status = 'succeeded') as keys_succeeded,
-                   count(distinct key) filter (where is_final and status = 'failed') as keys_failed,
-                   count(*) filter (where status in ('queued', 'submitted')) as requests_pending,
-                   count(*) filter (where status = 'failed' and not is_final) as failed_will_retry,
-                   date_trunc('second', now() - min(queued_at) filter (where status in ('queued', 'submitted')))
-                       as oldest_pending_age,
-                   coalesce(sum(estimated_cost_usd) filter (where status in ('queued', 'submitted')), 0)
-                       as committed_not_billed_usd,
-                   sum(cost_usd) as cost_usd, sum(realtime_cost_usd) as realtime_cost_usd
-            from {s}.llm_batch_requests group by model""",
-        ],
-    ),
+    # Version 4 added the reporting views; they are derived, not state, so VIEWS below defines them
+    # once, as they are now, and every migration recreates them.
+    (4, []),
     # In-flight caps count estimated input tokens; 'deferred' requests (over a cap) wait here, unsent.
     (5, ["alter table {s}.llm_batch_requests add column estimated_input_tokens bigint"]),
     # The realtime path: each request's route ('batch', or 'realtime': a provider's realtime endpoint
@@ -107,23 +79,6 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         6,
         [
             "alter table {s}.llm_batch_requests add column route varchar",
-            """create or replace view {s}.llm_batch_costs as
-            select r.model, j.provider, coalesce(j.llm_model, '') as llm_model,
-                   cast(coalesce(r.completed_at, r.queued_at) as date) as day,
-                   count(*) filter (where r.status = 'succeeded') as rows_succeeded,
-                   count(*) filter (where r.status = 'failed') as rows_failed,
-                   count(*) filter (where r.status in ('queued', 'submitted')) as rows_pending,
-                   sum(r.input_tokens) as input_tokens, sum(r.output_tokens) as output_tokens,
-                   sum(r.cached_tokens) as cache_read_tokens, sum(r.cache_write_tokens) as cache_write_tokens,
-                   sum(r.cost_usd) as cost_usd, sum(r.realtime_cost_usd) as realtime_cost_usd,
-                   sum(r.realtime_cost_usd) - sum(r.cost_usd) as savings_usd,
-                   coalesce(sum(r.estimated_cost_usd) filter (where r.status in ('queued', 'submitted')), 0)
-                       as committed_not_billed_usd,
-                   count(*) filter (where r.status in ('succeeded', 'failed') and r.job_id is not null
-                                    and r.cost_usd is null) as rows_without_price,
-                   coalesce(r.route, 'batch') as route
-            from {s}.llm_batch_requests r left join {s}.llm_batch_jobs j using (job_id)
-            group by all""",
         ],
     ),
     # A voided request is not planned again before `not_before` (the back-off after the provider's
@@ -172,50 +127,12 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         [
             "alter table {s}.llm_batch_requests add column possibly_billed integer",
             "alter table {s}.llm_batch_requests add column cache_write_1h_tokens bigint",
-            """create or replace view {s}.llm_batch_costs as
-            select r.model, j.provider, coalesce(j.llm_model, '') as llm_model,
-                   cast(coalesce(r.completed_at, r.queued_at) as date) as day,
-                   count(*) filter (where r.status = 'succeeded') as rows_succeeded,
-                   count(*) filter (where r.status = 'failed') as rows_failed,
-                   count(*) filter (where r.status in ('queued', 'submitted')) as rows_pending,
-                   sum(r.input_tokens) as input_tokens, sum(r.output_tokens) as output_tokens,
-                   sum(r.cached_tokens) as cache_read_tokens, sum(r.cache_write_tokens) as cache_write_tokens,
-                   sum(r.cost_usd) as cost_usd, sum(r.realtime_cost_usd) as realtime_cost_usd,
-                   sum(r.realtime_cost_usd) - sum(r.cost_usd) as savings_usd,
-                   coalesce(sum(r.estimated_cost_usd) filter (where r.status in ('queued', 'submitted')), 0)
-                       as committed_not_billed_usd,
-                   count(*) filter (where r.status in ('succeeded', 'failed') and r.job_id is not null
-                                    and r.cost_usd is null) as rows_without_price,
-                   coalesce(r.route, 'batch') as route,
-                   coalesce(sum(r.possibly_billed), 0) as possibly_billed,
-                   sum(r.cache_write_1h_tokens) as cache_write_1h_tokens
-            from {s}.llm_batch_requests r left join {s}.llm_batch_jobs j using (job_id)
-            group by all""",
-            """create or replace view {s}.llm_batch_progress as
-            select model,
-                   count(distinct key) filter (where is_final and status = 'succeeded') as keys_succeeded,
-                   count(distinct key) filter (where is_final and status = 'failed') as keys_failed,
-                   count(*) filter (where status in ('queued', 'submitted')) as requests_pending,
-                   count(*) filter (where status = 'deferred'
-                                       or (status = 'voided' and not_before > now())) as requests_waiting,
-                   count(*) filter (where status = 'held') as requests_held,
-                   count(*) filter (where status = 'failed' and not is_final) as failed_will_retry,
-                   date_trunc('second', now() - min(queued_at) filter (where status in ('queued', 'submitted')))
-                       as oldest_pending_age,
-                   coalesce(sum(estimated_cost_usd) filter (where status in ('queued', 'submitted')), 0)
-                       as committed_not_billed_usd,
-                   sum(cost_usd) as cost_usd, sum(realtime_cost_usd) as realtime_cost_usd,
-                   coalesce(sum(possibly_billed), 0) as possibly_billed
-            from {s}.llm_batch_requests group by model""",
         ],
     ),
 ]
-# Migration 13 recreates these views of version 12 with 'queued' as the only in-flight status.
-MIGRATIONS_12_VIEWS = [sql_text for sql_text in MIGRATIONS[-1][1] if sql_text.startswith("create or replace view")]
 MIGRATIONS += [
     # One in-flight status: ledgers before this version also wrote 'submitted' for 'queued'
-    # (status.LEGACY_REQUEST_STATUSES); rewritten here, so no predicate carries it, and the views of
-    # version 12 recreated without it.
+    # (status.LEGACY_REQUEST_STATUSES); rewritten here, so no predicate carries it.
     (
         13,
         [
@@ -223,11 +140,53 @@ MIGRATIONS += [
                 f"update {{s}}.llm_batch_requests set status = {sql(new)} where status = {sql(old)}"
                 for old, new in LEGACY_REQUEST_STATUSES.items()
             ),
-            *(view.replace("in ('queued', 'submitted')", "= 'queued'") for view in MIGRATIONS_12_VIEWS),
         ],
     ),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+# The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users
+# read): derived from the tables, so defined once, as they are now, and (re)created whenever a ledger
+# reaches this version, rather than restated by each migration that changes them.
+_QUEUED, _SUCCEEDED, _FAILED = sql(RequestStatus.QUEUED), sql(RequestStatus.SUCCEEDED), sql(RequestStatus.FAILED)
+VIEWS = [
+    f"""create or replace view {{s}}.llm_batch_in_flight as
+    select model, provider, llm_model, batch_id, status, request_count, submitted_at,
+           date_trunc('second', now() - coalesce(submitted_at, created_at)) as age
+    from {{s}}.llm_batch_jobs where harvested_at is null and status <> {sql(JobStatus.VOIDED)}""",
+    f"""create or replace view {{s}}.llm_batch_costs as
+    select r.model, j.provider, coalesce(j.llm_model, '') as llm_model,
+           cast(coalesce(r.completed_at, r.queued_at) as date) as day,
+           count(*) filter (where r.status = {_SUCCEEDED}) as rows_succeeded,
+           count(*) filter (where r.status = {_FAILED}) as rows_failed,
+           count(*) filter (where r.status = {_QUEUED}) as rows_pending,
+           sum(r.input_tokens) as input_tokens, sum(r.output_tokens) as output_tokens,
+           sum(r.cached_tokens) as cache_read_tokens, sum(r.cache_write_tokens) as cache_write_tokens,
+           sum(r.cost_usd) as cost_usd, sum(r.realtime_cost_usd) as realtime_cost_usd,
+           sum(r.realtime_cost_usd) - sum(r.cost_usd) as savings_usd,
+           coalesce(sum(r.estimated_cost_usd) filter (where r.status = {_QUEUED}), 0) as committed_not_billed_usd,
+           count(*) filter (where r.status in ({_SUCCEEDED}, {_FAILED}) and r.job_id is not null
+                            and r.cost_usd is null) as rows_without_price,
+           coalesce(r.route, 'batch') as route,
+           coalesce(sum(r.possibly_billed), 0) as possibly_billed,
+           sum(r.cache_write_1h_tokens) as cache_write_1h_tokens
+    from {{s}}.llm_batch_requests r left join {{s}}.llm_batch_jobs j using (job_id)
+    group by all""",
+    f"""create or replace view {{s}}.llm_batch_progress as
+    select model,
+           count(distinct key) filter (where is_final and status = {_SUCCEEDED}) as keys_succeeded,
+           count(distinct key) filter (where is_final and status = {_FAILED}) as keys_failed,
+           count(*) filter (where status = {_QUEUED}) as requests_pending,
+           count(*) filter (where status = {sql(RequestStatus.DEFERRED)}
+                               or (status = {sql(RequestStatus.VOIDED)} and not_before > now())) as requests_waiting,
+           count(*) filter (where status = {sql(RequestStatus.HELD)}) as requests_held,
+           count(*) filter (where status = {_FAILED} and not is_final) as failed_will_retry,
+           date_trunc('second', now() - min(queued_at) filter (where status = {_QUEUED})) as oldest_pending_age,
+           coalesce(sum(estimated_cost_usd) filter (where status = {_QUEUED}), 0) as committed_not_billed_usd,
+           sum(cost_usd) as cost_usd, sum(realtime_cost_usd) as realtime_cost_usd,
+           coalesce(sum(possibly_billed), 0) as possibly_billed
+    from {{s}}.llm_batch_requests group by model""",
+]
 
 # dbt runs models in threads of one process; DuckDB rejects concurrent DDL on one catalog
 # ("Catalog write-write conflict"), so migrations are serialised here and retried across processes.
@@ -261,6 +220,9 @@ class Ledger(RequestWrites, JobWrites, ResultWrites):
             with transaction(self.con):
                 for statement in statements:
                     self.con.execute(statement.format(s=s))
+                if version == SCHEMA_VERSION:  # the views need the current tables' columns
+                    for view in VIEWS:
+                        self.con.execute(view.format(s=s))
                 self.con.execute(f"insert into {s}.llm_batch_meta values (?, now())", [version])
 
     # --- reads ---------------------------------------------------------------------------------
