@@ -192,7 +192,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                 select * from {DESIRED} d
                 where d.has_prompt and not exists (
                     select 1 from {requests} b
-                    where b.model = ? and b.status in {sql_in(BLOCKS_REPLANNING)}
+                    where b.model = $model and b.status in {sql_in(BLOCKS_REPLANNING)}
                       and b.key = d.key and b.fingerprint = d.fingerprint)),
             history as (
                 select key, fingerprint, count(*) as n_requests,
@@ -207,36 +207,34 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                            as final_failed
                 from {requests}
                 -- only the candidates' history: a run with nothing new aggregates nothing
-                where model = ? and status <> {sql(RequestStatus.DEFERRED)} and key in (select key from candidates)
+                where model = $model and status <> {sql(RequestStatus.DEFERRED)} and key in (select key from candidates)
                 group by key, fingerprint),
             fresh as (
                 select d.row_id, d.key, d.fingerprint, d.prompt_chars, coalesce(h.n_requests, 0) as seq,
-                       case when d.realtime or coalesce(h.failed, 0) >= ? then 'realtime' else 'batch' end as route
+                       case when d.realtime or coalesce(h.failed, 0) >= $max_attempts then 'realtime' else 'batch' end as route
                 from candidates d left join history h using (key, fingerprint)
                 where coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0 and coalesce(h.held, 0) = 0
                   and coalesce(h.final_failed, 0) = 0
-                  and (coalesce(h.failed, 0) < ?
+                  and (coalesce(h.failed, 0) < $max_attempts
                        -- llm_fallback = 'realtime': batch attempts used up, one more try in realtime
-                       or (? and coalesce(h.realtime_tried, 0) = 0))
+                       or ($fallback_realtime and coalesce(h.realtime_tried, 0) = 0))
                   and coalesce(h.not_before <= now(), true))
             select *, {costs.estimated_input_tokens_sql(config, chars_sql="prompt_chars")} as estimated_input_tokens,
                    {estimated_cost} as estimated_cost_usd
             from (select row_id, key, fingerprint, seq,
-                         'r_' || substr(sha256(? || key || fingerprint || seq), 1, 40) as custom_id,
+                         'r_' || substr(sha256($model || key || fingerprint || seq), 1, 40) as custom_id,
                          null::varchar as deferred_prompt, null::varchar as deferred_row_json, route, prompt_chars
                   from fresh
                   union all
-                  select null, key, fingerprint, seq, custom_id, prompt, row_json, ?, prompt_chars
+                  select null, key, fingerprint, seq, custom_id, prompt, row_json, $deferred_route, prompt_chars
                   from {Scratch.deferred})""",
-        [
-            ledger.model,
-            ledger.model,
-            config.max_attempts,
-            config.max_attempts,
-            config.fallback == "realtime",
-            ledger.model,
-            "batch" if get_provider(config.provider).has_batch_api else "realtime",
-        ],
+        {
+            "model": ledger.model,
+            "max_attempts": config.max_attempts,
+            "fallback_realtime": config.fallback == "realtime",
+            # deferred requests are sent the way the provider can take them
+            "deferred_route": "batch" if get_provider(config.provider).has_batch_api else "realtime",
+        },
     )
     con.execute(f"drop table {Scratch.deferred}")
     return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
