@@ -15,6 +15,7 @@ long run); dropping again at the end is harmless.
 from __future__ import annotations
 
 from dbt_llm_batch.log import log
+from dbt_llm_batch.sql import in_list
 
 
 class Scratch:
@@ -61,12 +62,25 @@ class Scratch:
         Called from a `finally`: it never raises, so the error that ended the run is the one the user
         sees; a table it could not drop is only logged (it is connection-local and replaced by the next run).
         """
-        for role in self.VIEWS:
-            name = getattr(self, role)
+        # Only the views still registered (normally none: each owner unregisters its own in a `finally`).
+        # Unregistering drops a Python object, which needs the GIL; after Ctrl-C, dbt's main thread holds
+        # the GIL while it interrupts this very connection, so a needless unregister here can deadlock.
+        for name in self._registered():
             self._quietly(f"view {name}", self.con.unregister, name)
         for role in self.TABLES:
             name = getattr(self, role)
             self._quietly(f"table {name}", self.con.execute, f"drop table if exists {name}")
+
+    def _registered(self) -> list[str]:
+        names = [getattr(self, role) for role in self.VIEWS]
+        try:
+            rows = self.con.execute(
+                f"select view_name from duckdb_views() where temporary and view_name in {in_list(names)}"
+            ).fetchall()
+        except Exception as exc:  # e.g. the connection is already closed or interrupted
+            log.debug(f"could not list the run's scratch views: {type(exc).__name__}: {exc}")
+            return []
+        return [r[0] for r in rows]
 
     def _quietly(self, what: str, drop, argument: str) -> None:
         try:
