@@ -75,6 +75,8 @@ DEFAULTS: dict[str, Any] = {
     "llm_on_unavailable": "warn",  # a provider down for the whole retry budget: 'warn' (dbt warning) or 'error'
     "llm_max_context_tokens": None,  # the model's context window; default: the provider's context_window(model)
     "llm_delete_provider_files": True,  # delete input/result files at the provider once results are stored
+    "llm_on_unselected": "keep",  # rows of keys the model no longer selects: 'keep' them or 'delete' them
+    "llm_budget_basis": "ceiling",  # budgets count each answer at llm_max_tokens, or at its 'expected' length
 }
 
 FALLBACKS = ("realtime",)
@@ -137,6 +139,8 @@ class ModelConfig:
     on_unavailable: str = "warn"  # 'warn' | 'error': what a run does when the provider stayed down
     max_context_tokens: int | None = None  # None: the known context window of llm_model, if any
     delete_provider_files: bool = True
+    on_unselected: str = "keep"  # 'keep' | 'delete': the table's rows of keys no longer selected (merge.py)
+    budget_basis: str = "ceiling"  # 'ceiling' | 'expected': the output tokens estimates count (costs.py)
     # The fingerprint prefix earlier versions computed for this config from the key order dbt's parse
     # gave (see legacy_fingerprint_prefix); None when it equals fingerprint_prefix().
     legacy_prefix: str | None = None
@@ -252,6 +256,10 @@ def parse_config(raw: dict) -> ModelConfig:
         errors.append(f"llm_delete_provider_files must be true or false, got {cfg['llm_delete_provider_files']!r}")
     if not isinstance(cfg["llm_dry_run"], bool):
         errors.append(f"llm_dry_run must be true or false, got {cfg['llm_dry_run']!r}")
+    if cfg["llm_on_unselected"] not in ("keep", "delete"):
+        errors.append(f"llm_on_unselected must be 'keep' or 'delete', got {cfg['llm_on_unselected']!r}")
+    if cfg["llm_budget_basis"] not in ("ceiling", "expected"):
+        errors.append(f"llm_budget_basis must be 'ceiling' or 'expected', got {cfg['llm_budget_basis']!r}")
     if cfg["llm_on_unavailable"] not in ("warn", "error"):
         errors.append(f"llm_on_unavailable must be 'warn' or 'error', got {cfg['llm_on_unavailable']!r}")
     identity = cfg["llm_ledger_identity"]
@@ -317,6 +325,8 @@ def parse_config(raw: dict) -> ModelConfig:
         on_unavailable=cfg["llm_on_unavailable"],
         max_context_tokens=cfg["llm_max_context_tokens"],
         delete_provider_files=cfg["llm_delete_provider_files"],
+        on_unselected=cfg["llm_on_unselected"],
+        budget_basis=cfg["llm_budget_basis"],
     )
     legacy = (
         legacy_fingerprint_prefix(config, cfg["llm_output"], cfg["llm_examples"]) if examples or config.output else None

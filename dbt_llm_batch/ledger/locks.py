@@ -27,14 +27,15 @@ from dbt_llm_batch.log import log
 HOLDER = re.compile(r"Conflicting lock is held in (?P<program>.+?) \(PID (?P<pid>\d+)\)")
 
 
-def lock_conflict_message(path: str, error: str) -> str:
-    """The user-facing message for a DuckDB file another process holds (DuckDB names the holder)."""
+def lock_conflict_message(path: str, error: str, blocked: str = "this dbt run cannot start") -> str:
+    """The user-facing message for a DuckDB file another process holds (DuckDB names the holder).
+    `blocked` says what cannot happen, in the caller's words (a dbt run, a CLI command)."""
     m = HOLDER.search(error)
     holder = f"{m['program']} (PID {m['pid']})" if m else "another process"
     stop = f" If that process is stuck or forgotten, stop it (for example `kill {m['pid']}`)." if m else ""
     return (
         f"The DuckDB file {path} is in use by {holder}. DuckDB lets only one process open a database "
-        f"file for writing, so this dbt run cannot start; nothing was changed. Wait for that process "
+        f"file for writing, so {blocked}; nothing was changed. Wait for that process "
         f"(another dbt run, a notebook or a DuckDB shell) to finish or close the file, then run again."
         f"{stop} (DuckDB said: {error})"
     )

@@ -26,7 +26,8 @@ def status(database: str, schema: str) -> int:
     except duckdb.IOException as exc:
         from dbt_llm_batch.ledger.locks import is_lock_conflict, lock_conflict_message
 
-        why = lock_conflict_message(database, str(exc)) if is_lock_conflict(exc) else str(exc)
+        blocked = "`dbt-llm-batch status` cannot read it"
+        why = lock_conflict_message(database, str(exc), blocked) if is_lock_conflict(exc) else str(exc)
         print(f"cannot open {database}: {why}", file=sys.stderr)
         return 2
     from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, PRE_SUBMISSION, RequestStatus, sql, sql_in
@@ -68,9 +69,10 @@ def status(database: str, schema: str) -> int:
             "`dbt-llm-batch release` sends them again):"
         )
         orphans.show(max_width=200)
-    print("Cost per model and day (savings = realtime cost - batch cost):")
-    con.sql(f"""select model, provider, day, rows_succeeded, rows_failed, cost_usd, realtime_cost_usd, savings_usd,
-                       committed_not_billed_usd from {s}.llm_batch_costs order by model, day""").show(max_width=200)
+    print("Cost per model, day and route (batch or realtime; savings = realtime cost - cost):")
+    con.sql(f"""select model, provider, day, route, rows_succeeded, rows_failed, cost_usd, realtime_cost_usd,
+                       savings_usd, committed_not_billed_usd
+                from {s}.llm_batch_costs order by model, day, route""").show(max_width=200)
     return 0
 
 

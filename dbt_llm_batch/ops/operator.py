@@ -40,14 +40,14 @@ class OperatorError(LlmBatchError):
     """A command cannot do what was asked; the message says why and what to do."""
 
 
-def open_database(path: str):
+def open_database(path: str, command: str = "this command"):
     if not os.path.exists(path):
         raise OperatorError(f"no DuckDB file at {path}: pass the file your dbt profile writes (its `path`)")
     try:
         return duckdb.connect(path)
     except duckdb.IOException as exc:
         if is_lock_conflict(exc):
-            raise OperatorError(lock_conflict_message(path, str(exc))) from None
+            raise OperatorError(lock_conflict_message(path, str(exc), f"{command} cannot run")) from None
         raise
 
 
@@ -182,7 +182,7 @@ def _now(con):
 def command(args) -> int:
     """`dbt-llm-batch cancel|release|requeue|unlock`: run one operator action and print what it did."""
     try:
-        con = open_database(args.database)
+        con = open_database(args.database, f"`dbt-llm-batch {args.command}`")
         try:
             if args.command == "cancel":
                 print("\n".join(cancel_model(con, args.schema, args.model)))

@@ -17,8 +17,16 @@ def committed(ledger: Ledger, all_models: bool = False) -> Decimal:
     return ledger.committed_usd(all_models=all_models)
 
 
-def check_budget(ledger: Ledger, config: ModelConfig, project_max_cost, n: int, estimate: Decimal | int | None) -> None:
-    """Refuse, before any upload, a plan of `n` requests that would take committed spend over a budget."""
+def check_budget(
+    ledger: Ledger,
+    config: ModelConfig,
+    project_max_cost,
+    n: int,
+    estimate: Decimal | int | None,
+    output: costs.OutputEstimate | None = None,
+) -> None:
+    """Refuse, before any upload, a plan of `n` requests that would take committed spend over a budget.
+    `estimate` counts each answer's output at `output.basis` (llm_budget_basis: the ceiling by default)."""
     limits = [
         (config.max_cost_usd, False, "llm_max_cost_usd (this model)"),
         (project_max_cost, True, "var llm_batch_max_cost_usd"),
@@ -37,8 +45,18 @@ def check_budget(ledger: Ledger, config: ModelConfig, project_max_cost, n: int, 
             raise BudgetError(
                 f"{ledger.model}: refusing to submit {n} request(s): estimated {costs.fmt_usd(estimate)} "
                 f"plus {costs.fmt_usd(spent)} already in flight exceeds {name} = {costs.fmt_usd(limit)}; "
-                f"nothing was sent. Raise the limit, or select fewer rows."
+                f"nothing was sent. Raise the limit, or select fewer rows.{_basis_hint(config, output)}"
             )
+
+
+def _basis_hint(config: ModelConfig, output: costs.OutputEstimate | None) -> str:
+    """Say what the estimate counted, and the other choice, when the expected figure is lower."""
+    if output is None or config.budget_basis == "expected" or output.expected >= output.ceiling:
+        return ""
+    return (
+        f" (The estimate counts every answer at {output.ceiling} output tokens, the ceiling; this model's "
+        f"answers have been up to about {output.expected}: llm_budget_basis = 'expected' counts that instead.)"
+    )
 
 
 def also_unavailable(refused: BudgetError, down: Exception) -> BudgetError:

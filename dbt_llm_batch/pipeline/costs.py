@@ -13,10 +13,14 @@ A model without a price has NULL cost (and a warning), never $0.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.ledger.status import RequestStatus, sql
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.sql import literal
 
@@ -27,6 +31,50 @@ MONEY = "decimal(18, 9)"
 DEFAULT_OUTPUT_ESTIMATE = 1000
 # Per-request overhead of chat formatting, added to the character-based estimate.
 MESSAGE_OVERHEAD_TOKENS = 8
+# The expected output of a request: this percentile of the model's recent succeeded answers' output
+# tokens. A high one, so an estimate is rarely under the bill; answers much longer than most are rare.
+OUTPUT_PERCENTILE = 0.95
+OUTPUT_HISTORY = 1000  # the most recent succeeded answers it is taken from
+
+
+@dataclass(frozen=True)
+class OutputEstimate:
+    """Output tokens per request: `expected` from the model's own answers (`history` of them; 0: none
+    yet, and expected is the ceiling), `ceiling` the most a request may produce (llm_max_tokens, or
+    DEFAULT_OUTPUT_ESTIMATE when unset). `basis` is the one estimates and budgets count."""
+
+    expected: int
+    ceiling: int
+    history: int
+    basis: int
+
+
+def output_estimate(ledger: Ledger, config: ModelConfig) -> OutputEstimate:
+    """The model's expected and ceiling output tokens per request (llm_budget_basis picks the basis)."""
+    ceiling = config.max_tokens or DEFAULT_OUTPUT_ESTIMATE
+    percentile, history = ledger.con.execute(
+        f"""select quantile_cont(output_tokens, {OUTPUT_PERCENTILE}), count(*)
+            from (select output_tokens from {ledger.table("llm_batch_requests")}
+                  where model = ? and status = {sql(RequestStatus.SUCCEEDED)} and output_tokens is not null
+                  order by completed_at desc limit {OUTPUT_HISTORY})""",
+        [ledger.model],
+    ).fetchall()[0]
+    expected = min(ceiling, math.ceil(percentile)) if history else ceiling
+    return OutputEstimate(expected, ceiling, history, expected if config.budget_basis == "expected" else ceiling)
+
+
+def estimate_range(
+    price: dict, output: OutputEstimate, total, n_batch: int, n_realtime: int = 0
+) -> tuple[Decimal, Decimal]:
+    """(expected, ceiling) of requests whose estimate at the basis is `total`: they differ only in the
+    output tokens each request counts, at the output price (batch requests with the batch discount)."""
+    per_token = Decimal(str(price["output"])) / 1_000_000
+    discounted = per_token * (1 - Decimal(str(price["batch_discount"])))
+    delta = (output.ceiling - output.expected) * (n_batch * discounted + n_realtime * per_token)
+    total = Decimal(str(total or 0))
+    if output.basis == output.ceiling:
+        return total - delta, total
+    return total, total + delta
 
 
 ONE_HOUR_WRITE_MULTIPLIER = 2  # a 1 h cache write, times the input price, when the table names no rate
@@ -112,10 +160,12 @@ def estimated_cost_sql(
     prompt_sql: str = "prompt",
     route_sql: str = "'batch'",
     chars_sql: str | None = None,
+    output_tokens: int | None = None,
 ) -> str:
-    """SQL: the most a request is expected to cost (input estimate, output = max tokens), at batch
-    prices, or at list prices where `route_sql` is 'realtime'."""
-    output = config.max_tokens or DEFAULT_OUTPUT_ESTIMATE
+    """SQL: what a request is estimated to cost (input estimate, plus `output_tokens` output tokens:
+    OutputEstimate.basis; default llm_max_tokens), at batch prices, or at list prices where
+    `route_sql` is 'realtime'."""
+    output = output_tokens if output_tokens is not None else config.max_tokens or DEFAULT_OUTPUT_ESTIMATE
     tokens = estimated_input_tokens_sql(config, prompt_sql, chars_sql)
     total = f"{tokens} * {price['input']} + {output} * {price['output']}"
     discount = f"case when {route_sql} = 'realtime' then 0 else {price['batch_discount']} end"

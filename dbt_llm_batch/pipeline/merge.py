@@ -1,21 +1,28 @@
 """Merge: write final outcomes from the ledger into the model table.
 
 The table holds, per key, the ledger's *winner*: among the key's final requests (succeeded, or failed
-with attempts used up), the one queued last. Selected columns come from the row as it was when that
-request was planned (stored as JSON in the ledger), so the table is a pure function of the ledger:
-an incremental run and a full refresh on the same ledger give the same rows for the selected keys.
+with attempts used up), the one queued last. The columns the request was made of (the prompt column)
+come from the row as it was when that request was planned (stored as JSON in the ledger), so a row
+shows the prompt its answer belongs to; the other selected columns come from the current selection
+for every key it selects, refreshed on every run without asking anything again (`refresh_sql`). So the
+table is a pure function of the ledger and the selection: an incremental run and a full refresh give
+the same rows for the selected keys. Keys no longer selected keep their rows, unless
+llm_on_unselected = 'delete' (the ledger keeps their answers either way).
 """
 
 from __future__ import annotations
 
 import json
 
+from dbt_llm_batch import registry
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import RequestStatus, sql
+from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline.plan import describe, key_sql
 from dbt_llm_batch.pipeline.scratch import Scratch
+from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.sql import ident, literal
 
 DESIRED, INPUT, EMIT = Scratch.desired, Scratch.input, Scratch.emit
@@ -50,13 +57,18 @@ def check_existing_table(con, target: str, expected, alter: bool = True) -> None
         for name, typ in missing:
             con.execute(f"alter table {target} add column {ident(name)} {typ}")
         actual = describe(con, target)
-    table, model = {(n.lower(), t) for n, t in actual}, {(n.lower(), t) for n, t in expected}
+    table, model = {n.lower(): t for n, t in actual}, {n.lower(): t for n, t in expected}
     if table != model:
-        fmt = lambda cols: ", ".join(f"{n} {t}" for n, t in sorted(cols)) or "none"  # noqa: E731
+        # The difference only, by name: a wide table's full column lists would hide it.
+        changes = [
+            ("added", [f"{n} {t}" for n, t in sorted(model.items()) if n not in table]),
+            ("removed", [f"{n} {t}" for n, t in sorted(table.items()) if n not in model]),
+            ("changed", [f"{n} {table[n]} -> {t}" for n, t in sorted(model.items()) if n in table and table[n] != t]),
+        ]
+        lines = "".join(f"  {what}: {', '.join(cols)}\n" for what, cols in changes if cols)
         raise ConfigError(
             f"the columns of {target} changed (the model's SELECT, unique_key or llm_output changed):\n"
-            f"  only in the table: {fmt(table - model)}\n"
-            f"  only in the model: {fmt(model - table)}\n"
+            f"{lines}"
             f"Run `dbt run --full-refresh -s <model>`: it rebuilds the table from the ledger and sends nothing."
         )
 
@@ -76,8 +88,11 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
         stored = f"w.stored.{ident(name)}"
         if typ in TEXT_ROUND_TRIP:
             stored = f"cast({stored} as {typ})"
+        # A column the request was not made of shows the current selection's value for a selected key.
+        current = "" if name in request_columns(config) else "d.key is not null or "
         selected.append(
-            f"case when list_contains(w.stored_keys, {literal(name)}) then {stored} else i.{ident(name)} end as {ident(name)}"
+            f"case when {current}not list_contains(w.stored_keys, {literal(name)}) then i.{ident(name)} "
+            f"else {stored} end as {ident(name)}"
         )
     outputs = []
     for col in config.output_columns:
@@ -90,7 +105,7 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
     status_values = [
         "w.status",
         "w.error",
-        "w.finish_reason",
+        finish_reason_sql(),
         "w.input_tokens",
         "w.output_tokens",
         f"coalesce(j.llm_model, {model_literal})",
@@ -111,6 +126,43 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
                    on r.custom_id = e.custom_id and r.model = {literal(ledger.model)} and r.is_final) w
              left join {ledger.table("llm_batch_jobs")} j on j.job_id = w.job_id
              left join {DESIRED} d on d.key = w.key left join {INPUT} i on i.rowid = d.row_id"""
+
+
+def finish_reason_sql() -> str:
+    """SQL: the finish reason the table shows, the same word for the same outcome whatever the provider
+    (Provider.finish_reasons), from the provider's own word the ledger keeps."""
+    whens = []
+    for name in registry.provider_names():
+        try:
+            mapping = get_provider(name).finish_reasons
+        except ConfigError:  # a registration that cannot load: its words are shown as written
+            continue
+        whens += [
+            f"when j.provider = {literal(name)} and w.finish_reason = {literal(raw)} then {literal(word)}"
+            for raw, word in sorted(mapping.items())
+            if raw != word
+        ]
+    return f"case {' '.join(whens)} else w.finish_reason end" if whens else "w.finish_reason"
+
+
+def request_columns(config: ModelConfig) -> set[str]:
+    """The selected columns a request is made of (its prompt) and the key: shown as stored with the
+    answer. Every other selected column follows the current selection."""
+    return {config.prompt_column, *config.unique_key}
+
+
+def refresh_sql(config: ModelConfig, target: str, input_columns) -> str | None:
+    """SQL: set the columns that are not part of the request to the current selection's values, for
+    the selected keys whose row in the table shows other values (an incremental run; a full refresh
+    writes them so already). None when every selected column is part of the request."""
+    columns = [name for name, _ in input_columns if name not in request_columns(config)]
+    if not columns:
+        return None
+    key = "to_json([" + ", ".join(f"cast(t.{ident(k)} as varchar)" for k in config.unique_key) + "])"
+    changed = " or ".join(f"t.{ident(c)} is distinct from i.{ident(c)}" for c in columns)
+    return f"""update {target} t set {", ".join(f"{ident(c)} = i.{ident(c)}" for c in columns)}
+               from {DESIRED} d join {INPUT} i on i.rowid = d.row_id
+               where {key} = d.key and ({changed})"""
 
 
 def _winners(ledger: Ledger, keys_sql: str) -> str:
@@ -164,6 +216,8 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
     # the next run only looks at requests that became final after this one.
     scope = "true" if rebuild else f"emitted is null or key in (select key from {EMIT})"
 
+    removed = [0]  # rows of keys no longer selected, deleted (llm_on_unselected = 'delete')
+
     def write():
         with transaction(con):
             if rebuild:
@@ -171,7 +225,18 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
             else:
                 con.execute(f"delete from {target} where {target_key} in (select key from {EMIT})")
             con.execute(f"insert into {target} by name {_row_select(ledger, config, input_columns)}")
+            refresh = None if rebuild else refresh_sql(config, target, input_columns)
+            if refresh:
+                con.execute(refresh)
             ledger.mark_emitted(EMIT, scope)
+            removed[0] = 0
+            if config.on_unselected == "delete" and not rebuild:  # a rebuild writes only selected keys
+                removed[0] = con.execute(
+                    f"delete from {target} where {target_key} not in (select key from {DESIRED})"
+                ).fetchall()[0][0]
+                # Their answers are no longer shown: a run that selects them again merges them again.
+                nothing = "(select null::varchar as custom_id where false)"
+                ledger.mark_emitted(nothing, f"emitted = 'merged' and key not in (select key from {DESIRED})")
             null_filter = " or ".join(f"{ident(k)} is null" for k in config.unique_key)
             null_keys = con.execute(f"select count(*) from {target} where {null_filter}").fetchall()[0][0]
             if null_keys:
@@ -181,6 +246,11 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
                 )
 
     retry_on_conflict(write)
+    if removed[0]:
+        log.info(
+            f"{ledger.model}: removed {removed[0]} row(s) of keys the model no longer selects "
+            f"(llm_on_unselected='delete'; the ledger keeps their answers)"
+        )
     written, failed = con.execute(
         f"select count(*), count(*) filter (where status = {sql(RequestStatus.FAILED)}) from {EMIT}"
     ).fetchall()[0]

@@ -185,7 +185,10 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
     )
     estimated_cost = "null::decimal(18, 9)"
     if price is not None:
-        estimated_cost = costs.estimated_cost_sql(config, price, route_sql="route", chars_sql="prompt_chars")
+        output_tokens = costs.output_estimate(ledger, config).basis  # from the model's own answers, if asked
+        estimated_cost = costs.estimated_cost_sql(
+            config, price, route_sql="route", chars_sql="prompt_chars", output_tokens=output_tokens
+        )
     con.execute(
         f"""create or replace temp table {PLAN} as
             with candidates as (  -- selected rows with no answer, request in flight or hold for their prompt

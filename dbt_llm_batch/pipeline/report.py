@@ -26,6 +26,9 @@ class RunSummary:
     backed_off: int = 0  # waiting for a back-off (token limit, failed batch) before they are sent again
     held: int = 0  # held after a cancel, until `dbt-llm-batch release`
     estimated_usd: Decimal | int | None = None  # estimate of what this run submitted, None without a price
+    expected_usd: Decimal | int | None = None  # of that: the expected figure (the model's own answer lengths)
+    ceiling_usd: Decimal | int | None = None  # and the most it can cost (every answer at llm_max_tokens)
+    realtime_route_usd: Decimal | None = None  # what this run's realtime rows cost (list prices)
     cost_usd: Decimal | None = None  # actual cost of what this run harvested, at batch prices
     realtime_usd: Decimal | None = None  # the same tokens at realtime prices
     realtime: RealtimeOutcome | None = None  # rows sent in realtime this run
@@ -37,6 +40,8 @@ class RunSummary:
             else ""
         )
         estimated = costs.fmt_usd(self.estimated_usd) if self.submitted else "$0"
+        if self.submitted and self.expected_usd is not None and self.ceiling_usd is not None:
+            estimated = f"{costs.fmt_usd(self.expected_usd)}, at most {costs.fmt_usd(self.ceiling_usd)}"
         return (
             f"{self.model}: submitted {self.submitted} request(s) in {self.batches} batch(es) "
             f"(estimated {estimated}); harvested {self.harvested_batches} batch(es) "
@@ -54,9 +59,10 @@ class RunSummary:
             return ""
         left = f", {r.unsent} left for the next run (llm_realtime_budget_seconds)" if r.unsent else ""
         lost = f", {r.lost_replies} reply(ies) lost after sending (possibly billed)" if r.lost_replies else ""
+        cost = f" (cost {costs.fmt_usd(self.realtime_route_usd)})" if self.realtime_route_usd is not None else ""
         return (
             f"; realtime {r.requests} request(s) in {r.seconds:.1f} s: {r.succeeded} succeeded, "
-            f"{r.failed} failed{left}" + (f", {r.retries} retried" if r.retries else "") + lost
+            f"{r.failed} failed{left}" + (f", {r.retries} retried" if r.retries else "") + lost + cost
         )
 
 
@@ -69,17 +75,30 @@ def dry_run(
     unsendable: int,
     estimate: Decimal | int | None,
     committed: Decimal | int,
+    figures: tuple | None = None,
 ) -> None:
-    """The dry run's one line: what a real run would send, what it would cost, what would wait."""
+    """The dry run's one line: what a real run would send, what it would cost, what would wait.
+    `figures`: (expected, ceiling, costs.OutputEstimate), when priced."""
     realtime_part = f" and {n_realtime} in realtime" if n_realtime else ""
     waiting = planned - n_realtime - batch
     waiting_part = f"; {waiting} would wait for the in-flight caps" if waiting else ""
     if unsendable:
         waiting_part += f"; {unsendable} would fail without being sent (prompt not sendable)"
+    shown = estimate if planned else 0
+    ceiling_part = ""
+    if figures is not None:
+        expected, ceiling, output = figures
+        shown = expected
+        source = (
+            f"expected output {output.expected} token(s) a request, from this model's last {output.history} answer(s)"
+            if output.history
+            else f"no answers yet: every answer counted at {output.ceiling} output tokens"
+        )
+        ceiling_part = f" ({source}; at most {costs.fmt_usd(ceiling)} at {output.ceiling} output tokens a request)"
     log.info(
         f"{model}: DRY RUN: would submit {batch} request(s) in {files} "
-        f"batch(es){realtime_part}, estimated {costs.fmt_usd(estimate if planned else 0)} at batch prices"
-        f"{' (realtime at list prices)' if n_realtime else ''}{waiting_part}; "
+        f"batch(es){realtime_part}, estimated {costs.fmt_usd(shown)} at batch prices"
+        f"{' (realtime at list prices)' if n_realtime else ''}{ceiling_part}{waiting_part}; "
         f"{costs.fmt_usd(committed)} already committed in flight; nothing was sent"
     )
 

@@ -177,6 +177,7 @@ class ModelRun:
         self.unavailable_error: str | None = None  # set once a provider stayed down for the retry budget
         self.lock: locks.ModelLock | None = None  # held while the run writes (set by _run)
         self.input_columns: list[tuple[str, str]] = []  # the model's selected columns, set by run_model
+        self.output: costs.OutputEstimate | None = None  # output tokens per request, set by plan()
 
     # --- the steps ------------------------------------------------------------------------------
 
@@ -244,7 +245,7 @@ class ModelRun:
             if self.price is not None:
                 estimate = sum(f.cost or 0 for f in files) + (realtime_estimate or 0)
             if n:  # batch and realtime together, before anything is sent
-                budget.check_budget(self.ledger, self.config, self.project_max_cost, n, estimate)
+                budget.check_budget(self.ledger, self.config, self.project_max_cost, n, estimate, self.output)
             first_unsent = len(files)
             if files:
                 provider = self.provider
@@ -255,8 +256,14 @@ class ModelRun:
                 sent = files[: len(batch_ids)]  # a failed create stops the run's submissions (submit.py)
                 self.summary.submitted += sum(f.requests for f in sent)
                 self.summary.batches += len(batch_ids)
-                if estimate is not None:
-                    self.summary.estimated_usd = (self.summary.estimated_usd or 0) + sum(f.cost or 0 for f in sent)
+                if estimate is not None and self.price is not None and self.output is not None:
+                    sent_cost = sum(f.cost or 0 for f in sent)
+                    self.summary.estimated_usd = (self.summary.estimated_usd or 0) + sent_cost
+                    expected, ceiling = costs.estimate_range(
+                        self.price, self.output, sent_cost, sum(f.requests for f in sent)
+                    )
+                    self.summary.expected_usd = (self.summary.expected_usd or 0) + expected
+                    self.summary.ceiling_usd = (self.summary.ceiling_usd or 0) + ceiling
                 if len(sent) < len(files):  # the failed file is voided or held; the later ones wait
                     first_unsent = len(sent) + 1
         self.ledger.defer(request_files.unsent_rows(self.rows, first_unsent) if self.unsent(first_unsent) else None)
@@ -269,6 +276,7 @@ class ModelRun:
 
     def plan(self) -> int:
         """Build the plan, each request with its estimated input tokens (and cost, when priced)."""
+        self.output = costs.output_estimate(self.ledger, self.config)  # what build_plan's estimate counts
         return plan.build_plan(self.ledger, self.config, Scratch.input, self.input_columns, self.price)
 
     def split_realtime(self) -> tuple[int, Decimal | None]:
@@ -335,11 +343,16 @@ class ModelRun:
         s.pending = self.ledger.pending_count()
         s.backed_off, s.held = self.ledger.waiting_counts()
         s.deferred = self.ledger.deferred_count()
-        cost, realtime_cost = self.con.execute(
-            f"""select sum(cost_usd), sum(realtime_cost_usd) from {self.ledger.table("llm_batch_requests")}
+        # Harvested batches' rows and realtime rows apart: each figure under its own name in the line.
+        cost, realtime_cost, realtime_route = self.con.execute(
+            f"""select sum(cost_usd) filter (where route is distinct from 'realtime'),
+                       sum(realtime_cost_usd) filter (where route is distinct from 'realtime'),
+                       sum(cost_usd) filter (where route = 'realtime')
+                from {self.ledger.table("llm_batch_requests")}
                 where model = ? and completed_at >= ?""",
             [self.ledger.model, self.started],
         ).fetchall()[0]
+        s.realtime_route_usd = realtime_route
         if cost is None and self.price is not None:
             cost = realtime_cost = Decimal(0)  # nothing harvested this run
         if get_provider(self.config.provider).self_hosted:
@@ -372,7 +385,10 @@ class ModelRun:
         self.summary.estimated_usd = estimate if n else 0
         batch = sum(f.requests for f in files)
         committed = budget.committed(self.ledger)
-        report.dry_run(self.ledger.model, n, batch, len(files), n_realtime, unsendable, estimate, committed)
+        figures = None
+        if estimate is not None and self.price is not None and self.output is not None and n:
+            figures = (*costs.estimate_range(self.price, self.output, estimate, batch, n_realtime), self.output)
+        report.dry_run(self.ledger.model, n, batch, len(files), n_realtime, unsendable, estimate, committed, figures)
 
     # --- what the steps share -------------------------------------------------------------------
 

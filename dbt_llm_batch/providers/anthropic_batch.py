@@ -46,6 +46,17 @@ class AnthropicBatchProvider(BatchProvider):
     context_windows = {"claude-": 200_000}  # every Claude model (Anthropic's model overview)
     default_output_tokens = DEFAULT_MAX_TOKENS  # what params() sends without llm_max_tokens
     environment_hint = "Anthropic reads ANTHROPIC_API_KEY and ANTHROPIC_BASE_URL from the environment"
+    # `stop_reason` of a message (Anthropic Messages API reference). A structured answer is a forced
+    # tool call (tool_choice names the one tool; `tools` cannot be set otherwise, see RESERVED_PARAMS),
+    # so `tool_use` is the normal end of such an answer: `stop`, as OpenAI's structured answers end.
+    finish_reasons = {
+        "end_turn": "stop",
+        "stop_sequence": "stop",
+        "tool_use": "stop",
+        "max_tokens": "length",
+        "refusal": "content_filter",
+        "pause_turn": "pause",
+    }
 
     def __init__(self, config):
         super().__init__(config)

@@ -132,6 +132,10 @@ class Provider(ABC):
     # Defaults for what a model may have in flight, under the provider's published queue limits.
     default_max_tokens_in_flight: ClassVar[int | None] = None
     max_requests_in_flight: ClassVar[int | None] = None
+    # The provider's finish-reason words and the word llm_finish_reason shows for each, the same for
+    # every provider: stop, length, content_filter, tool_call. The ledger keeps the provider's own
+    # word (llm_batch_requests.finish_reason); a word not listed is shown as the provider wrote it.
+    finish_reasons: ClassVar[dict[str, str]] = {}
 
     # --- the provider's own config keys ------------------------------------------------------------
     # llm_* keys only this provider reads, with their defaults; parse_options validates them.

@@ -17,6 +17,16 @@ from dbt_llm_batch.sql import literal
 class OpenAIChatProvider(Provider):
     """A provider speaking OpenAI's chat-completions API (abstract: its subclasses say where to send)."""
 
+    # `finish_reason` of a chat completion choice (OpenAI API reference); `function_call` is the
+    # deprecated name of `tool_calls`.
+    finish_reasons = {
+        "stop": "stop",
+        "length": "length",
+        "content_filter": "content_filter",
+        "tool_calls": "tool_call",
+        "function_call": "tool_call",
+    }
+
     def request_body(self) -> dict:
         cfg = self.config
         # System and examples first and identical in every request: OpenAI caches such a prefix

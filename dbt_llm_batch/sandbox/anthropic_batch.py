@@ -270,6 +270,16 @@ class Face:
         open_ids = [bid for bid, job in self.jobs.items() if job.obj["processing_status"] != "ended"]
         return [self.advance(bid, "ended", 0.0) for bid in open_ids]
 
+    completed_stage = "ended"  # where Emulator.complete takes a batch
+
+    def next_stage(self, batch_id: str) -> str:
+        """The stage after the batch's current one (an advance with no `to`): in_progress and
+        canceling both end (a canceling batch ends with its unanswered requests canceled)."""
+        status = self.jobs[batch_id].obj["processing_status"]
+        if status == "ended":
+            raise ValueError(f"message batch {batch_id} has ended: there is no next stage")
+        return "ended"
+
     def advance(self, batch_id: str, to: str, done_fraction: float) -> dict:
         """Move a batch along the provider's own path (tests drive this).
 

@@ -2,14 +2,22 @@
 
 One key serves both faces: --api-key, else $OPENAI_API_KEY, else
 $ANTHROPIC_API_KEY, else "sk-sandbox". A key the user supplied is never printed.
+
+`dbt-llm-batch sandbox advance|complete|expire|fault|batches ...` drive a running sandbox from
+another shell: each is one call of a control endpoint (/_emulator/...), so nobody needs curl.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
+import sys
 import time
+import urllib.error
+import urllib.request
+from typing import Any
 
 from .server import Emulator
 
@@ -31,9 +39,129 @@ BANNER = """\
    export OPENAI_API_KEY={key}
    export ANTHROPIC_BASE_URL={base}
    export ANTHROPIC_API_KEY={key}
+ Finish a batch from another shell (SANDBOX_URL={base}):
+   dbt-llm-batch sandbox batches             list batches with their status
+   dbt-llm-batch sandbox advance <batch_id>  move it one stage along
+   dbt-llm-batch sandbox complete            finish every open batch (or: complete <batch_id>)
+   dbt-llm-batch sandbox expire <batch_id>   end it as expired
  Control endpoints: {base}/_emulator/ (stats, batches, faults, reset, ...)
  Press Ctrl-C to stop.
 """
+
+URL_ENV = "SANDBOX_URL"
+DEFAULT_URL = "http://127.0.0.1:8787"
+CONTROL_COMMANDS = ("advance", "complete", "expire", "fault", "batches")
+# Faults.add's parameters (answers.py), as --options of `sandbox fault`: name -> type.
+FAULT_OPTIONS = {
+    "kind": str,
+    "endpoint": str,
+    "path_contains": str,
+    "prompt_contains": str,
+    "times": int,
+    "status_code": int,
+    "type": str,
+    "message": str,
+    "code": str,
+    "param": str,
+    "content": str,
+    "retry_after": float,
+    "when": str,
+}
+
+
+def _call(url: str, method: str, path: str, body: dict | None = None) -> Any:
+    """One control call; the sandbox's error message (4xx) becomes a SystemExit with it."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method)
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return json.loads(reply.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = f"HTTP {exc.code}"
+        raise SystemExit(f"sandbox: {message}") from None
+    except urllib.error.URLError as exc:
+        raise SystemExit(
+            f"sandbox: no sandbox answers at {url} ({exc.reason}); start one with `dbt-llm-batch sandbox`, "
+            f"or pass its address with --url or ${URL_ENV}"
+        ) from None
+
+
+def _status(batch: dict) -> str:
+    """A batch's status word, for either face (OpenAI `status`, Anthropic `processing_status`)."""
+    return str(batch.get("status") or batch.get("processing_status"))
+
+
+def control(argv: list[str]) -> int:
+    """`dbt-llm-batch sandbox <control> ...`: one control call to a running sandbox; prints the result."""
+    parser = argparse.ArgumentParser(
+        prog="dbt-llm-batch sandbox",
+        description="Drive a running sandbox: move its batches along, add faults.",
+    )
+    parser.add_argument(
+        "--url",
+        default=os.environ.get(URL_ENV, DEFAULT_URL),
+        help=f"the sandbox's base URL (default: ${URL_ENV} or {DEFAULT_URL})",
+    )
+    sub = parser.add_subparsers(dest="control", required=True)
+    adv = sub.add_parser("advance", help="move a batch one stage along (or to --to)")
+    adv.add_argument("batch_id")
+    adv.add_argument("--to", default=None, help="the status to move to (default: the next stage)")
+    adv.add_argument("--done-fraction", type=float, default=0.0, help="share of requests answered on the way (0-1)")
+    done = sub.add_parser("complete", help="answer every request of a batch and end it (no id: every open batch)")
+    done.add_argument("batch_id", nargs="?")
+    exp = sub.add_parser("expire", help="end a batch as expired (its unanswered requests expire)")
+    exp.add_argument("batch_id")
+    exp.add_argument("--done-fraction", type=float, default=0.0, help="share of requests answered before it expired")
+    exp.add_argument(
+        "--results", action="store_true", help="instead: end an ended batch's result retention (404 from then on)"
+    )
+    fault = sub.add_parser("fault", help="add a fault (see the README's sandbox section), or --list / --clear them")
+    for name, typ in FAULT_OPTIONS.items():
+        fault.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
+    fault.add_argument("--list", action="store_true", help="list the faults")
+    fault.add_argument("--clear", action="store_true", help="remove every fault")
+    sub.add_parser("batches", help="list every batch of both faces, newest first")
+    args = parser.parse_args(argv)
+    url = args.url
+    if args.control == "advance":
+        body: dict = {"done_fraction": args.done_fraction} | ({"to": args.to} if args.to else {})
+        batch = _call(url, "POST", f"/_emulator/batches/{args.batch_id}/advance", body)
+        print(f"{args.batch_id}: {_status(batch)}")
+    elif args.control == "complete":
+        if args.batch_id:
+            batches = [_call(url, "POST", f"/_emulator/batches/{args.batch_id}/complete")]
+        else:
+            batches = _call(url, "POST", "/_emulator/complete_all")["batches"]
+        for batch in batches:
+            print(f"{batch['id']}: {_status(batch)}")
+        if not batches:
+            print("no open batch")
+    elif args.control == "expire":
+        if args.results:
+            batch = _call(url, "POST", f"/_emulator/batches/{args.batch_id}/expire_results")
+            print(f"{args.batch_id}: results expired")
+        else:
+            body = {"to": "expired", "done_fraction": args.done_fraction}
+            batch = _call(url, "POST", f"/_emulator/batches/{args.batch_id}/advance", body)
+            print(f"{args.batch_id}: {_status(batch)}")
+    elif args.control == "fault":
+        if args.clear:
+            _call(url, "DELETE", "/_emulator/faults")
+            print("no faults")
+        elif args.list:
+            print(json.dumps(_call(url, "GET", "/_emulator/faults"), indent=2))
+        else:
+            spec = {name: getattr(args, name) for name in FAULT_OPTIONS if getattr(args, name) is not None}
+            print(json.dumps(_call(url, "POST", "/_emulator/faults", spec)))
+    else:
+        for batch in _call(url, "GET", "/_emulator/batches")["batches"]:
+            print(f"{batch['id']}: {_status(batch)}")
+    return 0
 
 
 def _interrupt(signum, frame):
@@ -41,6 +169,9 @@ def _interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and (argv[0] in CONTROL_COMMANDS or argv[0] == "--url"):
+        return control(argv)
     parser = argparse.ArgumentParser(
         prog="python -m dbt_llm_batch.sandbox",
         description="Local SANDBOX emulator of the OpenAI Batch API and the Anthropic Message Batches API.",
@@ -112,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = (
         f"automatically, {args.auto_advance:g}s per stage"
         if args.auto_advance is not None
-        else "only when told to (POST /_emulator/batches/{id}/advance or /_emulator/complete_all)"
+        else "only when told to (see below)"
     )
     # Never print a key the user supplied; only the sandbox's own default.
     shown_key = (

@@ -244,6 +244,21 @@ class Face(FilesMixin):
             for bid in open_ids
         ]
 
+    completed_stage = "completed"  # where Emulator.complete takes a batch
+
+    def next_stage(self, batch_id: str) -> str:
+        """The stage after the batch's current one (an advance with no `to`)."""
+        status = self.runs[batch_id].obj["status"]
+        following = {
+            "validating": "in_progress",
+            "in_progress": "finalizing",
+            "finalizing": "completed",
+            "cancelling": "cancelled",
+        }
+        if status not in following:
+            raise ValueError(f"batch {batch_id} has ended ({status!r}): there is no next stage")
+        return following[status]
+
     def advance(self, batch_id: str, to: str, done_fraction: float) -> dict:
         """Move a batch to `to` through the provider's own path (tests drive this)."""
         run, now = self.runs[batch_id], self.emu.now()

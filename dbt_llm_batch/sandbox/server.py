@@ -31,7 +31,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, cast
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from .answers import Faults
@@ -197,14 +197,28 @@ class Emulator:
         return time.time()
 
     # -- Python control API (the /_emulator endpoints call these) ----------------
-    def advance(self, batch_id: str, to: str, done_fraction: float = 0.0) -> dict:
+    def advance(self, batch_id: str, to: str | None = None, done_fraction: float = 0.0) -> dict:
+        """Move a batch to `to`, or, with no `to`, one stage along its provider's path (OpenAI
+        validating -> in_progress -> finalizing -> completed, cancelling -> cancelled; Anthropic
+        in_progress or canceling -> ended)."""
         if not 0.0 <= float(done_fraction) <= 1.0:
             raise ValueError("done_fraction must be between 0 and 1")
         with self._lock:
             self._tick()
             for face in self.faces:
                 if face.owns(batch_id):
-                    return face.advance(batch_id, to, float(done_fraction))
+                    step = to if to is not None else face.next_stage(batch_id)
+                    return face.advance(batch_id, step, float(done_fraction))
+            raise KeyError(batch_id)
+
+    def complete(self, batch_id: str) -> dict:
+        """Run every request of one batch and end it as its provider does on success (OpenAI
+        `completed`, Anthropic `ended`)."""
+        with self._lock:
+            self._tick()
+            for face in self.faces:
+                if face.owns(batch_id):
+                    return face.advance(batch_id, face.completed_stage, 0.0)
             raise KeyError(batch_id)
 
     def complete_all(self) -> list[dict]:
@@ -404,6 +418,7 @@ class Emulator:
                 raise ValueError("control request body must be a JSON object")
             route = f"{method} {path.rstrip('/')}"
             m = re.fullmatch(r"POST /_emulator/batches/([^/]+)/advance", route)
+            complete = re.fullmatch(r"POST /_emulator/batches/([^/]+)/complete", route)
             expire = re.fullmatch(r"POST /_emulator/batches/([^/]+)/expire_results", route)
 
             def clear_faults() -> dict:
@@ -424,7 +439,9 @@ class Emulator:
                 "POST /_emulator/reset": reset,
             }
             if m:
-                result = self.advance(m.group(1), cast(str, data.get("to")), data.get("done_fraction") or 0.0)
+                result = self.advance(m.group(1), data.get("to"), data.get("done_fraction") or 0.0)
+            elif complete:
+                result = self.complete(complete.group(1))
             elif expire:
                 result = self.expire_results(expire.group(1))
             elif route in simple:

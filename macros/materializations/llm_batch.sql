@@ -49,6 +49,10 @@ def materialize(df, con):
     payload = json.loads({{ tojson(tojson(payload)) }})
     run_model(con, df=df, **payload)
   {%- endcall %}
+  {#- A dry run sends nothing and leaves the table as it is: its result line says so instead of OK. -#}
+  {%- if config.get('llm_dry_run') or var('llm_batch_dry_run', false) -%}
+    {% do store_raw_result(name='main', message='DRY RUN', code='DRY RUN', rows_affected='-1') %}
+  {%- endif %}
   {{ run_hooks(post_hooks, inside_transaction=True) }}
   {% do adapter.commit() %}
   {{ run_hooks(post_hooks, inside_transaction=False) }}
