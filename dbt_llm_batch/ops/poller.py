@@ -79,6 +79,7 @@ class ModelPoll:
     pending_requests: int = 0
     oldest_pending_seconds: float | None = None
     skipped: str | None = None  # why it was not polled, if it was not
+    answered_in_open: int = 0  # requests the provider finished in batches that are still running
 
     @property
     def new_results(self) -> int:
@@ -188,12 +189,14 @@ def poll(
                 setattr(seen, name, getattr(seen, name) + getattr(m, name))
             seen.open_batches, seen.pending_requests = m.open_batches, m.pending_requests
             seen.oldest_pending_seconds, seen.skipped, seen.dbt_name = m.oldest_pending_seconds, m.skipped, m.dbt_name
+            seen.answered_in_open = m.answered_in_open
         result.models = list(by_model.values())
         result.unavailable = unavailable
         if wait and progress is None:
             progress = Progress("poll: waiting for batches", pending_before, "requests answered")
         if progress is not None:
-            progress.update(max(0, progress.total - sum(m.pending_requests for m in result.models)))
+            pending = sum(m.pending_requests - m.answered_in_open for m in result.models)
+            progress.update(max(0, progress.total - pending))
         now = time.monotonic()
         if result.done or unavailable or now >= deadline:
             break
@@ -240,6 +243,8 @@ class _Target:
     jobs: list[dict] = field(default_factory=list)
     stored: set[str] = field(default_factory=set)  # job ids with result lines already stored
     fetched: list[tuple[BatchProvider, harvest.Fetched]] = field(default_factory=list)
+    # Harvested batches whose files the provider still keeps: (client, job id, batch id, file ids).
+    to_delete: list[tuple[BatchProvider, str, str, list[str]]] = field(default_factory=list)
 
 
 def _poll_once(database: str, schema: str | None, model: str | None, file_until: float, retry_budget: float):
@@ -266,7 +271,39 @@ def _poll_once(database: str, schema: str | None, model: str | None, file_until:
                     _describe(con, target.report)
             finally:
                 con.close()
+    _delete_files(database, targets, file_until)
     return [t.report for t in targets], unavailable, pending_before
+
+
+def _delete_files(database: str, targets: list[_Target], file_until: float) -> None:
+    """As a run does after its harvest (reconcile.delete_provider_files, llm_delete_provider_files):
+    delete the stored batches' files at the provider, with the file closed, then record it, so the
+    next run has nothing left to ask the provider. A failure is recorded; the next run tries again."""
+    done: list[tuple[_Target, str, str | None]] = []
+    for target in targets:
+        for client, job_id, batch_id, file_ids in target.to_delete:
+            try:
+                client.delete_files(batch_id, file_ids)
+                done.append((target, job_id, None))
+            except Exception as exc:
+                log.warning(
+                    f"{target.report.model}: could not delete the files of batch {batch_id} "
+                    f"({type(exc).__name__}: {exc}); the results are stored, the next run tries again"
+                )
+                done.append((target, job_id, f"{type(exc).__name__}: {exc}"[:1000]))
+    if not done:
+        return
+    con = open_shared(database, max(file_until, time.monotonic() + FILE_WAIT_SECONDS))
+    try:
+        now = con.execute("select now()").fetchall()[0][0]
+        for target, job_id, error in done:
+            ledger = Ledger(con, target.report.schema, target.report.model)
+            if error is None:
+                ledger.update_job(job_id, files_deleted_at=now, files_delete_error=None)
+            else:
+                ledger.update_job(job_id, files_delete_error=error)
+    finally:
+        con.close()
 
 
 def open_shared(database: str, until: float):
@@ -390,6 +427,7 @@ def _fetch(target: _Target, directory: str, retry_budget: float) -> str | None:
             continue
         fetched = harvest.fetch(target.report.model, client, jobs, directory, lambda job_id: job_id in target.stored)
         target.fetched.append((client, fetched))
+        target.report.answered_in_open += fetched.pending_done
         if fetched.unavailable:
             unavailable = client.calls.last_error
     return unavailable
@@ -433,6 +471,16 @@ def _store(con, target: _Target) -> None:
             report.succeeded += succeeded
             report.failed += failed
             report.retrying += retrying
+            if client.config.delete_provider_files:
+                target.to_delete += [
+                    (client, job_id, batch_id, [f for f in file_ids if f])
+                    for job_id, batch_id, *file_ids in con.execute(
+                        f"""select job_id, batch_id, input_file_id, output_file_id, error_file_id
+                            from {ledger.table("llm_batch_jobs")} where job_id in (select unnest(?))
+                              and harvested_at is not null and files_deleted_at is null""",
+                        [[job_id for job_id, _ in ended]],
+                    ).fetchall()
+                ]
         ledger.hold_cancelled()  # as a run does after its harvest (reconcile.after_harvest)
     finally:
         lock.release()

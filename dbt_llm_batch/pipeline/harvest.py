@@ -99,6 +99,7 @@ class Fetched:
     ended: list[tuple[str, BatchState]] = dataclasses.field(default_factory=list)
     downloads: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     pending: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    pending_done: int = 0  # requests the provider finished in the batches still running (progress)
     not_polled: int = 0
     unavailable: bool = False
 
@@ -116,6 +117,7 @@ def fetch(model: str, provider: BatchProvider, jobs: list[dict], directory: str,
                     fetched.not_polled += 1
                 else:
                     fetched.pending.append((job["job_id"], state.status))
+                    fetched.pending_done += state.requests_done or 0
                 continue
             if not stored(job["job_id"]):
                 files = provider.download_results(state, job["batch_id"], directory)

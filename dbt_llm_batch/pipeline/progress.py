@@ -71,8 +71,8 @@ class Progress:
             self.log()
 
     def finish(self) -> None:
-        """The last line, if any progress line was logged (short work stays quiet)."""
-        if self.lines:
+        """The last line, if the work took longer than the interval (short work stays quiet)."""
+        if self.lines or self.clock() - self.started >= self.interval:
             self.log()
 
     def line(self) -> str:
