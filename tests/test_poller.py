@@ -176,10 +176,19 @@ def test_a_dbt_run_waits_briefly_for_a_file_another_process_holds(project, emula
     submitted(project, emulator, provider)
     emulator.complete_all()
     project.release_database()
-    with hold_file(project.db_path, seconds=3):
-        done = dbt_run_process(project).communicate(timeout=300)
-    assert "in use by another process; waiting" in done[0], done[0][-2000:]
-    assert "Completed successfully" in done[0]
+    holder = hold_file(project.db_path, seconds=None)
+    with holder:
+        run = dbt_run_process(project)
+        assert run.stdout is not None
+        output = ""
+        for line in run.stdout:  # the file is let go once the run says it waits for it
+            output += line
+            if "in use by another process; waiting" in line:
+                break
+        holder.release()
+        output += run.communicate(timeout=300)[0]
+    assert "in use by another process; waiting up to" in output, output[-2000:]
+    assert run.returncode == 0 and "Completed successfully" in output, output[-2000:]
     assert_every_row_answered(project)
 
 
@@ -231,23 +240,34 @@ select * from {{ ref('things') }}""",
 
 
 class hold_file:
-    """Another process holds the DuckDB file for `seconds` (like a dbt run), then lets go."""
+    """Another process holds the DuckDB file (like a dbt run) for `seconds`, or until release()."""
 
-    def __init__(self, path: Path, seconds: float):
+    def __init__(self, path: Path, seconds: float | None):
         self.path, self.seconds = path, seconds
 
     def __enter__(self):
         code = (
             "import duckdb, sys, time; con = duckdb.connect(sys.argv[1]); print('held', flush=True); "
-            "time.sleep(float(sys.argv[2])); con.close()"
+            "time.sleep(float(sys.argv[2])) if sys.argv[2] != 'None' else sys.stdin.readline(); con.close()"
         )
         self.process = subprocess.Popen(
-            [sys.executable, "-c", code, str(self.path), str(self.seconds)], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", code, str(self.path), str(self.seconds)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         assert self.process.stdout is not None and self.process.stdout.readline().strip() == "held"
         return self
 
+    def release(self) -> None:
+        assert self.process.stdin is not None
+        if not self.process.stdin.closed:
+            self.process.stdin.write("go\n")
+            self.process.stdin.close()
+
     def __exit__(self, *exc):
+        if self.seconds is None:
+            self.release()
         self.process.wait(timeout=60)
 
 
