@@ -15,9 +15,9 @@ snapshot yet: it is reported and skipped.
 The DuckDB file is shared politely: DuckDB lets one process at a time open a file for writing, and a
 `dbt run` holds it for its whole run. The poller opens it only to read the open batches and, later,
 to store and settle (seconds); polling and downloading happen with the file closed. While another
-process holds the file, the poller waits and retries with back-off (bounded by --wait, else
-FILE_WAIT_SECONDS), saying so once. Under the file it re-reads which batches are still open and which
-have stored lines, so a batch a `dbt run` harvested meanwhile is neither stored nor settled twice.
+process holds the file, the poller waits and retries with back-off (as long as --wait allows, and
+at least FILE_WAIT_SECONDS), saying so once. Under the file it re-reads which batches are still open
+and which have stored lines, so a batch a `dbt run` harvested meanwhile is neither stored nor settled twice.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ EXIT_ERROR = 1  # the poll could not be done (no such file, the file stayed held
 EXIT_PENDING = 3  # batches are still open: not ended yet, or --wait ran out
 EXIT_UNAVAILABLE = 4  # the provider kept failing (throttled, 5xx, unreachable) for the retry budget
 
-FILE_WAIT_SECONDS = 60.0  # longest wait for a DuckDB file another process holds, without --wait
+FILE_WAIT_SECONDS = 60.0  # least wait for a DuckDB file another process holds (longer with a longer --wait)
 RETRY_BUDGET_SECONDS = 30.0  # least time failing provider calls are retried in one round
 MAX_POLL_DELAY = 60.0  # longest pause between two polls of --wait
 FIRST_POLL_DELAY_ENV = "DBT_LLM_BATCH_POLL_FIRST_DELAY"  # the first pause (default 1 s); tests shorten it
@@ -176,7 +176,9 @@ def poll(
     delay = float(os.environ.get(FIRST_POLL_DELAY_ENV) or 1.0)
     progress: Progress | None = None
     while True:
-        file_until = max(deadline, time.monotonic() + FILE_WAIT_SECONDS) if not wait else deadline
+        # A dbt run holds the file for its whole run: wait for it as long as --wait allows, and at
+        # least FILE_WAIT_SECONDS (a short --wait still outlasts a short run).
+        file_until = max(deadline, time.monotonic() + FILE_WAIT_SECONDS)
         # A provider that keeps failing is retried (honouring its retry-after) for at most the time
         # --wait has left, and at least RETRY_BUDGET_SECONDS; then the poll says it is unavailable.
         retry_budget = max(RETRY_BUDGET_SECONDS, deadline - time.monotonic())
