@@ -334,6 +334,21 @@ def parse_config(raw: dict) -> ModelConfig:
     return dataclasses.replace(config, legacy_prefix=legacy) if legacy else config
 
 
+# Keys a settle_snapshot leaves out: what shapes a request's text (a system prompt and examples are
+# prompts, which are never kept outside a run's request files), not how its answer is settled.
+SNAPSHOT_EXCLUDED = ("llm_system", "llm_examples", "llm_params", "llm_realtime_when")
+
+
+def settle_snapshot(raw: dict, dbt_name: str | None = None) -> str:
+    """What settling a model's results needs of its raw config (output columns, provider and model,
+    prices, attempts, the provider's own keys such as an engine's URL and its key's variable NAME),
+    as canonical JSON, for the poller to rebuild the config with parse_config without the dbt project.
+    No secret is in it: keys are read from environment variables, never from config. `dbt_name` is
+    the model's name in dbt (what a selector names); the ledger knows the model as schema.name."""
+    kept = {k: v for k, v in raw.items() if (k == "unique_key" or k.startswith("llm_")) and k not in SNAPSHOT_EXCLUDED}
+    return json.dumps({"config": canonical(kept), "dbt_name": dbt_name}, sort_keys=True, separators=(",", ":"))
+
+
 def _provider_class(name, errors: list[str]):
     """The registered provider class named `name` (registry.py), or None with the reason in `errors`."""
     if not registry.is_registered(name):

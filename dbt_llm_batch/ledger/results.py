@@ -57,7 +57,17 @@ class ResultWrites(LedgerBase):
             with transaction(self.con):
                 self.con.execute(f"delete from {models} where model = ?", [self.model])
                 self.con.execute(
-                    f"insert into {models} values (?, ?, now(), ?)", [self.model, key_columns, fingerprint_prefix]
+                    f"insert into {models} (model, key_columns, updated_at, fingerprint_prefix) values (?, ?, now(), ?)",
+                    [self.model, key_columns, fingerprint_prefix],
                 )
 
         retry_on_conflict(write)
+
+    def record_config_snapshot(self, snapshot: str) -> None:
+        """The settle-relevant part of this model's config as of this run (config.settle_snapshot),
+        for the poller; written only when it changed (its row exists: identity.prepare_ledger)."""
+        self.execute(
+            f"""update {self.table("llm_batch_models")} set config_snapshot = ?
+                where model = ? and config_snapshot is distinct from ?""",
+            [snapshot, self.model, snapshot],
+        )

@@ -142,6 +142,10 @@ MIGRATIONS += [
             ),
         ],
     ),
+    # What settling a model's results needs of its config (config.settle_snapshot: output columns,
+    # provider and model, prices, attempts; never a secret, nor a prompt), as of its last run: the
+    # poller (ops/poller.py) harvests without a dbt project. NULL until the model runs once with it.
+    (17, ["alter table {s}.llm_batch_models add column config_snapshot varchar"]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

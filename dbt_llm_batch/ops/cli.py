@@ -1,4 +1,4 @@
-"""`dbt-llm-batch` command line: the local sandbox, the ledger's status, and operator actions."""
+"""`dbt-llm-batch` command line: the local sandbox, the ledger's status, the poller, and operator actions."""
 
 from __future__ import annotations
 
@@ -85,6 +85,61 @@ OPERATOR_COMMANDS = {
 }
 
 
+def poll_command(args) -> int:
+    """`dbt-llm-batch poll`: harvest ended batches into the ledger (ops/poller.py); exit codes there."""
+    import logging
+
+    from dbt_llm_batch.errors import LlmBatchError
+    from dbt_llm_batch.log import log
+    from dbt_llm_batch.ops import poller
+    from dbt_llm_batch.pipeline import progress
+
+    bar = None
+    handler: logging.Handler
+    if sys.stderr.isatty():  # a progress bar, with the log lines printed above it
+        from rich.logging import RichHandler
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        handler = RichHandler(console=bar.console, show_time=False, show_path=False, show_level=False)
+        tasks: dict[str, object] = {}
+
+        def on_progress(what: str, done: int, total: int) -> None:
+            if what not in tasks:
+                tasks[what] = bar.add_task(what, total=total)
+            bar.update(tasks[what], completed=done, total=total)  # type: ignore[arg-type]
+
+        progress.add_listener(on_progress)
+        bar.start()
+    else:  # plain lines (a log file, cron's mail, an orchestrator's task log)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    if log.level == logging.NOTSET or log.level > logging.INFO:
+        log.setLevel(logging.INFO)
+    try:
+        result = poller.poll(
+            args.database, schema=args.schema, model=args.model, wait=args.wait, then=args.then, on_line=print
+        )
+    except LlmBatchError as exc:
+        print(f"dbt-llm-batch poll: {exc}", file=sys.stderr)
+        return poller.EXIT_ERROR
+    finally:
+        log.removeHandler(handler)
+        if bar is not None:
+            progress.remove_listener(on_progress)
+            bar.stop()
+    if not result.models:
+        print("no batch open")
+    if result.models_with_new_results:
+        print(f"new results for: {result.selector} (the next `dbt run` of each merges them without a provider call)")
+    if result.unavailable:
+        print(f"the provider stayed unavailable: {result.unavailable}", file=sys.stderr)
+    if result.then_returncode:
+        print(f"dbt-llm-batch poll: --then exited with status {result.then_returncode}", file=sys.stderr)
+    return result.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sandbox"]:  # the sandbox has its own options (see `dbt-llm-batch sandbox --help`)
@@ -102,7 +157,28 @@ def main(argv: list[str] | None = None) -> int:
         op.add_argument("--database", required=True, help="path of the DuckDB file")
         op.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
         op.add_argument("--model", required=True, help="the model, as its name or schema.name")
+    po = sub.add_parser(
+        "poll",
+        help="harvest the batches that ended into the ledger, without a dbt run (the next run merges them)",
+        description="Exit codes: 0 no batch open; 3 batches still open (or --wait ran out); "
+        "4 the provider stayed unavailable; 1 error (also when --then fails).",
+    )
+    po.add_argument("--database", required=True, help="path of the DuckDB file")
+    po.add_argument("--schema", default=None, help="only the ledger in this schema (default: every schema)")
+    po.add_argument("--model", default=None, help="only this model, as its name or schema.name")
+    po.add_argument(
+        "--wait", type=float, default=0.0, metavar="SECONDS", help="poll with back-off until no batch is open"
+    )
+    po.add_argument(
+        "--then",
+        default=None,
+        metavar="COMMAND",
+        help="run COMMAND once if new results were stored; {models} becomes their dbt names, "
+        "e.g. --then 'dbt build -s {models}+'",
+    )
     args = parser.parse_args(argv)
+    if args.command == "poll":
+        return poll_command(args)
     if args.command in OPERATOR_COMMANDS:
         from dbt_llm_batch.ops.operator import command
 

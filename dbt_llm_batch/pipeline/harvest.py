@@ -8,6 +8,7 @@ the next run finds the stored lines and settles from them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -75,38 +76,65 @@ def poll_and_harvest(
     """Poll each open job once; store the results of those that ended, then settle them together.
     Returns counts for the run summary."""
     stats = {"harvested_jobs": 0, "still_pending_jobs": 0, "unknown_results": 0}
-    ended = []
     with tempdirs.private_dir() as directory:
-        downloads = []
-        for job in jobs:
-            try:
-                state = _poll(ledger, provider, job)
-                if state is None or not state.ended:
-                    if state is not None:
-                        ledger.record_provider_status(job["job_id"], state.status)
-                    stats["still_pending_jobs"] += 1
-                    continue
-                if not _stored(ledger, job["job_id"]):  # an interrupted run may have stored them already
-                    files = provider.download_results(state, job["batch_id"], directory)
-                    downloads += [(job["job_id"], source, path) for source, path in files]
-            except ProviderUnavailable:
-                break  # the retry budget is spent: this job and the rest stay pending (runner warns)
-            if state.results_gone:
-                state.error = RETENTION_ENDED
-                log.warning(
-                    f"{ledger.model}: batch {job['batch_id']}: {RETENTION_ENDED} (results already stored are kept)"
-                )
-            ended.append((job["job_id"], state))
+        fetched = fetch(ledger.model, provider, jobs, directory, lambda job_id: is_stored(ledger, job_id))
+        for job_id, status in fetched.pending:
+            ledger.record_provider_status(job_id, status)
+        stats["still_pending_jobs"] = len(fetched.pending) + fetched.not_polled
         crashpoints.reach("after_download")
-        store_lines(ledger, downloads)
+        store_lines(ledger, fetched.downloads)
         crashpoints.reach("after_store")
-    if ended:
-        stats["unknown_results"] = settle(ledger, provider, config, ended, price)
-        stats["harvested_jobs"] = len(ended)
+    if fetched.ended:
+        stats["unknown_results"] = settle(ledger, provider, config, fetched.ended, price)
+        stats["harvested_jobs"] = len(fetched.ended)
     return stats
 
 
-def _poll(ledger: Ledger, provider: BatchProvider, job: dict) -> BatchState | None:
+@dataclasses.dataclass
+class Fetched:
+    """What polling a model's open jobs found: the ended ones with their state, their downloaded
+    result files [(job id, source, path)], the status word of those still running, and how many
+    were not polled (pending without a word, or skipped once the provider stayed unavailable)."""
+
+    ended: list[tuple[str, BatchState]] = dataclasses.field(default_factory=list)
+    downloads: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    pending: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    pending_done: int = 0  # requests the provider finished in the batches still running (progress)
+    not_polled: int = 0
+    unavailable: bool = False
+
+
+def fetch(model: str, provider: BatchProvider, jobs: list[dict], directory: str, stored) -> Fetched:
+    """The network half of a harvest, which writes nothing to the ledger: poll each job once and
+    download the results of those that ended into `directory` (unless `stored(job_id)`: an
+    interrupted harvest stored them already). The poller runs it without holding the database file."""
+    fetched = Fetched()
+    for i, job in enumerate(jobs):
+        try:
+            state = _poll(model, provider, job)
+            if state is None or not state.ended:
+                if state is None:
+                    fetched.not_polled += 1
+                else:
+                    fetched.pending.append((job["job_id"], state.status))
+                    fetched.pending_done += state.requests_done or 0
+                continue
+            if not stored(job["job_id"]):
+                files = provider.download_results(state, job["batch_id"], directory)
+                fetched.downloads += [(job["job_id"], source, path) for source, path in files]
+        except ProviderUnavailable:
+            # The retry budget is spent: this job and the rest stay pending (the caller says so).
+            fetched.unavailable = True
+            fetched.not_polled += len(jobs) - i
+            break
+        if state.results_gone:
+            state.error = RETENTION_ENDED
+            log.warning(f"{model}: batch {job['batch_id']}: {RETENTION_ENDED} (results already stored are kept)")
+        fetched.ended.append((job["job_id"], state))
+    return fetched
+
+
+def _poll(model: str, provider: BatchProvider, job: dict) -> BatchState | None:
     """The job's state; for a batch the provider no longer knows, an ended state without results
     once it must have ended (GONE_AFTER_SECONDS), else None (left pending, with a warning)."""
     try:
@@ -117,14 +145,15 @@ def _poll(ledger: Ledger, provider: BatchProvider, job: dict) -> BatchState | No
     if time.time() - job["created_at"].timestamp() > GONE_AFTER_SECONDS:
         return BatchState(status=JobStatus.GONE, ended=True, results_gone=True)
     log.warning(
-        f"{ledger.model}: the provider says batch {job['batch_id']} does not exist; it was created less than a "
+        f"{model}: the provider says batch {job['batch_id']} does not exist; it was created less than a "
         f"day ago, so it is left pending: check that {provider.key_env_var} is the key of the organisation or "
         "workspace that created it"
     )
     return None
 
 
-def _stored(ledger: Ledger, job_id: str) -> bool:
+def is_stored(ledger: Ledger, job_id: str) -> bool:
+    """Whether the job's result lines are stored (an interrupted harvest, or another process, stored them)."""
     return (
         ledger.con.execute(
             f"select count(*) from {ledger.table('llm_batch_results')} where job_id = ?", [job_id]

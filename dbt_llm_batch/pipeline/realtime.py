@@ -35,6 +35,7 @@ from dbt_llm_batch.errors import ProviderError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import JobStatus, RequestStatus, sql
 from dbt_llm_batch.pipeline import crashpoints, harvest
+from dbt_llm_batch.pipeline.progress import Progress
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchState, Provider
 from dbt_llm_batch.providers.realtime_transport import RETRYABLE, FatalReply, LostReply, TransientError
@@ -87,13 +88,15 @@ def run_realtime(
     ).to_arrow_reader(FETCH_ROWS)
     writer = ResultWriter(ledger, provider, job_id, price, heartbeat)
     fatal = None
+    progress = Progress(f"{ledger.model}: realtime", outcome.requests, "answered")
     try:
-        asyncio.run(_send_all(provider, bodies, writer, outcome, deadline))
+        asyncio.run(_send_all(provider, bodies, writer, outcome, deadline, progress))
     except FatalReply as exc:
         fatal = exc
     finally:
         bodies.close()  # rows never started leave the reader open, which would block the connection
         writer.close()
+    progress.finish()
     fail_possibly_billed(ledger, job_id)
     unsent = outcome.requests - outcome.answered - outcome.given_up
     reason: str | None
@@ -149,7 +152,9 @@ def settle_interrupted(ledger: Ledger, provider: Provider, job_id: str, price: d
     harvest.settle(ledger, provider, provider.config, [(job_id, state)], price)
 
 
-async def _send_all(provider, bodies, writer: ResultWriter, outcome: RealtimeOutcome, deadline: float) -> None:
+async def _send_all(
+    provider, bodies, writer: ResultWriter, outcome: RealtimeOutcome, deadline: float, progress: Progress | None = None
+) -> None:
     transports = provider.realtime_transports()
     batches = iter(bodies)
     queue: list[tuple[str, str]] = []
@@ -197,6 +202,8 @@ async def _send_all(provider, bodies, writer: ResultWriter, outcome: RealtimeOut
             while not workers.done():
                 await asyncio.wait([workers], timeout=FLUSH_SECONDS)
                 await loop.run_in_executor(pool, writer.write, writer.take())
+                if progress is not None:
+                    progress.update(outcome.answered + outcome.given_up)
             await workers  # re-raise a worker's error
         finally:
             await loop.run_in_executor(pool, writer.write, writer.take())

@@ -27,7 +27,7 @@ import dataclasses
 import time
 from decimal import Decimal
 
-from dbt_llm_batch.config import ModelConfig, parse_config
+from dbt_llm_batch.config import ModelConfig, parse_config, settle_snapshot
 from dbt_llm_batch.errors import BudgetError, ConfigError, ProviderError
 from dbt_llm_batch.ledger import Ledger, locks
 from dbt_llm_batch.log import log, warn_user
@@ -40,6 +40,7 @@ from dbt_llm_batch.pipeline import (
     interrupt,
     merge,
     plan,
+    progress,
     realtime,
     reconcile,
     report,
@@ -66,14 +67,17 @@ def run_model(
     df=None,
     full_refresh: bool = False,
     project: dict | None = None,
+    name: str | None = None,
 ) -> RunSummary:
     """Run one model: validate, reconcile, harvest, plan, (budget-check,) submit, (optionally wait), merge.
 
     `project` carries project-wide vars: `max_cost_usd` (all models' in-flight estimate plus this
-    plan) and `dry_run` (plan, estimate and report; send nothing, change nothing).
+    plan) and `dry_run` (plan, estimate and report; send nothing, change nothing). `name` is the
+    model's dbt name (what `dbt-llm-batch poll --then` selects it by).
     """
-    project = project or {}
+    project = dict(project or {})
     config = parse_config(raw_config)  # first: a bad config fails before anything is touched
+    project["settle_snapshot"] = settle_snapshot(raw_config, name)
     # The input first: a Python model's relation cannot be read once other results are pending here.
     work_con, rows = input_connection(con, df)
     scratch = Scratch(work_con)
@@ -132,6 +136,8 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
     refused = None
     try:
         identity.prepare_ledger(run.ledger, config, input_columns)
+        if project.get("settle_snapshot"):  # what the poller needs to harvest this model (ops/poller.py)
+            run.ledger.record_config_snapshot(project["settle_snapshot"])
         try:
             run.execute(full_refresh)  # reconcile, harvest, plan, request files, budget, submit, realtime
         except BudgetError as exc:
@@ -325,13 +331,17 @@ class ModelRun:
     def wait(self, deadline: float) -> None:
         """Poll with back-off until every open job ended or the deadline passed (llm_wait_seconds)."""
         delay = 0.5
+        total = self.ledger.pending_count()
+        waiting = progress.Progress(f"{self.ledger.model}: waiting for batches", total, "requests answered")
         while time.monotonic() < deadline and not self.provider_unavailable():
             if self.lock:
                 self.lock.heartbeat()
             self.harvest_open()
             self.after_harvest()
             open_jobs = self.ledger.open_jobs()
+            waiting.update(max(0, total - self.ledger.pending_count()))
             if not open_jobs:
+                waiting.finish()
                 return
             seconds_left = max(0, int(deadline - time.monotonic()))
             report.waiting(self.ledger.model, len(open_jobs), self.ledger.pending_count(), seconds_left)

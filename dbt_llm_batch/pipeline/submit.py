@@ -22,6 +22,7 @@ from dbt_llm_batch.ledger.locks import database_path
 from dbt_llm_batch.ledger.status import JobStatus
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import crashpoints
+from dbt_llm_batch.pipeline.progress import Progress
 from dbt_llm_batch.pipeline.request_files import RequestFile
 from dbt_llm_batch.providers.base import UNRESOLVED, BatchProvider
 from dbt_llm_batch.providers.calls import ProviderUnavailable, describe, is_transient, status_of
@@ -36,6 +37,7 @@ def submit_chunks(ledger: Ledger, provider: BatchProvider, files: list[RequestFi
     job_ids = ledger.write_intents(provider.name, provider.config.model, sent_rows, [f.chunk for f in files])
     crashpoints.reach("after_intents")
     attempted = 0
+    submitting = Progress(f"{ledger.model}: submitting", sum(f.requests for f in files), "requests")
     try:
         for request_file in files:
             job_id = job_ids[request_file.chunk]
@@ -69,6 +71,7 @@ def submit_chunks(ledger: Ledger, provider: BatchProvider, files: list[RequestFi
             ledger.record_submission(job_id, submission.batch_id, submission.input_file_id, submission.status)
             batch_ids.append(submission.batch_id)
             os.remove(request_file.path)  # prompts do not linger on disk
+            submitting.update(submitting.done + request_file.requests)
     except BaseException:
         # The failing chunk is left to reconciliation (it may have reached the provider); chunks never
         # attempted go back to waiting, so nothing is lost even for rows the model no longer selects.
@@ -76,6 +79,7 @@ def submit_chunks(ledger: Ledger, provider: BatchProvider, files: list[RequestFi
         raise
     if attempted < len(job_ids):  # stopped after a failed create: the rest wait for the next run
         ledger.return_to_deferred(list(job_ids.values())[attempted:])
+    submitting.finish()
     return batch_ids
 
 

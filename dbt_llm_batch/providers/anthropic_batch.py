@@ -173,6 +173,10 @@ class AnthropicBatchProvider(BatchProvider):
             status=b.processing_status,
             ended=b.processing_status == "ended",
             counts=b.request_counts.model_dump(),
+            requests_done=b.request_counts.succeeded
+            + b.request_counts.errored
+            + b.request_counts.canceled
+            + b.request_counts.expired,
             results_gone=b.archived_at is not None,
         )
 

@@ -106,6 +106,7 @@ class BatchState:
     line_errors: dict = field(default_factory=dict)
     token_limit: bool = False  # failed on the provider's enqueued-token limit: resubmit after a back-off
     results_gone: bool = False  # set by poll (archived) or download_results: results could no longer be fetched
+    requests_done: int | None = None  # requests the provider has finished either way, from its counts (progress)
 
 
 class Provider(ABC):

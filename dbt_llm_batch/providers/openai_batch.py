@@ -126,6 +126,7 @@ class OpenAIBatchProvider(OpenAIChatProvider, BatchProvider):
             ended=b.status in ENDED,
             error=error,
             counts=counts,
+            requests_done=(counts.get("completed") or 0) + (counts.get("failed") or 0),
             output_file_id=b.output_file_id,
             error_file_id=b.error_file_id,
             line_errors=line_errors,

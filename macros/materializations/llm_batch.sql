@@ -14,6 +14,7 @@
       'package_version': '0.2.0',
       'schema': this.schema,
       'identifier': this.identifier,
+      'name': model.name,
       'target': target_relation.render(),
       'raw_config': dbt_llm_batch._llm_config(),
       'sql': compiled_code if model.language == 'sql' else none,

@@ -1,0 +1,295 @@
+"""The poller: `dbt-llm-batch poll` harvests ended batches between runs, and the next `dbt run` merges
+them without a provider call; sharing the DuckDB file with a dbt run; a killed poller; progress lines.
+
+Every poller story runs once per batch provider (the `provider` fixture)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import (
+    TRIAGE_SYSTEM,
+    batch_counts,
+    billed_per_key,
+    expected_triage,
+    log_text,
+    triage_model,
+)
+
+from dbt_llm_batch.ops.cli import main as cli
+from dbt_llm_batch.ops.poller import EXIT_DONE, EXIT_PENDING, expand_then
+
+MODEL, SELECT = "models/triage.sql", ["-s", "triage"]
+CLI = [sys.executable, "-m", "dbt_llm_batch.ops.cli"]
+
+
+def poll(project, capsys, *args: str) -> tuple[int, str, str]:
+    """`dbt-llm-batch poll --database <the project's file> <args>`, in-process: (exit code, out, err)."""
+    capsys.readouterr()
+    rc = cli(["poll", "--database", str(project.db_path), *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def submitted(project, emulator, provider: str) -> None:
+    """Run 1 of the triage model: one batch of its six rows, the table still empty."""
+    project.write(MODEL, triage_model(provider=provider))
+    project.dbt("seed")
+    project.dbt("run", *SELECT)
+    assert batch_counts(emulator) == [6]
+
+
+def assert_every_row_answered(project) -> None:
+    rows = project.query("""select s.subject, s.body, t.category, t.urgent, t.summary, t.llm_status
+                            from main.triage t join main.support_tickets s using (ticket_id)""")
+    assert len(rows) == 6
+    for subject, body, category, urgent, summary, status in rows:
+        assert status == "succeeded"
+        assert (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}\n\n{body}")
+
+
+def assert_billed_and_stored_once(project, emulator) -> None:
+    rows = project.query("select ticket_id, subject, body from main.support_tickets")
+    billed = billed_per_key(emulator, {f"Subject: {s}\n\n{b}": k for k, s, b in rows})
+    assert sorted(billed.values()) == [1] * 6, billed
+    # No batch harvested twice: each result line stored once.
+    assert project.query("select count(*), count(distinct custom_id) from main.llm_batch_results") == [(6, 6)]
+
+
+def test_poll_stores_results_and_the_next_run_merges_them_without_a_provider_call(project, emulator, provider, capsys):
+    submitted(project, emulator, provider)
+
+    # Not ended yet: pending, exit code 3, nothing stored.
+    rc, out, _ = poll(project, capsys)
+    assert rc == EXIT_PENDING
+    assert "main.triage: 6 request(s) pending in 1 open batch(es)" in out
+    assert project.query("select count(*) from main.llm_batch_results") == [(0,)]
+
+    emulator.complete_all()
+    rc, out, _ = poll(project, capsys, "--schema", "main", "--model", "triage")
+    assert rc == EXIT_DONE, out
+    assert "main.triage: 1 batch(es) harvested: 6 succeeded, 0 failed; no batch open" in out
+    assert "new results for: triage" in out
+    # Stored and settled in the ledger; the poller does not touch the model table.
+    assert project.query("select status, count(*) from main.llm_batch_requests group by 1") == [("succeeded", 6)]
+    assert project.query("select count(*) from main.triage") == [(0,)]
+    assert project.query("select count(*) from main.llm_batch_jobs where files_deleted_at is null") == [(0,)]
+
+    calls = dict(emulator.stats()["calls"])
+    project.dbt("run", *SELECT)
+    assert_every_row_answered(project)
+    assert dict(emulator.stats()["calls"]) == calls  # merged from the ledger: not a single provider call
+    assert_billed_and_stored_once(project, emulator)
+
+    # Nothing open: a poll makes no provider call and says it is done.
+    rc, out, _ = poll(project, capsys)
+    assert rc == EXIT_DONE and "no batch open" in out
+    assert dict(emulator.stats()["calls"]) == calls
+
+
+def test_poll_wait_returns_done_and_then_runs_once_with_the_selector(
+    project, emulator, provider, capsys, tmp_path, monkeypatch
+):
+    submitted(project, emulator, provider)
+    emulator.auto_advance_seconds = 0.5  # each stage of a batch lasts half a second
+    monkeypatch.setenv("DBT_LLM_BATCH_POLL_FIRST_DELAY", "0.2")
+    monkeypatch.setenv("DBT_LLM_BATCH_PROGRESS_SECONDS", "0")
+    record = tmp_path / "then.txt"
+    then = (
+        f"{sys.executable} -c 'import sys; open(sys.argv[1], \"a\").write(sys.argv[2] + chr(10))' {record} {{models}}+"
+    )
+    rc, out, err = poll(project, capsys, "--wait", "120", "--then", then)
+    assert rc == EXIT_DONE, out + err
+    assert record.read_text() == "triage+\n"  # exactly once, with the model's dbt name
+    assert "poll: waiting for batches: " in err  # progress while it waits
+
+    calls = dict(emulator.stats()["calls"])
+    project.dbt("run", *SELECT)
+    assert_every_row_answered(project)
+    assert dict(emulator.stats()["calls"]) == calls
+
+
+def test_then_repeats_the_word_holding_the_placeholder_per_model():
+    assert expand_then("dbt build -s {models}+ --fail-fast", ["a", "b"]) == "dbt build -s a+ b+ --fail-fast"
+    assert expand_then("dbt run -s +{models}", ["x"]) == "dbt run -s +x"
+
+
+def test_a_model_last_run_by_an_older_version_is_skipped_with_advice(project, emulator, provider, capsys):
+    submitted(project, emulator, provider)
+    emulator.complete_all()
+    project.query("update main.llm_batch_models set config_snapshot = null")  # as an earlier version left it
+    calls = dict(emulator.stats()["calls"])
+    rc, out, _ = poll(project, capsys)
+    assert rc == EXIT_PENDING
+    assert "run it once with dbt first" in out
+    assert dict(emulator.stats()["calls"]) == calls
+    project.dbt("run", *SELECT)  # the run harvests it as always
+    assert_every_row_answered(project)
+
+
+def test_a_poller_killed_between_download_and_store_loses_nothing(project, emulator, provider, tmp_path):
+    submitted(project, emulator, provider)
+    emulator.complete_all()
+    project.release_database()
+    for point in ("after_download", "after_store"):
+        marker = tmp_path / f"crashed-{point}"
+        env = {
+            **os.environ,
+            "DBT_LLM_BATCH_CRASH_AT": point,
+            "DBT_LLM_BATCH_CRASH_MARKER": str(marker),
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+        }
+        killed = subprocess.run(
+            [*CLI, "poll", "--database", str(project.db_path)], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert killed.returncode == -9, killed.stdout + killed.stderr
+        assert marker.read_text() == point
+        if point == "after_download":
+            assert project.query("select count(*) from main.llm_batch_results") == [(0,)]
+        else:  # stored, not settled
+            assert project.query("select count(*) from main.llm_batch_results") == [(6,)]
+            assert project.query("select distinct status from main.llm_batch_requests") == [("queued",)]
+
+    project.dbt("run", *SELECT)  # or a poll: the same harvest
+    assert_every_row_answered(project)
+    assert_billed_and_stored_once(project, emulator)
+
+
+def test_a_poller_waits_for_a_file_another_process_holds(project, emulator, provider, capsys):
+    submitted(project, emulator, provider)
+    emulator.complete_all()
+    project.release_database()
+    with hold_file(project.db_path, seconds=3):
+        rc, out, err = poll(project, capsys)
+    assert rc == EXIT_DONE, out + err
+    assert re.search(rf"poll: {re.escape(str(project.db_path))} is in use by .* \(PID \d+\); waiting for it", err)
+    assert "6 succeeded" in out
+
+
+def test_a_dbt_run_waits_briefly_for_a_file_another_process_holds(project, emulator, provider):
+    """What a dbt run does when it starts while the poller writes: it waits (the plugin, up to 15 s)."""
+    submitted(project, emulator, provider)
+    emulator.complete_all()
+    project.release_database()
+    holder = hold_file(project.db_path, seconds=None)
+    with holder:
+        run = dbt_run_process(project)
+        assert run.stdout is not None
+        output = ""
+        for line in run.stdout:  # the file is let go once the run says it waits for it
+            output += line
+            if "in use by another process; waiting" in line:
+                break
+        holder.release()
+        output += run.communicate(timeout=300)[0]
+    assert "in use by another process; waiting up to" in output, output[-2000:]
+    assert run.returncode == 0 and "Completed successfully" in output, output[-2000:]
+    assert_every_row_answered(project)
+
+
+def test_a_poller_and_a_dbt_run_started_together_both_finish(project, emulator, provider):
+    submitted(project, emulator, provider)
+    emulator.complete_all()
+    project.release_database()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    poller = subprocess.Popen(
+        [*CLI, "poll", "--database", str(project.db_path), "--wait", "120"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    run = dbt_run_process(project)
+    poll_out = poller.communicate(timeout=300)[0]
+    run_out = run.communicate(timeout=300)[0]
+    assert poller.returncode == EXIT_DONE, poll_out
+    assert run.returncode == 0, run_out[-3000:]
+    # Whichever harvested the batch, it was harvested once; a final run merges what the poller stored.
+    project.dbt("run", *SELECT)
+    assert_every_row_answered(project)
+    assert_billed_and_stored_once(project, emulator)
+    assert project.query("select count(*) from main.llm_batch_jobs where harvested_at is not null") == [(1,)]
+
+
+def test_a_long_realtime_run_logs_its_progress(project, emulator, monkeypatch):
+    rows = 24
+    project.write("models/things.sql", f"select range as a, 'row ' || range as prompt from range({rows})")
+    project.write(
+        "models/m.sql",
+        """{{ config(materialized='llm_batch', unique_key='a', llm_provider='openai', llm_model='gpt-4o-mini',
+                     llm_realtime_when='true', llm_concurrency=2, llm_max_tokens=50) }}
+select * from {{ ref('things') }}""",
+    )
+    emulator.realtime_latency = 0.25  # 24 rows, 2 at a time: at least 3 s
+    monkeypatch.setenv("DBT_LLM_BATCH_PROGRESS_SECONDS", "0.5")
+    project.dbt("run", "-s", "things", "m")
+    assert project.query("select count(*) from main.m where llm_status = 'succeeded'") == [(rows,)]
+    lines = re.findall(
+        rf"main\.m: realtime: (\d+)/{rows} answered \(\d+%\), [\d.]+/s, about .+ left", log_text(project)
+    )
+    assert len(lines) >= 2, lines
+    assert [int(n) for n in lines] == sorted(int(n) for n in lines)  # done only grows
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+class hold_file:
+    """Another process holds the DuckDB file (like a dbt run) for `seconds`, or until release()."""
+
+    def __init__(self, path: Path, seconds: float | None):
+        self.path, self.seconds = path, seconds
+
+    def __enter__(self):
+        code = (
+            "import duckdb, sys, time; con = duckdb.connect(sys.argv[1]); print('held', flush=True); "
+            "time.sleep(float(sys.argv[2])) if sys.argv[2] != 'None' else sys.stdin.readline(); con.close()"
+        )
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code, str(self.path), str(self.seconds)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None and self.process.stdout.readline().strip() == "held"
+        return self
+
+    def release(self) -> None:
+        assert self.process.stdin is not None
+        if not self.process.stdin.closed:
+            self.process.stdin.write("go\n")
+            self.process.stdin.close()
+
+    def __exit__(self, *exc):
+        if self.seconds is None:
+            self.release()
+        self.process.wait(timeout=60)
+
+
+def dbt_run_process(project) -> subprocess.Popen:
+    dbt = Path(sys.executable).parent / "dbt"
+    return subprocess.Popen(
+        [str(dbt), "run", *SELECT, "--project-dir", str(project.root), "--profiles-dir", str(project.root)],
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_the_poll_function_reports_for_a_sensor(project, emulator, provider):
+    import dbt_llm_batch
+
+    submitted(project, emulator, provider)
+    result = dbt_llm_batch.poll(str(project.db_path))
+    assert not result.done and result.pending == {"main.triage": 6} and result.open_batches == 1
+    assert result.oldest_pending_age is not None and result.models_with_new_results == []
+    emulator.complete_all()
+    result = dbt_llm_batch.poll(str(project.db_path))
+    assert result.done and result.models_with_new_results == ["triage"] and result.exit_code == EXIT_DONE
+    assert json.loads(project.query("select config_snapshot from main.llm_batch_models")[0][0])["dbt_name"] == "triage"
