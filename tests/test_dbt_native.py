@@ -1,0 +1,60 @@
+"""Feeling native to dbt: errors read like dbt's own (one message, no Python traceback unless
+--debug), enforced contracts, `dbt-llm-batch check` before a run, and docs and lineage."""
+
+from __future__ import annotations
+
+from conftest import failure_messages
+from helpers import triage_model
+
+MODEL, SELECT = "models/triage.sql", ["-s", "triage"]
+
+
+def console_of(capfd, result) -> str:
+    """What dbt printed (in-process runs print to this process's stdout/stderr) and the failures' text."""
+    out, err = capfd.readouterr()
+    return out + err + "\n" + failure_messages(result)
+
+
+def test_a_config_typo_is_one_message_without_traceback(project, emulator, capfd):
+    project.write(MODEL, triage_model(extra_config="llm_temprature = 0.2,"))
+    project.dbt("seed")
+    capfd.readouterr()
+    result = project.dbt("run", *SELECT, expect_ok=False)
+    output = console_of(capfd, result)
+    assert not result.success
+    assert "unknown config key 'llm_temprature' (did you mean 'llm_temperature'?)" in output
+    assert "Traceback" not in output and "Python model failed" not in output
+    assert "Compilation Error in model triage" in output, output[-3000:]
+    assert emulator.batches() == []
+
+
+def test_a_missing_key_is_one_message_without_traceback(project, emulator, capfd, monkeypatch):
+    project.write(MODEL, triage_model())
+    project.dbt("seed")
+    monkeypatch.delenv("OPENAI_API_KEY")
+    capfd.readouterr()
+    result = project.dbt("run", *SELECT, expect_ok=False)
+    output = console_of(capfd, result)
+    assert not result.success
+    assert "OPENAI_API_KEY is not set" in output
+    assert "Traceback" not in output and "Python model failed" not in output
+    assert output.count("OPENAI_API_KEY is not set") == failure_messages(result).count("OPENAI_API_KEY is not set") + 1
+    assert emulator.batches() == []
+
+
+def test_a_schema_change_is_one_message_without_traceback_and_debug_shows_it(project, emulator, capfd):
+    project.write(MODEL, triage_model())
+    project.dbt("seed")
+    project.dbt("run", *SELECT)
+    project.write(MODEL, triage_model().replace("select ticket_id,", "select ticket_id, 1 as extra,"))
+    capfd.readouterr()
+    result = project.dbt("run", *SELECT, expect_ok=False)
+    output = console_of(capfd, result)
+    assert "the columns of" in output and "only in the model: extra INTEGER" in output
+    assert "dbt run --full-refresh" in output
+    assert "Traceback" not in output and "Python model failed" not in output
+    # With --debug the traceback is there for a bug report, in dbt's debug log lines.
+    result = project.dbt("--debug", "run", *SELECT, expect_ok=False)
+    output = console_of(capfd, result)
+    assert "Traceback" in output and "check_existing_table" in output
+    assert "Traceback" not in failure_messages(result)
