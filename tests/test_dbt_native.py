@@ -58,3 +58,54 @@ def test_a_schema_change_is_one_message_without_traceback_and_debug_shows_it(pro
     output = console_of(capfd, result)
     assert "Traceback" in output and "check_existing_table" in output
     assert "Traceback" not in failure_messages(result)
+
+
+CONTRACT_YML = """
+version: 2
+models:
+  - name: triage
+    config:
+      contract: {{enforced: true}}
+    columns:
+      - {{name: ticket_id, data_type: integer}}
+      - {{name: subject, data_type: varchar}}
+      - {{name: priority, data_type: {priority}}}
+      - {{name: prompt, data_type: text}}
+      - {{name: category, data_type: varchar}}
+      - {{name: summary, data_type: varchar}}
+      - {{name: urgent, data_type: boolean}}
+      - {{name: llm_status, data_type: varchar}}
+      - {{name: llm_cost_usd, data_type: "decimal(18,9)"}}
+"""
+
+
+def test_an_enforced_contract_that_disagrees_fails_before_any_call(project, emulator, capfd):
+    project.write(MODEL, triage_model())
+    project.write("models/triage.yml", CONTRACT_YML.format(priority="integer"))  # priority is text
+    project.dbt("seed")
+    capfd.readouterr()
+    result = project.dbt("run", *SELECT, expect_ok=False)
+    output = console_of(capfd, result)
+    assert not result.success
+    assert "This model has an enforced contract that failed." in output  # dbt's own ContractError
+    mismatch = [line for line in output.splitlines() if "| data type mismatch" in line]
+    assert len(mismatch) == 2 and all("priority" in line and "INTEGER" in line for line in mismatch), output
+    assert "Traceback" not in output
+    assert emulator.stats()["calls"] == {}  # no provider call at all
+
+    # An undeclared output column is named as missing in the contract.
+    project.write("models/triage.yml", CONTRACT_YML.format(priority="varchar").replace("- {name: urgent", "# "))
+    result = project.dbt("run", *SELECT, expect_ok=False)
+    output = console_of(capfd, result)
+    assert any("urgent" in line and "missing in contract" in line for line in output.splitlines()), output
+    assert emulator.stats()["calls"] == {}
+
+
+def test_an_enforced_contract_that_agrees_runs(project, emulator):
+    project.write(MODEL, triage_model())
+    project.write("models/triage.yml", CONTRACT_YML.format(priority="varchar"))
+    project.dbt("seed")
+    project.dbt("run", *SELECT)
+    emulator.complete_all()
+    project.dbt("run", *SELECT)
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]

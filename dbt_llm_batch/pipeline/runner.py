@@ -33,6 +33,7 @@ from dbt_llm_batch.ledger import Ledger, locks
 from dbt_llm_batch.log import log, warn_user
 from dbt_llm_batch.pipeline import (
     budget,
+    contract,
     costs,
     crashpoints,
     harvest,
@@ -66,6 +67,7 @@ def run_model(
     df=None,
     full_refresh: bool = False,
     project: dict | None = None,
+    contract: dict | None = None,
 ) -> RunSummary:
     """Run one model: validate, reconcile, harvest, plan, (budget-check,) submit, (optionally wait), merge.
 
@@ -79,7 +81,7 @@ def run_model(
     scratch = Scratch(work_con)
     try:
         load_input(work_con, sql, rows)
-        return _run(work_con, schema, identifier, target, config, full_refresh, project)
+        return _run(work_con, schema, identifier, target, config, full_refresh, project, contract)
     finally:
         scratch.drop_all()  # success, error or interrupt: no scratch table is left on dbt's connection
         if work_con is not con:  # a connection input_connection opened for a Python model's rows
@@ -113,11 +115,12 @@ def load_input(con, sql: str | None, df) -> None:
     con.unregister(Scratch.input_view)
 
 
-def _run(con, schema, identifier, target, config, full_refresh, project) -> RunSummary:
+def _run(con, schema, identifier, target, config, full_refresh, project, model_contract=None) -> RunSummary:
     """The run itself, on the connection that holds the model's rows (see run_model)."""
     run = ModelRun(con, config, schema, identity.ledger_identity(config, schema, identifier), project)
     # Validate: the selected columns against the config, and against the table an earlier run made.
     input_columns = run.input_columns = plan.check_input(con, Scratch.input, config)
+    contract.enforce(con, model_contract, merge.table_columns(input_columns, config))
     exists = merge.relation_exists(con, schema, identifier)
     if not full_refresh and exists:
         merge.check_existing_table(con, target, merge.table_columns(input_columns, config), alter=not run.dry_run)

@@ -10,6 +10,11 @@
 -#}
 {% materialization llm_batch, adapter='duckdb', supported_languages=['sql', 'python'] %}
   {%- set target_relation = this.incorporate(type='table') -%}
+  {%- set contract_config = config.get('contract') -%}
+  {%- set contract = {'enforced': contract_config.enforced if contract_config else false, 'columns': []} -%}
+  {%- for column in model['columns'].values() -%}
+    {%- do contract['columns'].append({'name': column['name'], 'data_type': column['data_type']}) -%}
+  {%- endfor -%}
   {%- set payload = {
       'package_version': '0.2.0',
       'schema': this.schema,
@@ -18,6 +23,7 @@
       'raw_config': dbt_llm_batch._llm_config(),
       'sql': compiled_code if model.language == 'sql' else none,
       'full_refresh': should_full_refresh(),
+      'contract': contract,
       'project': {'max_cost_usd': var('llm_batch_max_cost_usd', none),
                   'dry_run': var('llm_batch_dry_run', false)},
   } -%}
