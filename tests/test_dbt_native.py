@@ -109,3 +109,33 @@ def test_an_enforced_contract_that_agrees_runs(project, emulator):
     emulator.complete_all()
     project.dbt("run", *SELECT)
     assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+
+
+def test_check_catches_a_misspelled_key_that_dbt_parse_accepts(project, capsys):
+    from dbt_llm_batch.ops.cli import main as cli
+
+    project.write(MODEL, triage_model())
+    project.dbt("parse")
+    capsys.readouterr()
+    assert cli(["check", "--project-dir", str(project.root)]) == 0
+    assert "llm_batch model(s) checked: no problems" in capsys.readouterr().out
+
+    project.write(MODEL, triage_model(extra_config="llm_temprature = 0.2,"))
+    project.write(
+        "models/batch/review_typo.sql",
+        "{{ config(materialized='llm_batch', unique_key='id', llm_max_tokens='lots') }}\nselect 1 as id, 'x' as prompt",
+    )
+    assert project.dbt("parse").success  # dbt itself accepts both
+    capsys.readouterr()
+    assert cli(["check", "--project-dir", str(project.root)]) == 1
+    err = capsys.readouterr().err
+    assert "triage (models/triage.sql): invalid llm_batch config:" in err
+    assert "unknown config key 'llm_temprature' (did you mean 'llm_temperature'?)" in err
+    assert "review_typo (models/batch/review_typo.sql): invalid llm_batch config:" in err
+    assert "llm_max_tokens must be an integer, got 'lots'" in err
+    assert not project.db_path.exists()  # no warehouse was opened, let alone written
+
+    manifest = project.root / "target" / "manifest.json"
+    assert cli(["check", "--manifest", str(manifest)]) == 1
+    assert cli(["check", "--project-dir", str(project.root / "nowhere")]) == 2
+    assert "run `dbt parse`" in capsys.readouterr().err
