@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 from conftest import failure_messages
 from helpers import triage_model
 
@@ -139,3 +141,44 @@ def test_check_catches_a_misspelled_key_that_dbt_parse_accepts(project, capsys):
     assert cli(["check", "--manifest", str(manifest)]) == 1
     assert cli(["check", "--project-dir", str(project.root / "nowhere")]) == 2
     assert "run `dbt parse`" in capsys.readouterr().err
+
+
+def test_docs_show_the_llm_column_descriptions_and_the_ledger_sources(project, emulator):
+    from dbt_llm_batch.pipeline.docs import COLUMN_DESCRIPTIONS, output_description
+
+    project.write(MODEL, triage_model())
+    project.write(
+        "models/ledger_costs.sql",
+        "select model, sum(cost_usd) as cost from {{ source('llm_batch_ledger', 'llm_batch_costs') }} group by 1",
+    )
+    project.dbt("seed")
+    project.dbt("run", *SELECT)
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage", "ledger_costs")  # a downstream model can select from the ledger
+    assert project.query("select count(*) from main.ledger_costs") == [(1,)]
+    project.dbt("docs", "generate")
+
+    catalog = json.loads((project.root / "target" / "catalog.json").read_text())
+    manifest = json.loads((project.root / "target" / "manifest.json").read_text())
+    columns = catalog["nodes"]["model.integration_project.triage"]["columns"]
+    for name in ("llm_status", "llm_error", "llm_finish_reason", "llm_cost_usd", "llm_route"):
+        assert columns[name]["comment"] == COLUMN_DESCRIPTIONS[name]
+    assert columns["category"]["comment"] == output_description("category")
+    assert columns["subject"]["comment"] is None  # the user's own columns are theirs to describe
+
+    for name in (
+        "llm_batch_requests",
+        "llm_batch_jobs",
+        "llm_batch_results",
+        "llm_batch_in_flight",
+        "llm_batch_costs",
+        "llm_batch_progress",
+    ):
+        unique_id = f"source.dbt_llm_batch.llm_batch_ledger.{name}"
+        assert manifest["sources"][unique_id]["schema"] == "main"
+        assert manifest["sources"][unique_id]["description"]
+        assert unique_id in catalog["sources"], name  # found in the warehouse
+    # Lineage: the downstream model depends on the ledger's view.
+    assert manifest["nodes"]["model.integration_project.ledger_costs"]["depends_on"]["nodes"] == [
+        "source.dbt_llm_batch.llm_batch_ledger.llm_batch_costs"
+    ]

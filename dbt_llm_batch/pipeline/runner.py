@@ -36,6 +36,7 @@ from dbt_llm_batch.pipeline import (
     contract,
     costs,
     crashpoints,
+    docs,
     harvest,
     identity,
     interrupt,
@@ -143,6 +144,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project, model_c
         run.summary.merged, run.summary.failed = merge.merge(
             run.ledger, config, target, input_columns, rebuild=full_refresh or not exists
         )
+        docs.comment_columns(con, target, config)  # what `dbt docs` shows for the llm_* columns
     finally:
         lock.release()
 
