@@ -182,3 +182,21 @@ def test_docs_show_the_llm_column_descriptions_and_the_ledger_sources(project, e
     assert manifest["nodes"]["model.integration_project.ledger_costs"]["depends_on"]["nodes"] == [
         "source.dbt_llm_batch.llm_batch_ledger.llm_batch_costs"
     ]
+
+
+def test_a_warning_test_flags_a_model_whose_rows_are_still_pending(project, emulator):
+    project.write(MODEL, triage_model())
+    project.write(
+        "models/triage.yml",
+        "version: 2\nmodels:\n  - name: triage\n    data_tests:\n      - dbt_llm_batch.no_pending_requests\n",
+    )
+    project.dbt("seed")
+    project.dbt("run", *SELECT)  # submitted: 6 requests pending at the provider
+    result = project.dbt("test", *SELECT)  # a warning, not a failure
+    [test] = result.result.results
+    assert (str(test.status), test.failures) == ("warn", 1)
+
+    emulator.complete_all()
+    project.dbt("run", *SELECT)
+    [test] = project.dbt("test", *SELECT).result.results
+    assert (str(test.status), test.failures) == ("pass", 0)

@@ -12,9 +12,11 @@
   {%- set target_relation = this.incorporate(type='table') -%}
   {%- set contract_config = config.get('contract') -%}
   {%- set contract = {'enforced': contract_config.enforced if contract_config else false, 'columns': []} -%}
-  {%- for column in model['columns'].values() -%}
-    {%- do contract['columns'].append({'name': column['name'], 'data_type': column['data_type']}) -%}
-  {%- endfor -%}
+  {%- if contract['enforced'] -%}
+    {%- for name, column in model['columns'].items() -%}
+      {%- do contract['columns'].append({'name': column.get('name') or name, 'data_type': column.get('data_type')}) -%}
+    {%- endfor -%}
+  {%- endif -%}
   {%- set payload = {
       'package_version': '0.2.0',
       'schema': this.schema,
