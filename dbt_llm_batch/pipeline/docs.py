@@ -9,6 +9,7 @@ persist_docs, dbt writes it over ours after the run).
 from __future__ import annotations
 
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
+from dbt_llm_batch.ledger import retry_on_conflict, transaction
 from dbt_llm_batch.sql import ident, literal
 
 # One per column dbt-llm-batch adds (config.STATUS_COLUMNS), plus the free-text answer column.
@@ -42,6 +43,13 @@ def comment_columns(con, target: str, config: ModelConfig) -> None:
         described[column.name] = (
             COLUMN_DESCRIPTIONS["llm_output"] if not config.structured else output_description(column.name)
         )
-    for name, text in described.items():
-        if text:
-            con.execute(f"comment on column {target}.{ident(name)} is {literal(text)}")
+
+    def write():
+        with transaction(con):
+            for name, text in described.items():
+                if text:
+                    con.execute(f"comment on column {target}.{ident(name)} is {literal(text)}")
+
+    # A comment changes the catalog, which DuckDB lets one thread change at a time (dbt runs models
+    # in threads): retried like the merge's own writes.
+    retry_on_conflict(write)
