@@ -200,3 +200,15 @@ def test_a_warning_test_flags_a_model_whose_rows_are_still_pending(project, emul
     project.dbt("run", *SELECT)
     [test] = project.dbt("test", *SELECT).result.results
     assert (str(test.status), test.failures) == ("pass", 0)
+
+
+def test_an_error_in_the_model_sql_is_dbt_s_database_error(project, emulator, capfd):
+    project.write(MODEL, triage_model().replace("select ticket_id,", "select ticket_id, no_such_column,"))
+    project.dbt("seed")
+    capfd.readouterr()
+    result = project.dbt("run", *SELECT, expect_ok=False)
+    output = console_of(capfd, result)
+    assert "Database Error in model triage" in output
+    assert "the model's SQL failed, nothing was sent: Binder Error" in output and "no_such_column" in output
+    assert "Traceback" not in output
+    assert emulator.stats()["calls"] == {}

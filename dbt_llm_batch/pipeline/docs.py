@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.ledger import retry_on_conflict, transaction
+from dbt_llm_batch.ledger.status import RequestStatus
 from dbt_llm_batch.sql import ident, literal
+
+_SUCCEEDED, _FAILED = RequestStatus.SUCCEEDED, RequestStatus.FAILED
 
 # One per column dbt-llm-batch adds (config.STATUS_COLUMNS), plus the free-text answer column.
 COLUMN_DESCRIPTIONS = {
-    "llm_output": "The model's answer (free text; llm_output is not set). NULL when llm_status is 'failed'.",
-    "llm_status": "'succeeded' or 'failed': the final outcome of this row's request (rows in flight are not in the table).",
+    "llm_output": f"The model's answer (free text; llm_output is not set). NULL when llm_status is '{_FAILED}'.",
+    "llm_status": f"'{_SUCCEEDED}' or '{_FAILED}': the final outcome of this row's request (rows in flight are not in the table).",
     "llm_error": "Why the request failed: the provider's error, an answer that does not match llm_output, or one that was cut off.",
     "llm_finish_reason": "Why the provider stopped generating this answer (its finish reason).",
     "llm_input_tokens": "Input tokens billed for this row, cache reads and writes included.",
@@ -33,7 +36,7 @@ COLUMN_DESCRIPTIONS = {
 
 
 def output_description(name: str) -> str:
-    return f"The answer's '{name}' field (llm_output). NULL when llm_status is 'failed'."
+    return f"The answer's '{name}' field (llm_output). NULL when llm_status is '{_FAILED}'."
 
 
 def comment_columns(con, target: str, config: ModelConfig) -> None:

@@ -28,7 +28,7 @@ import time
 from decimal import Decimal
 
 from dbt_llm_batch.config import ModelConfig, parse_config
-from dbt_llm_batch.errors import BudgetError, ConfigError, ProviderError
+from dbt_llm_batch.errors import BudgetError, ConfigError, InputError, ProviderError
 from dbt_llm_batch.ledger import Ledger, locks
 from dbt_llm_batch.log import log, warn_user
 from dbt_llm_batch.pipeline import (
@@ -109,7 +109,12 @@ def load_input(con, sql: str | None, df) -> None:
     """Materialise the model's rows once as a temp table: a SQL model's query, or a Python model's
     rows (an Arrow reader, Arrow table or pandas frame)."""
     if sql is not None:
-        con.execute(f"create or replace temp table {Scratch.input} as {sql}")
+        import duckdb
+
+        try:
+            con.execute(f"create or replace temp table {Scratch.input} as {sql}")
+        except duckdb.Error as exc:  # the user's SQL: DuckDB's message is the one to show, as dbt would
+            raise InputError(f"the model's SQL failed, nothing was sent: {exc}") from None
         return
     con.register(Scratch.input_view, df)
     con.execute(f"create or replace temp table {Scratch.input} as select * from {Scratch.input_view}")
