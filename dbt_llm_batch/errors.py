@@ -23,3 +23,15 @@ class BudgetError(LlmBatchError):
 
 class VersionMismatchError(LlmBatchError):
     """The dbt package (macros) and the installed Python package are different versions."""
+
+
+class ContractError(LlmBatchError):
+    """An enforced contract (`contract: {enforced: true}`) disagrees with the table the model makes.
+
+    Carries both column lists in the shape dbt's own contract error takes (name, data_type,
+    formatted), so the materialization raises dbt's ContractError with its table of mismatches.
+    """
+
+    def __init__(self, message: str, declared: list[dict], produced: list[dict]):
+        super().__init__(message)
+        self.declared, self.produced = declared, produced

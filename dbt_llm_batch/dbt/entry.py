@@ -2,20 +2,65 @@
 
 from __future__ import annotations
 
+import json
+import traceback
+
+from dbt_common.exceptions import CompilationError
+
 from dbt_llm_batch import __version__
-from dbt_llm_batch.dbt.log import forward_to_dbt
-from dbt_llm_batch.errors import VersionMismatchError
+from dbt_llm_batch.dbt.log import debug_to_dbt, forward_to_dbt
+from dbt_llm_batch.errors import ConfigError, ContractError, LlmBatchError, VersionMismatchError
 from dbt_llm_batch.pipeline import runner
+from dbt_llm_batch.sql import literal
 
 # The version of the dbt package whose macro calls dbt_llm_batch.runner without saying its version.
 UNVERSIONED_MACRO = "0.1.0"
 
 
-def run_model(con, *, package_version: str | None = None, **payload):
-    """Run one llm_batch model; everything the package logs reaches dbt's log."""
+# The DuckDB variable that carries a failure's message from the Python job back to the
+# materialization (macros/materializations/llm_batch.sql), which raises it as dbt's own error.
+FAILURE_VARIABLE = "dbt_llm_batch_failure"
+
+
+def run_model(con, *, package_version: str | None = None, session=None, **payload):
+    """Run one llm_batch model; everything the package logs reaches dbt's log.
+
+    dbt-duckdb reports any exception out of a Python job as "Python model failed:" and a full
+    traceback, which buries the one useful line. So a failure the package anticipated (an
+    LlmBatchError: config, contract, input, provider, budget, lock), or a dbt error a warning
+    became under --warn-error, is not raised here: its message is left in a DuckDB variable on
+    `session` (dbt's own connection, which the materialization queries next) and the materialization
+    raises it as a dbt compilation, contract or runtime error. Its traceback goes to dbt's debug log
+    (logs/dbt.log; the console with --debug). Anything else is a bug: it propagates with its
+    traceback, which is what a bug report needs.
+    """
     forward_to_dbt()
-    check_package_version(package_version)  # before anything is read, locked or sent
-    return runner.run_model(con, **payload)
+    if session is not None:
+        report_failure(session, None)  # a previous model's failure on this connection is not ours
+    try:
+        check_package_version(package_version)  # before anything is read, locked or sent
+        return runner.run_model(con, **payload)
+    except (LlmBatchError, CompilationError) as exc:
+        if session is None:  # called without a way to report: dbt-duckdb shows the traceback
+            raise
+        debug_to_dbt(f"dbt-llm-batch: the traceback of the failure below:\n{traceback.format_exc()}")
+        report_failure(session, failure_of(exc))
+        return None
+
+
+def failure_of(exc: Exception) -> dict:
+    """What the materialization needs to raise `exc` as dbt would: its kind and message."""
+    if isinstance(exc, ContractError):
+        return {"kind": "contract", "message": str(exc), "declared": exc.declared, "produced": exc.produced}
+    if isinstance(exc, CompilationError):  # a warning that --warn-error turned into an error
+        return {"kind": "compiler", "message": exc.msg}
+    kind = "compiler" if isinstance(exc, (ConfigError, VersionMismatchError)) else "runtime"
+    return {"kind": kind, "message": str(exc)}
+
+
+def report_failure(session, failure: dict | None) -> None:
+    value = "NULL" if failure is None else literal(json.dumps(failure))
+    session.execute(f"set variable {FAILURE_VARIABLE} = {value}")
 
 
 def check_package_version(macro_version: str | None, installed: str = __version__) -> None:

@@ -44,3 +44,9 @@ def forward_to_dbt() -> None:
     log.propagate = False
     if log.level == logging.NOTSET or log.level > logging.INFO:
         log.setLevel(logging.INFO)
+
+
+def debug_to_dbt(message: str) -> None:
+    """A debug line straight to dbt's log (logs/dbt.log, and the console with --debug); the package's
+    logger stops at INFO, so that its debug chatter stays out of dbt's log."""
+    AdapterLogger("llm_batch").debug(message)

@@ -1,4 +1,4 @@
-"""`dbt-llm-batch` command line: the local sandbox, the ledger's status, the poller, and operator actions."""
+"""`dbt-llm-batch` command line: the local sandbox, a config check, the ledger's status, the poller, and operator actions."""
 
 from __future__ import annotations
 
@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dbt-llm-batch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("sandbox", help="run the local provider emulator (answers are not a model's); see sandbox --help")
+    ck = sub.add_parser(
+        "check", help="validate every llm_batch model's config from the manifest (after `dbt parse`); no calls"
+    )
+    ck.add_argument("--project-dir", default=".", help="the dbt project (default: the current directory)")
+    ck.add_argument("--manifest", help="the manifest.json to read (default: <project-dir>/target/manifest.json)")
     st = sub.add_parser("status", help="show in-flight batches, per-model progress and cost from the ledger")
     st.add_argument("--database", required=True, help="path of the DuckDB file")
     st.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
@@ -179,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "poll":
         return poll_command(args)
+    if args.command == "check":
+        from dbt_llm_batch.ops.check import check
+
+        return check(args.project_dir, args.manifest)
     if args.command in OPERATOR_COMMANDS:
         from dbt_llm_batch.ops.operator import command
 

@@ -28,13 +28,15 @@ import time
 from decimal import Decimal
 
 from dbt_llm_batch.config import ModelConfig, parse_config, settle_snapshot
-from dbt_llm_batch.errors import BudgetError, ConfigError, ProviderError
+from dbt_llm_batch.errors import BudgetError, ConfigError, InputError, ProviderError
 from dbt_llm_batch.ledger import Ledger, locks
 from dbt_llm_batch.log import log, warn_user
 from dbt_llm_batch.pipeline import (
     budget,
+    contract,
     costs,
     crashpoints,
+    docs,
     harvest,
     identity,
     interrupt,
@@ -68,6 +70,7 @@ def run_model(
     full_refresh: bool = False,
     project: dict | None = None,
     name: str | None = None,
+    contract: dict | None = None,
 ) -> RunSummary:
     """Run one model: validate, reconcile, harvest, plan, (budget-check,) submit, (optionally wait), merge.
 
@@ -83,7 +86,7 @@ def run_model(
     scratch = Scratch(work_con)
     try:
         load_input(work_con, sql, rows)
-        return _run(work_con, schema, identifier, target, config, full_refresh, project)
+        return _run(work_con, schema, identifier, target, config, full_refresh, project, contract)
     finally:
         scratch.drop_all()  # success, error or interrupt: no scratch table is left on dbt's connection
         if work_con is not con:  # a connection input_connection opened for a Python model's rows
@@ -110,18 +113,24 @@ def load_input(con, sql: str | None, df) -> None:
     """Materialise the model's rows once as a temp table: a SQL model's query, or a Python model's
     rows (an Arrow reader, Arrow table or pandas frame)."""
     if sql is not None:
-        con.execute(f"create or replace temp table {Scratch.input} as {sql}")
+        import duckdb
+
+        try:
+            con.execute(f"create or replace temp table {Scratch.input} as {sql}")
+        except duckdb.Error as exc:  # the user's SQL: DuckDB's message is the one to show, as dbt would
+            raise InputError(f"the model's SQL failed, nothing was sent: {exc}") from None
         return
     con.register(Scratch.input_view, df)
     con.execute(f"create or replace temp table {Scratch.input} as select * from {Scratch.input_view}")
     con.unregister(Scratch.input_view)
 
 
-def _run(con, schema, identifier, target, config, full_refresh, project) -> RunSummary:
+def _run(con, schema, identifier, target, config, full_refresh, project, model_contract=None) -> RunSummary:
     """The run itself, on the connection that holds the model's rows (see run_model)."""
     run = ModelRun(con, config, schema, identity.ledger_identity(config, schema, identifier), project)
     # Validate: the selected columns against the config, and against the table an earlier run made.
     input_columns = run.input_columns = plan.check_input(con, Scratch.input, config)
+    contract.enforce(con, model_contract, merge.table_columns(input_columns, config))
     exists = merge.relation_exists(con, schema, identifier)
     if not full_refresh and exists:
         merge.check_existing_table(con, target, merge.table_columns(input_columns, config), alter=not run.dry_run)
@@ -146,6 +155,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project) -> RunS
         run.summary.merged, run.summary.failed = merge.merge(
             run.ledger, config, target, input_columns, rebuild=full_refresh or not exists
         )
+        docs.comment_columns(con, target, config)  # what `dbt docs` shows for the llm_* columns
     finally:
         lock.release()
 

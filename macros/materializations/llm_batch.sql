@@ -10,6 +10,13 @@
 -#}
 {% materialization llm_batch, adapter='duckdb', supported_languages=['sql', 'python'] %}
   {%- set target_relation = this.incorporate(type='table') -%}
+  {%- set contract_config = config.get('contract') -%}
+  {%- set contract = {'enforced': contract_config.enforced if contract_config else false, 'columns': []} -%}
+  {%- if contract['enforced'] -%}
+    {%- for name, column in model['columns'].items() -%}
+      {%- do contract['columns'].append({'name': column.get('name') or name, 'data_type': column.get('data_type')}) -%}
+    {%- endfor -%}
+  {%- endif -%}
   {%- set payload = {
       'package_version': '0.2.0',
       'schema': this.schema,
@@ -19,6 +26,7 @@
       'raw_config': dbt_llm_batch._llm_config(),
       'sql': compiled_code if model.language == 'sql' else none,
       'full_refresh': should_full_refresh(),
+      'contract': contract,
       'project': {'max_cost_usd': var('llm_batch_max_cost_usd', none),
                   'dry_run': var('llm_batch_dry_run', false)},
   } -%}
@@ -35,21 +43,33 @@ class dbtObj(_dbt_llm_batch_base_dbtObj):
     def __init__(self, load_df_function):
         super().__init__(load_df_function)
         self.is_incremental = {{ 'True' if dbt_llm_batch.is_incremental() else 'False' }}
+
+_dbt_llm_batch_user_model = model
+
+def model(dbt, session):
+    global _dbt_llm_batch_session
+    _dbt_llm_batch_session = session
+    return _dbt_llm_batch_user_model(dbt, session)
 {% else %}
 class dbtObj:
     def __init__(self, load_df_function):
         pass
 
 def model(dbt, session):
+    global _dbt_llm_batch_session
+    _dbt_llm_batch_session = session
     return None
 {% endif %}
 
+# `session` is dbt's own connection (materialize may get another cursor): a failure is reported on
+# it, and raised below as dbt's own error, without a Python traceback.
 def materialize(df, con):
     import json
     from dbt_llm_batch.dbt.entry import run_model
     payload = json.loads({{ tojson(tojson(payload)) }})
-    run_model(con, df=df, **payload)
+    run_model(con, df=df, session=_dbt_llm_batch_session, **payload)
   {%- endcall %}
+  {{ dbt_llm_batch._raise_llm_failure() }}
   {#- A dry run sends nothing and leaves the table as it is: its result line says so instead of OK. -#}
   {%- if config.get('llm_dry_run') or var('llm_batch_dry_run', false) -%}
     {% do store_raw_result(name='main', message='DRY RUN', code='DRY RUN', rows_affected='-1') %}
@@ -71,4 +91,23 @@ def materialize(df, con):
     {%- do picked.update({key: value}) -%}
   {%- endfor -%}
   {{ return(picked) }}
+{% endmacro %}
+
+
+{#- A failure the Python job reported (dbt_llm_batch.dbt.entry.run_model), raised as dbt raises its
+    own: a config problem as a compilation error, a contract mismatch as dbt's contract error (its
+    table of mismatches), anything else (input, provider, budget, lock) as a runtime error. -#}
+{% macro _raise_llm_failure() %}
+  {%- set result = run_query("select getvariable('dbt_llm_batch_failure')") -%}
+  {%- set value = result.columns[0].values()[0] -%}
+  {%- if value is not none -%}
+    {%- set failure = fromjson(value) -%}
+    {%- if failure['kind'] == 'contract' -%}
+      {%- do exceptions.raise_contract_error(failure['declared'], failure['produced']) -%}
+    {%- elif failure['kind'] == 'compiler' -%}
+      {%- do exceptions.raise_compiler_error(failure['message']) -%}
+    {%- else -%}
+      {%- do exceptions.raise_database_error(failure['message']) -%}
+    {%- endif -%}
+  {%- endif -%}
 {% endmacro %}
