@@ -155,6 +155,24 @@ def object_schema(columns: dict[str, dict]) -> dict:
     }
 
 
+def validation_schema(node: dict, required: bool = True) -> dict:
+    """The schema answers are checked against: the canonical one, where an optional property may
+    also be null (absent and null both become NULL; OpenAI's strict mode answers null, see
+    providers/openai_chat.py)."""
+    out = dict(node)
+    if "properties" in out:
+        optional = set(out["properties"]) - set(out.get("required", []))
+        out["properties"] = {n: validation_schema(sub, n not in optional) for n, sub in out["properties"].items()}
+    if "items" in out:
+        out["items"] = validation_schema(out["items"])
+    types = out["type"] if isinstance(out["type"], list) else [out["type"]]
+    if not required and "null" not in types:
+        out["type"] = [*types, "null"]
+        if "enum" in out:
+            out["enum"] = [*out["enum"], None]
+    return out
+
+
 def duckdb_type(schema: dict) -> str:
     """The DuckDB type of a canonical fragment, spelled as DESCRIBE spells it (DuckDB's own parser
     prints it: which field names it quotes is its business), so an existing table compares equal."""

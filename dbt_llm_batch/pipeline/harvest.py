@@ -81,13 +81,13 @@ def schema_problems(con, config: ModelConfig, table: str) -> int:
     if not config.structured or all(output_schema.is_flat(c.json_schema) for c in config.output_columns):
         return 0
     validator = jsonschema.Draft202012Validator(
-        config.output_json_schema(), format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+        output_schema.validation_schema(config.output_json_schema()), format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
     )
     failed: dict[str, list] = {"custom_id": [], "job_id": [], "problem": []}
     # Streamed in chunks (the answers are never all in memory); the table is updated once it is read.
-    reader = con.execute(
+    reader = con.sql(
         f"select custom_id, job_id, answer from {table} where outcome = 'ok' and problem is null"
-    ).fetch_record_batch(10_000)
+    ).to_arrow_reader(10_000)
     for chunk in reader:
         for custom_id, job_id, answer in zip(*(chunk.column(i).to_pylist() for i in range(3)), strict=True):
             problem = answer_schema_problem(validator, answer)
