@@ -77,8 +77,8 @@ DEFAULTS: dict[str, Any] = {
     "llm_delete_provider_files": True,  # delete input/result files at the provider once results are stored
     # 'columns': one typed column per llm_output field; 'json': the whole answer in one JSON column `llm_output`.
     "llm_output_format": "columns",
-    # True: the model's YAML `columns:` (name, data_type, description), except the unique_key and prompt
-    # columns, are the output columns (instead of llm_output); the macro passes them as `columns`.
+    # True: the model's YAML `columns:` with a data_type (except the unique_key, prompt and status
+    # columns) are the output columns, instead of llm_output; the macro passes them as `columns`.
     "llm_output_from_columns": False,
 }
 OUTPUT_FORMATS = ("columns", "json")
@@ -452,14 +452,15 @@ def _parse_output(output, errors) -> tuple[OutputColumn, ...]:
 
 
 def _yaml_output(raw: dict, cfg: dict, keys: tuple[str, ...], errors: list[str]) -> dict | None:
-    """llm_output_from_columns: the model's YAML columns (the macro passes them as `columns`: name,
-    data_type, description), except the unique_key and prompt columns, as llm_output. A data_type is
-    a compact type ('text', ...) or a DuckDB type (VARCHAR, BIGINT, DATE, STRUCT(...), T[], ...); the
-    description is sent to the provider with the field."""
+    """llm_output_from_columns: the model's YAML columns that have a data_type (the macro passes them
+    as `columns`: name, data_type, description), except the unique_key, prompt and status columns, as
+    llm_output; a column without a data_type is documentation only. A data_type is a compact type
+    ('text', ...) or a DuckDB type (VARCHAR, BIGINT, DATE, STRUCT(...), T[], ...); the description
+    is sent to the provider with the field."""
     if cfg["llm_output"] is not None:
         errors.append("set either llm_output or llm_output_from_columns, not both")
         return None
-    skip = {k.lower() for k in keys} | {str(cfg["llm_prompt_column"]).lower()}
+    skip = {k.lower() for k in keys} | {str(cfg["llm_prompt_column"]).lower()} | {n for n, _ in STATUS_COLUMNS}
     output: dict = {}
     for col in raw.get("columns") or []:
         name = col.get("name")
@@ -467,8 +468,10 @@ def _yaml_output(raw: dict, cfg: dict, keys: tuple[str, ...], errors: list[str])
             continue
         data_type = col.get("data_type")
         where = f"column '{name}' (the model's YAML)"
+        if data_type is None:
+            continue
         if not isinstance(data_type, str) or not data_type.strip():
-            errors.append(f"{where} needs a data_type: llm_output_from_columns makes it an output column")
+            errors.append(f"{where}: data_type must be a type name, got {data_type!r}")
             continue
         spec = (
             data_type
@@ -485,7 +488,7 @@ def _yaml_output(raw: dict, cfg: dict, keys: tuple[str, ...], errors: list[str])
     if not output:
         errors.append(
             "llm_output_from_columns is true but the model's YAML lists no output column: add `columns:` "
-            "with a name and data_type for each field the LLM fills"
+            "with a name and a data_type for each field the LLM fills"
         )
         return None
     return output

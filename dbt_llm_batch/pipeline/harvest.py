@@ -81,7 +81,8 @@ def schema_problems(con, config: ModelConfig, table: str) -> int:
     if not config.structured or all(output_schema.is_flat(c.json_schema) for c in config.output_columns):
         return 0
     validator = jsonschema.Draft202012Validator(
-        output_schema.validation_schema(config.output_json_schema()), format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+        output_schema.validation_schema(config.output_json_schema()),
+        format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER,
     )
     failed: dict[str, list] = {"custom_id": [], "job_id": [], "problem": []}
     # Streamed in chunks (the answers are never all in memory); the table is updated once it is read.

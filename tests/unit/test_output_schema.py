@@ -21,7 +21,11 @@ RESUME = {
     },
     "jobs": {
         "type": "array",
-        "items": {"type": "object", "properties": {"title": "text", "years": "integer"}, "required": ["title", "years"]},
+        "items": {
+            "type": "object",
+            "properties": {"title": "text", "years": "integer"},
+            "required": ["title", "years"],
+        },
     },
     "skills": {"type": "array", "items": {"type": "string"}},
     "available_from": {"type": ["string", "null"], "format": "date"},
@@ -100,7 +104,10 @@ def test_the_json_format_keeps_the_schema_and_the_fingerprint_and_has_one_column
             "llm_output['x'].required must be a list of names among its properties",
         ),
         ({"x": {"type": "integer", "format": "date"}}, "llm_output['x'].format is for strings"),
-        ({"x": {"type": "integer", "enum": ["a"]}}, "llm_output['x'].enum must be a non-empty list of distinct strings"),
+        (
+            {"x": {"type": "integer", "enum": ["a"]}},
+            "llm_output['x'].enum must be a non-empty list of distinct strings",
+        ),
         (
             {"x": {"type": "object", "properties": {"a": "text"}, "additionalProperties": True}},
             "llm_output['x'].additionalProperties can only be false",
@@ -164,7 +171,10 @@ def test_openai_refuses_what_strict_mode_cannot_take_naming_field_and_rule(colum
 def test_openai_takes_nine_levels_and_counts_enum_values():
     assert strict_problems(config({"x": nested(9)}).output_json_schema()) == []
     many = {f"c{i}": [f"v{j}" for j in range(101)] for i in range(10)}
-    assert "at most 1000 enum values in total, this schema has 1010" in strict_problems(config(many).output_json_schema())[0]
+    assert (
+        "at most 1000 enum values in total, this schema has 1010"
+        in strict_problems(config(many).output_json_schema())[0]
+    )
 
 
 def test_yaml_columns_become_the_output_columns():
@@ -211,7 +221,10 @@ def test_yaml_columns_problems():
         parse_config({**base, "columns": [{"name": "m", "data_type": "MAP(VARCHAR, INTEGER)"}, {"name": "n"}]})
     message = str(exc.value)
     assert "column 'm' (the model's YAML): data_type 'MAP(VARCHAR, INTEGER)' has a MAP(VARCHAR, INTEGER)" in message
-    assert "column 'n' (the model's YAML) needs a data_type" in message
+    assert "'n'" not in message, "a column without a data_type is documentation only"
+    with pytest.raises(ConfigError) as exc:
+        parse_config({**base, "columns": [{"name": "n", "description": "docs only"}, {"name": "llm_status"}]})
+    assert "llm_output_from_columns is true but the model's YAML lists no output column" in str(exc.value)
 
 
 def test_answers_are_checked_with_the_validators_path_and_rule():
