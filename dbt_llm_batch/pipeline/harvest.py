@@ -78,10 +78,11 @@ def schema_problems(con, config: ModelConfig, table: str) -> int:
     the output schema with `jsonschema`, when the schema has more than flat columns (objects, lists,
     dates, optional fields, ...): a failing answer gets the validator's message as its `problem`
     (the field's path and the rule), and is a failed attempt like any other. Returns how many failed."""
-    if not config.structured or all(output_schema.is_flat(c.json_schema) for c in config.output_columns):
+    schema = config.output_json_schema()
+    if schema is None or all(output_schema.is_flat(c.json_schema) for c in config.output_columns):
         return 0
     validator = jsonschema.Draft202012Validator(
-        output_schema.validation_schema(config.output_json_schema()),
+        output_schema.validation_schema(schema),
         format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER,
     )
     failed: dict[str, list] = {"custom_id": [], "job_id": [], "problem": []}
