@@ -16,13 +16,8 @@ from typing import Any
 from dbt_llm_batch import output_schema, registry
 from dbt_llm_batch.errors import ConfigError
 
-# Output type names a user may write in `llm_output`, and the DuckDB / JSON-schema types they become.
-OUTPUT_TYPES = {
-    "text": ("VARCHAR", {"type": "string"}),
-    "integer": ("BIGINT", {"type": "integer"}),
-    "number": ("DOUBLE", {"type": "number"}),
-    "boolean": ("BOOLEAN", {"type": "boolean"}),
-}
+# The types a user may write in `llm_output` (compact names, enums, JSON Schema fragments) and the
+# DuckDB types they become are output_schema.py's.
 
 # Columns the plugin appends to every model table, in this order (later issues append after these).
 STATUS_COLUMNS = [
@@ -275,6 +270,8 @@ def parse_config(raw: dict) -> ModelConfig:
     for reserved in RESERVED_PARAMS:
         if reserved in params:
             errors.append(f"llm_params may not set '{reserved}': use the llm_* key for it instead")
+    if not isinstance(cfg["llm_output_from_columns"], bool):
+        errors.append(f"llm_output_from_columns must be true or false, got {cfg['llm_output_from_columns']!r}")
     output = _yaml_output(raw, cfg, keys, errors) if cfg["llm_output_from_columns"] is True else cfg["llm_output"]
     before = len(errors)
     output_columns = _parse_output(output, errors)
@@ -337,7 +334,9 @@ def parse_config(raw: dict) -> ModelConfig:
         delete_provider_files=cfg["llm_delete_provider_files"],
         output_format=cfg["llm_output_format"],
     )
-    legacy = legacy_fingerprint_prefix(config, output, cfg["llm_examples"]) if examples or config.output else None
+    legacy = (
+        legacy_fingerprint_prefix(config, cfg["llm_output"], cfg["llm_examples"]) if examples or config.output else None
+    )
     return dataclasses.replace(config, legacy_prefix=legacy) if legacy else config
 
 
