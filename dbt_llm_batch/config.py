@@ -13,16 +13,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dbt_llm_batch import registry
+from dbt_llm_batch import output_schema, registry
 from dbt_llm_batch.errors import ConfigError
 
-# Output type names a user may write in `llm_output`, and the DuckDB / JSON-schema types they become.
-OUTPUT_TYPES = {
-    "text": ("VARCHAR", {"type": "string"}),
-    "integer": ("BIGINT", {"type": "integer"}),
-    "number": ("DOUBLE", {"type": "number"}),
-    "boolean": ("BOOLEAN", {"type": "boolean"}),
-}
+# The types a user may write in `llm_output` (compact names, enums, JSON Schema fragments) and the
+# DuckDB types they become are output_schema.py's.
 
 # Columns the plugin appends to every model table, in this order (later issues append after these).
 STATUS_COLUMNS = [
@@ -77,7 +72,13 @@ DEFAULTS: dict[str, Any] = {
     "llm_delete_provider_files": True,  # delete input/result files at the provider once results are stored
     "llm_on_unselected": "keep",  # rows of keys the model no longer selects: 'keep' them or 'delete' them
     "llm_budget_basis": "ceiling",  # budgets count each answer at llm_max_tokens, or at its 'expected' length
+    # 'columns': one typed column per llm_output field; 'json': the whole answer in one JSON column `llm_output`.
+    "llm_output_format": "columns",
+    # True: the model's YAML `columns:` with a data_type (except the unique_key, prompt and status
+    # columns) are the output columns, instead of llm_output; the macro passes them as `columns`.
+    "llm_output_from_columns": False,
 }
+OUTPUT_FORMATS = ("columns", "json")
 
 FALLBACKS = ("realtime",)
 CACHE_TTLS = ("5m", "1h")
@@ -144,6 +145,13 @@ class ModelConfig:
     # The fingerprint prefix earlier versions computed for this config from the key order dbt's parse
     # gave (see legacy_fingerprint_prefix); None when it equals fingerprint_prefix().
     legacy_prefix: str | None = None
+    output_format: str = "columns"  # llm_output_format: not in the fingerprint (it changes no answer)
+
+    def table_outputs(self) -> list[tuple[str, str]]:
+        """The output columns of the model table: one per field, or the whole answer as one JSON column."""
+        if self.structured and self.output_format == "json":
+            return [("llm_output", "JSON")]
+        return [(c.name, c.duckdb_type) for c in self.output_columns]
 
     @property
     def structured(self) -> bool:
@@ -153,12 +161,7 @@ class ModelConfig:
         """The JSON schema sent as structured output; None for free text."""
         if not self.structured:
             return None
-        return {
-            "type": "object",
-            "properties": {c.name: c.json_schema for c in self.output_columns},
-            "required": [c.name for c in self.output_columns],
-            "additionalProperties": False,
-        }
+        return output_schema.object_schema({c.name: c.json_schema for c in self.output_columns})
 
     def answer_defining_fields(self) -> dict:
         """Everything except the prompt that can change an answer (the fingerprint's constant part)."""
@@ -275,7 +278,19 @@ def parse_config(raw: dict) -> ModelConfig:
     for reserved in RESERVED_PARAMS:
         if reserved in params:
             errors.append(f"llm_params may not set '{reserved}': use the llm_* key for it instead")
-    output_columns = _parse_output(cfg["llm_output"], errors)
+    if not isinstance(cfg["llm_output_from_columns"], bool):
+        errors.append(f"llm_output_from_columns must be true or false, got {cfg['llm_output_from_columns']!r}")
+    output = _yaml_output(raw, cfg, keys, errors) if cfg["llm_output_from_columns"] is True else cfg["llm_output"]
+    before = len(errors)
+    output_columns = _parse_output(output, errors)
+    if cfg["llm_output_format"] not in OUTPUT_FORMATS:
+        errors.append(f"llm_output_format must be one of {list(OUTPUT_FORMATS)}, got {cfg['llm_output_format']!r}")
+    elif cfg["llm_output_format"] == "json" and output is None:
+        errors.append("llm_output_format='json' keeps a structured answer as one JSON column: it needs llm_output")
+    if provider is not None and output is not None and output_columns and len(errors) == before:
+        # The provider refuses, before anything is sent, a schema its API would not take (with the rule).
+        schema = output_schema.object_schema({c.name: c.json_schema for c in output_columns})
+        provider.check_output_schema(schema, errors)
     examples = _parse_examples(cfg["llm_examples"], errors)
     cache_prefix = cfg["llm_cache_prefix"]
     if cache_prefix is True:
@@ -302,7 +317,7 @@ def parse_config(raw: dict) -> ModelConfig:
         system=cfg["llm_system"],
         examples=examples,
         cache_prefix=cache_prefix,
-        output=canonical(cfg["llm_output"]),
+        output=canonical(output),
         output_columns=output_columns,
         max_tokens=cfg["llm_max_tokens"],
         temperature=None if cfg["llm_temperature"] is None else float(cfg["llm_temperature"]),
@@ -327,6 +342,7 @@ def parse_config(raw: dict) -> ModelConfig:
         delete_provider_files=cfg["llm_delete_provider_files"],
         on_unselected=cfg["llm_on_unselected"],
         budget_basis=cfg["llm_budget_basis"],
+        output_format=cfg["llm_output_format"],
     )
     legacy = (
         legacy_fingerprint_prefix(config, cfg["llm_output"], cfg["llm_examples"]) if examples or config.output else None
@@ -426,13 +442,11 @@ def _check_number(errors, cfg, name, types, minimum=None, maximum=None):
 
 
 def _parse_output(output, errors) -> tuple[OutputColumn, ...]:
+    """The output columns, in name order, each with its canonical JSON Schema (output_schema.py)."""
     if output is None:
         return (OutputColumn("llm_output", "VARCHAR", {"type": "string"}),)
     if not isinstance(output, dict) or not output:
-        errors.append(
-            "llm_output must be a dict from column name to a type ('text', 'integer', "
-            "'number', 'boolean' or a list of allowed strings)"
-        )
+        errors.append(f"llm_output must be a dict from column name to a type: {output_schema.TYPE_HELP}")
         return ()
     columns = []
     reserved = {name.lower() for name, _ in STATUS_COLUMNS}
@@ -452,22 +466,56 @@ def _parse_output(output, errors) -> tuple[OutputColumn, ...]:
                 f"llm_output columns '{seen[name.lower()]}' and '{name}' differ only in case, which "
                 "DuckDB column names do not: rename one"
             )
-        elif isinstance(spec, list):
-            seen[name.lower()] = name
-            if not spec or not all(isinstance(v, str) for v in spec) or len(set(spec)) != len(spec):
-                errors.append(f"llm_output['{name}'] enum must be a non-empty list of distinct strings")
-            else:
-                columns.append(OutputColumn(name, "VARCHAR", {"type": "string", "enum": list(spec)}, tuple(spec)))
-        elif spec in OUTPUT_TYPES:
-            seen[name.lower()] = name
-            duckdb_type, schema = OUTPUT_TYPES[spec]
-            columns.append(OutputColumn(name, duckdb_type, schema))
         else:
-            errors.append(
-                f"llm_output['{name}'] has unknown type {spec!r}: use 'text', 'integer', "
-                "'number', 'boolean' or a list of allowed strings"
-            )
+            seen[name.lower()] = name
+            schema = output_schema.column_schema(spec, f"llm_output['{name}']", errors)
+            if schema is not None:
+                flat_enum = tuple(schema["enum"]) if "enum" in schema and output_schema.is_flat(schema) else None
+                columns.append(OutputColumn(name, output_schema.duckdb_type(schema), schema, flat_enum))
     return tuple(columns)
+
+
+def _yaml_output(raw: dict, cfg: dict, keys: tuple[str, ...], errors: list[str]) -> dict | None:
+    """llm_output_from_columns: the model's YAML columns that have a data_type (the macro passes them
+    as `columns`: name, data_type, description), except the unique_key, prompt and status columns, as
+    llm_output; a column without a data_type is documentation only. A data_type is a compact type
+    ('text', ...) or a DuckDB type (VARCHAR, BIGINT, DATE, STRUCT(...), T[], ...); the description
+    is sent to the provider with the field."""
+    if cfg["llm_output"] is not None:
+        errors.append("set either llm_output or llm_output_from_columns, not both")
+        return None
+    skip = {k.lower() for k in keys} | {str(cfg["llm_prompt_column"]).lower()} | {n for n, _ in STATUS_COLUMNS}
+    output: dict = {}
+    for col in raw.get("columns") or []:
+        name = col.get("name")
+        if not isinstance(name, str) or name.lower() in skip:
+            continue
+        data_type = col.get("data_type")
+        where = f"column '{name}' (the model's YAML)"
+        if data_type is None:
+            continue
+        if not isinstance(data_type, str) or not data_type.strip():
+            errors.append(f"{where}: data_type must be a type name, got {data_type!r}")
+            continue
+        spec = (
+            data_type
+            if data_type in output_schema.COMPACT
+            else output_schema.from_duckdb_type(data_type, where, errors)
+        )
+        if spec is None:
+            continue
+        if isinstance(spec, str):
+            spec = {"type": output_schema.COMPACT[spec]}
+        if isinstance(col.get("description"), str) and col["description"].strip():
+            spec = {**spec, "description": col["description"].strip()}
+        output[name] = spec
+    if not output:
+        errors.append(
+            "llm_output_from_columns is true but the model's YAML lists no output column: add `columns:` "
+            "with a name and a data_type for each field the LLM fills"
+        )
+        return None
+    return output
 
 
 def _parse_examples(examples, errors) -> tuple[tuple[str, str], ...]:

@@ -78,3 +78,86 @@ def test_disconnect_and_truncate_faults(emu, client):
     assert len(download(client, file_id)) == 20
     with pytest.raises(ValueError, match="needs an 'endpoint'"):
         emu.add_fault(kind="truncate")
+
+
+# A nested schema in OpenAI's strict form: an object with a nullable field, a list of objects, a date.
+NESTED = {
+    "type": "object",
+    "properties": {
+        "person": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "email": {"type": ["string", "null"]}},
+            "required": ["name", "email"],
+            "additionalProperties": False,
+        },
+        "jobs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"title": {"type": "string"}, "years": {"type": "integer"}},
+                "required": ["title", "years"],
+                "additionalProperties": False,
+            },
+        },
+        "since": {"type": "string", "format": "date"},
+    },
+    "required": ["person", "jobs", "since"],
+    "additionalProperties": False,
+}
+
+
+def nested_chat(client, prompt: str) -> dict:
+    import json
+
+    reply = client.chat.completions.create(
+        model="gpt-x",
+        messages=[{"role": "user", "content": prompt}],
+        response_format={"type": "json_schema", "json_schema": {"name": "out", "strict": True, "schema": NESTED}},
+    )
+    return json.loads(reply.choices[0].message.content)
+
+
+def test_nested_schemas_are_answered_deterministically_and_off_schema_faults_break_them(emu, client, claude):
+    import datetime
+    import json
+
+    import jsonschema
+
+    from dbt_llm_batch.sandbox import expected_answer
+
+    answers = [nested_chat(client, f"resume {i}") for i in range(6)]
+    assert answers == [json.loads(expected_answer(None, f"resume {i}", NESTED)) for i in range(6)]
+    for answer in answers:
+        jsonschema.validate(answer, NESTED)
+        assert len(answer["jobs"]) in (2, 3)
+        datetime.date.fromisoformat(answer["since"])
+    emails = [a["person"]["email"] for a in answers]
+    assert None in emails and any(emails), "a nullable field is null in some answers, set in others"
+
+    control(
+        emu, "POST", "/_emulator/faults", {"kind": "off_schema", "code": "missing_required", "prompt_contains": "bad"}
+    )
+    emu.add_fault(kind="off_schema", code="wrong_item_type", prompt_contains="bad")
+    missing, wrong = nested_chat(client, "bad 1"), nested_chat(client, "bad 2")
+    assert (
+        "name" not in missing["person"]
+        and missing["jobs"] == json.loads(expected_answer(None, "bad 1", NESTED))["jobs"]
+    )
+    assert (
+        wrong["jobs"][0] == 12345
+        and wrong["jobs"][1:] == json.loads(expected_answer(None, "bad 2", NESTED))["jobs"][1:]
+    )
+    with pytest.raises(ValueError, match="an 'off_schema' fault needs a 'code'"):
+        emu.add_fault(kind="off_schema")
+
+    # Anthropic: the forced tool's input is broken the same way.
+    emu.add_fault(kind="off_schema", code="missing_required", prompt_contains="bad")
+    message = claude.messages.create(
+        model="claude-x",
+        max_tokens=500,
+        messages=[{"role": "user", "content": "bad 3"}],
+        tools=[{"name": "out", "description": "Record.", "input_schema": NESTED}],
+        tool_choice={"type": "tool", "name": "out"},
+    )
+    (tool_use,) = [b for b in message.content if b.type == "tool_use"]
+    assert "name" not in tool_use.input["person"]

@@ -50,3 +50,80 @@ def test_dbt_build_on_the_real_engine_gives_valid_enum_values_and_a_second_run_s
     project.dbt("build", "--select", "+tag:local")  # nothing new: nothing is sent
     assert engine_requests_served() - before == 6
     assert project.query("select count(*) from main.llm_batch_requests") == [(6,)]
+
+
+# Structured extraction into nested columns on the real model: vLLM's guided decoding gets the
+# schema in OpenAI's strict form. `pattern` and `maxItems` bound strings and lists, so a small model
+# cannot run an answer past llm_max_tokens.
+NESTED_EXTRACTION = """
+{{ config(
+    materialized = 'llm_batch',
+    unique_key = 'ticket_id',
+    llm_provider = 'openai_compatible',
+    llm_model = 'gemma-3-270m',
+    llm_base_url = env_var('DBT_LLM_BATCH_ENGINE_URL', 'http://127.0.0.1:8791/v1'),
+    llm_concurrency = 32,
+    llm_max_tokens = 200,
+    llm_temperature = 0,
+    llm_system = 'Extract from the support ticket: its category, the product it is about, up to three keywords, and up to two next steps.',
+    llm_output = {
+        'category': ['billing', 'bug', 'how_to', 'feature_request', 'other'],
+        'product': {
+            'type': 'object',
+            'properties': {
+                'name': {'type': 'string', 'pattern': '^[A-Za-z0-9 ]{1,24}$', 'description': 'the product named'},
+                'platform': ['web', 'ios', 'android', 'unknown'],
+            },
+            'required': ['name', 'platform'],
+        },
+        'keywords': {'type': 'array', 'items': {'type': 'string', 'pattern': '^[a-z]{1,16}$'}, 'minItems': 1, 'maxItems': 3},
+        'steps': {
+            'type': 'array',
+            'maxItems': 2,
+            'items': {
+                'type': 'object',
+                'properties': {'action': {'type': 'string', 'pattern': '^[A-Za-z ]{1,40}$'}, 'urgent': 'boolean'},
+                'required': ['action', 'urgent'],
+            },
+        },
+    },
+) }}
+select ticket_id, 'Subject: ' || subject || chr(10) || chr(10) || body as prompt
+from {{ ref('support_tickets') }}
+"""
+
+
+def test_nested_extraction_on_the_real_engine_every_answer_validates(project, local_engine):
+    import json
+
+    import jsonschema
+
+    from dbt_llm_batch import output_schema
+    from dbt_llm_batch.config import parse_config
+
+    project.dbt("seed", "-s", "support_tickets")
+    project.write("models/local/ticket_extraction_local.sql", NESTED_EXTRACTION)
+    project.dbt("run", "-s", "ticket_extraction_local")
+
+    described = {name: typ for name, typ, *_ in project.query("describe main.ticket_extraction_local")}
+    assert described["product"] == 'STRUCT("name" VARCHAR, platform VARCHAR)'
+    assert described["keywords"] == "VARCHAR[]"
+    assert described["steps"] == "STRUCT(action VARCHAR, urgent BOOLEAN)[]"
+    rows = project.query("select ticket_id, llm_status, llm_error, product, keywords from main.ticket_extraction_local")
+    assert len(rows) == 6 and all(status == "succeeded" for _, status, *_ in rows), rows
+    assert all(
+        product["platform"] in ("web", "ios", "android", "unknown") and keywords for *_, product, keywords in rows
+    )
+
+    # Every answer the engine gave validates against the schema (checked here again, from the ledger).
+    manifest = json.loads((project.root / "target" / "manifest.json").read_text())
+    node = manifest["nodes"]["model.integration_project.ticket_extraction_local"]
+    config = parse_config(
+        {k: v for k, v in node["config"].items() if k.startswith("llm_")} | {"unique_key": "ticket_id"}
+    )
+    validator = jsonschema.Draft202012Validator(output_schema.validation_schema(config.output_json_schema()))
+    raws = [json.loads(raw) for (raw,) in project.query("select raw from main.llm_batch_results")]
+    answers = [json.loads(r["response"]["body"]["choices"][0]["message"]["content"]) for r in raws]
+    assert len(answers) == 6
+    for answer in answers:
+        validator.validate(answer)

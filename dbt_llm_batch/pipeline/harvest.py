@@ -13,8 +13,10 @@ import json
 import os
 import time
 
+import jsonschema
 import pyarrow as pa
 
+from dbt_llm_batch import output_schema
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, JobStatus, RequestStatus, sql
@@ -51,6 +53,8 @@ def answer_problem_sql(config: ModelConfig) -> str:
             ("json_type(answer) <> 'OBJECT'", "'answer is not a JSON object'"),
         ]
         for col in config.output_columns:
+            if not output_schema.is_flat(col.json_schema):
+                continue  # checked against the schema by jsonschema (schema_problems), value by value
             path = literal("$." + col.name)
             jtype = f"json_type(answer, {path})"
             if col.enum:
@@ -68,6 +72,51 @@ def answer_problem_sql(config: ModelConfig) -> str:
             checks.append((cond, literal(why)))
     cases = " ".join(f"when {cond} then {why}" for cond, why in checks)
     return f"case {cases} end"
+
+
+def schema_problems(con, config: ModelConfig, table: str) -> int:
+    """Check each 'ok' answer in `table` (an outcomes table) that the bulk SQL checks passed against
+    the output schema with `jsonschema`, when the schema has more than flat columns (objects, lists,
+    dates, optional fields, ...): a failing answer gets the validator's message as its `problem`
+    (the field's path and the rule), and is a failed attempt like any other. Returns how many failed."""
+    schema = config.output_json_schema()
+    if schema is None or all(output_schema.is_flat(c.json_schema) for c in config.output_columns):
+        return 0
+    validator = jsonschema.Draft202012Validator(
+        output_schema.validation_schema(schema),
+        format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER,
+    )
+    failed: dict[str, list] = {"custom_id": [], "job_id": [], "problem": []}
+    # Streamed in chunks (the answers are never all in memory); the table is updated once it is read.
+    reader = con.sql(
+        f"select custom_id, job_id, answer from {table} where outcome = 'ok' and problem is null"
+    ).to_arrow_reader(10_000)
+    for chunk in reader:
+        for custom_id, job_id, answer in zip(*(chunk.column(i).to_pylist() for i in range(3)), strict=True):
+            problem = answer_schema_problem(validator, answer)
+            if problem:
+                failed["custom_id"].append(custom_id)
+                failed["job_id"].append(job_id)
+                failed["problem"].append(problem)
+    if failed["custom_id"]:
+        con.register(Scratch.schema_failures, pa.table(failed))
+        try:
+            con.execute(
+                f"""update {table} t set problem = f.problem from {Scratch.schema_failures} f
+                    where t.custom_id = f.custom_id and t.job_id = f.job_id"""
+            )
+        finally:
+            con.unregister(Scratch.schema_failures)
+    return len(failed["custom_id"])
+
+
+def answer_schema_problem(validator, answer: str) -> str | None:
+    """The validator's message for an answer that does not match the schema (None if it does)."""
+    error = jsonschema.exceptions.best_match(validator.iter_errors(json.loads(answer)))
+    if error is None:
+        return None
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+    return f"answer does not match llm_output at ${path}: {error.message} (rule '{error.validator}')"
 
 
 def poll_and_harvest(
@@ -270,6 +319,7 @@ def settle(
                  left join failures f using (key, fingerprint)""",
         ([source] if source else []) + [ledger.model],
     )
+    schema_problems(con, config, Scratch.outcomes)
     unknown = (
         0
         if source

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from dbt_llm_batch import registry
+from dbt_llm_batch import output_schema, registry
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
@@ -30,8 +30,7 @@ DESIRED, INPUT, EMIT = Scratch.desired, Scratch.input, Scratch.emit
 
 def table_columns(input_columns, config: ModelConfig) -> list[tuple[str, str]]:
     """The model table's columns: selected, then outputs, then status columns."""
-    outputs = [(c.name, c.duckdb_type) for c in config.output_columns]
-    return list(input_columns) + outputs + STATUS_COLUMNS
+    return list(input_columns) + config.table_outputs() + STATUS_COLUMNS
 
 
 def relation_exists(con, schema: str, name: str) -> bool:
@@ -95,12 +94,8 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
             f"else {stored} end as {ident(name)}"
         )
     outputs = []
-    for col in config.output_columns:
-        if config.structured:
-            value = f"try_cast(json_extract_string(w.answer, '$.{col.name}') as {col.duckdb_type})"
-        else:
-            value = "w.answer"
-        outputs.append(f"case when w.status = {sql(RequestStatus.SUCCEEDED)} then {value} end as {ident(col.name)}")
+    for name, value in _output_values(config):
+        outputs.append(f"case when w.status = {sql(RequestStatus.SUCCEEDED)} then {value} end as {ident(name)}")
     model_literal = literal(config.model)
     status_values = [
         "w.status",
@@ -163,6 +158,25 @@ def refresh_sql(config: ModelConfig, target: str, input_columns) -> str | None:
     return f"""update {target} t set {", ".join(f"{ident(c)} = i.{ident(c)}" for c in columns)}
                from {DESIRED} d join {INPUT} i on i.rowid = d.row_id
                where {key} = d.key and ({changed})"""
+
+
+def _output_values(config: ModelConfig) -> list[tuple[str, str]]:
+    """(column, SQL value over the stored answer `w.answer`) per output column of the table."""
+    if not config.structured:
+        return [(config.output_columns[0].name, "w.answer")]
+    if config.output_format == "json":
+        return [("llm_output", "cast(w.answer as JSON)")]
+    values = []
+    for col in config.output_columns:
+        path = literal(f"$.{col.name}")
+        if output_schema.is_flat(col.json_schema):
+            value = f"try_cast(json_extract_string(w.answer, {path}) as {col.duckdb_type})"
+        else:
+            # A nested value (STRUCT, LIST, DATE, ...) is cast from its JSON as a whole: DuckDB reads
+            # objects into STRUCT fields by name (an absent optional field is NULL) and arrays into LISTs.
+            value = f"try_cast(json_extract(w.answer, {path}) as {col.duckdb_type})"
+        values.append((col.name, value))
+    return values
 
 
 def _winners(ledger: Ledger, keys_sql: str) -> str:

@@ -47,7 +47,7 @@ def check_input(con, input_rel: str, config: ModelConfig) -> list[tuple[str, str
             f"prompt column '{config.prompt_column}' is not selected by the model; select a "
             f"column named '{config.prompt_column}' or set llm_prompt_column"
         )
-    added = [c.name for c in config.output_columns] + [c[0] for c in STATUS_COLUMNS]
+    added = [name for name, _ in config.table_outputs()] + [c[0] for c in STATUS_COLUMNS]
     if "rowid" in lowered:  # it would hide DuckDB's own row id, which the plan joins on
         problems.append("a selected column is named 'rowid', which dbt-llm-batch needs; rename it in the model's SQL")
     for clash in [a for a in added if a.lower() in lowered]:

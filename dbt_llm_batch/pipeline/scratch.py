@@ -46,7 +46,8 @@ class Scratch:
     ended = "__llm_ended"  # the jobs a harvest settles (harvest, batch_failures)
     line_errors = "__llm_line_errors"  # request lines a provider's validation named (harvest, batch_failures)
     realtime_lines = "__llm_realtime_lines"  # realtime answers, while they are stored (realtime)
-    VIEWS = ("input_view", "sent_arrow", "downloads", "ended", "line_errors", "realtime_lines")
+    schema_failures = "__llm_schema_failures"  # answers the output schema refused, while noted (harvest)
+    VIEWS = ("input_view", "sent_arrow", "downloads", "ended", "line_errors", "realtime_lines", "schema_failures")
 
     def __init__(self, con):
         self.con = con

@@ -151,6 +151,13 @@ class Provider(ABC):
         return dict(values)
 
     @classmethod
+    def check_output_schema(cls, schema: dict, errors: list[str]) -> None:
+        """Append why this provider's API would refuse the output `schema` (config.py's canonical
+        JSON Schema of llm_output), naming the field and the rule: checked when the config is parsed,
+        so a schema the provider cannot take is refused before any request is recorded or sent."""
+        return  # a provider that takes any JSON Schema refuses nothing
+
+    @classmethod
     def context_window(cls, model: str) -> int | None:
         """The model's context window in tokens, if known (the longest listed prefix of its name wins)."""
         matches = [(len(prefix), n) for prefix, n in cls.context_windows.items() if model.startswith(prefix)]

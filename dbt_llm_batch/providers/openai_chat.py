@@ -13,6 +13,82 @@ import json
 from dbt_llm_batch.providers.base import PROMPT_MARK, REFUSED, REJECTED, Provider, json_object_text
 from dbt_llm_batch.sql import literal
 
+# OpenAI structured outputs guide ("Supported schemas"), strict mode: what a schema may use.
+STRICT_MAX_DEPTH = 10  # levels of object nesting
+STRICT_MAX_PROPERTIES = 5000  # object properties in total
+STRICT_MAX_ENUM_VALUES = 1000  # enum values across all enum properties
+STRICT_FORMATS = ("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid")
+# Keywords the canonical schema may carry that strict mode does not support (strings take only
+# `pattern` and `format`).
+STRICT_UNSUPPORTED = ("minLength", "maxLength")
+
+
+def strict_schema(node: dict, required: bool = True) -> dict:
+    """The canonical schema in OpenAI's strict form: every object lists all its properties in
+    `required` with `additionalProperties: false`; a property the user left optional becomes
+    nullable (a type with 'null', or anyOf with null for an object or array), NULL when the model
+    has no value for it."""
+    out = dict(node)
+    declared = out.get("type")
+    types = declared if isinstance(declared, list) else [declared]
+    kind = next(t for t in types if t != "null")
+    if kind == "object":
+        optional = set(out["properties"]) - set(out.get("required", []))
+        out["properties"] = {n: strict_schema(sub, n not in optional) for n, sub in out["properties"].items()}
+        out["required"] = list(out["properties"])
+        out["additionalProperties"] = False
+    elif kind == "array":
+        out["items"] = strict_schema(out["items"])
+    if required and "null" not in types:
+        return out
+    if kind in ("object", "array"):
+        out["type"] = kind
+        return {"anyOf": [out, {"type": "null"}]}
+    out["type"] = [kind, "null"]
+    if "enum" in out and None not in out["enum"]:
+        out["enum"] = [*out["enum"], None]
+    return out
+
+
+def strict_problems(schema: dict) -> list[str]:
+    """Why OpenAI's strict mode would refuse the canonical `schema`, each naming the field and the rule."""
+    problems: list[str] = []
+    counts = {"properties": 0, "enum": 0}
+
+    def walk(node: dict, where: str, depth: int) -> None:
+        rule = "OpenAI strict structured outputs"
+        for keyword in STRICT_UNSUPPORTED:
+            if keyword in node:
+                problems.append(
+                    f"{where}: {rule} do not support '{keyword}' (strings take 'pattern' and 'format'): remove it"
+                )
+        fmt = node.get("format")
+        if fmt is not None and fmt not in STRICT_FORMATS:
+            problems.append(f"{where}: {rule} do not support format {fmt!r} (supported: {', '.join(STRICT_FORMATS)})")
+        counts["enum"] += len([v for v in node.get("enum", []) if v is not None])
+        if "properties" in node:
+            if depth > STRICT_MAX_DEPTH:
+                problems.append(f"{where}: {rule} allow at most {STRICT_MAX_DEPTH} levels of nested objects")
+                return
+            counts["properties"] += len(node["properties"])
+            for name, sub in node["properties"].items():
+                walk(sub, f"{where}.{name}" if where else f"llm_output['{name}']", depth + 1)
+        if "items" in node:
+            walk(node["items"], f"{where}.items", depth)
+
+    walk(schema, "", 1)
+    if counts["properties"] > STRICT_MAX_PROPERTIES:
+        problems.append(
+            f"llm_output: OpenAI strict structured outputs allow at most {STRICT_MAX_PROPERTIES} object "
+            f"properties in total, this schema has {counts['properties']}"
+        )
+    if counts["enum"] > STRICT_MAX_ENUM_VALUES:
+        problems.append(
+            f"llm_output: OpenAI strict structured outputs allow at most {STRICT_MAX_ENUM_VALUES} enum values "
+            f"in total, this schema has {counts['enum']}"
+        )
+    return problems
+
 
 class OpenAIChatProvider(Provider):
     """A provider speaking OpenAI's chat-completions API (abstract: its subclasses say where to send)."""
@@ -26,6 +102,10 @@ class OpenAIChatProvider(Provider):
         "tool_calls": "tool_call",
         "function_call": "tool_call",
     }
+
+    @classmethod
+    def check_output_schema(cls, schema: dict, errors: list[str]) -> None:
+        errors += [f"{p} (llm_provider {cls.name!r})" for p in strict_problems(schema)]
 
     def request_body(self) -> dict:
         cfg = self.config
@@ -47,7 +127,7 @@ class OpenAIChatProvider(Provider):
         if schema is not None:
             body["response_format"] = {
                 "type": "json_schema",
-                "json_schema": {"name": "llm_output", "strict": True, "schema": schema},
+                "json_schema": {"name": "llm_output", "strict": True, "schema": strict_schema(schema)},
             }
         body.update(cfg.params)
         return body

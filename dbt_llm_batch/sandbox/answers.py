@@ -20,6 +20,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import date, datetime, timedelta, timezone
 
 from .validation import Invalid, check_openai_chat
 
@@ -29,6 +30,10 @@ def expected_answer(system: str | None, prompt: str, schema: dict | None) -> str
 
     Without a schema: "[sandbox] <16 hex>". With a JSON schema: a compact JSON
     object with one value per top-level property, typed after the property.
+    Nested properties (objects, arrays, nullable or `anyOf` types, `format`
+    date / date-time) get values derived from the hash and their path: an
+    array has 2 or 3 items, and an optional or nullable field is absent or
+    null in about half of the answers, so tests see lists and NULLs.
     """
     h = hashlib.sha256(
         json.dumps([system or "", prompt, schema], sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
@@ -40,6 +45,8 @@ def expected_answer(system: str | None, prompt: str, schema: dict | None) -> str
         n = int(h[(4 * i) % 60 : (4 * i) % 60 + 4], 16)
         if "enum" in prop:
             out[name] = prop["enum"][n % len(prop["enum"])]
+        elif _nested(prop):
+            out.update(_field(name, prop, f"{h}/{name}", required=name in schema.get("required", [name])))
         elif prop.get("type") == "integer":
             out[name] = n % 1000
         elif prop.get("type") == "number":
@@ -49,6 +56,104 @@ def expected_answer(system: str | None, prompt: str, schema: dict | None) -> str
         else:
             out[name] = f"sandbox-{h[:8]}-{name}"
     return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+
+
+def _nested(prop: dict) -> bool:
+    """A property the flat rules of expected_answer do not cover (their answers never change)."""
+    kind = prop.get("type")
+    return (
+        "anyOf" in prop
+        or isinstance(kind, list)
+        or kind in ("object", "array")
+        or (kind == "string" and "enum" not in prop and prop.get("format") in ("date", "date-time"))
+    )
+
+
+def _field(name: str, prop: dict, seed: str, required: bool) -> dict:
+    """{name: value} for one property, or {} when an optional property is left out."""
+    h = hashlib.sha256(seed.encode()).hexdigest()
+    options = [p for p in prop.get("anyOf", [prop]) if p.get("type") != "null"]
+    declared = options[0].get("type") if options else "null"
+    types = declared if isinstance(declared, list) else [declared]
+    may_be_null = "anyOf" in prop or "null" in types or not required
+    if may_be_null and int(h[:2], 16) % 2 == 0:
+        return {name: None} if required else {}
+    return {name: _value(options[0] if options else {"type": "null"}, h)}
+
+
+def _value(prop: dict, h: str) -> object:
+    """A value of the (non-null) type of `prop`, derived from the hex digest `h`."""
+    declared = prop.get("type")
+    kind = next((t for t in (declared if isinstance(declared, list) else [declared]) if t != "null"), "null")
+    n = int(h[2:10], 16)
+    if "enum" in prop:
+        values = [v for v in prop["enum"] if v is not None]
+        return values[n % len(values)]
+    if kind == "object":
+        out: dict = {}
+        for key, sub in prop.get("properties", {}).items():
+            out.update(_field(key, sub, f"{h}/{key}", required=key in prop.get("required", [])))
+        return out
+    if kind == "array":
+        item = prop.get("items", {})
+        return [_value(item, hashlib.sha256(f"{h}[{i}]".encode()).hexdigest()) for i in range(2 + n % 2)]
+    if kind == "integer":
+        return n % 1000
+    if kind == "number":
+        return (n % 10000) / 100
+    if kind == "boolean":
+        return n % 2 == 1
+    if kind == "null":
+        return None
+    if prop.get("format") == "date":
+        return (date(2000, 1, 1) + timedelta(days=n % 10000)).isoformat()
+    if prop.get("format") == "date-time":
+        return (
+            (datetime(2000, 1, 1, tzinfo=timezone.utc) + timedelta(seconds=n % 10**9))
+            .isoformat()
+            .replace("+00:00", "Z")
+        )
+    return f"sandbox-{h[:8]}"
+
+
+def answer_for(fault: dict | None, system: str | None, prompt: str, schema: dict | None) -> str:
+    """The answer one request gets: the expected answer, unless a `content` fault replaces it or an
+    `off_schema` fault breaks it (Faults.REQUEST_KINDS)."""
+    if fault and fault["kind"] == "content":
+        return fault["content"]
+    answer = expected_answer(system, prompt, schema)
+    if not fault or fault["kind"] != "off_schema":
+        return answer
+    value = json.loads(answer)
+    props = (schema or {}).get("properties", {})
+    if fault["code"] == "wrong_item_type":
+        for item in value.values():
+            if isinstance(item, list) and item:
+                item[0] = "not a number" if isinstance(item[0], (int, float)) else 12345
+                break
+    else:
+        for name, item in value.items():
+            sub: dict = next(
+                (p for p in props.get(name, {}).get("anyOf", [props.get(name, {})]) if "required" in p), {}
+            )
+            fields = sub.get("properties", {})
+            required = [
+                k
+                for k in sub.get("required", [])
+                if isinstance(item, dict) and k in item and not _nullable(fields.get(k, {}))
+            ]
+            if required:
+                del item[required[0]]
+                break
+        else:
+            value.pop(next(iter(value)), None)
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _nullable(prop: dict) -> bool:
+    """Whether null is a valid value of `prop` (a type list with 'null', or anyOf with a null branch)."""
+    kind = prop.get("type")
+    return (isinstance(kind, list) and "null" in kind) or any(p.get("type") == "null" for p in prop.get("anyOf", []))
 
 
 def count_tokens(chars: int) -> int:
@@ -188,7 +293,7 @@ def answer_chat_request(
             ),
             None,
         )
-    answer = fault["content"] if fault else expected_answer(ask.system, ask.prompt, ask.schema)
+    answer = answer_for(fault, ask.system, ask.prompt, ask.schema)
     done = simulate(answer, ask.prompt_chars, ask.max_tokens)
     done.cached_tokens = cached_tokens(ask) if cached_tokens else 0
     return (
@@ -316,7 +421,11 @@ def _line_problem(line: dict, endpoint: str, seen: set[str], model: str | None) 
 class Faults:
     """Injected failures. `times` counts uses left; None means forever."""
 
-    REQUEST_KINDS = ("http_error", "content")
+    # "off_schema": the normal answer, broken as `code` says: "missing_required" drops a required
+    # field of the first object in it (else its first field), "wrong_item_type" puts a value of the
+    # wrong type first in its first list; a model ignoring its schema answers so.
+    REQUEST_KINDS = ("http_error", "content", "off_schema")
+    OFF_SCHEMA = ("missing_required", "wrong_item_type")
     # "invalid_line": OpenAI validation rejects the lines whose prompt matches (Batch.errors.data
     # entries with their 1-based `line`); the batch ends `failed`. "disconnect": the endpoint drops
     # the connection without answering; "truncate": it answers with half the body, then drops it.
@@ -368,6 +477,8 @@ class Faults:
             raise ValueError("only an endpoint fault can fire 'after' the handler")
         if kind == "content" and not isinstance(content, str):
             raise ValueError("a 'content' fault needs a string 'content'")
+        if kind == "off_schema" and code not in self.OFF_SCHEMA:
+            raise ValueError(f"an 'off_schema' fault needs a 'code', one of {', '.join(self.OFF_SCHEMA)}")
         if times is not None and (not isinstance(times, int) or times < 1):
             raise ValueError("'times' must be a positive integer or null")
         if status_code is not None and not 400 <= status_code <= 599:

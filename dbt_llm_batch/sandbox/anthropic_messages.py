@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .answers import Faults, count_tokens, expected_answer, simulate
+from .answers import Faults, answer_for, count_tokens, simulate
 from .caching import PromptCache, min_cache_tokens
 from .validation import Invalid, check_anthropic_params
 
@@ -233,7 +233,7 @@ def run_request(
             fault["message"] or "Sandbox fault injected for this request.",
             new_id,
         ), None
-    answer = fault["content"] if fault else expected_answer(ask.system, ask.prompt, ask.schema)
+    answer = answer_for(fault, ask.system, ask.prompt, ask.schema)
     done = simulate(answer, ask.total_chars, ask.max_tokens)
     content: list[dict[str, Any]] = [{"type": "text", "text": done.content}]
     stop = "end_turn"

@@ -90,6 +90,15 @@ def materialize(df, con):
   {%- for key, value in model.config.items() if key.startswith('llm_') -%}
     {%- do picked.update({key: value}) -%}
   {%- endfor -%}
+  {#- llm_output_from_columns: the model's YAML columns are its output columns (name, data_type, description). -#}
+  {%- if picked.get('llm_output_from_columns') -%}
+    {%- set columns = [] -%}
+    {%- for name, column in (model.columns or {}).items() -%}
+      {%- do columns.append({'name': name, 'data_type': column.get('data_type'),
+                             'description': column.get('description')}) -%}
+    {%- endfor -%}
+    {%- do picked.update({'columns': columns}) -%}
+  {%- endif -%}
   {{ return(picked) }}
 {% endmacro %}
 
