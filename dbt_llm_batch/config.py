@@ -62,7 +62,8 @@ DEFAULTS: dict[str, Any] = {
     "llm_max_tokens_in_flight": None,  # provider default (OpenAI: 2,000,000 enqueued tokens)
     # The realtime path: every row of a provider without a batch API (a self-hosted engine), urgent rows
     # of a batch provider (llm_realtime_when), and rows whose batch attempts are exhausted (llm_fallback).
-    "llm_concurrency": 16,  # realtime requests in flight at once
+    "llm_concurrency": 16,  # realtime requests in flight at once, or 'auto' (pipeline/concurrency.py)
+    "llm_max_concurrency": 64,  # with llm_concurrency = 'auto': the most it may try
     "llm_realtime_when": None,  # SQL boolean expression over the model's columns
     "llm_fallback": None,  # 'realtime'
     "llm_realtime_budget_seconds": 600,  # a run stops starting realtime requests after this; the rest wait
@@ -132,7 +133,8 @@ class ModelConfig:
     max_tokens_in_flight: int | None = None  # estimated input tokens; None: the provider's default
     # The provider's own keys as its parse_options returned them (e.g. a self-hosted engine's URLs).
     options: dict = field(default_factory=dict)
-    concurrency: int = 16
+    concurrency: int = 16  # the most realtime requests in flight (with 'auto', the bound it adapts under)
+    adaptive_concurrency: bool = False  # llm_concurrency = 'auto'
     realtime_when: str | None = None
     fallback: str | None = None
     realtime_budget_seconds: float = 600
@@ -332,7 +334,8 @@ def parse_config(raw: dict) -> ModelConfig:
         max_batches_in_flight=cfg["llm_max_batches_in_flight"],
         max_tokens_in_flight=cfg["llm_max_tokens_in_flight"],
         options=options,
-        concurrency=cfg["llm_concurrency"],
+        concurrency=cfg["llm_max_concurrency"] if cfg["llm_concurrency"] == "auto" else cfg["llm_concurrency"],
+        adaptive_concurrency=cfg["llm_concurrency"] == "auto",
         realtime_when=cfg["llm_realtime_when"],
         fallback=cfg["llm_fallback"],
         realtime_budget_seconds=float(cfg["llm_realtime_budget_seconds"]),
@@ -408,7 +411,9 @@ def _check_keys(raw: dict, provider, errors: list[str]) -> None:
 
 def _parse_realtime(cfg, provider, errors) -> None:
     """The realtime keys every provider shares (a provider's own, e.g. an engine's URLs, are its parse_options')."""
-    _check_number(errors, cfg, "llm_concurrency", int, minimum=1, maximum=1024)
+    if cfg["llm_concurrency"] != "auto":
+        _check_number(errors, cfg, "llm_concurrency", int, minimum=1, maximum=1024)
+    _check_number(errors, cfg, "llm_max_concurrency", int, minimum=1, maximum=1024)
     _check_number(errors, cfg, "llm_realtime_budget_seconds", (int, float), minimum=1)
     when = cfg["llm_realtime_when"]
     if when is not None and (not isinstance(when, str) or not when.strip()):

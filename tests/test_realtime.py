@@ -5,6 +5,7 @@ against the emulator's realtime endpoints through the official SDKs."""
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 from decimal import Decimal
 
@@ -15,6 +16,7 @@ from helpers import (
     batch_input_lines,
     dbt_subprocess,
     expected_triage,
+    log_text,
     sorted_batches,
     triage_model,
 )
@@ -471,3 +473,42 @@ def test_only_failures_after_the_request_went_out_count_as_possibly_billed():
         (httpx.RemoteProtocolError("peer closed connection"), False),
     ):
         assert reached_the_provider(sdk_error(cause, timeout)), cause
+
+
+def test_auto_concurrency_answers_every_row_and_backs_off_on_429(project, replicas, monkeypatch, api_key):
+    """llm_concurrency = 'auto' end to end: the controller (pipeline/concurrency.py, tested against a
+    simulated engine in tests/unit) finds its number under the bound and halves it on overload."""
+    monkeypatch.setenv("ENGINE_KEY", api_key)
+    engine = replicas[0]
+    engine.add_fault(endpoint="POST /v1/chat/completions", status_code=429, retry_after=0.05, times=2)
+    model = self_hosted_model([engine.openai_base_url]).replace(
+        "llm_concurrency = 4", "llm_concurrency = 'auto', llm_max_concurrency = 3"
+    )
+    project.write("models/triage.sql", model)
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    texts = prompts(project)
+    rows = table(project)
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    for ticket_id, (category, urgent, summary, status, *_) in rows.items():
+        assert status == "succeeded" and (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, texts[ticket_id])
+    assert engine.stats()["realtime_requests"]["openai"] == 6
+    log = log_text(project)
+    settled = re.search(
+        r"llm_concurrency 'auto' settled at (\d+) request\(s\) in flight \(bound 3; (\d+) back-off", log
+    )
+    assert settled, log[-3000:]
+    assert 1 <= int(settled.group(1)) <= 3 and int(settled.group(2)) >= 1
+
+
+def test_a_bad_concurrency_is_refused_before_anything_is_sent(project, replicas, monkeypatch, api_key):
+    monkeypatch.setenv("ENGINE_KEY", api_key)
+    engine = replicas[0]
+    project.write(
+        "models/triage.sql",
+        self_hosted_model([engine.openai_base_url]).replace("llm_concurrency = 4", "llm_concurrency = 'fast'"),
+    )
+    project.dbt("seed")
+    result = project.dbt("run", "-s", "triage", expect_ok=False)
+    assert "llm_concurrency must be an integer, got 'fast'" in str(result.result.results[0].message)
+    assert engine.stats()["realtime_requests"]["openai"] == 0

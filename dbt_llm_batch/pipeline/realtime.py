@@ -34,11 +34,17 @@ import pyarrow as pa
 from dbt_llm_batch.errors import ProviderError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import JobStatus, RequestStatus, sql
+from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import crashpoints, harvest
+from dbt_llm_batch.pipeline.concurrency import AdaptiveConcurrency
 from dbt_llm_batch.pipeline.progress import Progress
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchState, Provider
 from dbt_llm_batch.providers.realtime_transport import RETRYABLE, FatalReply, LostReply, TransientError
+
+# Replies that say the server is over capacity (rate limit, unavailable, Anthropic's overloaded): the
+# adaptive controller halves its limit on them.
+OVERLOAD = {429, 503, 529}
 
 FLUSH_SECONDS = 0.2  # most time between an answer arriving and its commit to the ledger
 FETCH_ROWS = 1000  # request bodies read from DuckDB at a time
@@ -169,10 +175,29 @@ async def _send_all(
             queue.extend(zip(reversed(batch.column(0).to_pylist()), reversed(batch.column(1).to_pylist()), strict=True))
         return queue.pop()
 
+    # llm_concurrency = 'auto': as many workers as the bound, of which the controller lets `limit` send.
+    adaptive = AdaptiveConcurrency(upper=provider.config.concurrency) if provider.config.adaptive_concurrency else None
+    sending = 0
+    slot_freed = asyncio.Condition()
+
+    def may_send() -> bool:
+        return adaptive is None or sending < adaptive.limit or bool(stop)
+
+    def observe(overloaded: bool) -> None:
+        if adaptive is not None:
+            adaptive.finished(time.monotonic(), overloaded)
+
     async def worker():
+        nonlocal sending
         # A fatal reply stops new requests; those already on their way finish and are kept.
-        while not stop and time.monotonic() < deadline and (row := next_row()) is not None:
+        while not stop and time.monotonic() < deadline:
+            if adaptive is not None:
+                async with slot_freed:
+                    await slot_freed.wait_for(may_send)
+            if stop or (row := next_row()) is None:
+                return
             custom_id, body = row
+            sending += 1
             try:
                 reply = await _ask(
                     transports,
@@ -181,10 +206,16 @@ async def _send_all(
                     outcome,
                     stop,
                     lambda custom_id=custom_id: record_lost(custom_id),
+                    observe,
                 )
             except FatalReply as exc:
                 stop.append(exc)
                 return
+            finally:
+                sending -= 1
+                if adaptive is not None:
+                    async with slot_freed:
+                        slot_freed.notify_all()
             if reply is GAVE_UP:
                 outcome.given_up += 1
             elif reply is not None:
@@ -205,6 +236,11 @@ async def _send_all(
                 if progress is not None:
                     progress.update(outcome.answered + outcome.given_up)
             await workers  # re-raise a worker's error
+            if adaptive is not None:
+                log.info(
+                    f"{provider.name}: llm_concurrency 'auto' settled at {adaptive.limit} request(s) in flight "
+                    f"(bound {adaptive.upper}; {adaptive.backoffs} back-off(s) on overload)"
+                )
         finally:
             await loop.run_in_executor(pool, writer.write, writer.take())
             for transport in transports:
@@ -213,13 +249,16 @@ async def _send_all(
         raise stop[0]
 
 
-async def _ask(transports, body: bytes, deadline: float, outcome: RealtimeOutcome, stop: list, record_lost):
+async def _ask(
+    transports, body: bytes, deadline: float, outcome: RealtimeOutcome, stop: list, record_lost, observe=lambda _: None
+):
     """Send one request, retrying 429/5xx/timeouts within the budget (after `retry-after`, never
     sooner than an exponential back-off, and on another replica when there is one); returns the final
     reply, or None when the budget ran out first. A reply that no retry can change (a rejected key, an
     unknown model or URL) raises FatalReply: the run stops instead of failing every row with it.
     A reply lost after sending is recorded (`await record_lost()`) and retried at most once; returns
-    GAVE_UP when it is not answered after one (see the module's docstring)."""
+    GAVE_UP when it is not answered after one (see the module's docstring). `observe(overloaded)` hears
+    of each answer (False) and each sign of overload: 429/503/529, a timeout or a failed connection (True)."""
     delay = 0.5
     lost = 0
     while True:
@@ -232,9 +271,13 @@ async def _ask(transports, body: bytes, deadline: float, outcome: RealtimeOutcom
                 raise FatalReply(fatal)
             if reply.status not in RETRYABLE:
                 transport.cooldown_until = 0.0
+                observe(False)
                 return reply
+            if reply.status in OVERLOAD:
+                observe(True)
             server_wait, outcome.last_transient = reply.retry_after, f"HTTP {reply.status} from {transport.name}"
         except LostReply as exc:
+            observe(True)
             outcome.last_transient = f"reply lost: {exc} ({transport.name})"
             outcome.lost_replies += 1
             lost += 1
@@ -242,6 +285,7 @@ async def _ask(transports, body: bytes, deadline: float, outcome: RealtimeOutcom
             if lost >= MAX_LOST_REPLIES:
                 return GAVE_UP
         except TransientError as exc:
+            observe(True)
             outcome.last_transient = f"{exc} ({transport.name})"
             if transport.never_connected and transport.failures >= UNREACHABLE_AFTER:
                 transport.dead = True
