@@ -28,7 +28,9 @@ def test_costs_name_their_route_and_the_run_line_keeps_them_apart(project, emula
     assert "harvested 0 batch(es) (cost $0.000000, saved $0.000000 vs realtime)" in first
     realtime_cost = project.query("select sum(cost_usd) from main.llm_batch_requests where route = 'realtime'")[0][0]
     assert realtime_cost > 0
-    assert f"2 succeeded, 0 failed (cost ${realtime_cost:.6f})" in first, first
+    assert re.search(rf"; realtime 2 request\(s\) in [\d.]+ s \(cost \${realtime_cost:.6f}\): 2 succeeded", first), (
+        first
+    )
     emulator.complete_all()
     project.dbt("run", "-s", "triage")
     second = summary_lines(project)[-1]

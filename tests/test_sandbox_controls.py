@@ -5,6 +5,8 @@ control is run as a user runs it (the CLI in a subprocess) and checked through t
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from helpers import SANDBOX_KEY, control, line, req, submit
+from helpers import control, line, req, submit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,9 +138,51 @@ def test_a_sandbox_that_is_not_running_is_one_message(emu):
     assert "Traceback" not in done.stderr
 
 
-def test_the_banner_says_how_to_finish_a_batch():
-    from dbt_llm_batch.sandbox.cli import BANNER
+def test_the_banner_says_how_to_finish_a_batch_and_that_works(tmp_path):
+    """Start the sandbox as a user does; follow its banner from another shell to finish a batch."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY")}
+    env["PYTHONPATH"] = str(REPO)
+    out = (tmp_path / "banner.txt").open("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dbt_llm_batch.ops.cli", "sandbox", "--port", "0", "--quiet"],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        banner = ""
+        for _ in range(600):  # bounded: at most 120 s for an import on two loaded cores
+            banner = (tmp_path / "banner.txt").read_text()
+            if "Press Ctrl-C" in banner or proc.poll() is not None:
+                break
+            proc_wait(proc, 0.2)
+        assert "Press Ctrl-C" in banner, banner
+        base = re.search(r"export SANDBOX_URL=(\S+?)`", banner)[1]
+        for command in (
+            "dbt-llm-batch sandbox batches",
+            "dbt-llm-batch sandbox advance <batch_id>",
+            "dbt-llm-batch sandbox complete",
+            "dbt-llm-batch sandbox expire <batch_id>",
+        ):
+            assert command in banner
+        client = openai.OpenAI(base_url=base + "/v1", api_key="sk-sandbox", max_retries=0)
+        batch = openai_batch(client)
 
-    text = BANNER.format(base="http://h:1", mode="x", key="k")
-    assert "dbt-llm-batch sandbox advance <batch_id>" in text and "dbt-llm-batch sandbox complete" in text
-    assert SANDBOX_KEY not in text
+        class Running:  # the sandbox the banner names, for sandbox()
+            base_url = base
+
+        assert f"{batch.id}: validating" in sandbox(Running, "batches")
+        assert sandbox(Running, "complete").strip() == f"{batch.id}: completed"
+        assert client.batches.retrieve(batch.id).status == "completed"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        out.close()
+
+
+def proc_wait(proc, seconds: float) -> None:
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        pass

@@ -61,8 +61,8 @@ class RunSummary:
         lost = f", {r.lost_replies} reply(ies) lost after sending (possibly billed)" if r.lost_replies else ""
         cost = f" (cost {costs.fmt_usd(self.realtime_route_usd)})" if self.realtime_route_usd is not None else ""
         return (
-            f"; realtime {r.requests} request(s) in {r.seconds:.1f} s: {r.succeeded} succeeded, "
-            f"{r.failed} failed{left}" + (f", {r.retries} retried" if r.retries else "") + lost + cost
+            f"; realtime {r.requests} request(s) in {r.seconds:.1f} s{cost}: {r.succeeded} succeeded, "
+            f"{r.failed} failed{left}" + (f", {r.retries} retried" if r.retries else "") + lost
         )
 
 

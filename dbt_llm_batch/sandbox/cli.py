@@ -39,7 +39,7 @@ BANNER = """\
    export OPENAI_API_KEY={key}
    export ANTHROPIC_BASE_URL={base}
    export ANTHROPIC_API_KEY={key}
- Finish a batch from another shell (SANDBOX_URL={base}):
+ Finish a batch from another shell (after `export SANDBOX_URL={base}`):
    dbt-llm-batch sandbox batches             list batches with their status
    dbt-llm-batch sandbox advance <batch_id>  move it one stage along
    dbt-llm-batch sandbox complete            finish every open batch (or: complete <batch_id>)
