@@ -75,6 +75,9 @@ DEFAULTS: dict[str, Any] = {
     "llm_on_unavailable": "warn",  # a provider down for the whole retry budget: 'warn' (dbt warning) or 'error'
     "llm_max_context_tokens": None,  # the model's context window; default: the provider's context_window(model)
     "llm_delete_provider_files": True,  # delete input/result files at the provider once results are stored
+    # Identical requests are sent once: true (within the model), 'ledger' (also across the models of
+    # the ledger schema) or false; default true, but false when llm_temperature is above 0.
+    "llm_dedup": None,
 }
 
 FALLBACKS = ("realtime",)
@@ -140,6 +143,10 @@ class ModelConfig:
     # The fingerprint prefix earlier versions computed for this config from the key order dbt's parse
     # gave (see legacy_fingerprint_prefix); None when it equals fingerprint_prefix().
     legacy_prefix: str | None = None
+    # Sending each distinct request once (plan.py): 'model', 'ledger' or None (one request per row).
+    # How rows are asked, never what: not in the fingerprint.
+    dedup: str | None = "model"
+    dedup_defaulted_off: bool = False  # llm_dedup unset and llm_temperature > 0 (the run log says so)
 
     @property
     def structured(self) -> bool:
@@ -277,6 +284,7 @@ def parse_config(raw: dict) -> ModelConfig:
     elif cache_prefix not in CACHE_TTLS:
         errors.append(f"llm_cache_prefix must be true, false, '5m' or '1h', got {cache_prefix!r}")
 
+    dedup, dedup_defaulted_off = _parse_dedup(cfg, errors)
     _parse_realtime(cfg, provider, errors)
     options: dict[str, Any] = {}
     if provider is not None:
@@ -317,11 +325,31 @@ def parse_config(raw: dict) -> ModelConfig:
         on_unavailable=cfg["llm_on_unavailable"],
         max_context_tokens=cfg["llm_max_context_tokens"],
         delete_provider_files=cfg["llm_delete_provider_files"],
+        dedup=dedup,
+        dedup_defaulted_off=dedup_defaulted_off,
     )
     legacy = (
         legacy_fingerprint_prefix(config, cfg["llm_output"], cfg["llm_examples"]) if examples or config.output else None
     )
     return dataclasses.replace(config, legacy_prefix=legacy) if legacy else config
+
+
+def _parse_dedup(cfg: dict, errors: list[str]) -> tuple[str | None, bool]:
+    """llm_dedup as (scope or None, whether it is off only because llm_temperature is above 0): at a
+    temperature above 0 each row should get its own sample, so sharing is then off unless asked for."""
+    value = cfg["llm_dedup"]
+    if value is None:
+        if isinstance(cfg["llm_temperature"], (int, float)) and cfg["llm_temperature"] > 0:
+            return None, True
+        return "model", False
+    if value is True or value == "model":
+        return "model", False
+    if value is False:
+        return None, False
+    if value == "ledger":
+        return "ledger", False
+    errors.append(f"llm_dedup must be true, false or 'ledger', got {value!r}")
+    return None, False
 
 
 def _provider_class(name, errors: list[str]):

@@ -29,6 +29,8 @@ class RunSummary:
     cost_usd: Decimal | None = None  # actual cost of what this run harvested, at batch prices
     realtime_usd: Decimal | None = None  # the same tokens at realtime prices
     realtime: RealtimeOutcome | None = None  # rows sent in realtime this run
+    shared: int = 0  # rows planned this run that ask the same request as another row (sent once)
+    reused: int = 0  # rows pointed at a request answered or in flight already: no request of their own
 
     def line(self) -> str:
         saved = (
@@ -46,6 +48,13 @@ class RunSummary:
             + (f"; waiting {self.backed_off} (back-off)" if self.backed_off else "")
             + (f"; held {self.held} (release with `dbt-llm-batch release`)" if self.held else "")
             + (self.realtime_part() if self.realtime else "")
+            + (self.dedup_part() if self.shared or self.reused else "")
+        )
+
+    def dedup_part(self) -> str:
+        return (
+            f"; deduplicated {self.shared + self.reused} row(s): {self.shared} sharing a request sent "
+            f"this run, {self.reused} answered (or being answered) by a stored request"
         )
 
     def realtime_part(self) -> str:
@@ -69,13 +78,21 @@ def dry_run(
     unsendable: int,
     estimate: Decimal | int | None,
     committed: Decimal | int,
+    shared: int = 0,
+    reused: int = 0,
 ) -> None:
-    """The dry run's one line: what a real run would send, what it would cost, what would wait."""
+    """The dry run's one line: what a real run would send, what it would cost, what would wait, and
+    how many rows would need no request of their own (llm_dedup)."""
     realtime_part = f" and {n_realtime} in realtime" if n_realtime else ""
     waiting = planned - n_realtime - batch
     waiting_part = f"; {waiting} would wait for the in-flight caps" if waiting else ""
     if unsendable:
         waiting_part += f"; {unsendable} would fail without being sent (prompt not sendable)"
+    if shared or reused:
+        waiting_part += (
+            f"; {shared} row(s) duplicate another row's request and {reused} a stored answer or a request "
+            "in flight (no request of their own)"
+        )
     log.info(
         f"{model}: DRY RUN: would submit {batch} request(s) in {files} "
         f"batch(es){realtime_part}, estimated {costs.fmt_usd(estimate if planned else 0)} at batch prices"

@@ -380,7 +380,7 @@ def test_transitions_outside_the_table_change_nothing(ledger):
 def test_a_submitted_request_of_an_older_ledger_is_rewritten_and_still_harvested():
     con = duckdb.connect()
     old = Ledger(con, "main", "m")
-    assert MIGRATIONS[-1][0] == 13
+    assert 13 in dict(MIGRATIONS)  # the migration this test is about (later ones may follow)
     old.migrate(up_to=12)  # the ledger as the release before this one left it
     con.execute(
         """insert into main.llm_batch_jobs (job_id, model, provider, llm_model, batch_id, status, request_count,
@@ -395,7 +395,7 @@ def test_a_submitted_request_of_an_older_ledger_is_rewritten_and_still_harvested
     )
     ledger = Ledger(con, "main", "m")
     ledger.migrate()
-    assert con.execute("select max(schema_version) from main.llm_batch_meta").fetchall()[0][0] == 13
+    assert con.execute("select max(schema_version) from main.llm_batch_meta").fetchall()[0][0] == MIGRATIONS[-1][0]
     assert statuses(ledger) == {"c0": "queued", "c1": "queued"}
     # In flight: counted by the ledger's reads and its views, and the planner would not resend it.
     assert ledger.in_flight() == (1, 2, 10) and ledger.pending_count() == 2
