@@ -124,8 +124,8 @@ def _key_by_fingerprint(config: ModelConfig) -> str:
 def _warn_if_renamed(ledger: Ledger, config: ModelConfig) -> None:
     """A model's first run: say so before paying when another model of this ledger already has the
     answers (the same prompts and settings), which is what renaming a model's file looks like."""
-    if config.ledger_identity:
-        return  # chosen explicitly
+    if config.ledger_identity or config.dedup == "ledger":
+        return  # chosen explicitly, or the other model's answers are shared (llm_dedup = 'ledger')
     others = ledger.con.execute(
         f"""select model, count(distinct fingerprint) from {ledger.table("llm_batch_requests")}
             where model <> ? and status in {sql_in((RequestStatus.SUCCEEDED, *IN_FLIGHT))}
