@@ -84,7 +84,7 @@ def run_to_end(project, emulator, model: str = "dup") -> None:
     project.dbt("run", "-s", model)
 
 
-def test_100_rows_with_40_distinct_prompts_send_40_requests_and_cost_what_was_billed(dup, emulator, provider):
+def test_100_rows_with_40_distinct_prompts_send_40_requests_and_cost_what_was_billed(dup, emulator, provider, capsys):
     write_rows(dup, {i: i % 40 for i in range(100)})
     run_to_end(dup, emulator)
 
@@ -109,6 +109,14 @@ def test_100_rows_with_40_distinct_prompts_send_40_requests_and_cost_what_was_bi
     assert view[:4] == (40, 100, 0, total) and view[4] > 0
     progress = dup.query("select requests_sent, rows_mapped, rows_reused, dedup_saved_usd from main.llm_batch_progress")
     assert progress == [(40, 100, 0, view[4])]
+    # `dbt-llm-batch status` shows rows apart from requests, and the money sharing saved.
+    from dbt_llm_batch.ops import cli
+
+    dup.release_database()
+    capsys.readouterr()
+    assert cli.status(str(dup.db_path), "main") == 0
+    shown = capsys.readouterr().out
+    assert "rows_answered" in shown and "rows_reused" in shown and "dedup_saved_usd" in shown and "rows_mapped" in shown
 
 
 def test_a_second_run_asks_only_new_requests_and_answers_the_rest_from_the_ledger(dup, emulator, provider):

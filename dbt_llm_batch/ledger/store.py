@@ -201,8 +201,8 @@ VIEWS = [
     group by all""",
     f"""create or replace view {{s}}.llm_batch_progress as
     select model,
-           count(distinct key) filter (where is_final and status = {_SUCCEEDED}) as keys_succeeded,
-           count(distinct key) filter (where is_final and status = {_FAILED}) as keys_failed,
+           -- keys: the rows, through their row answers (with llm_dedup a request answers several)
+           coalesce(max(a.keys_succeeded), 0) as keys_succeeded, coalesce(max(a.keys_failed), 0) as keys_failed,
            count(*) filter (where status = {_QUEUED}) as requests_pending,
            count(*) filter (where status = {sql(RequestStatus.DEFERRED)}
                                or (status = {sql(RequestStatus.VOIDED)} and not_before > now())) as requests_waiting,
@@ -220,6 +220,8 @@ VIEWS = [
            coalesce(max(a.dedup_saved_usd), 0) as dedup_saved_usd
     from {{s}}.llm_batch_requests
          left join (select a.model, count(*) as rows_mapped, count(*) filter (where a.reused) as rows_reused,
+                           count(distinct a.key) filter (where r.is_final and r.status = {_SUCCEEDED}) as keys_succeeded,
+                           count(distinct a.key) filter (where r.is_final and r.status = {_FAILED}) as keys_failed,
                            cast(sum(r.cost_usd) - coalesce(sum(r.cost_usd / a.sharing) filter (where not a.reused), 0)
                                 as decimal(18, 9)) as dedup_saved_usd
                     from (select *, count(*) filter (where not reused) over (partition by custom_id) as sharing

@@ -319,7 +319,9 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
     )
     con.execute(f"delete from {PLAN} where member")
     if dedup:  # a request sent for several rows goes the urgent way if one of them is urgent
-        con.execute(f"update {PLAN} set route = 'realtime' where urgent and route = 'batch'")
+        con.execute(
+            f"update {PLAN} set route = 'realtime', estimated_cost_usd = {estimated_cost} where urgent and route = 'batch'"
+        )
         con.execute(f"drop table {Scratch.answered}")
     con.execute(f"drop table {Scratch.candidates}")
     return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
