@@ -127,11 +127,17 @@ class RequestWrites(LedgerBase):
 
     def return_to_deferred(self, job_ids: list[str]) -> None:
         """Jobs whose intents were written but whose upload was never attempted (an earlier chunk's
-        submission failed): their requests wait as deferred again, and the intents go."""
+        submission failed): their requests wait as deferred again (without row answers), and the intents go."""
 
         def write():
             with transaction(self.con):
                 for job_id in job_ids:
+                    # A deferred request answers no row yet: its row answers are written again when it is sent.
+                    self.con.execute(
+                        f"""delete from {self.table("llm_batch_row_answers")} where custom_id in
+                            (select custom_id from {self.table("llm_batch_requests")} where job_id = ? and status = {QUEUED})""",
+                        [job_id],
+                    )
                     self.con.execute(
                         f"""update {self.table("llm_batch_requests")} set status = {DEFERRED}, job_id = null
                                          where job_id = ? and status = {QUEUED}""",
