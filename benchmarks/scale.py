@@ -9,6 +9,9 @@ to a plain-DuckDB baseline timed in the same process, so the ratios hold on a no
                                          vs  read_json plus the same extraction into a table
 (c) a no-op run on the N-row ledger      vs  a run of the same model selecting no rows
 Each round runs on a fresh database file; the median ratio over the rounds is reported.
+(e) planning N rows of which 30 % repeat another row's prompt, with llm_dedup on (70 % of the requests
+    sent, every row answered) vs llm_dedup = false (one request per row): the planner alone, and plan +
+    ledger insert + JSONL write; the ratio on / off (the aim: within 10 %)
 (d) peak memory (max RSS of a child process running a, b, c) at 100,000 and at N rows, next to its
     max RSS once only the input is loaded (the input relation itself), with DuckDB's
     memory_limit at 1GB (--memory-limit; DuckDB otherwise caches pages up to 80% of RAM, which is
@@ -49,6 +52,11 @@ RAW_CONFIG = {
     "llm_delete_provider_files": False,
 }  # the made-up batches have no files to delete
 SOURCE = "select i as id, repeat(md5(i::varchar), 16) as prompt from range({n}) t(i)"  # 512-character prompts
+# (e): rows whose last digit is 0, 1 or 2 repeat the prompt of the row ending in 3 of their ten: 30 % duplicates.
+DUP_SOURCE = (
+    "select i as id, repeat(md5((case when i % 10 < 3 then i - i % 10 + 3 else i end)::varchar), 16) as prompt "
+    "from range({n}) t(i)"
+)
 
 
 def timed(fn):
@@ -182,6 +190,38 @@ def run_once(n: int, memory_limit: str | None = None) -> dict:
     return figures
 
 
+def dedup_once(n: int, dedup: bool) -> dict:
+    """(e) one round: the planner alone, then plan + ledger insert + JSONL write, on a fresh database."""
+    config = parse_config({**RAW_CONFIG, "llm_dedup": dedup})
+    with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_bench_") as directory:
+        con = duckdb.connect(os.path.join(directory, "bench.duckdb"))
+        con.execute(f"create temp table {plan.INPUT} as {DUP_SOURCE.format(n=n)}")
+        Ledger(con, "main", "main.bench").migrate()
+        run = model_run(con, config, directory)
+        plan_s, planned = timed(run.plan)
+        full_s, _ = timed(lambda: plan_and_write(con, config, directory))
+        submitted = con.execute("select count(*) from main.llm_batch_requests").fetchall()[0][0]
+        answers = con.execute("select count(*) from main.llm_batch_row_answers").fetchall()[0][0]
+        con.close()
+    assert planned == submitted == (n - 3 * (n // 10) - min(3, n % 10) if dedup else n), (planned, submitted)
+    assert answers == n
+    return {"plan_s": plan_s, "full_s": full_s, "requests": submitted}
+
+
+def dedup_report(n: int, repeat: int) -> None:
+    """(e): median times of each side over `repeat` rounds, and their ratio."""
+    on = [dedup_once(n, True) for _ in range(repeat)]
+    off = [dedup_once(n, False) for _ in range(repeat)]
+    med = lambda rounds, k: statistics.median(r[k] for r in rounds)  # noqa: E731
+    print(
+        f"(e) {n:,} rows, 30 % duplicates: llm_dedup on sends {on[0]['requests']:,} requests, off {off[0]['requests']:,}; "
+        f"planner {med(on, 'plan_s'):.2f} s vs {med(off, 'plan_s'):.2f} s = {med(on, 'plan_s') / med(off, 'plan_s'):.2f}x; "
+        f"plan + ledger + JSONL {med(on, 'full_s'):.2f} s vs {med(off, 'full_s'):.2f} s = "
+        f"{med(on, 'full_s') / med(off, 'full_s'):.2f}x (median of {repeat})",
+        flush=True,
+    )
+
+
 def max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -217,6 +257,7 @@ def main() -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip (d), the child processes")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of (a), (b), (c), each on a fresh database")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dedup-only", action="store_true", help="run only (e), planning with and without dedup")
     parser.add_argument(
         "--memory-limit",
         default="1GB",
@@ -226,6 +267,9 @@ def main() -> int:
     limit = None if args.memory_limit == "none" else args.memory_limit
     if args.child:  # (d): a fresh process, so max RSS belongs to this row count alone
         print(json.dumps(run_once(args.rows, limit)))
+        return 0
+    if args.dedup_only:
+        dedup_report(args.rows, args.repeat)
         return 0
     if not args.no_memory:
         # Children first: Linux keeps a process's max RSS across execve, so a child started after
@@ -249,6 +293,7 @@ def main() -> int:
                 flush=True,
             )
     report([run_once(args.rows) for _ in range(args.repeat)])
+    dedup_report(args.rows, args.repeat)
     return 0
 
 

@@ -78,6 +78,9 @@ DEFAULTS: dict[str, Any] = {
     # True: the model's YAML `columns:` with a data_type (except the unique_key, prompt and status
     # columns) are the output columns, instead of llm_output; the macro passes them as `columns`.
     "llm_output_from_columns": False,
+    # Identical requests are sent once: true (within the model), 'ledger' (also across the models of
+    # the ledger schema) or false; default true, but false when llm_temperature is above 0.
+    "llm_dedup": None,
 }
 OUTPUT_FORMATS = ("columns", "json")
 
@@ -154,6 +157,11 @@ class ModelConfig:
         if self.structured and self.output_format == "json":
             return [("llm_output", "JSON")]
         return [(c.name, c.duckdb_type) for c in self.output_columns]
+
+    # Sending each distinct request once (plan.py): 'model', 'ledger' or None (one request per row).
+    # How rows are asked, never what: not in the fingerprint.
+    dedup: str | None = "model"
+    dedup_defaulted_off: bool = False  # llm_dedup unset and llm_temperature > 0 (the run log says so)
 
     @property
     def structured(self) -> bool:
@@ -302,6 +310,7 @@ def parse_config(raw: dict) -> ModelConfig:
     elif cache_prefix not in CACHE_TTLS:
         errors.append(f"llm_cache_prefix must be true, false, '5m' or '1h', got {cache_prefix!r}")
 
+    dedup, dedup_defaulted_off = _parse_dedup(cfg, errors)
     _parse_realtime(cfg, provider, errors)
     options: dict[str, Any] = {}
     if provider is not None:
@@ -346,6 +355,8 @@ def parse_config(raw: dict) -> ModelConfig:
         on_unselected=cfg["llm_on_unselected"],
         budget_basis=cfg["llm_budget_basis"],
         output_format=cfg["llm_output_format"],
+        dedup=dedup,
+        dedup_defaulted_off=dedup_defaulted_off,
     )
     legacy = (
         legacy_fingerprint_prefix(config, cfg["llm_output"], cfg["llm_examples"]) if examples or config.output else None
@@ -366,6 +377,24 @@ def settle_snapshot(raw: dict, dbt_name: str | None = None) -> str:
     the model's name in dbt (what a selector names); the ledger knows the model as schema.name."""
     kept = {k: v for k, v in raw.items() if (k == "unique_key" or k.startswith("llm_")) and k not in SNAPSHOT_EXCLUDED}
     return json.dumps({"config": canonical(kept), "dbt_name": dbt_name}, sort_keys=True, separators=(",", ":"))
+
+
+def _parse_dedup(cfg: dict, errors: list[str]) -> tuple[str | None, bool]:
+    """llm_dedup as (scope or None, whether it is off only because llm_temperature is above 0): at a
+    temperature above 0 each row should get its own sample, so sharing is then off unless asked for."""
+    value = cfg["llm_dedup"]
+    if value is None:
+        if isinstance(cfg["llm_temperature"], (int, float)) and cfg["llm_temperature"] > 0:
+            return None, True
+        return "model", False
+    if value is True or value == "model":
+        return "model", False
+    if value is False:
+        return None, False
+    if value == "ledger":
+        return "ledger", False
+    errors.append(f"llm_dedup must be true, false or 'ledger', got {value!r}")
+    return None, False
 
 
 def _provider_class(name, errors: list[str]):

@@ -22,12 +22,21 @@ class RequestWrites(LedgerBase):
     # --- planning ---------------------------------------------------------------------------
 
     def write_intents(
-        self, provider: str, llm_model: str, plan_rows: str, chunks: list[int], status: str = JobStatus.INTENT
+        self,
+        provider: str,
+        llm_model: str,
+        plan_rows: str,
+        chunks: list[int],
+        status: str = JobStatus.INTENT,
+        members: str | None = None,
     ) -> dict[int, str]:
         """Record one job intent per chunk and every request ('queued') in one transaction, before the
         provider is contacted; returns {chunk: job id}. `plan_rows` has each request's `chunk` and
         its `line` in the chunk's request file (NULL when there is no file: realtime). `status` is the
-        jobs' first status: JobStatus.INTENT, or JobStatus.REALTIME for the realtime path.
+        jobs' first status: JobStatus.INTENT, or JobStatus.REALTIME for the realtime path. Each request
+        answers its own key, and the rows of `members` (key, fingerprint, custom_id, row_json: the other
+        rows asking the same request) whose request is among them: their row answers are written in the
+        same transaction.
 
         A crash after this point leaves a trace reconciliation can follow, and nothing is ever sent
         that the ledger does not know about. One transaction for the whole plan also lets DuckDB
@@ -63,9 +72,34 @@ class RequestWrites(LedgerBase):
                         from {plan_rows} p join {mapping} m using (chunk)""",
                     [self.model],
                 )
+                answers = self.table("llm_batch_row_answers")
+                self.con.execute(
+                    f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, created_at)
+                        select ?, p.key, '', p.fingerprint, p.custom_id, false, now()
+                        from {plan_rows} p join {mapping} m using (chunk)""",
+                    [self.model],
+                )
+                if members is not None:
+                    self.con.execute(
+                        f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, created_at, row_json)
+                            select ?, x.key, '', x.fingerprint, x.custom_id, false, now(), x.row_json
+                            from {members} x semi join (select custom_id from {plan_rows} join {mapping} using (chunk)) p
+                                 using (custom_id)""",
+                        [self.model],
+                    )
 
         retry_on_conflict(write)
         return job_ids
+
+    def map_rows(self, members: str) -> int:
+        """Row answers for rows whose request exists already (`members`: key, fingerprint, custom_id,
+        reused, row_json): answered (reused) or in flight; returns how many. No request is written."""
+        return self.count(
+            f"""insert into {self.table("llm_batch_row_answers")}
+                  (model, key, variant, fingerprint, custom_id, reused, created_at, row_json)
+                select ?, key, '', fingerprint, custom_id, reused, now(), row_json from {members}""",
+            [self.model],
+        )
 
     def defer(self, plan_rows: str | None) -> None:
         """Replace this model's deferred requests with `plan_rows`, the plan's requests not sent (None:
@@ -93,11 +127,17 @@ class RequestWrites(LedgerBase):
 
     def return_to_deferred(self, job_ids: list[str]) -> None:
         """Jobs whose intents were written but whose upload was never attempted (an earlier chunk's
-        submission failed): their requests wait as deferred again, and the intents go."""
+        submission failed): their requests wait as deferred again (without row answers), and the intents go."""
 
         def write():
             with transaction(self.con):
                 for job_id in job_ids:
+                    # A deferred request answers no row yet: its row answers are written again when it is sent.
+                    self.con.execute(
+                        f"""delete from {self.table("llm_batch_row_answers")} where custom_id in
+                            (select custom_id from {self.table("llm_batch_requests")} where job_id = ? and status = {QUEUED})""",
+                        [job_id],
+                    )
                     self.con.execute(
                         f"""update {self.table("llm_batch_requests")} set status = {DEFERRED}, job_id = null
                                          where job_id = ? and status = {QUEUED}""",
@@ -119,17 +159,33 @@ class RequestWrites(LedgerBase):
         existing = "true"
         if only_without_live_request:
             existing = f"(r.job_id is null or r.status in {sql_in(BLOCKS_REPLANNING)})"
-        return self.count(
-            f"""insert into {requests} (custom_id, model, key, fingerprint, seq, status, is_final, error, row_json,
-                  queued_at, completed_at)
-                select 'x_' || substr(sha256(? || u.key || u.fingerprint), 1, 40), ?, u.key, u.fingerprint, 0,
-                       {FAILED}, true, u.error, u.row_json, now(), now()
-                from {rows} u
-                where not exists (select 1 from {requests} r
-                                  where r.model = ? and r.key = u.key and r.fingerprint = u.fingerprint
-                                    and {existing})""",
-            [self.model, self.model, *params, self.model],
-        )
+        answers = self.table("llm_batch_row_answers")
+        new_ids = f"""(select custom_id from {requests} where model = ? and starts_with(custom_id, 'x_')
+                       and custom_id not in (select custom_id from {answers} where model = ?))"""
+
+        def write():
+            with transaction(self.con):
+                n = self.con.execute(
+                    f"""insert into {requests} (custom_id, model, key, fingerprint, seq, status, is_final, error,
+                          row_json, queued_at, completed_at)
+                        select 'x_' || substr(sha256(? || u.key || u.fingerprint), 1, 40), ?, u.key, u.fingerprint, 0,
+                               {FAILED}, true, u.error, u.row_json, now(), now()
+                        from {rows} u
+                        where not exists (select 1 from {requests} r
+                                          where r.model = ? and r.key = u.key and r.fingerprint = u.fingerprint
+                                            and {existing})""",
+                    [self.model, self.model, *params, self.model],
+                ).fetchall()[0][0]
+                if n:  # a row that failed without a request answers itself with that failure
+                    self.con.execute(
+                        f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, created_at)
+                            select model, key, '', fingerprint, custom_id, false, now() from {requests}
+                            where custom_id in {new_ids}""",
+                        [self.model, self.model],
+                    )
+                return n
+
+        return retry_on_conflict(write)
 
     def fail_deferred_without_field(self, selected_keys: str, path: str, field: str) -> int:
         """Deferred requests of keys not in `selected_keys` (a relation with `key`) whose stored row
@@ -161,21 +217,61 @@ class RequestWrites(LedgerBase):
     def rename_fingerprints(self, renames: str, params: list) -> int:
         """Give this model's requests whose fingerprint is `legacy` the new `fingerprint`, per key
         (`renames`: an SQL relation with key, fingerprint, legacy; `params` its parameters)."""
-        return self.count(
-            f"""update {self.table("llm_batch_requests")} r set fingerprint = d.fingerprint
-                from {renames} d
-                where r.model = ? and r.key = d.key and r.fingerprint = d.legacy""",
-            [*params, self.model],
-        )
 
-    def rekey(self, rekeys: str, aside_model: str) -> None:
+        def write():
+            with transaction(self.con):
+                self.con.execute(
+                    f"""update {self.table("llm_batch_row_answers")} r set fingerprint = d.fingerprint
+                        from {renames} d
+                        where r.model = ? and r.key = d.key and r.fingerprint = d.legacy""",
+                    [*params, self.model],
+                )
+                return self.con.execute(
+                    f"""update {self.table("llm_batch_requests")} r set fingerprint = d.fingerprint
+                        from {renames} d
+                        where r.model = ? and r.key = d.key and r.fingerprint = d.legacy""",
+                    [*params, self.model],
+                ).fetchall()[0][0]
+
+        return retry_on_conflict(write)
+
+    def rekey(self, rekeys: str, aside_model: str, row_rekeys: str | None = None) -> None:
         """Give this model's requests the key `rekeys` (custom_id, new_key) maps them to; those mapped to
         NULL match no selected row: never sent (deferred) ones go, the rest are kept aside under
-        `aside_model` (harvested and costed, never merged)."""
+        `aside_model` (harvested and costed, never merged). Their row answers follow them; row answers
+        with a row of their own take the key `row_rekeys` (custom_id, old_key, new_key) gives them."""
         con, requests = self.con, self.table("llm_batch_requests")
+        answers = self.table("llm_batch_row_answers")
 
         def write():
             with transaction(con):
+                # Row answers first, while they still match their request's old key: those of the
+                # request's own row follow it; the others carry their own row (`row_rekeys`).
+                con.execute(
+                    f"""update {answers} a set key = k.new_key from {rekeys} k, {requests} r
+                        where a.model = ? and a.row_json is null and a.custom_id = k.custom_id
+                          and r.custom_id = k.custom_id and a.key = r.key and k.new_key is not null""",
+                    [self.model],
+                )
+                if row_rekeys is not None:
+                    con.execute(
+                        f"""update {answers} a set key = k.new_key from {row_rekeys} k
+                            where a.model = ? and a.custom_id = k.custom_id and a.key = k.old_key
+                              and a.row_json is not null and k.new_key is not null""",
+                        [self.model],
+                    )
+                    con.execute(
+                        f"""update {answers} a set model = ? from {row_rekeys} k
+                            where a.model = ? and a.custom_id = k.custom_id and a.key = k.old_key
+                              and a.row_json is not null and k.new_key is null""",
+                        [aside_model, self.model],
+                    )
+                con.execute(
+                    f"""update {answers} a set model = ? from {rekeys} k, {requests} r
+                        where a.model = ? and a.row_json is null and a.custom_id = k.custom_id
+                          and r.custom_id = k.custom_id and a.key = r.key and k.new_key is null""",
+                    [aside_model, self.model],
+                )
                 con.execute(
                     f"""update {requests} r set key = k.new_key from {rekeys} k
                                 where r.model = ? and r.custom_id = k.custom_id and k.new_key is not null""",
@@ -197,12 +293,15 @@ class RequestWrites(LedgerBase):
     # --- merge --------------------------------------------------------------------------------
 
     def mark_emitted(self, emitted: str, scope: str) -> None:
-        """Inside the merge's transaction: final requests within `scope` (an SQL condition) are 'merged'
-        if `emitted` (a relation with custom_id) holds them, else 'superseded'."""
+        """Inside the merge's transaction: row answers with a final request within `scope` (an SQL
+        condition) are 'merged' if `emitted` (a relation with key and custom_id) holds them, else
+        'superseded'."""
         self.con.execute(
-            f"""update {self.table("llm_batch_requests")} set emitted = case when custom_id in (select custom_id from {emitted})
-                                                     then 'merged' else 'superseded' end
-                where model = ? and is_final and ({scope})""",
+            f"""update {self.table("llm_batch_row_answers")} a
+                set emitted = case when (key, custom_id) in (select (key, custom_id) from {emitted})
+                                   then 'merged' else 'superseded' end
+                where model = ? and ({scope}) and custom_id in
+                      (select custom_id from {self.table("llm_batch_requests")} where is_final)""",
             [self.model],
         )
 

@@ -147,6 +147,26 @@ MIGRATIONS += [
     # poller (ops/poller.py) harvests without a dbt project. NULL until the model runs once with it.
     (17, ["alter table {s}.llm_batch_models add column config_snapshot varchar"]),
 ]
+MIGRATIONS += [
+    # Rows and requests apart (plan.py, "Deduplication" in the README): a row answer (model, key,
+    # variant) points at the request (custom_id) that answers it; identical requests are sent once
+    # and answer many rows. `reused`: mapped after its request was harvested (answered from the
+    # ledger, cost $0). `row_json`: the row as selected, when it is not the request's own stored row
+    # (NULL: read the request's). `emitted`: what the merge did with it (formerly the request's).
+    # Existing requests each answer their own key, so a ledger of an earlier version merges the same
+    # rows and asks nothing again. `variant` is '' (reserved for evaluation variants).
+    (
+        14,
+        [
+            """create table if not exists {s}.llm_batch_row_answers (
+               model varchar, key varchar, variant varchar default '', fingerprint varchar, custom_id varchar,
+               reused boolean, created_at timestamptz, row_json varchar using compression zstd, emitted varchar)""",
+            f"""insert into {{s}}.llm_batch_row_answers
+               select model, key, '', fingerprint, custom_id, false, coalesce(queued_at, now()), null, emitted
+               from {{s}}.llm_batch_requests where status <> {sql(RequestStatus.DEFERRED)}""",
+        ],
+    ),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users
@@ -173,13 +193,20 @@ VIEWS = [
                             and r.cost_usd is null) as rows_without_price,
            coalesce(r.route, 'batch') as route,
            coalesce(sum(r.possibly_billed), 0) as possibly_billed,
-           sum(r.cache_write_1h_tokens) as cache_write_1h_tokens
+           sum(r.cache_write_1h_tokens) as cache_write_1h_tokens,
+           -- rows apart from requests (the rows_* columns above count requests): rows each request
+           -- answered, of which reused (answered from the ledger, no call), and what sharing saved:
+           -- each row beyond a request's first would have been a request of its own
+           coalesce(sum(a.row_answers), 0) as rows_answered, coalesce(sum(a.reused), 0) as rows_reused,
+           coalesce(sum(r.cost_usd * (a.row_answers - 1)) filter (where a.row_answers > 1), 0) as dedup_saved_usd
     from {{s}}.llm_batch_requests r left join {{s}}.llm_batch_jobs j using (job_id)
+         left join (select custom_id, count(*) as row_answers, count(*) filter (where reused) as reused
+                    from {{s}}.llm_batch_row_answers group by custom_id) a using (custom_id)
     group by all""",
     f"""create or replace view {{s}}.llm_batch_progress as
     select model,
-           count(distinct key) filter (where is_final and status = {_SUCCEEDED}) as keys_succeeded,
-           count(distinct key) filter (where is_final and status = {_FAILED}) as keys_failed,
+           -- keys: the rows, through their row answers (with llm_dedup a request answers several)
+           coalesce(max(a.keys_succeeded), 0) as keys_succeeded, coalesce(max(a.keys_failed), 0) as keys_failed,
            count(*) filter (where status = {_QUEUED}) as requests_pending,
            count(*) filter (where status = {sql(RequestStatus.DEFERRED)}
                                or (status = {sql(RequestStatus.VOIDED)} and not_before > now())) as requests_waiting,
@@ -188,8 +215,24 @@ VIEWS = [
            date_trunc('second', now() - min(queued_at) filter (where status = {_QUEUED})) as oldest_pending_age,
            coalesce(sum(estimated_cost_usd) filter (where status = {_QUEUED}), 0) as committed_not_billed_usd,
            sum(cost_usd) as cost_usd, sum(realtime_cost_usd) as realtime_cost_usd,
-           coalesce(sum(possibly_billed), 0) as possibly_billed
-    from {{s}}.llm_batch_requests group by model""",
+           coalesce(sum(possibly_billed), 0) as possibly_billed,
+           -- requests and rows apart: rows that share a request sent once, rows answered without a
+           -- request (reused), and what sharing saved (dedup_saved_usd, as in llm_batch_costs)
+           count(*) filter (where job_id is not null) as requests_sent,
+           coalesce(max(a.rows_mapped), 0) as rows_mapped,
+           coalesce(max(a.rows_reused), 0) as rows_reused,
+           coalesce(max(a.dedup_saved_usd), 0) as dedup_saved_usd
+    from {{s}}.llm_batch_requests
+         left join (select a.model, count(*) as rows_mapped, count(*) filter (where a.reused) as rows_reused,
+                           count(distinct a.key) filter (where r.is_final and r.status = {_SUCCEEDED}) as keys_succeeded,
+                           count(distinct a.key) filter (where r.is_final and r.status = {_FAILED}) as keys_failed,
+                           cast(sum(r.cost_usd) - coalesce(sum(r.cost_usd / a.sharing) filter (where not a.reused), 0)
+                                as decimal(18, 9)) as dedup_saved_usd
+                    from (select *, count(*) filter (where not reused) over (partition by custom_id) as sharing
+                          from {{s}}.llm_batch_row_answers) a
+                         join {{s}}.llm_batch_requests r using (custom_id)
+                    group by a.model) a using (model)
+    group by model""",
 ]
 
 # dbt runs models in threads of one process; DuckDB rejects concurrent DDL on one catalog

@@ -69,9 +69,27 @@ def status(database: str, schema: str) -> int:
             "`dbt-llm-batch release` sends them again):"
         )
         orphans.show(max_width=200)
-    print("Cost per model, day and route (batch or realtime; savings = realtime cost - cost):")
+    # Ledgers from schema version 14 count rows apart from requests (llm_dedup): rows each request
+    # answered, rows answered from the ledger without a request, and what sharing saved.
+    dedup = con.execute(
+        """select count(*) from information_schema.columns
+           where table_schema = ? and table_name = 'llm_batch_costs' and column_name = 'dedup_saved_usd'""",
+        [schema],
+    ).fetchall()[0][0]
+    rows = ", rows_answered, rows_reused, dedup_saved_usd" if dedup else ""
+    print(
+        "Cost per model, day and route (batch or realtime; savings = realtime cost - cost; rows_succeeded and "
+        "rows_failed count "
+        "requests"
+        + (
+            "; rows_answered: rows they answered, rows_reused: without a request, dedup_saved_usd: saved by it"
+            if dedup
+            else ""
+        )
+        + "):"
+    )
     con.sql(f"""select model, provider, day, route, rows_succeeded, rows_failed, cost_usd, realtime_cost_usd,
-                       savings_usd, committed_not_billed_usd
+                       savings_usd, committed_not_billed_usd{rows}
                 from {s}.llm_batch_costs order by model, day, route""").show(max_width=200)
     return 0
 

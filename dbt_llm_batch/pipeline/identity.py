@@ -70,15 +70,28 @@ def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str
                  left join ({_key_by_fingerprint(config)}) d using (fingerprint)""",
         [ledger.model],
     )
+    # Row answers that carry a row of their own (rows answered by another row's request): re-keyed the
+    # same way, from that row.
+    con.execute(
+        f"""create or replace temp table {Scratch.rekey_rows} as
+            select a.custom_id, a.key as old_key,
+                   coalesce(case when list_has_all(json_keys(a.row_json), {names})
+                                 then {from_row} end, d.key) as new_key
+            from (select *, json_transform(row_json, {structure}) as s from {ledger.table("llm_batch_row_answers")}
+                  where model = ? and row_json is not null) a
+                 left join ({_key_by_fingerprint(config)}) d using (fingerprint)""",
+        [ledger.model],
+    )
     rekeyed, aside = con.execute(f"select count(new_key), count(*) - count(new_key) from {REKEY}").fetchall()[0]
     aside_model = f"{ledger.model} (unique_key {', '.join(old_key)})"
 
     try:
         # Never sent: nothing to keep. The rest keep their history (and in-flight ones are still
         # harvested through their job), under a name the merge never reads.
-        ledger.rekey(Scratch.rekey, aside_model)
+        ledger.rekey(Scratch.rekey, aside_model, Scratch.rekey_rows)
     finally:
         con.execute(f"drop table if exists {REKEY}")
+        con.execute(f"drop table if exists {Scratch.rekey_rows}")
     message = (
         f"{ledger.model}: unique_key changed from ({', '.join(old_key)}) to ({', '.join(config.unique_key)}): "
         f"{rekeyed} stored request(s) now carry the new key (nothing is asked again for them)"
@@ -111,8 +124,8 @@ def _key_by_fingerprint(config: ModelConfig) -> str:
 def _warn_if_renamed(ledger: Ledger, config: ModelConfig) -> None:
     """A model's first run: say so before paying when another model of this ledger already has the
     answers (the same prompts and settings), which is what renaming a model's file looks like."""
-    if config.ledger_identity:
-        return  # chosen explicitly
+    if config.ledger_identity or config.dedup == "ledger":
+        return  # chosen explicitly, or the other model's answers are shared (llm_dedup = 'ledger')
     others = ledger.con.execute(
         f"""select model, count(distinct fingerprint) from {ledger.table("llm_batch_requests")}
             where model <> ? and status in {sql_in((RequestStatus.SUCCEEDED, *IN_FLIGHT))}

@@ -109,16 +109,17 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
         "w.completed_at",
         "w.cached_tokens",
         "w.cache_write_tokens",
-        "w.cost_usd",
-        "w.realtime_cost_usd",
-        "case when w.job_id is not null then coalesce(w.route, 'batch') end",
+        _share("w.cost_usd"),
+        _share("w.realtime_cost_usd"),
+        "case when w.reused then 'reused' when w.job_id is not null then coalesce(w.route, 'batch') end",
     ]
     status = [f"{value} as {ident(name)}" for value, (name, _) in zip(status_values, STATUS_COLUMNS, strict=True)]
     return f"""
         select {", ".join(selected + outputs + status)}
-        from (select r.*, json_transform(r.row_json, {literal(structure)}) as stored, json_keys(r.row_json) as stored_keys
-              from {EMIT} e join {ledger.table("llm_batch_requests")} r
-                   on r.custom_id = e.custom_id and r.model = {literal(ledger.model)} and r.is_final) w
+        from (select r.* exclude (key, row_json), e.key, e.reused, e.sharing, e.share_rank,
+                     json_transform(coalesce(e.row_json, r.row_json), {literal(structure)}) as stored,
+                     json_keys(coalesce(e.row_json, r.row_json)) as stored_keys
+              from {EMIT} e join {ledger.table("llm_batch_requests")} r on r.custom_id = e.custom_id and r.is_final) w
              left join {ledger.table("llm_batch_jobs")} j on j.job_id = w.job_id
              left join {DESIRED} d on d.key = w.key left join {INPUT} i on i.rowid = d.row_id"""
 
@@ -179,18 +180,38 @@ def _output_values(config: ModelConfig) -> list[tuple[str, str]]:
     return values
 
 
+def _share(column: str) -> str:
+    """A row's part of its request's cost: a request's cost is split equally among the rows it
+    answered when it was harvested (the first `remainder` rows take one billionth of a dollar more,
+    so the parts add up to the cost exactly); a reused row (answered later from the ledger) costs $0."""
+    units = f"cast({column} * 1000000000 as hugeint)"
+    part = f"({units} // w.sharing + case when w.share_rank <= {units} % w.sharing then 1 else 0 end)"
+    return f"case when w.reused then 0 else cast({part} / 1000000000 as decimal(18, 9)) end"
+
+
 def _winners(ledger: Ledger, keys_sql: str) -> str:
-    """Per key in `keys_sql`, the request whose row belongs in the table: among the key's final
-    requests, one for the fingerprint the model selects now if there is one, else the one queued last."""
+    """Per key in `keys_sql`, the row answer whose request's row belongs in the table: among the key's
+    answers by a final request, one for the fingerprint the model selects now if there is one, else
+    the one queued last. With how many rows share the request's cost, and this row's rank among them."""
     # Narrow columns only: the wide ones (row_json, answer) are read once, by the insert (_row_select),
     # so a million-row merge neither sorts nor copies a million stored rows.
+    answers = ledger.table("llm_batch_row_answers")
     return f"""
-        select r.custom_id, r.key, r.status, r.emitted
-        from {ledger.table("llm_batch_requests")} r left join {DESIRED} d on d.key = r.key
-        where r.model = {literal(ledger.model)} and r.is_final and r.key in ({keys_sql})
-        qualify row_number() over (partition by r.key
-                                   order by (r.fingerprint = d.fingerprint) desc nulls last, r.queued_at desc,
-                                            r.seq desc) = 1"""
+        select w.*, coalesce(s.sharing, 1) as sharing, coalesce(s.share_rank, 1) as share_rank
+        from (select a.custom_id, a.key, a.variant, r.status, a.emitted, a.reused, a.row_json
+              from {answers} a join {ledger.table("llm_batch_requests")} r using (custom_id)
+                   left join {DESIRED} d on d.key = a.key
+              where a.model = {literal(ledger.model)} and r.is_final and a.key in ({keys_sql})
+              qualify row_number() over (partition by a.key
+                                         order by (a.fingerprint = d.fingerprint) desc nulls last, r.queued_at desc,
+                                                  r.seq desc, a.created_at desc) = 1) w
+             left join (select custom_id, model, key, variant, count(*) over (partition by custom_id) as sharing,
+                               row_number() over (partition by custom_id order by model, key, variant) as share_rank
+                        from {answers} where not reused
+                          and custom_id in (select custom_id from {answers} where model = {literal(ledger.model)}
+                                            and key in ({keys_sql}))) s
+                  on s.custom_id = w.custom_id and s.model = {literal(ledger.model)} and s.key = w.key
+                     and s.variant = w.variant"""
 
 
 def _compression(name: str, typ: str, config: ModelConfig) -> str:
@@ -217,11 +238,13 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
         # Keys whose winner may have changed: a request became final since the last merge, or the key
         # is selected and has a final answer the table does not show (a prompt changed back, or a
         # full refresh left the key out). Their winner is written only if it is not shown already.
+        answers = ledger.table("llm_batch_row_answers")
+        final = f"custom_id in (select custom_id from {requests} where is_final)"
         candidates = f"""
-            select key from {requests} where model = {model} and is_final and emitted is null
+            select key from {answers} where model = {model} and emitted is null and {final}
             union
-            select r.key from {requests} r semi join {DESIRED} d on r.key = d.key
-            where r.model = {model} and r.is_final and r.emitted = 'superseded'"""
+            select a.key from {answers} a semi join {DESIRED} d on a.key = d.key
+            where a.model = {model} and a.emitted = 'superseded' and {final}"""
         con.execute(f"""create or replace temp table {EMIT} as
                         select * from ({_winners(ledger, candidates)}) where emitted is distinct from 'merged'""")
     ddl = ", ".join(f"{ident(n)} {t}{_compression(n, t, config)}" for n, t in columns)

@@ -13,7 +13,7 @@ import duckdb
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError, InputError
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT_SQL, RequestStatus, sql, sql_in
+from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT, IN_FLIGHT_SQL, RequestStatus, sql, sql_in
 from dbt_llm_batch.pipeline import costs
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import get_provider
@@ -165,21 +165,33 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
     fingerprint, and minus those whose failures reached llm_max_attempts; plus requests deferred by an
     earlier run (in-flight caps) for keys this run does not select. Returns the count.
 
+    With llm_dedup on, rows are grouped by their request (the fingerprint: everything that reaches the
+    provider, the key excluded): each group is one request, for the key that asked it first, and the
+    group's other rows are its members (Scratch.plan_members, with the custom_id and their row). A
+    group whose request is answered or in flight already (this model's, or with llm_dedup = 'ledger'
+    any model's of the ledger) is not sent: its rows become members of that request (`reused` when it
+    is answered). Attempts, back-offs and holds are then counted per request, not per key.
+
     Each request carries its estimated input tokens and, with a `price`, its estimated cost, computed
     here from the prompt's length in the same statement (no second pass over the prompts)."""
     con = ledger.con
     requests = ledger.table("llm_batch_requests")
+    answers = ledger.table("llm_batch_row_answers")
+    dedup = config.dedup is not None
     # Deferred requests of keys selected now are planned afresh from the current rows; the others keep
     # their stored prompt and row. They stay in the ledger until sent (write_intents) or re-deferred (defer).
+    # With dedup, one whose request a selected row asks is planned afresh too (in that row's group).
     stored_prompt = "json_extract_string(row_json, ?)"
     if prompt_is_blob(config, columns):  # stored as DuckDB's escaped text
         stored_prompt = f"decode(cast({stored_prompt} as blob))"
     path = "$." + json.dumps(config.prompt_column)
+    asked_now = f"and fingerprint not in (select fingerprint from {DESIRED})" if dedup else ""
     con.execute(  # one whose stored row lacks the prompt column cannot be sent (bad_input.reject_deferred_without_prompt)
         f"""create or replace temp table {Scratch.deferred} as
             select * from (select key, fingerprint, seq, custom_id, row_json,
                                   {stored_prompt} as prompt, length({stored_prompt}) as prompt_chars from {requests}
-                           where model = ? and status = {sql(RequestStatus.DEFERRED)} and key not in (select key from {DESIRED}))
+                           where model = ? and status = {sql(RequestStatus.DEFERRED)} and key not in (select key from {DESIRED})
+                           {asked_now})
             where prompt is not null""",
         [path, path, ledger.model],
     )
@@ -189,19 +201,62 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         estimated_cost = costs.estimated_cost_sql(
             config, price, route_sql="route", chars_sql="prompt_chars", output_tokens=output_tokens
         )
+    # A request's identity: per key without dedup (the custom_id of earlier versions, unchanged), per
+    # content with it (custom_ids stay unique per model: the same request of two models is two ids).
+    if dedup:
+        group, in_candidates = "fingerprint", f"fingerprint in (select fingerprint from {Scratch.candidates})"
+        # Attempts of the request: distinct attempt numbers (ledgers before dedup hold one per key).
+        failed = f"count(distinct seq) filter (where status = {sql(RequestStatus.FAILED)})"
+        next_seq = "coalesce(h.max_seq + 1, 0)"
+        custom_id = "'r_' || substr(sha256($model || fingerprint || seq), 1, 40)"
+        member = "row_number() over (partition by fingerprint order by (key = prior_key) desc nulls last, key) > 1"
+        urgent = "bool_or(route = 'realtime') over (partition by fingerprint)"
+        not_answered = f"and d.fingerprint not in (select fingerprint from {Scratch.answered})"
+    else:
+        group, in_candidates = "key, fingerprint", f"key in (select key from {Scratch.candidates})"
+        failed = f"count(*) filter (where status = {sql(RequestStatus.FAILED)})"
+        next_seq = "coalesce(h.n_requests, 0)"
+        custom_id = "'r_' || substr(sha256($model || key || fingerprint || seq), 1, 40)"
+        member = urgent = "false"
+        not_answered = ""
+    # Selected rows with no answer, request in flight or hold for their prompt.
+    con.execute(
+        f"""create or replace temp table {Scratch.candidates} as
+            select * from {DESIRED} d
+            where d.has_prompt and not exists (
+                select 1 from {answers} a join {requests} b using (custom_id)
+                where a.model = $model and b.status in {sql_in(BLOCKS_REPLANNING)}
+                  and a.key = d.key and a.fingerprint = d.fingerprint)""",
+        {"model": ledger.model},
+    )
+    reuse = ""
+    if dedup:
+        # Requests that answer (or are answering) a candidate's prompt: succeeded first, then in flight.
+        scope = "" if config.dedup == "ledger" else "and model = $model"
+        con.execute(
+            f"""create or replace temp table {Scratch.answered} as
+                select fingerprint,
+                       arg_max(custom_id, (status = {sql(RequestStatus.SUCCEEDED)}, queued_at)) as custom_id,
+                       bool_or(status = {sql(RequestStatus.SUCCEEDED)}) as answered
+                from {requests}
+                where status in {sql_in((RequestStatus.SUCCEEDED, *IN_FLIGHT))} {scope}
+                  and fingerprint in (select fingerprint from {Scratch.candidates})
+                group by fingerprint""",
+            {"model": ledger.model} if scope else {},
+        )
+        reuse = f"""union all
+                  select c.row_id, c.key, c.fingerprint, a.custom_id, a.answered, false
+                  from {Scratch.candidates} c join {Scratch.answered} a using (fingerprint)
+                  where not exists (select 1 from {answers} x
+                                    where x.model = $model and x.key = c.key and x.custom_id = a.custom_id)"""
     con.execute(
         f"""create or replace temp table {PLAN} as
-            with candidates as (  -- selected rows with no answer, request in flight or hold for their prompt
-                select * from {DESIRED} d
-                where d.has_prompt and not exists (
-                    select 1 from {requests} b
-                    where b.model = $model and b.status in {sql_in(BLOCKS_REPLANNING)}
-                      and b.key = d.key and b.fingerprint = d.fingerprint)),
-            history as (
-                select key, fingerprint, count(*) as n_requests,
+            with history as (
+                select {group}, count(*) as n_requests, max(seq) as max_seq,
+                       arg_max(key, queued_at) as prior_key,  -- the key an earlier attempt was sent for
                        count(*) filter (where status in {IN_FLIGHT_SQL}) as in_flight,
                        count(*) filter (where status = {sql(RequestStatus.SUCCEEDED)}) as succeeded,
-                       count(*) filter (where status = {sql(RequestStatus.FAILED)}) as failed,
+                       {failed} as failed,
                        count(*) filter (where route = 'realtime' and status <> {sql(RequestStatus.VOIDED)}) as realtime_tried,
                        max(not_before) as not_before,  -- a back-off (token limit) holds the key until then
                        count(*) filter (where status = {sql(RequestStatus.HELD)}) as held,  -- cancelled by an operator (operator.py)
@@ -210,26 +265,28 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                            as final_failed
                 from {requests}
                 -- only the candidates' history: a run with nothing new aggregates nothing
-                where model = $model and status <> {sql(RequestStatus.DEFERRED)} and key in (select key from candidates)
-                group by key, fingerprint),
+                where model = $model and status <> {sql(RequestStatus.DEFERRED)} and {in_candidates}
+                group by {group}),
             fresh as (
-                select d.row_id, d.key, d.fingerprint, d.prompt_chars, coalesce(h.n_requests, 0) as seq,
+                select d.row_id, d.key, d.fingerprint, d.prompt_chars, {next_seq} as seq, h.prior_key,
                        case when d.realtime or coalesce(h.failed, 0) >= $max_attempts then 'realtime' else 'batch' end as route
-                from candidates d left join history h using (key, fingerprint)
+                from {Scratch.candidates} d left join history h using ({group})
                 where coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0 and coalesce(h.held, 0) = 0
                   and coalesce(h.final_failed, 0) = 0
                   and (coalesce(h.failed, 0) < $max_attempts
                        -- llm_fallback = 'realtime': batch attempts used up, one more try in realtime
                        or ($fallback_realtime and coalesce(h.realtime_tried, 0) = 0))
-                  and coalesce(h.not_before <= now(), true))
+                  and coalesce(h.not_before <= now(), true)
+                  {not_answered})
             select *, {costs.estimated_input_tokens_sql(config, chars_sql="prompt_chars")} as estimated_input_tokens,
                    {estimated_cost} as estimated_cost_usd
-            from (select row_id, key, fingerprint, seq,
-                         'r_' || substr(sha256($model || key || fingerprint || seq), 1, 40) as custom_id,
-                         null::varchar as deferred_prompt, null::varchar as deferred_row_json, route, prompt_chars
+            from (select row_id, key, fingerprint, seq, {custom_id} as custom_id,
+                         null::varchar as deferred_prompt, null::varchar as deferred_row_json, route, prompt_chars,
+                         {member} as member, {urgent} as urgent
                   from fresh
                   union all
-                  select null, key, fingerprint, seq, custom_id, prompt, row_json, $deferred_route, prompt_chars
+                  select null, key, fingerprint, seq, custom_id, prompt, row_json, $deferred_route, prompt_chars,
+                         false, false
                   from {Scratch.deferred})""",
         {
             "model": ledger.model,
@@ -240,7 +297,47 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         },
     )
     con.execute(f"drop table {Scratch.deferred}")
+    # The members: rows asking a request planned now for another row, or answered / in flight already,
+    # or (with dedup) whose request failed for good: they show that failure, as its first rows do.
+    if dedup:
+        reuse += f"""
+                  union all
+                  select c.row_id, c.key, c.fingerprint, f.custom_id, true, false
+                  from {Scratch.candidates} c
+                       join (select fingerprint, arg_max(custom_id, queued_at) as custom_id from {requests}
+                             where model = $model and status = {sql(RequestStatus.FAILED)} and is_final
+                               and fingerprint in (select fingerprint from {Scratch.candidates})
+                             group by fingerprint) f using (fingerprint)
+                  where c.fingerprint not in (select fingerprint from {PLAN})
+                    and c.fingerprint not in (select fingerprint from {Scratch.answered})
+                    and not exists (select 1 from {answers} x
+                                    where x.model = $model and x.key = c.key and x.custom_id = f.custom_id)"""
+    con.execute(
+        f"""create or replace temp table {Scratch.plan_members} as
+            select m.key, m.fingerprint, m.custom_id, m.reused, m.duplicate, {row_json_sql(columns, "i.")} as row_json
+            from (select row_id, key, fingerprint, custom_id, false as reused, true as duplicate from {PLAN} where member
+                  {reuse}) m
+                 join {INPUT} i on i.rowid = m.row_id""",
+        {"model": ledger.model} if dedup else {},
+    )
+    con.execute(f"delete from {PLAN} where member")
+    if dedup:  # a request sent for several rows goes the urgent way if one of them is urgent
+        con.execute(
+            f"update {PLAN} set route = 'realtime', estimated_cost_usd = {estimated_cost} where urgent and route = 'batch'"
+        )
+        con.execute(f"drop table {Scratch.answered}")
+    con.execute(f"drop table {Scratch.candidates}")
     return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
+
+
+def dedup_counts(con) -> tuple[int, int]:
+    """Of the plan's members: (rows asking the same request as another selected row, rows whose
+    request is answered or in flight already)."""
+    row = con.execute(
+        f"""select count(*) filter (where duplicate), count(*) filter (where not duplicate)
+            from {Scratch.plan_members}"""
+    ).fetchall()[0]
+    return row[0], row[1]
 
 
 def prompt_is_blob(config: ModelConfig, columns) -> bool:

@@ -70,11 +70,18 @@ class RealtimeOutcome:
 
 
 def run_realtime(
-    ledger: Ledger, provider: Provider, rows: str, price: dict | None, deadline: float, heartbeat=None
+    ledger: Ledger,
+    provider: Provider,
+    rows: str,
+    price: dict | None,
+    deadline: float,
+    heartbeat=None,
+    members: str | None = None,
 ) -> RealtimeOutcome:
     """Send every row of `rows` (planner.plan_rows over the realtime part of the plan) in realtime,
     starting no request after `deadline` (time.monotonic(); the run's llm_realtime_budget_seconds).
-    `heartbeat(ledger)` keeps the model's lock fresh; it is called with the writer's own ledger."""
+    `heartbeat(ledger)` keeps the model's lock fresh; it is called with the writer's own ledger.
+    `members`: the other rows each request answers (plan.build_plan), recorded with the intents."""
     config = provider.config
     started = time.monotonic()
     job_id = ledger.write_intents(
@@ -83,6 +90,7 @@ def run_realtime(
         f"(select *, 0 as chunk, null::integer as line from {rows})",
         [0],
         status=JobStatus.REALTIME,
+        members=members,
     )[0]  # one job, no request file
     outcome = RealtimeOutcome(
         requests=ledger.con.execute(

@@ -32,6 +32,8 @@ class RunSummary:
     cost_usd: Decimal | None = None  # actual cost of what this run harvested, at batch prices
     realtime_usd: Decimal | None = None  # the same tokens at realtime prices
     realtime: RealtimeOutcome | None = None  # rows sent in realtime this run
+    shared: int = 0  # rows planned this run that ask the same request as another row (sent once)
+    reused: int = 0  # rows pointed at a request answered or in flight already: no request of their own
 
     def line(self) -> str:
         saved = (
@@ -51,6 +53,13 @@ class RunSummary:
             + (f"; waiting {self.backed_off} (back-off)" if self.backed_off else "")
             + (f"; held {self.held} (release with `dbt-llm-batch release`)" if self.held else "")
             + (self.realtime_part() if self.realtime else "")
+            + (self.dedup_part() if self.shared or self.reused else "")
+        )
+
+    def dedup_part(self) -> str:
+        return (
+            f"; deduplicated {self.shared + self.reused} row(s): {self.shared} sharing a request sent "
+            f"this run, {self.reused} answered (or being answered) by a stored request"
         )
 
     def realtime_part(self) -> str:
@@ -76,8 +85,11 @@ def dry_run(
     estimate: Decimal | int | None,
     committed: Decimal | int,
     figures: tuple | None = None,
+    shared: int = 0,
+    reused: int = 0,
 ) -> None:
-    """The dry run's one line: what a real run would send, what it would cost, what would wait.
+    """The dry run's one line: what a real run would send, what it would cost, what would wait, and
+    how many rows would need no request of their own (llm_dedup).
     `figures`: (expected, ceiling, costs.OutputEstimate), when priced."""
     realtime_part = f" and {n_realtime} in realtime" if n_realtime else ""
     waiting = planned - n_realtime - batch
@@ -95,6 +107,11 @@ def dry_run(
             else f"no answers yet: every answer counted at {output.ceiling} output tokens"
         )
         ceiling_part = f" ({source}; at most {costs.fmt_usd(ceiling)} at {output.ceiling} output tokens a request)"
+    if shared or reused:
+        waiting_part += (
+            f"; {shared} row(s) duplicate another row's request and {reused} a stored answer or a request "
+            "in flight (no request of their own)"
+        )
     log.info(
         f"{model}: DRY RUN: would submit {batch} request(s) in {files} "
         f"batch(es){realtime_part}, estimated {costs.fmt_usd(shown)} at batch prices"

@@ -194,6 +194,7 @@ class ModelRun:
         self.lock: locks.ModelLock | None = None  # held while the run writes (set by _run)
         self.input_columns: list[tuple[str, str]] = []  # the model's selected columns, set by run_model
         self.output: costs.OutputEstimate | None = None  # output tokens per request, set by plan()
+        self.said_dedup_off = False  # the run log says once that llm_temperature turned dedup off
 
     # --- the steps ------------------------------------------------------------------------------
 
@@ -249,7 +250,9 @@ class ModelRun:
         held, until = self.ledger.backed_off()
         if held:
             report.backed_off(self.ledger.model, held, until)
-        if self.plan() == 0:
+        planned = self.plan()
+        self.map_answered()
+        if planned == 0:
             if self.ledger.has_deferred():  # superseded by answers the model's rows already have
                 self.ledger.defer(None)
             return
@@ -266,7 +269,9 @@ class ModelRun:
             if files:
                 provider = self.provider
                 report.prefix_too_short(self.ledger.model, self.config, provider)
-                batch_ids = submit.submit_chunks(self.ledger, provider, files, request_files.sent_rows(self.rows))
+                batch_ids = submit.submit_chunks(
+                    self.ledger, provider, files, request_files.sent_rows(self.rows), members=self.duplicates
+                )
                 # A file uploaded for a create that was refused is not left at the provider.
                 reconcile.delete_provider_files(self.ledger, self.provider_for, self.config.delete_provider_files)
                 sent = files[: len(batch_ids)]  # a failed create stops the run's submissions (submit.py)
@@ -293,7 +298,27 @@ class ModelRun:
     def plan(self) -> int:
         """Build the plan, each request with its estimated input tokens (and cost, when priced)."""
         self.output = costs.output_estimate(self.ledger, self.config)  # what build_plan's estimate counts
+        if self.config.dedup_defaulted_off and not self.said_dedup_off:
+            self.said_dedup_off = True
+            log.info(
+                f"{self.ledger.model}: llm_temperature is above 0, so identical requests are sent once per row "
+                "(llm_dedup is off by default for sampling); set llm_dedup = true to send each distinct request once"
+            )
         return plan.build_plan(self.ledger, self.config, Scratch.input, self.input_columns, self.price)
+
+    @property
+    def duplicates(self) -> str:
+        """The plan's rows that ask the same request as another selected row (plan.build_plan)."""
+        return f"(select * from {Scratch.plan_members} where duplicate)"
+
+    def map_answered(self) -> None:
+        """Rows whose request is answered or in flight already (plan.build_plan) point at it now: the
+        answered ones are merged this run, with no provider call."""
+        shared, reused = plan.dedup_counts(self.con)
+        if reused:
+            self.ledger.map_rows(f"(select * from {Scratch.plan_members} where not duplicate)")
+        self.summary.reused += reused
+        self.summary.shared += shared
 
     def split_realtime(self) -> tuple[int, Decimal | None]:
         """Move the plan's realtime rows (llm_realtime_when, llm_fallback, a self-hosted engine) out of
@@ -328,7 +353,9 @@ class ModelRun:
         rows = plan.plan_rows(self.config, self.input_columns, plan=Scratch.realtime_plan)
         lock = self.lock
         heartbeat = (lambda ledger: locks.ModelLock(ledger, owner=lock.owner).heartbeat()) if lock else None
-        outcome = realtime.run_realtime(self.ledger, self.provider, rows, self.price, self.realtime_deadline, heartbeat)
+        outcome = realtime.run_realtime(
+            self.ledger, self.provider, rows, self.price, self.realtime_deadline, heartbeat, members=self.duplicates
+        )
         lost = outcome.lost_replies  # this round's
         previous = self.summary.realtime
         if previous:  # a second round (llm_wait_seconds): add up
@@ -408,7 +435,20 @@ class ModelRun:
         figures = None
         if estimate is not None and self.price is not None and self.output is not None and n:
             figures = (*costs.estimate_range(self.price, self.output, estimate, batch, n_realtime), self.output)
-        report.dry_run(self.ledger.model, n, batch, len(files), n_realtime, unsendable, estimate, committed, figures)
+        shared, reused = plan.dedup_counts(self.con)
+        report.dry_run(
+            self.ledger.model,
+            n,
+            batch,
+            len(files),
+            n_realtime,
+            unsendable,
+            estimate,
+            committed,
+            figures,
+            shared,
+            reused,
+        )
 
     # --- what the steps share -------------------------------------------------------------------
 

@@ -25,10 +25,14 @@ class Scratch:
     input = "__llm_input"  # the model's rows as selected this run (runner.load_input)
     prices = "__llm_prices"  # the price list: shipped prices plus llm_price_table (costs.load_prices)
     rekey = "__llm_rekey"  # ledger rows whose key changed with the model's unique_key (identity)
+    rekey_rows = "__llm_rekey_rows"  # row answers with a row of their own, re-keyed likewise (identity)
     desired = "__llm_desired"  # one request per input row: key, fingerprint, has_prompt (plan.build_desired)
     unsendable = "__llm_unsendable"  # rows whose prompt cannot be sent (validate)
     deferred = "__llm_deferred"  # requests deferred by an earlier run, still wanted (plan.build_plan)
     plan = "__llm_plan"  # what this run sends (plan.build_plan)
+    candidates = "__llm_candidates"  # selected rows without an answer or a request in flight (plan.build_plan)
+    answered = "__llm_answered"  # with dedup: the stored request answering each candidate's prompt (plan.build_plan)
+    plan_members = "__llm_plan_members"  # rows answered by a request of another row (plan.build_plan)
     realtime_plan = "__llm_realtime_plan"  # the plan's realtime rows (runner: ModelRun.split_realtime)
     sent = "__llm_sent"  # which plan rows went into which request file, at which line (request_files)
     outcomes = "__llm_outcomes"  # each harvested request's outcome (harvest.settle)
@@ -36,7 +40,7 @@ class Scratch:
     emit = "__llm_emit"  # the ledger rows the merge writes to the model's table (merge)
     TABLES = (
         "input", "prices", "rekey", "desired", "unsendable", "deferred", "plan", "realtime_plan",
-        "sent", "outcomes", "batch_failed", "emit",
+        "sent", "outcomes", "batch_failed", "emit", "rekey_rows", "candidates", "answered", "plan_members",
     )  # fmt: skip
 
     # Python objects (Arrow tables, readers, pandas frames) registered on the connection as views.

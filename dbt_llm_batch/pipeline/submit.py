@@ -30,11 +30,16 @@ from dbt_llm_batch.providers.calls import ProviderUnavailable, describe, is_tran
 NEVER_SENT = "submission interrupted before reaching the provider"
 
 
-def submit_chunks(ledger: Ledger, provider: BatchProvider, files: list[RequestFile], sent_rows: str) -> list[str]:
+def submit_chunks(
+    ledger: Ledger, provider: BatchProvider, files: list[RequestFile], sent_rows: str, members: str | None = None
+) -> list[str]:
     """Submit each written request file as one batch; returns the provider batch ids. `sent_rows` is
-    the plan's rows with the file (`chunk`) and `line` each was written to (request_files.sent_rows)."""
+    the plan's rows with the file (`chunk`) and `line` each was written to (request_files.sent_rows);
+    `members` the other rows each request answers (plan.build_plan), recorded with the intents."""
     batch_ids = []
-    job_ids = ledger.write_intents(provider.name, provider.config.model, sent_rows, [f.chunk for f in files])
+    job_ids = ledger.write_intents(
+        provider.name, provider.config.model, sent_rows, [f.chunk for f in files], members=members
+    )
     crashpoints.reach("after_intents")
     attempted = 0
     submitting = Progress(f"{ledger.model}: submitting", sum(f.requests for f in files), "requests")

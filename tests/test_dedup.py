@@ -1,0 +1,260 @@
+"""Pay once for each distinct request (llm_dedup): rows whose rendered request is identical share one
+request; a row whose request was answered already is answered from the ledger, with no provider call.
+
+The workload: rows `id, prompt` whose prompts take fewer distinct values than there are rows
+(`question <n>`), a free-text model at test prices. Money is compared, in exact decimals, with what the
+sandbox reports it billed (its usage totals, succeeded requests only) at the same prices.
+"""
+
+from __future__ import annotations
+
+import collections
+from decimal import Decimal
+
+import pytest
+from helpers import batch_counts, dbt_subprocess
+
+from dbt_llm_batch.sandbox import expected_answer
+
+PRICES = """provider,model,unit,input_per_mtok,output_per_mtok,cache_write_per_mtok,cache_read_per_mtok,per_hour,batch_discount,as_of,source
+openai,gpt-test,token,2.00,8.00,0,1.00,,0.5,2026-11-29,test prices
+anthropic,claude-test,token,3.00,15.00,3.75,0.30,,0.5,2026-11-29,test prices
+"""
+MODEL = {"openai": "gpt-test", "anthropic": "claude-test"}
+PRICE = {"openai": (Decimal("2.00"), Decimal("8.00")), "anthropic": (Decimal("3.00"), Decimal("15.00"))}
+
+
+def prompt_of(n: int) -> str:
+    return f"question {n}: why does the export of report {n} time out?"
+
+
+def dup_model(provider: str, name: str = "dup", extra: str = "") -> str:
+    return f"""
+{{{{ config(materialized='llm_batch', unique_key='id', llm_provider='{provider}', llm_model='{MODEL[provider]}',
+            llm_max_tokens=50, llm_price_table='main.llm_prices', {extra}) }}}}
+select * from {{{{ ref('dup_rows') }}}}
+"""
+
+
+def write_rows(project, rows: dict[int, int]) -> None:
+    """rows: {id: the prompt number it asks}."""
+    project.write("seeds/dup_rows.csv", "id,prompt\n" + "".join(f'{i},"{prompt_of(n)}"\n' for i, n in rows.items()))
+    project.dbt("seed")
+
+
+def billed_cost(emulator, provider: str) -> Decimal:
+    """What the sandbox billed (its usage totals of succeeded requests) at the test prices, batch half price."""
+    usage = emulator.stats()["usage_by_face"][provider]
+    if provider == "openai":
+        tokens_in, tokens_out = usage["prompt_tokens"], usage["completion_tokens"]
+    else:
+        tokens_in, tokens_out = usage["input_tokens"], usage["output_tokens"]
+    price_in, price_out = PRICE[provider]
+    return (tokens_in * price_in + tokens_out * price_out) / Decimal(1_000_000) * Decimal("0.5")
+
+
+def requests_sent(emulator) -> int:
+    return sum(batch_counts(emulator))
+
+
+def table(project, name: str = "dup") -> dict[int, tuple]:
+    rows = project.query(
+        f"select id, prompt, llm_output, llm_status, llm_error, llm_cost_usd, llm_route from main.{name}"
+    )
+    return {r[0]: r[1:] for r in rows}
+
+
+def assert_answers(rows: dict[int, tuple]) -> None:
+    """Every row has the sandbox's answer to its own prompt (its answer function, row by row)."""
+    for key, (prompt, answer, status, *_rest) in rows.items():
+        assert status == "succeeded", (key, status)
+        assert answer == expected_answer(None, prompt, None), key
+
+
+@pytest.fixture
+def dup(project, emulator, provider):
+    project.write("seeds/llm_prices.csv", PRICES)
+    project.write("models/dup.sql", dup_model(provider))
+    return project
+
+
+def run_to_end(project, emulator, model: str = "dup") -> None:
+    project.dbt("run", "-s", model)
+    emulator.complete_all()
+    project.dbt("run", "-s", model)
+
+
+def test_100_rows_with_40_distinct_prompts_send_40_requests_and_cost_what_was_billed(dup, emulator, provider, capsys):
+    write_rows(dup, {i: i % 40 for i in range(100)})
+    run_to_end(dup, emulator)
+
+    assert requests_sent(emulator) == 40
+    assert len(emulator.billed()) == 40
+    assert collections.Counter(b["prompt"] for b in emulator.billed()) == {prompt_of(n): 1 for n in range(40)}
+    rows = table(dup)
+    assert len(rows) == 100
+    assert_answers(rows)
+    # Money: the rows' costs add up to exactly what the 40 requests were billed.
+    total = sum(r[4] for r in rows.values())
+    assert total == billed_cost(emulator, provider) > 0
+    assert {r[5] for r in rows.values()} == {"batch"}  # shared before harvest: not reused
+    # A shared request's cost is split equally (to the billionth of a dollar) among its rows.
+    shares = collections.defaultdict(set)
+    for prompt, _, _, _, cost, _ in rows.values():
+        shares[prompt].add(cost)
+    assert all(max(c) - min(c) <= Decimal("0.000000001") for c in shares.values())
+    # The views count requests and rows apart, and what sharing saved.
+    view = dup.query("""select sum(rows_succeeded), sum(rows_answered), sum(rows_reused), sum(cost_usd), sum(dedup_saved_usd)
+                        from main.llm_batch_costs where model = 'main.dup'""")[0]
+    assert view[:4] == (40, 100, 0, total) and view[4] > 0
+    progress = dup.query("select requests_sent, rows_mapped, rows_reused, dedup_saved_usd from main.llm_batch_progress")
+    assert progress == [(40, 100, 0, view[4])]
+    # `dbt-llm-batch status` shows rows apart from requests, and the money sharing saved.
+    from dbt_llm_batch.ops import cli
+
+    dup.release_database()
+    capsys.readouterr()
+    assert cli.status(str(dup.db_path), "main") == 0
+    shown = capsys.readouterr().out
+    assert "rows_answered" in shown and "rows_reused" in shown and "dedup_saved_usd" in shown and "rows_mapped" in shown
+
+
+def test_a_second_run_asks_only_new_requests_and_answers_the_rest_from_the_ledger(dup, emulator, provider):
+    first = {i: i % 40 for i in range(100)}
+    write_rows(dup, first)
+    run_to_end(dup, emulator)
+    billed_before = billed_cost(emulator, provider)
+    # 20 new rows: 10 ask prompts already answered, 10 ask new ones (5 distinct, each twice).
+    added = {100 + i: i for i in range(10)} | {110 + i: 40 + i % 5 for i in range(10)}
+    write_rows(dup, first | added)
+    dup.dbt("run", "-s", "dup")
+
+    assert batch_counts(emulator) == [40, 5], "only the new distinct requests are sent"
+    rows = table(dup)
+    reused = {k: rows[k] for k in range(100, 110)}
+    assert_answers(reused)  # merged in the same run, with no provider call
+    assert {(r[4], r[5]) for r in reused.values()} == {(Decimal(0), "reused")}
+    assert all(k not in rows for k in range(110, 120))  # still in flight
+    assert dup.query("select sum(rows_reused) from main.llm_batch_costs where model = 'main.dup'") == [(10,)]
+
+    emulator.complete_all()
+    dup.dbt("run", "-s", "dup")
+    rows = table(dup)
+    assert len(rows) == 120
+    assert_answers(rows)
+    assert len(emulator.billed()) == 45
+    total = sum(r[4] for r in rows.values())
+    assert total == billed_cost(emulator, provider) > billed_before
+    assert sum(r[4] for k, r in rows.items() if k < 100) == billed_before  # the first rows' costs are unchanged
+
+
+def test_a_failing_shared_request_is_retried_once_for_all_its_rows(dup, emulator, provider):
+    dup.write("models/dup.sql", dup_model(provider, extra="llm_max_attempts=2"))
+    write_rows(dup, {i: i % 40 for i in range(100)})
+    # Every attempt of prompt 7 (rows 7, 47 and 87) fails at the provider.
+    emulator.add_fault(prompt_contains=prompt_of(7), status_code=500, message="Upstream failure.", times=None)
+    for _ in range(3):
+        run_to_end(dup, emulator)
+
+    assert batch_counts(emulator) == [40, 1], "retried once, as one request for its three rows"
+    rows = table(dup)
+    failed = {k: (r[2], r[3]) for k, r in rows.items() if r[2] != "succeeded"}
+    assert sorted(failed) == [7, 47, 87]
+    assert len(set(failed.values())) == 1 and next(iter(failed.values()))[0] == "failed"
+    assert "Upstream failure." in next(iter(failed.values()))[1]
+    assert_answers({k: r for k, r in rows.items() if k not in failed})
+    # Two attempts in all, each answering the three rows.
+    assert dup.query(
+        """select count(distinct custom_id), count(*) from main.llm_batch_row_answers
+           where fingerprint = (select llm_fingerprint from main.dup where id = 7)"""
+    ) == [(2, 6)]
+
+
+def test_a_run_killed_after_create_with_shared_requests_pays_nothing_twice(dup, emulator, provider, tmp_path):
+    dup.write("models/triage.sql", dup_model(provider))  # dbt_subprocess runs `-s triage`
+    write_rows(dup, {i: i % 40 for i in range(100)})
+    marker = tmp_path / "crash-marker"
+    dup.release_database()
+    killed = dbt_subprocess(dup, {"DBT_LLM_BATCH_CRASH_AT": "after_create", "DBT_LLM_BATCH_CRASH_MARKER": str(marker)})
+    assert killed.returncode == -9, killed.stdout[-2000:]
+    assert marker.read_text() == "after_create"
+
+    for _ in range(3):
+        dup.dbt("run", "-s", "triage")
+        emulator.complete_all()
+    dup.dbt("run", "-s", "triage")
+
+    rows = table(dup, "triage")
+    assert len(rows) == 100
+    assert_answers(rows)
+    emulator.complete_all()
+    assert collections.Counter(b["prompt"] for b in emulator.billed()) == {prompt_of(n): 1 for n in range(40)}
+    assert sum(r[4] for r in rows.values()) == billed_cost(emulator, provider)
+
+
+def test_dedup_off_sends_one_request_per_row(dup, emulator, provider):
+    dup.write("models/dup.sql", dup_model(provider, extra="llm_dedup=false"))
+    write_rows(dup, {i: i % 40 for i in range(100)})
+    run_to_end(dup, emulator)
+    assert requests_sent(emulator) == 100
+    rows = table(dup)
+    assert_answers(rows)
+    assert sum(r[4] for r in rows.values()) == billed_cost(emulator, provider)
+
+
+def test_two_models_sharing_the_ledger_pay_once(dup, emulator, provider):
+    for name in ("dup", "dup_twin"):
+        dup.write(f"models/{name}.sql", dup_model(provider, extra="llm_dedup='ledger'"))
+    write_rows(dup, {i: i % 40 for i in range(100)})
+    run_to_end(dup, emulator)
+    dup.dbt("run", "-s", "dup_twin")  # the same requests: answered from the ledger in this run
+
+    assert requests_sent(emulator) == 40
+    twin = table(dup, "dup_twin")
+    assert len(twin) == 100
+    assert_answers(twin)
+    assert {(r[4], r[5]) for r in twin.values()} == {(Decimal(0), "reused")}
+    total = sum(r[4] for r in table(dup).values()) + sum(r[4] for r in twin.values())
+    assert total == billed_cost(emulator, provider)
+
+
+def test_temperature_above_zero_turns_dedup_off_by_default_and_says_so(dup, emulator, provider):
+    dup.write("models/dup.sql", dup_model(provider, extra="llm_temperature=0.7"))
+    write_rows(dup, {i: i % 4 for i in range(10)})
+    dup.dbt("run", "-s", "dup")
+    assert requests_sent(emulator) == 10
+    log = (dup.root / "logs" / "dbt.log").read_text()
+    assert log.count("llm_temperature is above 0, so identical requests are sent once per row") == 1
+
+
+def test_dry_run_counts_distinct_requests_and_duplicates(dup, emulator, provider):
+    write_rows(dup, {i: i % 40 for i in range(100)})
+    run_to_end(dup, emulator)
+    write_rows(dup, {i: i % 40 for i in range(100)} | {100 + i: i for i in range(10)} | {110: 50, 111: 50})
+    dup.dbt("run", "-s", "dup", "--vars", "{llm_batch_dry_run: true}")
+    log = (dup.root / "logs" / "dbt.log").read_text()
+    assert "DRY RUN: would submit 1 request(s) in 1 batch(es)" in log
+    assert "1 row(s) duplicate another row's request and 10 a stored answer" in log
+    assert requests_sent(emulator) == 40
+
+
+def test_a_ledger_of_the_previous_version_merges_the_same_rows_and_asks_nothing(dup, emulator, provider):
+    # A ledger as the previous version left it: one request per row (llm_dedup=false is exactly that),
+    # at schema version 13 (no row answers).
+    dup.write("models/dup.sql", dup_model(provider, extra="llm_dedup=false"))
+    write_rows(dup, {i: i % 40 for i in range(100)})
+    run_to_end(dup, emulator)
+    before = sorted(dup.query("select * from main.dup"))
+    dup.query("drop view main.llm_batch_progress")
+    dup.query("drop view main.llm_batch_costs")
+    dup.query("drop table main.llm_batch_row_answers")
+    dup.query("delete from main.llm_batch_meta where schema_version > 13")
+    dup.query("update main.llm_batch_requests set emitted = 'merged' where is_final")  # as 0.2.0's merge left them
+    calls = emulator.stats()["calls"]
+
+    dup.write("models/dup.sql", dup_model(provider))  # upgraded, with the default llm_dedup
+    dup.dbt("run", "-s", "dup")
+    assert sorted(dup.query("select * from main.dup")) == before
+    dup.dbt("run", "-s", "dup", "--full-refresh")
+    assert sorted(dup.query("select * from main.dup")) == before
+    assert emulator.stats()["calls"] == calls, "no provider call"
