@@ -142,10 +142,6 @@ MIGRATIONS += [
             ),
         ],
     ),
-    # What settling a model's results needs of its config (config.settle_snapshot: output columns,
-    # provider and model, prices, attempts; never a secret, nor a prompt), as of its last run: the
-    # poller (ops/poller.py) harvests without a dbt project. NULL until the model runs once with it.
-    (17, ["alter table {s}.llm_batch_models add column config_snapshot varchar"]),
 ]
 MIGRATIONS += [
     # Rows and requests apart (plan.py, "Deduplication" in the README): a row answer (model, key,
@@ -166,6 +162,10 @@ MIGRATIONS += [
                from {{s}}.llm_batch_requests where status <> {sql(RequestStatus.DEFERRED)}""",
         ],
     ),
+    # What settling a model's results needs of its config (config.settle_snapshot: output columns,
+    # provider and model, prices, attempts; never a secret, nor a prompt), as of its last run: the
+    # poller (ops/poller.py) harvests without a dbt project. NULL until the model runs once with it.
+    (15, ["alter table {s}.llm_batch_models add column config_snapshot varchar"]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

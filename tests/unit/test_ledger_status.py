@@ -408,3 +408,10 @@ def test_a_submitted_request_of_an_older_ledger_is_rewritten_and_still_harvested
     assert statuses(ledger) == {"c0": "succeeded", "c1": "voided"}
     assert ledger.pending_count() == 0
     con.close()
+
+
+def test_migrations_are_numbered_in_the_order_they_run():
+    # _migrate_once runs them in list order and records each version: a version listed after a
+    # higher one would be skipped on every ledger that already has the higher one.
+    versions = [version for version, _ in MIGRATIONS]
+    assert versions == sorted(set(versions)), versions
