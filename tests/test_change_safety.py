@@ -358,19 +358,29 @@ def test_ctrl_c_stops_waiting_at_once_and_loses_nothing(project, emulator):
     log = project.root / "logs" / "dbt.log"
     log.unlink(missing_ok=True)
     dbt = Path(sys.executable).parent / "dbt"
-    proc = subprocess.Popen(
-        [str(dbt), "run", "-s", "triage", "--project-dir", str(project.root), "--profiles-dir", str(project.root)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=os.environ.copy(),
-    )
+    stderr = project.root / "dbt-stderr.txt"
+    with stderr.open("wb") as err:
+        proc = subprocess.Popen(
+            [str(dbt), "run", "-s", "triage", "--project-dir", str(project.root), "--profiles-dir", str(project.root)],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            # faulthandler: a SIGABRT (sent below if the run hangs) prints every thread's stack to stderr
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+        )
     try:
         deadline = time.monotonic() + 240
         while not (log.exists() and "waiting for 1 batch(es)" in log.read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, "the run never started waiting"
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)  # llm_wait_seconds is an hour: only the interrupt ends it in time
+        try:
+            proc.wait(timeout=120)  # llm_wait_seconds is an hour: only the interrupt ends it in time
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=30)
+            raise AssertionError(
+                "the run did not stop after Ctrl-C; its threads:\n" + stderr.read_text()[-20000:]
+            ) from None
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -52,7 +52,7 @@ def test_a_schema_change_is_one_message_without_traceback_and_debug_shows_it(pro
     capfd.readouterr()
     result = project.dbt("run", *SELECT, expect_ok=False)
     output = console_of(capfd, result)
-    assert "the columns of" in output and "only in the model: extra INTEGER" in output
+    assert "the columns of" in output and "added: extra INTEGER" in output
     assert "dbt run --full-refresh" in output
     assert "Traceback" not in output and "Python model failed" not in output
     # With --debug the traceback is there for a bug report, in dbt's debug log lines.

@@ -31,7 +31,7 @@ COLUMN_DESCRIPTIONS = {
     "llm_cache_write_tokens": "Of the input tokens, how many were written to the provider's prompt cache.",
     "llm_cost_usd": "What this row's request cost in USD (batch prices, or list prices for a realtime row); NULL without a price.",
     "llm_realtime_cost_usd": "What the same tokens would cost at realtime list prices, in USD (NULL for a self-hosted engine).",
-    "llm_route": "'batch' or 'realtime': how the row was sent; NULL for a row never sent (an empty prompt).",
+    "llm_route": "'batch' or 'realtime': how the row was sent; 'reused': answered from a stored answer at no cost (llm_dedup); NULL for a row never sent (an empty prompt).",
 }
 
 
@@ -42,10 +42,17 @@ def output_description(name: str) -> str:
 def comment_columns(con, target: str, config: ModelConfig) -> None:
     """Comment the columns dbt-llm-batch adds to `target` (again after each run: a rebuild drops them)."""
     described = {name: COLUMN_DESCRIPTIONS.get(name) or "" for name, _ in STATUS_COLUMNS}
-    for column in config.output_columns:
-        described[column.name] = (
-            COLUMN_DESCRIPTIONS["llm_output"] if not config.structured else output_description(column.name)
-        )
+    # The table's output columns: one per field, or the whole answer as one column (llm_output_format).
+    whole_answer = not config.structured or config.output_format == "json"
+    for name, _ in config.table_outputs():
+        if not config.structured:
+            described[name] = COLUMN_DESCRIPTIONS["llm_output"]
+        elif whole_answer:
+            described[name] = (
+                f"The whole answer as JSON (llm_output_format = 'json'). NULL when llm_status is '{_FAILED}'."
+            )
+        else:
+            described[name] = output_description(name)
 
     def write():
         with transaction(con):
