@@ -5,6 +5,7 @@ Fixtures are in conftest.py."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -13,6 +14,8 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+import duckdb
 
 from dbt_llm_batch.sandbox import expected_answer
 
@@ -270,3 +273,34 @@ def end_backoff(project) -> None:
     project.query(
         "update main.llm_batch_requests set not_before = now() - interval 1 second where not_before is not null"
     )
+
+
+def assert_triage_rows_answered(project) -> None:
+    """The triage table holds all 6 tickets, each succeeded with the sandbox's answer to its own prompt."""
+    rows = project.query("""select s.subject, s.body, t.category, t.urgent, t.summary, t.llm_status
+                            from main.triage t join main.support_tickets s using (ticket_id)""")
+    assert len(rows) == 6
+    for subject, body, category, urgent, summary, status in rows:
+        assert status == "succeeded"
+        assert (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}\n\n{body}")
+
+
+@contextlib.contextmanager
+def file_held_by_another_process(path):
+    """A DuckDB file opened (and so locked) by another process until the block ends."""
+    duckdb.connect(str(path)).close()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import duckdb,time; c=duckdb.connect({str(path)!r}); print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()

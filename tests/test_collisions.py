@@ -12,7 +12,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from helpers import batch_counts, triage_model
+from helpers import batch_counts, file_held_by_another_process, triage_model
 
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.locks import LockHeldError, ModelLock
@@ -66,22 +66,8 @@ def test_a_second_process_gets_a_clear_message_naming_the_holder(project, emulat
 
 def test_the_cli_says_the_same_when_the_file_is_held(project, tmp_path, capsys):
     path = tmp_path / "held.duckdb"
-    duckdb.connect(str(path)).close()
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import duckdb,time; c=duckdb.connect({str(path)!r}); print('ready', flush=True); time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "ready"
+    with file_held_by_another_process(path) as holder:
         rc = cli(["cancel", "--database", str(path), "--model", "triage"])
-    finally:
-        holder.kill()
-        holder.wait()
     err = capsys.readouterr().err
     assert rc == 2
     assert err.startswith(f"dbt-llm-batch cancel: The DuckDB file {path} is in use by ")

@@ -10,6 +10,7 @@ import sys
 import pytest
 from helpers import (
     TRIAGE_SYSTEM,
+    assert_triage_rows_answered,
     billed_per_key,
     dbt_subprocess,
     expected_triage,
@@ -129,12 +130,7 @@ def test_a_run_killed_between_two_chunks_bills_each_key_once(
         emulator.complete_all()
     project.dbt("run", "-s", "triage")
 
-    rows = project.query("""select s.subject, s.body, t.category, t.urgent, t.summary, t.llm_status
-                            from main.triage t join main.support_tickets s using (ticket_id)""")
-    assert len(rows) == 6
-    for subject, body, category, urgent, summary, status in rows:
-        assert status == "succeeded"
-        assert (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}\n\n{body}")
+    assert_triage_rows_answered(project)
     # Each key billed exactly once, counting every batch (finished first) and call.
     key_of_prompt = {
         f"Subject: {s}\n\n{b}": k

@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 from helpers import (
-    TRIAGE_SYSTEM,
+    assert_triage_rows_answered,
     batch_counts,
     billed_per_key,
-    expected_triage,
     log_text,
     triage_model,
 )
@@ -42,15 +41,6 @@ def submitted(project, emulator, provider: str) -> None:
     project.dbt("seed")
     project.dbt("run", *SELECT)
     assert batch_counts(emulator) == [6]
-
-
-def assert_every_row_answered(project) -> None:
-    rows = project.query("""select s.subject, s.body, t.category, t.urgent, t.summary, t.llm_status
-                            from main.triage t join main.support_tickets s using (ticket_id)""")
-    assert len(rows) == 6
-    for subject, body, category, urgent, summary, status in rows:
-        assert status == "succeeded"
-        assert (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}\n\n{body}")
 
 
 def assert_billed_and_stored_once(project, emulator) -> None:
@@ -82,7 +72,7 @@ def test_poll_stores_results_and_the_next_run_merges_them_without_a_provider_cal
 
     calls = dict(emulator.stats()["calls"])
     project.dbt("run", *SELECT)
-    assert_every_row_answered(project)
+    assert_triage_rows_answered(project)
     assert dict(emulator.stats()["calls"]) == calls  # merged from the ledger: not a single provider call
     assert_billed_and_stored_once(project, emulator)
 
@@ -110,7 +100,7 @@ def test_poll_wait_returns_done_and_then_runs_once_with_the_selector(
 
     calls = dict(emulator.stats()["calls"])
     project.dbt("run", *SELECT)
-    assert_every_row_answered(project)
+    assert_triage_rows_answered(project)
     assert dict(emulator.stats()["calls"]) == calls
 
 
@@ -129,7 +119,7 @@ def test_a_model_last_run_by_an_older_version_is_skipped_with_advice(project, em
     assert "run it once with dbt first" in out
     assert dict(emulator.stats()["calls"]) == calls
     project.dbt("run", *SELECT)  # the run harvests it as always
-    assert_every_row_answered(project)
+    assert_triage_rows_answered(project)
 
 
 def test_a_poller_killed_between_download_and_store_loses_nothing(project, emulator, provider, tmp_path):
@@ -156,7 +146,7 @@ def test_a_poller_killed_between_download_and_store_loses_nothing(project, emula
             assert project.query("select distinct status from main.llm_batch_requests") == [("queued",)]
 
     project.dbt("run", *SELECT)  # or a poll: the same harvest
-    assert_every_row_answered(project)
+    assert_triage_rows_answered(project)
     assert_billed_and_stored_once(project, emulator)
 
 
@@ -189,7 +179,7 @@ def test_a_dbt_run_waits_briefly_for_a_file_another_process_holds(project, emula
         output += run.communicate(timeout=300)[0]
     assert "in use by another process; waiting up to" in output, output[-2000:]
     assert run.returncode == 0 and "Completed successfully" in output, output[-2000:]
-    assert_every_row_answered(project)
+    assert_triage_rows_answered(project)
 
 
 def test_a_poller_and_a_dbt_run_started_together_both_finish(project, emulator, provider):
@@ -211,7 +201,7 @@ def test_a_poller_and_a_dbt_run_started_together_both_finish(project, emulator, 
     assert run.returncode == 0, run_out[-3000:]
     # Whichever harvested the batch, it was harvested once; a final run merges what the poller stored.
     project.dbt("run", *SELECT)
-    assert_every_row_answered(project)
+    assert_triage_rows_answered(project)
     assert_billed_and_stored_once(project, emulator)
     assert project.query("select count(*) from main.llm_batch_jobs where harvested_at is not null") == [(1,)]
 

@@ -18,11 +18,10 @@ import anthropic
 import openai
 from helpers import (
     PROVIDER_MODELS,
-    TRIAGE_SYSTEM,
+    assert_triage_rows_answered,
     batch_counts,
     command,
     dbt_subprocess,
-    expected_triage,
     log_text,
     sorted_batches,
     succeeded_custom_ids,
@@ -41,12 +40,7 @@ def jobs(project) -> list[tuple]:
 
 def assert_all_answered_once(project, emulator) -> None:
     """Every row succeeded with its own answer, and the provider answered (billed) each key once."""
-    rows = project.query("""select s.subject, s.body, t.category, t.urgent, t.summary, t.llm_status
-                            from main.triage t join main.support_tickets s using (ticket_id)""")
-    assert len(rows) == 6
-    for subject, body, category, urgent, summary, status in rows:
-        assert status == "succeeded"
-        assert (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}\n\n{body}")
+    assert_triage_rows_answered(project)
     key_of = dict(project.query("select custom_id, key from main.llm_batch_requests"))
     billed = collections.Counter(key_of[c] for c in succeeded_custom_ids(emulator) if c in key_of)
     assert sorted(billed.values()) == [1] * 6, billed

@@ -6,12 +6,9 @@ lock message of a CLI command speaks of that command; a schema change names only
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
-import duckdb
 from conftest import failure_messages
-from helpers import command, log_text, triage_model
+from helpers import command, file_held_by_another_process, log_text, triage_model
 
 URGENT = "llm_realtime_when = \"priority = 'urgent'\","
 
@@ -67,28 +64,14 @@ def test_a_dry_run_says_dry_run_not_ok(project, emulator):
 
 def test_the_lock_message_of_a_cli_command_speaks_of_that_command(project, tmp_path, capsys):
     path = tmp_path / "held.duckdb"
-    duckdb.connect(str(path)).close()
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import duckdb,time; c=duckdb.connect({str(path)!r}); print('ready', flush=True); time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
     from dbt_llm_batch.ops.cli import main as cli
 
-    try:
-        assert holder.stdout.readline().strip() == "ready"
+    with file_held_by_another_process(path):
         capsys.readouterr()
         unlock_rc = cli(["unlock", "--database", str(path), "--model", "triage"])
         unlock_err = capsys.readouterr().err
         status_rc = cli(["status", "--database", str(path)])
         status_err = capsys.readouterr().err
-    finally:
-        holder.kill()
-        holder.wait()
     assert (unlock_rc, status_rc) == (2, 2)
     assert "so `dbt-llm-batch unlock` cannot run; nothing was changed" in unlock_err
     assert "so `dbt-llm-batch status` cannot read it; nothing was changed" in status_err
