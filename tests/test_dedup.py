@@ -259,3 +259,24 @@ def test_a_ledger_of_the_previous_version_merges_the_same_rows_and_asks_nothing(
     dup.dbt("run", "-s", "dup", "--full-refresh")
     assert sorted(dup.query("select * from main.dup")) == before
     assert emulator.stats()["calls"] == calls, "no provider call"
+
+
+def test_edits_between_runs_re_ask_each_distinct_request_once(dup, emulator, provider):
+    """Under change: a new system prompt re-asks the 40 distinct requests (not the 100 rows), and
+    changing the system back shows the stored answers again with no call."""
+    write_rows(dup, {i: i % 40 for i in range(100)})
+    run_to_end(dup, emulator)
+    assert requests_sent(emulator) == 40
+
+    dup.write("models/dup.sql", dup_model(provider, extra="llm_system='Answer in one word.'"))
+    run_to_end(dup, emulator)
+    assert requests_sent(emulator) == 80  # 40 more: one per distinct request under the new system
+    rows = table(dup)
+    assert len(rows) == 100
+    for key, (prompt, answer, status, *_rest) in rows.items():
+        assert status == "succeeded" and answer == expected_answer("Answer in one word.", prompt, None), key
+
+    dup.write("models/dup.sql", dup_model(provider))  # back: the stored answers, nothing sent
+    dup.dbt("run", "-s", "dup")
+    assert requests_sent(emulator) == 80
+    assert_answers(table(dup))
