@@ -280,3 +280,20 @@ def test_edits_between_runs_re_ask_each_distinct_request_once(dup, emulator, pro
     dup.dbt("run", "-s", "dup")
     assert requests_sent(emulator) == 80
     assert_answers(table(dup))
+
+
+def test_a_key_change_with_shared_requests_asks_nothing_again(dup, emulator, provider):
+    """Under change: the unique_key becomes another column of the same rows; shared answers follow."""
+    write_rows(dup, {i: i % 40 for i in range(100)})
+    run_to_end(dup, emulator)
+    dup.write(
+        "models/dup.sql",
+        dup_model(provider)
+        .replace("unique_key='id'", "unique_key='ref'")
+        .replace("select * from", "select 'T-' || id as ref, prompt from"),
+    )
+    dup.dbt("run", "-s", "dup", "--full-refresh")
+    assert requests_sent(emulator) == 40
+    rows = dup.query("select ref, prompt, llm_output, llm_status from main.dup")
+    assert len(rows) == 100
+    assert all(s == "succeeded" and o == expected_answer(None, p, None) for _, p, o, s in rows)
