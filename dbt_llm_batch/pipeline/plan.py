@@ -48,6 +48,8 @@ def check_input(con, input_rel: str, config: ModelConfig) -> list[tuple[str, str
             f"column named '{config.prompt_column}' or set llm_prompt_column"
         )
     added = [name for name, _ in config.table_outputs()] + [c[0] for c in STATUS_COLUMNS]
+    if config.variant_name is not None:  # a model with evaluation variants adds llm_variant too
+        added.append("llm_variant")
     if "rowid" in lowered:  # it would hide DuckDB's own row id, which the plan joins on
         problems.append("a selected column is named 'rowid', which dbt-llm-batch needs; rename it in the model's SQL")
     for clash in [a for a in added if a.lower() in lowered]:
