@@ -136,9 +136,11 @@ def test_three_variants_two_providers_one_run_180_rows_report_and_gate(evals, em
         assert status == "succeeded", (i, variant)
         assert category == answer(SYSTEMS[variant], i), (i, variant)
         assert llm_model == ("claude-sonnet-4-5" if variant == "claude" else "gpt-4o-mini")
-    # The three variants' answers differ (they are different requests), so their accuracies can differ.
+    # The labels follow the default variant's answers for most keys, so terse (another system prompt)
+    # scores lower. The sandbox answers from (system, prompt, schema), whatever the model: claude, with
+    # the default's system prompt, gives the default's answers, through the other provider.
     measured = {v: accuracy(rows, v) for v in ("default", "terse", "claude")}
-    assert measured["default"] > measured["terse"] and measured["default"] > measured["claude"]
+    assert measured["default"] > measured["terse"] and measured["claude"] == measured["default"]
     assert len(emulator.billed()) == 3 * N  # nothing asked twice
 
     # variant_report returns the accuracy computed here from the rows.
