@@ -437,6 +437,7 @@ def _parse_variants(raw: dict) -> ModelConfig:
     if not _variant_name_ok(default_name):
         errors.append(f"llm_default_variant must be a name of letters, digits, '_', '-' or '.', got {default_name!r}")
     base = _collect(lambda: _parse_one(base_raw), errors, "")
+    model_errors = list(errors)  # a problem of the model's own keys is said once, not once per variant
     variants_raw = raw.get("llm_variants")
     if variants_raw is None:
         variants_raw = {}
@@ -467,7 +468,9 @@ def _parse_variants(raw: dict) -> ModelConfig:
             )
         if bad:
             continue
-        config = _collect(lambda overrides=overrides: _parse_one({**base_raw, **overrides}), errors, where + ": ")
+        config = _collect(
+            lambda overrides=overrides: _parse_one({**base_raw, **overrides}), errors, where + ": ", model_errors
+        )
         if config is None:
             continue
         if base is not None and config.table_outputs() != base.table_outputs():
@@ -502,13 +505,14 @@ def _variant_name_ok(name) -> bool:
     return isinstance(name, str) and bool(name) and len(name) <= 64 and all(c.isalnum() or c in "_-." for c in name)
 
 
-def _collect(parse, errors: list[str], prefix: str):
-    """parse(), or None with its problems added to `errors` (each prefixed: which variant)."""
+def _collect(parse, errors: list[str], prefix: str, known: list[str] | None = None):
+    """parse(), or None with its problems added to `errors` (each prefixed: which variant), except
+    those in `known` (the model's own, reported already)."""
     try:
         return parse()
     except ConfigError as exc:
         lines = str(exc).split("\n  - ")[1:] or [str(exc)]
-        errors.extend(prefix + line for line in lines)
+        errors.extend(prefix + line for line in lines if line not in (known or []))
         return None
 
 

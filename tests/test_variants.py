@@ -14,7 +14,18 @@ import json
 
 import pytest
 from conftest import failure_messages
-from helpers import batch_input_lines, is_anthropic, log_text, sorted_batches
+from helpers import (
+    TRIAGE_SYSTEM,
+    batch_input_lines,
+    billed_per_key,
+    dbt_subprocess,
+    expected_triage,
+    is_anthropic,
+    log_text,
+    sorted_batches,
+    succeeded_custom_ids,
+    triage_model,
+)
 
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.sandbox import expected_answer
@@ -357,3 +368,63 @@ def test_the_integration_project_evaluation_run_and_its_judge(project, emulator)
         assert n == len(tickets)
         assert float(accuracy_) == pytest.approx(right / len(tickets)), variant
         assert float(judge_score) == pytest.approx(sum(scores) / len(scores)), variant
+
+
+# -- A crash with two providers' batches in flight -------------------------------------------------
+
+CLAUDE = "llm_variants = {'claude': {'llm_provider': 'anthropic', 'llm_model': 'claude-sonnet-4-5'}}"
+
+
+@pytest.mark.parametrize(
+    "point,occurrence,in_harvest",
+    [
+        ("after_create", 1, False),  # the OpenAI batch made, its id not recorded; Anthropic not yet sent
+        ("after_create", 2, False),  # OpenAI recorded; the Anthropic batch made, its id not recorded
+        ("after_store", 1, True),  # both ended: killed after the first batch's lines were stored
+        ("before_merge", 1, True),  # both harvested, nothing merged
+    ],
+)
+def test_a_killed_run_with_two_providers_in_flight_is_finished_by_later_runs(
+    project, emulator, point, occurrence, in_harvest, tmp_path
+):
+    project.write("models/triage.sql", triage_model(extra_config=CLAUDE))
+    project.dbt("seed", "-s", "support_tickets")
+    if in_harvest:  # die in the run that harvests both, not the one that submits
+        project.dbt("run", "-s", "triage")
+        assert sorted(is_anthropic(b) for b in sorted_batches(emulator)) == [False, True]
+        emulator.complete_all()
+    marker = tmp_path / "crash-marker"
+    project.release_database()
+    killed = dbt_subprocess(
+        project,
+        {
+            "DBT_LLM_BATCH_CRASH_AT": point,
+            "DBT_LLM_BATCH_CRASH_OCCURRENCE": str(occurrence),
+            "DBT_LLM_BATCH_CRASH_MARKER": str(marker),
+        },
+    )
+    assert killed.returncode == -9, killed.stdout[-2000:]
+    assert marker.read_text() == point
+
+    for _ in range(3):  # later runs, as the nightly schedule would make them
+        project.dbt("run", "-s", "triage")
+        emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+
+    rows = project.query("""select t.ticket_id, t.llm_variant, s.subject, s.body, t.category, t.urgent, t.summary,
+                                   t.llm_status, t.llm_model
+                            from main.triage t join main.support_tickets s using (ticket_id)""")
+    assert sorted((r[0], r[1]) for r in rows) == sorted((i, v) for i in range(1, 7) for v in ("claude", "default"))
+    for _, variant, subject, body, category, urgent, summary, status, llm_model in rows:
+        assert status == "succeeded"
+        assert (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}\n\n{body}")
+        assert llm_model == ("claude-sonnet-4-5" if variant == "claude" else "gpt-4o-mini")
+    # Nothing lost: every result either provider returned is stored in the ledger.
+    stored = {r[0] for r in project.query("select custom_id from main.llm_batch_results")}
+    assert set(succeeded_custom_ids(emulator)) <= stored
+    # Nothing billed twice: each key billed once by each provider (twice in all), counting every batch.
+    key_of_prompt = {f"Subject: {r[2]}\n\n{r[3]}": r[0] for r in rows}
+    billed = billed_per_key(emulator, key_of_prompt)
+    assert sorted(billed.values()) == [2] * 6, billed
+    faces = {face: sum(1 for b in emulator.billed() if b["face"] == face) for face in ("openai", "anthropic")}
+    assert faces == {"openai": 6, "anthropic": 6}
