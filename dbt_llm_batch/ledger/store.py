@@ -170,12 +170,13 @@ MIGRATIONS += [
 MIGRATIONS += [
     # Evaluation variants (pipeline/variants.py): the variant whose pass planned a request or a job
     # ('' for the default variant and for everything written before): a variant's deferred requests
-    # wait for that variant's pass, and the views report per variant.
+    # wait for that variant's pass, and the views report per variant. `if not exists`: a ledger whose
+    # recorded version was set back (by hand, or a test building an older ledger) migrates again.
     (
         16,
         [
-            "alter table {s}.llm_batch_requests add column variant varchar default ''",
-            "alter table {s}.llm_batch_jobs add column variant varchar default ''",
+            "alter table {s}.llm_batch_requests add column if not exists variant varchar default ''",
+            "alter table {s}.llm_batch_jobs add column if not exists variant varchar default ''",
         ],
     ),
 ]
