@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from decimal import Decimal
 
 import pytest
 from conftest import failure_messages
@@ -428,3 +429,26 @@ def test_a_killed_run_with_two_providers_in_flight_is_finished_by_later_runs(
     assert sorted(billed.values()) == [2] * 6, billed
     faces = {face: sum(1 for b in emulator.billed() if b["face"] == face) for face in ("openai", "anthropic")}
     assert faces == {"openai": 6, "anthropic": 6}
+
+
+def test_identical_variants_share_their_requests(project, emulator):
+    write_seed(project)
+    # 'twin' sets a key to the model's own value: its requests are the default's, sent once for both.
+    project.write("models/evals.sql", eval_model("llm_variants = {'twin': {'llm_max_tokens': 100}}"))
+    project.dbt("run", "-s", "evals")
+    assert [(face, n) for face, n, _ in batches_by_face(emulator)] == [("openai", N)]
+    emulator.complete_all()
+    project.dbt("run", "-s", "evals")
+    rows = table(project)
+    assert len(rows) == 2 * N and len(emulator.billed()) == N
+    for i in range(N):
+        assert (
+            rows[(i, "twin")][:4]
+            == rows[(i, "default")][:4]
+            == (answer(SYSTEM_A, i), "succeeded", "gpt-4o-mini", rows[(i, "default")][3])
+        )
+    # One request answers both rows: its cost is split between them, and adds up to what was billed once.
+    costs = dict(project.query("select llm_variant, sum(llm_cost_usd) from main.evals group by 1"))
+    request_cost = project.query("select sum(cost_usd) from main.llm_batch_requests where model = 'main.evals'")[0][0]
+    assert costs["twin"] + costs["default"] == request_cost > 0
+    assert abs(costs["twin"] - costs["default"]) <= N * Decimal("0.000000001")

@@ -217,15 +217,19 @@ class ModelRun:
         self.harvest_open()  # reconcile, then harvest
         self.after_harvest()
         self.ledger.finalize_exhausted(self.config.max_attempts)
-        for variant in self.default.all_variants():
-            with self.using(variant):
-                self.reject_unsendable()
+        several = len(self.default.all_variants()) > 1
+        if not several:
+            self.reject_unsendable()
         while True:
             if self.provider_unavailable():
                 return
-            if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing
-                for variant in self.default.all_variants():  # each variant through its own provider
-                    with self.using(variant):
+            # Each variant's pass through its own provider. Its rows that cannot be sent are rejected
+            # in the pass: they are marked in the pass's own Scratch.desired, which the plan reads.
+            for variant in self.default.all_variants():
+                with self.using(variant):
+                    if several:
+                        self.reject_unsendable()
+                    if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing
                         self.plan_and_submit()
             if self.config.wait_seconds <= 0 or not self.ledger.open_jobs():
                 self.provider_unavailable()  # notes whether a call of this run gave up
