@@ -237,7 +237,7 @@ VIEWS = [
            coalesce(max(a.rows_reused), 0) as rows_reused,
            coalesce(max(a.dedup_saved_usd), 0) as dedup_saved_usd
     from {{s}}.llm_batch_requests
-         left join (select a.model, count(*) as rows_mapped, count(*) filter (where a.reused) as rows_reused,
+         left join (select a.model, a.variant, count(*) as rows_mapped, count(*) filter (where a.reused) as rows_reused,
                            count(distinct a.key) filter (where r.is_final and r.status = {_SUCCEEDED}) as keys_succeeded,
                            count(distinct a.key) filter (where r.is_final and r.status = {_FAILED}) as keys_failed,
                            cast(sum(r.cost_usd) - coalesce(sum(r.cost_usd / a.sharing) filter (where not a.reused), 0)
