@@ -452,3 +452,27 @@ def test_identical_variants_share_their_requests(project, emulator):
     request_cost = project.query("select sum(cost_usd) from main.llm_batch_requests where model = 'main.evals'")[0][0]
     assert costs["twin"] + costs["default"] == request_cost > 0
     assert abs(costs["twin"] - costs["default"]) <= N * Decimal("0.000000001")
+
+
+def test_realtime_rows_go_through_each_variant_s_provider_and_the_budget_names_the_variant(project, emulator):
+    write_seed(project)
+    claude = "llm_variants = {'claude': {'llm_provider': 'anthropic', 'llm_model': 'claude-sonnet-4-5'}}"
+    project.write("models/evals.sql", eval_model(f"llm_realtime_when = 'id < 3', {claude}"))
+    project.dbt("run", "-s", "evals")
+    realtime = sorted((b["face"], b["prompt"]) for b in emulator.billed() if b["via"] == "realtime")
+    assert realtime == sorted((face, prompt_of(i)) for face in ("openai", "anthropic") for i in range(3))
+    assert sorted((face, n) for face, n, _ in batches_by_face(emulator)) == [("anthropic", N - 3), ("openai", N - 3)]
+    rows = table(project)  # the urgent rows are answered within the run, for both variants
+    assert sorted(rows) == sorted((i, v) for i in range(3) for v in ("default", "claude"))
+    assert all(r[0] == answer(SYSTEM_A, i) and r[1] == "succeeded" for (i, _), r in rows.items())
+
+    # A budget: checked per variant's plan against everything the model has in flight; the refusal
+    # names the variant, and nothing more is sent.
+    emulator.complete_all()
+    project.write("models/evals.sql", eval_model(f"llm_max_cost_usd = 0.000001, {claude}", system=SYSTEM_B))
+    result = project.dbt("run", "-s", "evals", expect_ok=False)
+    message = failure_messages(result)
+    assert "main.evals (variant default): refusing to submit 60 request(s)" in message
+    assert "exceeds llm_max_cost_usd (this model)" in message
+    assert len(batches_by_face(emulator)) == 2
+    assert len(table(project)) == 2 * N  # what was final is merged first
