@@ -218,7 +218,7 @@ VIEWS = [
                     from {{s}}.llm_batch_row_answers group by custom_id) a using (custom_id)
     group by all""",
     f"""create or replace view {{s}}.llm_batch_progress as
-    select model, variant,  -- per evaluation variant ('': the default variant, and models without variants)
+    select model,
            -- keys: the rows, through their row answers (with llm_dedup a request answers several)
            coalesce(max(a.keys_succeeded), 0) as keys_succeeded, coalesce(max(a.keys_failed), 0) as keys_failed,
            count(*) filter (where status = {_QUEUED}) as requests_pending,
@@ -235,7 +235,8 @@ VIEWS = [
            count(*) filter (where job_id is not null) as requests_sent,
            coalesce(max(a.rows_mapped), 0) as rows_mapped,
            coalesce(max(a.rows_reused), 0) as rows_reused,
-           coalesce(max(a.dedup_saved_usd), 0) as dedup_saved_usd
+           coalesce(max(a.dedup_saved_usd), 0) as dedup_saved_usd,
+           variant  -- per evaluation variant ('': the default variant, and models without variants)
     from {{s}}.llm_batch_requests
          left join (select a.model, a.variant, count(*) as rows_mapped, count(*) filter (where a.reused) as rows_reused,
                            count(distinct a.key) filter (where r.is_final and r.status = {_SUCCEEDED}) as keys_succeeded,
