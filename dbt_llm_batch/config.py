@@ -81,10 +81,30 @@ DEFAULTS: dict[str, Any] = {
     # Identical requests are sent once: true (within the model), 'ledger' (also across the models of
     # the ledger schema) or false; default true, but false when llm_temperature is above 0.
     "llm_dedup": None,
+    # Evaluation variants (pipeline/variants.py): {name: {llm_* keys that differ}}; the model's own keys
+    # are the variant named llm_default_variant; llm_variant_sample: {name: fraction of keys it answers}.
+    "llm_variants": None,
+    "llm_default_variant": "default",
+    "llm_variant_sample": None,
 }
 OUTPUT_FORMATS = ("columns", "json")
 
 FALLBACKS = ("realtime",)
+
+# The keys a variant may set (everything else is the model's): what is asked and of whom, never the
+# table's shape (llm_output), the keys, or how the run is paced and budgeted.
+VARIANT_KEYS = (
+    "llm_provider",
+    "llm_model",
+    "llm_system",
+    "llm_examples",
+    "llm_temperature",
+    "llm_max_tokens",
+    "llm_params",
+    "llm_cache_prefix",
+    "llm_prompt_column",
+)
+VARIANT_CONFIG_KEYS = ("llm_variants", "llm_default_variant", "llm_variant_sample")
 CACHE_TTLS = ("5m", "1h")
 
 # Request parameters the plugin sets itself: `llm_params` may not override them silently.
@@ -162,6 +182,20 @@ class ModelConfig:
     # How rows are asked, never what: not in the fingerprint.
     dedup: str | None = "model"
     dedup_defaulted_off: bool = False  # llm_dedup unset and llm_temperature > 0 (the run log says so)
+    # Evaluation variants (pipeline/variants.py). `variant` is the name the ledger's row answers carry
+    # ('' for the default variant, so adding variants to a model keeps its answers); `variant_name` the
+    # name the table shows in llm_variant (None: the model has no variants, and no such column);
+    # `variants` the other variants' configs (the default's only); `variant_sample` the fraction of keys
+    # a sampled variant answers. None of them is in the fingerprint: a variant's answers are defined by
+    # its own fields, so identical variants share their requests.
+    variant: str = ""
+    variant_name: str | None = None
+    variants: tuple[ModelConfig, ...] = ()
+    variant_sample: float | None = None
+
+    def all_variants(self) -> tuple[ModelConfig, ...]:
+        """The default variant (this config) first, then the others; just this config without variants."""
+        return (self, *self.variants)
 
     @property
     def structured(self) -> bool:
@@ -235,6 +269,14 @@ def legacy_fingerprint_prefix(config: ModelConfig, raw_output, raw_examples) -> 
 
 def parse_config(raw: dict) -> ModelConfig:
     """Validate a model's raw config dict; raise one ConfigError listing every problem."""
+    variants_raw = raw.get("llm_variants")
+    if variants_raw is None and raw.get("llm_variant_sample") is None:
+        return _parse_one(raw)
+    return _parse_variants(raw)
+
+
+def _parse_one(raw: dict) -> ModelConfig:
+    """One variant's config (or the model's, without variants)."""
     errors: list[str] = []
     cfg: dict[str, Any] = {k: (raw.get(k) if raw.get(k) is not None else d) for k, d in DEFAULTS.items()}
     provider = _provider_class(cfg["llm_provider"], errors)
@@ -376,7 +418,102 @@ def settle_snapshot(raw: dict, dbt_name: str | None = None) -> str:
     No secret is in it: keys are read from environment variables, never from config. `dbt_name` is
     the model's name in dbt (what a selector names); the ledger knows the model as schema.name."""
     kept = {k: v for k, v in raw.items() if (k == "unique_key" or k.startswith("llm_")) and k not in SNAPSHOT_EXCLUDED}
+    if isinstance(kept.get("llm_variants"), dict):  # a variant's system prompt and examples are prompts too
+        kept["llm_variants"] = {
+            name: {k: v for k, v in keys.items() if k not in SNAPSHOT_EXCLUDED} if isinstance(keys, dict) else keys
+            for name, keys in kept["llm_variants"].items()
+        }
     return json.dumps({"config": canonical(kept), "dbt_name": dbt_name}, sort_keys=True, separators=(",", ":"))
+
+
+def _parse_variants(raw: dict) -> ModelConfig:
+    """llm_variants: the model's own keys are the default variant (named llm_default_variant); each
+    other variant is the model's config with its own keys over it, parsed and validated like a model's
+    (every problem of every variant at once, each named), before anything is recorded or sent."""
+    errors: list[str] = []
+    base_raw = {k: v for k, v in raw.items() if k not in VARIANT_CONFIG_KEYS}
+    default_name = raw.get("llm_default_variant")
+    default_name = DEFAULTS["llm_default_variant"] if default_name is None else default_name
+    if not _variant_name_ok(default_name):
+        errors.append(f"llm_default_variant must be a name of letters, digits, '_', '-' or '.', got {default_name!r}")
+    base = _collect(lambda: _parse_one(base_raw), errors, "")
+    model_errors = list(errors)  # a problem of the model's own keys is said once, not once per variant
+    variants_raw = raw.get("llm_variants")
+    if variants_raw is None:
+        variants_raw = {}
+    if not isinstance(variants_raw, dict):
+        errors.append("llm_variants must be a dict from a variant name to the llm_* keys that differ for it")
+        variants_raw = {}
+    others: list[ModelConfig] = []
+    for name in sorted(variants_raw, key=str):  # dbt's parse does not keep a dict's order (see canonical)
+        where = f"llm_variants[{name!r}]"
+        overrides = variants_raw[name]
+        if not _variant_name_ok(name):
+            errors.append(f"{where}: a variant name is letters, digits, '_', '-' or '.'")
+            continue
+        if name == default_name:
+            errors.append(
+                f"{where}: '{name}' is the default variant (llm_default_variant), whose keys are the model's own: "
+                "choose another name"
+            )
+            continue
+        if not isinstance(overrides, dict):
+            errors.append(f"{where} must be a dict of the llm_* keys that differ for it")
+            continue
+        bad = sorted(k for k in overrides if k not in VARIANT_KEYS)
+        for key in bad:
+            errors.append(
+                f"{where}: '{key}' cannot differ per variant (every variant answers into the same table "
+                f"and run); a variant may set {', '.join(VARIANT_KEYS)}"
+            )
+        if bad:
+            continue
+        config = _collect(
+            lambda overrides=overrides: _parse_one({**base_raw, **overrides}), errors, where + ": ", model_errors
+        )
+        if config is None:
+            continue
+        if base is not None and config.table_outputs() != base.table_outputs():
+            errors.append(f"{where}: its output columns differ from the model's; every variant fills the same columns")
+            continue
+        others.append(dataclasses.replace(config, variant=name, variant_name=name))
+    samples = raw.get("llm_variant_sample")
+    samples = {} if samples is None else samples
+    if not isinstance(samples, dict):
+        errors.append("llm_variant_sample must be a dict from a variant name to the fraction of keys it answers")
+        samples = {}
+    for name, fraction in sorted(samples.items(), key=lambda item: str(item[0])):
+        if name == default_name:
+            errors.append(
+                f"llm_variant_sample[{name!r}]: the default variant answers every row; sample another variant"
+            )
+        elif name not in variants_raw:
+            errors.append(f"llm_variant_sample[{name!r}]: no such variant in llm_variants")
+        elif isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            errors.append(f"llm_variant_sample[{name!r}] must be a fraction above 0 and at most 1, got {fraction!r}")
+    if errors:
+        raise ConfigError("invalid llm_batch config:\n  - " + "\n  - ".join(errors))
+    assert base is not None
+    others = [
+        dataclasses.replace(c, variant_sample=float(samples[c.variant]) if c.variant in samples else None)
+        for c in others
+    ]
+    return dataclasses.replace(base, variant="", variant_name=default_name, variants=tuple(others))
+
+
+def _variant_name_ok(name) -> bool:
+    return isinstance(name, str) and bool(name) and len(name) <= 64 and all(c.isalnum() or c in "_-." for c in name)
+
+
+def _collect(parse, errors: list[str], prefix: str, known: list[str] | None = None):
+    """parse(), or None with its problems added to `errors` (each prefixed: which variant), except
+    those in `known` (the model's own, reported already)."""
+    try:
+        return parse()
+    except ConfigError as exc:
+        lines = str(exc).split("\n  - ")[1:] or [str(exc)]
+        errors.extend(prefix + line for line in lines if line not in (known or []))
+        return None
 
 
 def _parse_dedup(cfg: dict, errors: list[str]) -> tuple[str | None, bool]:
@@ -415,7 +552,9 @@ def _check_keys(raw: dict, provider, errors: list[str]) -> None:
     """Report each `llm_` key neither the core nor the model's provider reads: another provider's
     key (with where this provider reads that setting instead), or an unknown one (with a did-you-mean)."""
     own = provider.config_keys if provider is not None else {}
-    strays = sorted(k for k in raw if k.startswith("llm_") and k not in DEFAULTS and k not in own)
+    strays = sorted(
+        k for k in raw if k.startswith("llm_") and k not in DEFAULTS and k not in own and k not in VARIANT_CONFIG_KEYS
+    )
     if not strays:
         return
     owners: dict[str, list[str]] = {}  # every other registered provider's keys: read only on this error path

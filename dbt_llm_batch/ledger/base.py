@@ -43,6 +43,9 @@ class LedgerBase:
         self.con = con
         self.schema = schema
         self.model = model
+        # The evaluation variant whose pass is running ('' the default): the row answers, requests and
+        # jobs this object writes carry it, and its deferred requests are its own (pipeline/variants.py).
+        self.variant = ""
 
     def table(self, name: str) -> str:
         return f"{ident(self.schema)}.{name}"

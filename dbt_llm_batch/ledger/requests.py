@@ -54,10 +54,10 @@ class RequestWrites(LedgerBase):
             with transaction(self.con):
                 self.con.execute(
                     f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
-                          status, request_count, created_at, updated_at)
-                        select m.job_id, ?, ?, ?, ?, count(*), now(), now()
+                          status, request_count, created_at, updated_at, variant)
+                        select m.job_id, ?, ?, ?, ?, count(*), now(), now(), ?
                         from {plan_rows} p join {mapping} m using (chunk) group by m.job_id""",
-                    [self.model, provider, llm_model, status],
+                    [self.model, provider, llm_model, status, self.variant],
                 )
                 self.con.execute(  # a deferred request being sent now becomes a queued one
                     f"""delete from {requests} where model = ? and status = {DEFERRED} and custom_id in
@@ -66,26 +66,26 @@ class RequestWrites(LedgerBase):
                 )
                 self.con.execute(
                     f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
-                          row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line)
+                          row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line, variant)
                         select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, {QUEUED}, p.row_json, now(),
-                               p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line
+                               p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line, ?
                         from {plan_rows} p join {mapping} m using (chunk)""",
-                    [self.model],
+                    [self.model, self.variant],
                 )
                 answers = self.table("llm_batch_row_answers")
                 self.con.execute(
                     f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, created_at)
-                        select ?, p.key, '', p.fingerprint, p.custom_id, false, now()
+                        select ?, p.key, ?, p.fingerprint, p.custom_id, false, now()
                         from {plan_rows} p join {mapping} m using (chunk)""",
-                    [self.model],
+                    [self.model, self.variant],
                 )
                 if members is not None:
                     self.con.execute(
                         f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, created_at, row_json)
-                            select ?, x.key, '', x.fingerprint, x.custom_id, false, now(), x.row_json
+                            select ?, x.key, ?, x.fingerprint, x.custom_id, false, now(), x.row_json
                             from {members} x semi join (select custom_id from {plan_rows} join {mapping} using (chunk)) p
                                  using (custom_id)""",
-                        [self.model],
+                        [self.model, self.variant],
                     )
 
         retry_on_conflict(write)
@@ -97,8 +97,8 @@ class RequestWrites(LedgerBase):
         return self.count(
             f"""insert into {self.table("llm_batch_row_answers")}
                   (model, key, variant, fingerprint, custom_id, reused, created_at, row_json)
-                select ?, key, '', fingerprint, custom_id, reused, now(), row_json from {members}""",
-            [self.model],
+                select ?, key, ?, fingerprint, custom_id, reused, now(), row_json from {members}""",
+            [self.model, self.variant],
         )
 
     def defer(self, plan_rows: str | None) -> None:
@@ -109,18 +109,18 @@ class RequestWrites(LedgerBase):
         def write():
             with transaction(self.con):
                 self.con.execute(
-                    f"delete from {self.table('llm_batch_requests')} where model = ? and status = {DEFERRED}",
-                    [self.model],
+                    f"delete from {self.table('llm_batch_requests')} where model = ? and status = {DEFERRED} and variant = ?",
+                    [self.model, self.variant],
                 )
                 if plan_rows is None:
                     return
                 self.con.execute(
                     f"""insert into {self.table("llm_batch_requests")} (custom_id, model, key, fingerprint, seq,
-                          status, row_json, queued_at, estimated_cost_usd, estimated_input_tokens)
+                          status, row_json, queued_at, estimated_cost_usd, estimated_input_tokens, variant)
                         select custom_id, ?, key, fingerprint, seq, {DEFERRED}, row_json, now(), estimated_cost_usd,
-                               estimated_input_tokens
+                               estimated_input_tokens, ?
                         from {plan_rows}""",
-                    [self.model],
+                    [self.model, self.variant],
                 )
 
         retry_on_conflict(write)
@@ -167,19 +167,19 @@ class RequestWrites(LedgerBase):
             with transaction(self.con):
                 n = self.con.execute(
                     f"""insert into {requests} (custom_id, model, key, fingerprint, seq, status, is_final, error,
-                          row_json, queued_at, completed_at)
+                          row_json, queued_at, completed_at, variant)
                         select 'x_' || substr(sha256(? || u.key || u.fingerprint), 1, 40), ?, u.key, u.fingerprint, 0,
-                               {FAILED}, true, u.error, u.row_json, now(), now()
+                               {FAILED}, true, u.error, u.row_json, now(), now(), ?
                         from {rows} u
                         where not exists (select 1 from {requests} r
                                           where r.model = ? and r.key = u.key and r.fingerprint = u.fingerprint
                                             and {existing})""",
-                    [self.model, self.model, *params, self.model],
+                    [self.model, self.model, self.variant, *params, self.model],
                 ).fetchall()[0][0]
                 if n:  # a row that failed without a request answers itself with that failure
                     self.con.execute(
                         f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, created_at)
-                            select model, key, '', fingerprint, custom_id, false, now() from {requests}
+                            select model, key, variant, fingerprint, custom_id, false, now() from {requests}
                             where custom_id in {new_ids}""",
                         [self.model, self.model],
                     )
@@ -194,9 +194,9 @@ class RequestWrites(LedgerBase):
             f"""update {self.table("llm_batch_requests")} set status = {FAILED}, is_final = true, completed_at = now(),
                   error = 'waited over an in-flight cap, but its stored row has no prompt column ' || ? ||
                           ' (the model''s prompt column changed); nothing was sent'
-                where model = ? and status = {DEFERRED} and key not in (select key from {selected_keys})
+                where model = ? and status = {DEFERRED} and variant = ? and key not in (select key from {selected_keys})
                   and json_extract_string(row_json, ?) is null""",
-            [field, self.model, path],
+            [field, self.model, self.variant, path],
         )
 
     def finalize_exhausted(self, max_attempts: int) -> None:

@@ -167,6 +167,19 @@ MIGRATIONS += [
     # poller (ops/poller.py) harvests without a dbt project. NULL until the model runs once with it.
     (15, ["alter table {s}.llm_batch_models add column config_snapshot varchar"]),
 ]
+MIGRATIONS += [
+    # Evaluation variants (pipeline/variants.py): the variant whose pass planned a request or a job
+    # ('' for the default variant and for everything written before): a variant's deferred requests
+    # wait for that variant's pass, and the views report per variant. `if not exists`: a ledger whose
+    # recorded version was set back (by hand, or a test building an older ledger) migrates again.
+    (
+        16,
+        [
+            "alter table {s}.llm_batch_requests add column if not exists variant varchar default ''",
+            "alter table {s}.llm_batch_jobs add column if not exists variant varchar default ''",
+        ],
+    ),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users
@@ -176,7 +189,7 @@ _QUEUED, _SUCCEEDED, _FAILED = sql(RequestStatus.QUEUED), sql(RequestStatus.SUCC
 VIEWS = [
     f"""create or replace view {{s}}.llm_batch_in_flight as
     select model, provider, llm_model, batch_id, status, request_count, submitted_at,
-           date_trunc('second', now() - coalesce(submitted_at, created_at)) as age
+           date_trunc('second', now() - coalesce(submitted_at, created_at)) as age, variant
     from {{s}}.llm_batch_jobs where harvested_at is null and status <> {sql(JobStatus.VOIDED)}""",
     f"""create or replace view {{s}}.llm_batch_costs as
     select r.model, j.provider, coalesce(j.llm_model, '') as llm_model,
@@ -198,7 +211,8 @@ VIEWS = [
            -- answered, of which reused (answered from the ledger, no call), and what sharing saved:
            -- each row beyond a request's first would have been a request of its own
            coalesce(sum(a.row_answers), 0) as rows_answered, coalesce(sum(a.reused), 0) as rows_reused,
-           coalesce(sum(r.cost_usd * (a.row_answers - 1)) filter (where a.row_answers > 1), 0) as dedup_saved_usd
+           coalesce(sum(r.cost_usd * (a.row_answers - 1)) filter (where a.row_answers > 1), 0) as dedup_saved_usd,
+           r.variant  -- the evaluation variant that asked it ('': the default variant)
     from {{s}}.llm_batch_requests r left join {{s}}.llm_batch_jobs j using (job_id)
          left join (select custom_id, count(*) as row_answers, count(*) filter (where reused) as reused
                     from {{s}}.llm_batch_row_answers group by custom_id) a using (custom_id)
@@ -221,9 +235,10 @@ VIEWS = [
            count(*) filter (where job_id is not null) as requests_sent,
            coalesce(max(a.rows_mapped), 0) as rows_mapped,
            coalesce(max(a.rows_reused), 0) as rows_reused,
-           coalesce(max(a.dedup_saved_usd), 0) as dedup_saved_usd
+           coalesce(max(a.dedup_saved_usd), 0) as dedup_saved_usd,
+           variant  -- per evaluation variant ('': the default variant, and models without variants)
     from {{s}}.llm_batch_requests
-         left join (select a.model, count(*) as rows_mapped, count(*) filter (where a.reused) as rows_reused,
+         left join (select a.model, a.variant, count(*) as rows_mapped, count(*) filter (where a.reused) as rows_reused,
                            count(distinct a.key) filter (where r.is_final and r.status = {_SUCCEEDED}) as keys_succeeded,
                            count(distinct a.key) filter (where r.is_final and r.status = {_FAILED}) as keys_failed,
                            cast(sum(r.cost_usd) - coalesce(sum(r.cost_usd / a.sharing) filter (where not a.reused), 0)
@@ -231,8 +246,8 @@ VIEWS = [
                     from (select *, count(*) filter (where not reused) over (partition by custom_id) as sharing
                           from {{s}}.llm_batch_row_answers) a
                          join {{s}}.llm_batch_requests r using (custom_id)
-                    group by a.model) a using (model)
-    group by model""",
+                    group by a.model, a.variant) a using (model, variant)
+    group by model, variant""",
 ]
 
 # dbt runs models in threads of one process; DuckDB rejects concurrent DDL on one catalog

@@ -32,6 +32,7 @@ COLUMN_DESCRIPTIONS = {
     "llm_cost_usd": "What this row's request cost in USD (batch prices, or list prices for a realtime row); NULL without a price.",
     "llm_realtime_cost_usd": "What the same tokens would cost at realtime list prices, in USD (NULL for a self-hosted engine).",
     "llm_route": "'batch' or 'realtime': how the row was sent; 'reused': answered from a stored answer at no cost (llm_dedup); NULL for a row never sent (an empty prompt).",
+    "llm_variant": "The evaluation variant (llm_variants) that answered this row; llm_default_variant names the model's own config.",
 }
 
 
@@ -42,6 +43,8 @@ def output_description(name: str) -> str:
 def comment_columns(con, target: str, config: ModelConfig) -> None:
     """Comment the columns dbt-llm-batch adds to `target` (again after each run: a rebuild drops them)."""
     described = {name: COLUMN_DESCRIPTIONS.get(name) or "" for name, _ in STATUS_COLUMNS}
+    if config.variant_name is not None:  # a model with evaluation variants
+        described["llm_variant"] = COLUMN_DESCRIPTIONS["llm_variant"]
     # The table's output columns: one per field, or the whole answer as one column (llm_output_format).
     whole_answer = not config.structured or config.output_format == "json"
     for name, _ in config.table_outputs():

@@ -29,8 +29,17 @@ DESIRED, INPUT, EMIT = Scratch.desired, Scratch.input, Scratch.emit
 
 
 def table_columns(input_columns, config: ModelConfig) -> list[tuple[str, str]]:
-    """The model table's columns: selected, then outputs, then status columns."""
-    return list(input_columns) + config.table_outputs() + STATUS_COLUMNS
+    """The model table's columns: selected, then outputs, then status columns (and, for a model with
+    evaluation variants, llm_variant)."""
+    return list(input_columns) + config.table_outputs() + STATUS_COLUMNS + variant_columns(config)
+
+
+VARIANT_COLUMN = ("llm_variant", "VARCHAR")
+
+
+def variant_columns(config: ModelConfig) -> list[tuple[str, str]]:
+    """llm_variant for a model with evaluation variants (pipeline/variants.py); none without."""
+    return [VARIANT_COLUMN] if config.variant_name is not None else []
 
 
 def relation_exists(con, schema: str, name: str) -> bool:
@@ -42,20 +51,28 @@ def relation_exists(con, schema: str, name: str) -> bool:
     )
 
 
-def check_existing_table(con, target: str, expected, alter: bool = True) -> None:
+def check_existing_table(con, target: str, expected, alter: bool = True, default_variant: str | None = None) -> None:
     """An incremental run writes rows of the same columns; a changed set of columns needs a full refresh.
 
     Columns are compared as a set: the table's own order wins (rows are inserted by name), so the
     order a parse produced for llm_output, or a reordered SELECT, never asks for a rebuild. Status
-    columns added by a newer dbt-llm-batch are appended to an existing table (NULL for old rows).
+    columns added by a newer dbt-llm-batch are appended to an existing table (NULL for old rows), and
+    so is llm_variant when a model gains evaluation variants: its rows are the default variant's
+    (`default_variant`), whose answers the ledger keeps under the same identity, so nothing is asked again.
     """
     actual = describe(con, target)
     have = {c.lower() for c, _ in actual}
     missing = [(n, t) for n, t in expected if n.lower() not in have]
-    if missing and alter and all(col in STATUS_COLUMNS for col in missing):
+    appendable = [*STATUS_COLUMNS, *([VARIANT_COLUMN] if default_variant is not None else [])]
+    if missing and alter and all(col in appendable for col in missing):
         for name, typ in missing:
-            con.execute(f"alter table {target} add column {ident(name)} {typ}")
+            default = ""
+            if (name, typ) == VARIANT_COLUMN and default_variant is not None:
+                default = f" default {literal(default_variant)}"
+            con.execute(f"alter table {target} add column {ident(name)} {typ}{default}")
         actual = describe(con, target)
+    elif missing == [VARIANT_COLUMN] and default_variant is not None:  # a dry run: the real run appends it
+        actual = [*actual, VARIANT_COLUMN]
     table, model = {n.lower(): t for n, t in actual}, {n.lower(): t for n, t in expected}
     if table != model:
         # The difference only, by name: a wide table's full column lists would hide it.
@@ -114,6 +131,8 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
         "case when w.reused then 'reused' when w.job_id is not null then coalesce(w.route, 'batch') end",
     ]
     status = [f"{value} as {ident(name)}" for value, (name, _) in zip(status_values, STATUS_COLUMNS, strict=True)]
+    if config.variant_name is not None:
+        status.append(f"{literal(config.variant_name)} as llm_variant")
     return f"""
         select {", ".join(selected + outputs + status)}
         from (select r.* exclude (key, row_json), e.key, e.reused, e.sharing, e.share_rank,
@@ -189,10 +208,11 @@ def _share(column: str) -> str:
     return f"case when w.reused then 0 else cast({part} / 1000000000 as decimal(18, 9)) end"
 
 
-def _winners(ledger: Ledger, keys_sql: str) -> str:
+def _winners(ledger: Ledger, keys_sql: str, variant: str = "") -> str:
     """Per key in `keys_sql`, the row answer whose request's row belongs in the table: among the key's
     answers by a final request, one for the fingerprint the model selects now if there is one, else
-    the one queued last. With how many rows share the request's cost, and this row's rank among them."""
+    the one queued last. With how many rows share the request's cost, and this row's rank among them.
+    Only the row answers of `variant` (an evaluation variant; '' the default, and a model without)."""
     # Narrow columns only: the wide ones (row_json, answer) are read once, by the insert (_row_select),
     # so a million-row merge neither sorts nor copies a million stored rows.
     answers = ledger.table("llm_batch_row_answers")
@@ -201,7 +221,8 @@ def _winners(ledger: Ledger, keys_sql: str) -> str:
         from (select a.custom_id, a.key, a.variant, r.status, a.emitted, a.reused, a.row_json
               from {answers} a join {ledger.table("llm_batch_requests")} r using (custom_id)
                    left join {DESIRED} d on d.key = a.key
-              where a.model = {literal(ledger.model)} and r.is_final and a.key in ({keys_sql})
+              where a.model = {literal(ledger.model)} and a.variant = {literal(variant)} and r.is_final
+                and a.key in ({keys_sql})
               qualify row_number() over (partition by a.key
                                          order by (a.fingerprint = d.fingerprint) desc nulls last, r.queued_at desc,
                                                   r.seq desc, a.created_at desc) = 1) w
@@ -220,20 +241,30 @@ def _compression(name: str, typ: str, config: ModelConfig) -> str:
     return " using compression zstd" if name == config.prompt_column and typ == "VARCHAR" else ""
 
 
-def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebuild: bool) -> tuple[int, int]:
+def merge(
+    ledger: Ledger, config: ModelConfig, target: str, input_columns, rebuild: bool, create: bool = True
+) -> tuple[int, int]:
     """Bring the model table up to date with the ledger; returns (rows written, of which failed).
 
     Incremental: only keys with a request that became final since the last merge, or whose selected
     fingerprint has an answer the table does not show (a prompt changed back), are rewritten. A full
     refresh (`rebuild`; also used when the table does not exist) rebuilds it from the ledger for the
     selected keys.
+
+    A model with evaluation variants is merged once per variant (`config` is the variant's): only
+    that variant's row answers and table rows (llm_variant) are read and written; a rebuild creates
+    the table for the first variant only (`create`), the others add their rows to it.
     """
     con = ledger.con
+    variant = literal(config.variant)
+    shown = "true" if config.variant_name is None else f"llm_variant = {literal(config.variant_name)}"
     columns = table_columns(input_columns, config)
     requests = ledger.table("llm_batch_requests")
     model = literal(ledger.model)
     if rebuild:
-        con.execute(f"create or replace temp table {EMIT} as {_winners(ledger, f'select key from {DESIRED}')}")
+        con.execute(
+            f"create or replace temp table {EMIT} as {_winners(ledger, f'select key from {DESIRED}', config.variant)}"
+        )
     else:
         # Keys whose winner may have changed: a request became final since the last merge, or the key
         # is selected and has a final answer the table does not show (a prompt changed back, or a
@@ -241,26 +272,31 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
         answers = ledger.table("llm_batch_row_answers")
         final = f"custom_id in (select custom_id from {requests} where is_final)"
         candidates = f"""
-            select key from {answers} where model = {model} and emitted is null and {final}
+            select key from {answers} where model = {model} and variant = {variant} and emitted is null and {final}
             union
             select a.key from {answers} a semi join {DESIRED} d on a.key = d.key
-            where a.model = {model} and a.emitted = 'superseded' and {final}"""
+            where a.model = {model} and a.variant = {variant} and a.emitted = 'superseded' and {final}"""
         con.execute(f"""create or replace temp table {EMIT} as
-                        select * from ({_winners(ledger, candidates)}) where emitted is distinct from 'merged'""")
+                        select * from ({_winners(ledger, candidates, config.variant)})
+                        where emitted is distinct from 'merged'""")
     ddl = ", ".join(f"{ident(n)} {t}{_compression(n, t, config)}" for n, t in columns)
     target_key = key_sql(config)
     # Which final requests the table now shows ('merged') and which it does not ('superseded'), so
     # the next run only looks at requests that became final after this one.
-    scope = "true" if rebuild else f"emitted is null or key in (select key from {EMIT})"
+    scope = f"variant = {variant} and " + (
+        "true" if rebuild else f"(emitted is null or key in (select key from {EMIT}))"
+    )
 
     removed = [0]  # rows of keys no longer selected, deleted (llm_on_unselected = 'delete')
 
     def write():
         with transaction(con):
-            if rebuild:
+            if rebuild and create:
                 con.execute(f"create or replace table {target} ({ddl})")
+            elif rebuild:  # a later variant of a rebuilt table
+                con.execute(f"delete from {target} where {shown}")
             else:
-                con.execute(f"delete from {target} where {target_key} in (select key from {EMIT})")
+                con.execute(f"delete from {target} where {shown} and {target_key} in (select key from {EMIT})")
             con.execute(f"insert into {target} by name {_row_select(ledger, config, input_columns)}")
             refresh = None if rebuild else refresh_sql(config, target, input_columns)
             if refresh:
@@ -269,11 +305,13 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
             removed[0] = 0
             if config.on_unselected == "delete" and not rebuild:  # a rebuild writes only selected keys
                 removed[0] = con.execute(
-                    f"delete from {target} where {target_key} not in (select key from {DESIRED})"
+                    f"delete from {target} where {shown} and {target_key} not in (select key from {DESIRED})"
                 ).fetchall()[0][0]
                 # Their answers are no longer shown: a run that selects them again merges them again.
                 nothing = "(select null::varchar as custom_id where false)"
-                ledger.mark_emitted(nothing, f"emitted = 'merged' and key not in (select key from {DESIRED})")
+                ledger.mark_emitted(
+                    nothing, f"variant = {variant} and emitted = 'merged' and key not in (select key from {DESIRED})"
+                )
             null_filter = " or ".join(f"{ident(k)} is null" for k in config.unique_key)
             null_keys = con.execute(f"select count(*) from {target} where {null_filter}").fetchall()[0][0]
             if null_keys:

@@ -48,6 +48,8 @@ def check_input(con, input_rel: str, config: ModelConfig) -> list[tuple[str, str
             f"column named '{config.prompt_column}' or set llm_prompt_column"
         )
     added = [name for name, _ in config.table_outputs()] + [c[0] for c in STATUS_COLUMNS]
+    if config.variant_name is not None:  # a model with evaluation variants adds llm_variant too
+        added.append("llm_variant")
     if "rowid" in lowered:  # it would hide DuckDB's own row id, which the plan joins on
         problems.append("a selected column is named 'rowid', which dbt-llm-batch needs; rename it in the model's SQL")
     for clash in [a for a in added if a.lower() in lowered]:
@@ -191,9 +193,10 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
             select * from (select key, fingerprint, seq, custom_id, row_json,
                                   {stored_prompt} as prompt, length({stored_prompt}) as prompt_chars from {requests}
                            where model = ? and status = {sql(RequestStatus.DEFERRED)} and key not in (select key from {DESIRED})
+                           and variant = ?  -- an evaluation variant's deferred requests wait for its own pass
                            {asked_now})
             where prompt is not null""",
-        [path, path, ledger.model],
+        [path, path, ledger.model, ledger.variant],
     )
     estimated_cost = "null::decimal(18, 9)"
     if price is not None:
@@ -226,8 +229,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
             where d.has_prompt and not exists (
                 select 1 from {answers} a join {requests} b using (custom_id)
                 where a.model = $model and b.status in {sql_in(BLOCKS_REPLANNING)}
-                  and a.key = d.key and a.fingerprint = d.fingerprint)""",
-        {"model": ledger.model},
+                  and a.key = d.key and a.fingerprint = d.fingerprint and a.variant = $variant)""",
+        {"model": ledger.model, "variant": ledger.variant},
     )
     reuse = ""
     if dedup:
@@ -248,7 +251,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                   select c.row_id, c.key, c.fingerprint, a.custom_id, a.answered, false
                   from {Scratch.candidates} c join {Scratch.answered} a using (fingerprint)
                   where not exists (select 1 from {answers} x
-                                    where x.model = $model and x.key = c.key and x.custom_id = a.custom_id)"""
+                                    where x.model = $model and x.key = c.key and x.custom_id = a.custom_id
+                                      and x.variant = $variant)"""
     con.execute(
         f"""create or replace temp table {PLAN} as
             with history as (
@@ -311,14 +315,15 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                   where c.fingerprint not in (select fingerprint from {PLAN})
                     and c.fingerprint not in (select fingerprint from {Scratch.answered})
                     and not exists (select 1 from {answers} x
-                                    where x.model = $model and x.key = c.key and x.custom_id = f.custom_id)"""
+                                    where x.model = $model and x.key = c.key and x.custom_id = f.custom_id
+                                      and x.variant = $variant)"""
     con.execute(
         f"""create or replace temp table {Scratch.plan_members} as
             select m.key, m.fingerprint, m.custom_id, m.reused, m.duplicate, {row_json_sql(columns, "i.")} as row_json
             from (select row_id, key, fingerprint, custom_id, false as reused, true as duplicate from {PLAN} where member
                   {reuse}) m
                  join {INPUT} i on i.rowid = m.row_id""",
-        {"model": ledger.model} if dedup else {},
+        {"model": ledger.model, "variant": ledger.variant} if dedup else {},
     )
     con.execute(f"delete from {PLAN} where member")
     if dedup:  # a request sent for several rows goes the urgent way if one of them is urgent

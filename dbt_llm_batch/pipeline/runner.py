@@ -23,6 +23,7 @@ Every temporary table the run makes is dropped when it ends, however it ends (sc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from decimal import Decimal
@@ -50,6 +51,7 @@ from dbt_llm_batch.pipeline import (
     submit,
     tempdirs,
     validate,
+    variants,
 )
 from dbt_llm_batch.pipeline.report import RunSummary
 from dbt_llm_batch.pipeline.scratch import Scratch
@@ -130,13 +132,23 @@ def _run(con, schema, identifier, target, config, full_refresh, project, model_c
     run = ModelRun(con, config, schema, identity.ledger_identity(config, schema, identifier), project)
     # Validate: the selected columns against the config, and against the table an earlier run made.
     input_columns = run.input_columns = plan.check_input(con, Scratch.input, config)
+    for other in config.variants:  # each variant's prompt column
+        plan.check_input(con, Scratch.input, other)
     contract.enforce(con, model_contract, merge.table_columns(input_columns, config))
     exists = merge.relation_exists(con, schema, identifier)
     if not full_refresh and exists:
-        merge.check_existing_table(con, target, merge.table_columns(input_columns, config), alter=not run.dry_run)
+        merge.check_existing_table(
+            con,
+            target,
+            merge.table_columns(input_columns, config),
+            alter=not run.dry_run,
+            default_variant=config.variant_name,
+        )
     plan.build_desired(con, Scratch.input, input_columns, config)
     if run.dry_run:
-        run.dry_run_report()
+        for variant in config.all_variants():
+            with run.using(variant):
+                run.dry_run_report()
         return run.summary
 
     tempdirs.remove_stale()  # prompts and answers a killed run left on disk
@@ -152,9 +164,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project, model_c
         except BudgetError as exc:
             refused = exc  # what is already final is merged first; the run still fails, saying so
         crashpoints.reach("before_merge")
-        run.summary.merged, run.summary.failed = merge.merge(
-            run.ledger, config, target, input_columns, rebuild=full_refresh or not exists
-        )
+        run.summary.merged, run.summary.failed = run.merge(target, rebuild=full_refresh or not exists)
         docs.comment_columns(con, target, config)  # what `dbt docs` shows for the llm_* columns
     finally:
         lock.release()
@@ -187,6 +197,10 @@ class ModelRun:
         costs.load_prices(con, config.price_table)
         self.price = costs.price_of(con, config.provider, config.model)
         self._provider = provider  # None: created on first use (benchmarks pass one that stays offline)
+        # Evaluation variants (pipeline/variants.py): `config` is the variant whose pass is running;
+        # the model's own (the default variant) is `default`. Each variant's provider client, by variant.
+        self.default = config
+        self._variant_providers: dict[str, object] = {}
         self._job_providers: dict[tuple[str, str], object] = {}  # (provider, model) of older jobs -> client
         # One realtime budget for the whole run, however many rounds llm_wait_seconds makes.
         self.realtime_deadline = time.monotonic() + config.realtime_budget_seconds
@@ -203,20 +217,79 @@ class ModelRun:
         self.harvest_open()  # reconcile, then harvest
         self.after_harvest()
         self.ledger.finalize_exhausted(self.config.max_attempts)
-        self.summary.rejected_prompts = plan.reject_empty_prompts(self.ledger, Scratch.input, self.input_columns)
-        self.summary.rejected_prompts += validate.reject_unsendable(self.ledger, self.config, self.input_columns)
-        self.summary.rejected_prompts += validate.reject_deferred_without_prompt(self.ledger, self.config)
+        several = len(self.default.all_variants()) > 1
+        if not several:
+            self.reject_unsendable()
         while True:
             if self.provider_unavailable():
                 return
-            if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing
-                self.plan_and_submit()
+            # Each variant's pass through its own provider. Its rows that cannot be sent are rejected
+            # in the pass: they are marked in the pass's own Scratch.desired, which the plan reads.
+            for variant in self.default.all_variants():
+                with self.using(variant):
+                    if several:
+                        self.reject_unsendable()
+                    if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing
+                        self.plan_and_submit()
             if self.config.wait_seconds <= 0 or not self.ledger.open_jobs():
                 self.provider_unavailable()  # notes whether a call of this run gave up
                 return
             self.wait(deadline)
             if time.monotonic() >= deadline:
                 return
+
+    def reject_unsendable(self) -> None:
+        """Rows of this pass that can never be sent fail alone (empty, over the context window, ...)."""
+        self.summary.rejected_prompts += plan.reject_empty_prompts(self.ledger, Scratch.input, self.input_columns)
+        self.summary.rejected_prompts += validate.reject_unsendable(self.ledger, self.config, self.input_columns)
+        self.summary.rejected_prompts += validate.reject_deferred_without_prompt(self.ledger, self.config)
+
+    # --- evaluation variants ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def using(self, variant: ModelConfig):
+        """Run the block as `variant`'s pass (pipeline/variants.py): its config, price, provider, its
+        row answers in the ledger, and its selected rows and fingerprints in Scratch.desired; the
+        default variant's again afterwards, however the block ends. A model without variants has
+        only its own config: nothing changes."""
+        if variant is self.config:
+            yield
+            return
+        self._switch(variant)
+        try:
+            yield
+        finally:
+            self._switch(self.default)
+
+    def _switch(self, variant: ModelConfig) -> None:
+        self._variant_providers[self.config.variant] = self._provider
+        self.config = variant
+        self.ledger.variant = variant.variant
+        self._provider = self._variant_providers.get(variant.variant)
+        self.price = costs.price_of(self.con, variant.provider, variant.model)
+        plan.build_desired(self.con, Scratch.input, self.input_columns, variant)
+        variants.sample_desired(self.con, variant)
+
+    @property
+    def label(self) -> str:
+        """The model, and the variant whose pass is running, as the run log names them."""
+        return variants.label(self.ledger.model, self.config)
+
+    def merge(self, target: str, rebuild: bool) -> tuple[int, int]:
+        """Each variant's final outcomes into the table (one row per key and variant); returns
+        (rows written, of which failed), all variants together."""
+        if self.default.variant_name is None:
+            return merge.merge(self.ledger, self.config, target, self.input_columns, rebuild=rebuild)
+        if not rebuild:  # rows of removed variants go before the variants' rows are merged
+            variants.drop_removed(self.ledger, self.default, target)
+        written = failed = 0
+        for i, variant in enumerate(self.default.all_variants()):
+            with self.using(variant):
+                w, f = merge.merge(self.ledger, variant, target, self.input_columns, rebuild=rebuild, create=i == 0)
+            written, failed = written + w, failed + f
+        if rebuild:
+            variants.drop_removed(self.ledger, self.default, target)
+        return written, failed
 
     def harvest_open(self) -> None:
         """Reconcile what earlier runs left open, then poll and harvest every submitted batch, each
@@ -248,7 +321,7 @@ class ModelRun:
 
     def plan_and_submit(self) -> None:
         held, until = self.ledger.backed_off()
-        if held:
+        if held and self.config is self.default:  # the model's, all variants together: said once
             report.backed_off(self.ledger.model, held, until)
         planned = self.plan()
         self.map_answered()
@@ -264,11 +337,11 @@ class ModelRun:
             if self.price is not None:
                 estimate = sum(f.cost or 0 for f in files) + (realtime_estimate or 0)
             if n:  # batch and realtime together, before anything is sent
-                budget.check_budget(self.ledger, self.config, self.project_max_cost, n, estimate, self.output)
+                self.check_budget(n, estimate)
             first_unsent = len(files)
             if files:
                 provider = self.provider
-                report.prefix_too_short(self.ledger.model, self.config, provider)
+                report.prefix_too_short(self.label, self.config, provider)
                 batch_ids = submit.submit_chunks(
                     self.ledger, provider, files, request_files.sent_rows(self.rows), members=self.duplicates
                 )
@@ -277,6 +350,11 @@ class ModelRun:
                 sent = files[: len(batch_ids)]  # a failed create stops the run's submissions (submit.py)
                 self.summary.submitted += sum(f.requests for f in sent)
                 self.summary.batches += len(batch_ids)
+                if self.default.variant_name is not None:  # the run line adds up the variants: each one's part
+                    log.info(
+                        f"{self.label}: submitted {sum(f.requests for f in sent)} request(s) in "
+                        f"{len(batch_ids)} batch(es) to {self.config.provider} ({self.config.model})"
+                    )
                 if estimate is not None and self.price is not None and self.output is not None:
                     sent_cost = sum(f.cost or 0 for f in sent)
                     self.summary.estimated_usd = (self.summary.estimated_usd or 0) + sent_cost
@@ -291,9 +369,20 @@ class ModelRun:
         waiting = self.ledger.deferred_count()
         self.summary.deferred = waiting
         if waiting:
-            report.deferred(self.ledger.model, waiting, self.config, self.tokens_cap())
+            report.deferred(self.label, waiting, self.config, self.tokens_cap())
         if n_realtime:
             self.send_realtime()
+
+    def check_budget(self, n: int, estimate) -> None:
+        """The budget gate for this pass's plan. With variants it is checked per variant, against what
+        is in flight for the whole model (earlier variants' batches of this run included), so the
+        model's total never goes over; the refusal names the variant."""
+        try:
+            budget.check_budget(self.ledger, self.config, self.project_max_cost, n, estimate, self.output)
+        except BudgetError as exc:
+            if self.default.variant_name is None:
+                raise
+            raise BudgetError(str(exc).replace(f"{self.ledger.model}:", f"{self.label}:", 1)) from None
 
     def plan(self) -> int:
         """Build the plan, each request with its estimated input tokens (and cost, when priced)."""
@@ -429,7 +518,13 @@ class ModelRun:
         estimate = None
         if self.price is not None:
             estimate = sum(f.cost or 0 for f in files) + (realtime_estimate or 0)
-        self.summary.estimated_usd = estimate if n else 0
+        this = estimate if n else 0
+        if self.config is self.default:
+            self.summary.estimated_usd = this
+        elif this is None or self.summary.estimated_usd is None:  # a variant without a price: no total
+            self.summary.estimated_usd = None
+        else:
+            self.summary.estimated_usd += this
         batch = sum(f.requests for f in files)
         committed = budget.committed(self.ledger)
         figures = None
@@ -437,7 +532,7 @@ class ModelRun:
             figures = (*costs.estimate_range(self.price, self.output, estimate, batch, n_realtime), self.output)
         shared, reused = plan.dedup_counts(self.con)
         report.dry_run(
-            self.ledger.model,
+            self.label,
             n,
             batch,
             len(files),
@@ -474,7 +569,9 @@ class ModelRun:
             return self.provider
         key = (provider_name, llm_model)
         if key not in self._job_providers:
-            config = dataclasses.replace(self.config, provider=provider_name, model=llm_model)
+            # A variant's batch: that variant's config (its provider's own keys); else the model's, moved.
+            same = [v for v in self.default.all_variants() if (v.provider, v.model) == key]
+            config = same[0] if same else dataclasses.replace(self.config, provider=provider_name, model=llm_model)
             client = get_provider(provider_name)(config)
             client.check_credentials()
             self._job_providers[key] = client
@@ -498,7 +595,7 @@ class ModelRun:
         fails with llm_on_unavailable='error' (report_unavailable)."""
         spent = [
             p.calls
-            for p in [self._provider, *self._job_providers.values()]
+            for p in [self._provider, *self._variant_providers.values(), *self._job_providers.values()]
             if p is not None and p.calls is not None and p.calls.spent
         ]
         if not spent:

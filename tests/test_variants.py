@@ -1,0 +1,478 @@
+"""Evaluation runs (llm_variants): one model asks the same rows of several configs in one run, each
+variant through its own provider, and its table holds one row per (key, variant).
+
+The workload: 60 labelled tickets (`id, prompt, expected_category`) and three variants: the model's
+own (OpenAI, system prompt A: the variant 'default'), 'terse' (OpenAI, system prompt B) and 'claude'
+(Anthropic). Every answer is checked against the sandbox's answer function for its variant's request
+(system prompt, prompt, output schema), and every accuracy is computed here from the rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from decimal import Decimal
+
+import pytest
+from conftest import failure_messages
+from helpers import (
+    TRIAGE_SYSTEM,
+    batch_input_lines,
+    billed_per_key,
+    dbt_subprocess,
+    expected_triage,
+    is_anthropic,
+    log_text,
+    sorted_batches,
+    succeeded_custom_ids,
+    triage_model,
+)
+
+from dbt_llm_batch.config import parse_config
+from dbt_llm_batch.sandbox import expected_answer
+
+CATEGORIES = ["billing", "bug", "how_to", "other"]
+OUTPUT = {"category": CATEGORIES}
+SCHEMA = parse_config({"unique_key": "id", "llm_model": "m", "llm_output": OUTPUT}).output_json_schema()
+SYSTEM_A = "You sort support tickets into a category."
+SYSTEM_B = "Category of the ticket, nothing else."
+SYSTEM_B2 = "Name the single best category for this support ticket."
+N = 60
+
+
+def prompt_of(i: int) -> str:
+    return f"Ticket {i}: the export of report {i % 7} fails with error {i * 13 % 97}."
+
+
+def labels() -> dict[int, str | None]:
+    """The expected category per ticket: the default variant's answer for most, another for some
+    (so each variant has its own accuracy), none for a few (left out of accuracy, not counted wrong)."""
+    out: dict[int, str | None] = {}
+    for i in range(N):
+        right = json.loads(expected_answer(SYSTEM_A, prompt_of(i), SCHEMA))["category"]
+        if i % 10 == 9:
+            out[i] = None
+        elif i % 4 == 0:
+            out[i] = CATEGORIES[(CATEGORIES.index(right) + 1) % len(CATEGORIES)]
+        else:
+            out[i] = right
+    return out
+
+
+def write_seed(project) -> None:
+    rows = "".join(f'{i},"{prompt_of(i)}",{label or ""}\n' for i, label in labels().items())
+    project.write("seeds/eval_tickets.csv", "id,prompt,expected_category\n" + rows)
+    project.dbt("seed", "-s", "eval_tickets")
+
+
+def variants_config(terse_system: str = SYSTEM_B, sample: dict | None = None, variants: dict | None = None) -> str:
+    if variants is None:
+        variants = {
+            "terse": {"llm_system": terse_system},
+            "claude": {"llm_provider": "anthropic", "llm_model": "claude-sonnet-4-5"},
+        }
+    extra = f", llm_variant_sample = {json.dumps(sample)}" if sample else ""
+    return f"llm_variants = {json.dumps(variants)}{extra}"
+
+
+def eval_model(config: str = "", system: str = SYSTEM_A) -> str:
+    return f"""
+{{{{ config(materialized = 'llm_batch', unique_key = 'id', llm_provider = 'openai', llm_model = 'gpt-4o-mini',
+            llm_system = {json.dumps(system)}, llm_output = {json.dumps(OUTPUT)}, llm_max_tokens = 100
+            {", " + config if config else ""}) }}}}
+select id, prompt, expected_category from {{{{ ref('eval_tickets') }}}}
+"""
+
+
+SYSTEMS = {"default": SYSTEM_A, "terse": SYSTEM_B, "claude": SYSTEM_A}
+
+
+def answer(system: str, i: int) -> str:
+    return json.loads(expected_answer(system, prompt_of(i), SCHEMA))["category"]
+
+
+def table(project) -> dict[tuple[int, str], tuple]:
+    rows = project.query(
+        "select id, llm_variant, category, llm_status, llm_model, llm_fingerprint, llm_batch_id from main.evals"
+    )
+    return {(r[0], r[1]): r[2:] for r in rows}
+
+
+def batches_by_face(emulator) -> list[tuple[str, int, set[str]]]:
+    """Each batch the sandbox received, in order: (face, requests, the system prompts of its OpenAI lines)."""
+    out = []
+    for b in sorted_batches(emulator):
+        if is_anthropic(b):
+            out.append(("anthropic", sum(b["request_counts"].values()), set()))
+        else:
+            lines = batch_input_lines(emulator, b)
+            systems = {m["content"] for line in lines for m in line["body"]["messages"] if m["role"] == "system"}
+            out.append(("openai", len(lines), systems))
+    return out
+
+
+def accuracy(rows: dict, variant: str) -> float:
+    judged = [(i, cat) for (i, v), (cat, *_rest) in rows.items() if v == variant and labels()[i] is not None]
+    return sum(cat == labels()[i] for i, cat in judged) / len(judged)
+
+
+def in_sample(i: int, fraction: float) -> bool:
+    """The documented rule, computed apart: the first 32 bits of md5 of the ledger key (["<id>"])."""
+    key = json.dumps([str(i)])
+    return int(hashlib.md5(key.encode()).hexdigest()[:8], 16) / 2**32 < fraction
+
+
+@pytest.fixture
+def evals(project, emulator):
+    write_seed(project)
+    project.write("models/evals.sql", eval_model(variants_config()))
+    return project
+
+
+def test_three_variants_two_providers_one_run_180_rows_report_and_gate(evals, emulator):
+    evals.dbt("run", "-s", "evals")
+    # One batch per variant, each through its own provider, in the same run: 60 requests each.
+    sent = batches_by_face(emulator)
+    assert sorted((face, n) for face, n, _ in sent) == [("anthropic", N), ("openai", N), ("openai", N)]
+    assert sorted(s for face, _, systems in sent if face == "openai" for s in systems) == sorted([SYSTEM_A, SYSTEM_B])
+    assert evals.query("select count(*) from main.evals") == [(0,)]  # nothing final yet
+    in_flight = evals.query("select variant, provider, request_count from main.llm_batch_in_flight order by 1")
+    assert in_flight == [("", "openai", N), ("claude", "anthropic", N), ("terse", "openai", N)]
+
+    emulator.complete_all()
+    evals.dbt("run", "-s", "evals")
+    rows = table(evals)
+    assert len(rows) == 3 * N
+    assert {v for _, v in rows} == {"default", "terse", "claude"}
+    for (i, variant), (category, status, llm_model, *_rest) in rows.items():
+        assert status == "succeeded", (i, variant)
+        assert category == answer(SYSTEMS[variant], i), (i, variant)
+        assert llm_model == ("claude-sonnet-4-5" if variant == "claude" else "gpt-4o-mini")
+    # The labels follow the default variant's answers for most keys, so terse (another system prompt)
+    # scores lower. The sandbox answers from (system, prompt, schema), whatever the model: claude, with
+    # the default's system prompt, gives the default's answers, through the other provider.
+    measured = {v: accuracy(rows, v) for v in ("default", "terse", "claude")}
+    assert measured["default"] > measured["terse"] and measured["claude"] == measured["default"]
+    assert len(emulator.billed()) == 3 * N  # nothing asked twice
+
+    # variant_report returns the accuracy computed here from the rows.
+    evals.write(
+        "models/evals_report.sql",
+        "{{ dbt_llm_batch.variant_report(ref('evals'), reference={'category': 'expected_category'}) }}",
+    )
+    evals.dbt("run", "-s", "evals_report")
+    report = evals.query("select variant, rows, succeeded, category_accuracy, category_judged from main.evals_report")
+    judged = sum(label is not None for label in labels().values())
+    assert {r[0]: (r[1], r[2], r[4]) for r in report} == {v: (N, N, judged) for v in measured}
+    for variant, _, _, figure, _ in report:
+        assert float(figure) == pytest.approx(measured[variant]), variant
+
+    # min_accuracy: passes under the measured figure, fails above it with the figure in the log.
+    def gate(minimum: float) -> None:
+        args = {"reference": "expected_category", "minimum": minimum, "variant": "terse"}
+        evals.write(
+            "models/evals.yml",
+            "version: 2\nmodels:\n  - name: evals\n    columns:\n      - name: category\n        data_tests:\n"
+            f"          - dbt_llm_batch.min_accuracy:\n              arguments: {json.dumps(args)}\n",
+        )
+
+    gate(round(measured["terse"] - 0.01, 4))
+    evals.dbt("test", "-s", "evals")
+    gate(round(measured["terse"] + 0.01, 4))
+    result = evals.dbt("test", "-s", "evals", expect_ok=False)
+    assert not result.success and "Got 1 result" in failure_messages(result)
+    assert f"variant 'terse': accuracy {measured['terse']:.4f} over {judged} row(s) with a reference" in log_text(evals)
+
+
+def test_editing_one_variant_s_prompt_re_asks_only_that_variant(evals, emulator):
+    evals.dbt("run", "-s", "evals")
+    emulator.complete_all()
+    evals.dbt("run", "-s", "evals")
+    before = table(evals)
+    assert len(before) == 3 * N
+
+    evals.write("models/evals.sql", eval_model(variants_config(terse_system=SYSTEM_B2)))
+    evals.dbt("run", "-s", "evals")
+    sent = batches_by_face(emulator)
+    assert len(sent) == 4 and sent[3] == ("openai", N, {SYSTEM_B2}), "one new batch: the terse variant's 60 rows"
+    emulator.complete_all()
+    evals.dbt("run", "-s", "evals")
+    after = table(evals)
+    assert len(after) == 3 * N
+    for (i, variant), row in after.items():
+        if variant == "terse":
+            assert row[0] == answer(SYSTEM_B2, i) and row[3] != before[(i, variant)][3]  # a new fingerprint
+        else:
+            assert row == before[(i, variant)], (i, variant)  # the other variants' rows stay as they were
+    assert len(emulator.billed()) == 4 * N
+
+    # Changing it back shows the stored answers again, with no request.
+    evals.write("models/evals.sql", eval_model(variants_config()))
+    evals.dbt("run", "-s", "evals")
+    assert len(batches_by_face(emulator)) == 4
+    assert table(evals) == before
+
+
+def test_a_sampled_challenger_answers_the_same_keys_on_every_run(evals, emulator):
+    fraction = 0.3
+    sampled = {i for i in range(N) if in_sample(i, fraction)}
+    assert 0 < len(sampled) < N
+    evals.write("models/evals.sql", eval_model(variants_config(sample={"terse": fraction})))
+    evals.dbt("run", "-s", "evals")
+    emulator.complete_all()
+    evals.dbt("run", "-s", "evals")
+    rows = table(evals)
+    assert {i for i, v in rows if v == "terse"} == sampled  # the challenger: its sample only
+    assert {i for i, v in rows if v == "default"} == set(range(N))  # the champion: every row
+    assert {i for i, v in rows if v == "claude"} == set(range(N))  # not sampled: every row
+
+    # A new prompt for the challenger: asked again for the same keys, and a fresh ledger agrees.
+    evals.write("models/evals.sql", eval_model(variants_config(terse_system=SYSTEM_B2, sample={"terse": fraction})))
+    evals.dbt("run", "-s", "evals")
+    last = batches_by_face(emulator)[-1]
+    assert last == ("openai", len(sampled), {SYSTEM_B2})
+    emulator.complete_all()
+    evals.dbt("run", "-s", "evals")
+    assert {i for i, v in table(evals) if v == "terse"} == sampled
+    # The champion selected downstream as a view.
+    evals.write(
+        "models/evals_champion.sql",
+        "{{ config(materialized='view') }} select * from {{ ref('evals') }} where llm_variant = 'default'",
+    )
+    evals.dbt("run", "-s", "evals_champion")
+    assert evals.query("select count(*), count(distinct id) from main.evals_champion") == [(N, N)]
+
+
+def test_adding_and_removing_variants_keeps_every_answer_paid_for(project, emulator):
+    write_seed(project)
+    project.write("models/evals.sql", eval_model())  # no variants yet: today's table
+    project.dbt("run", "-s", "evals")
+    emulator.complete_all()
+    project.dbt("run", "-s", "evals")
+    columns = [
+        r[0] for r in project.query("select column_name from information_schema.columns where table_name = 'evals'")
+    ]
+    assert "llm_variant" not in columns
+    old = {r[0]: r[1:] for r in project.query("select id, category, llm_fingerprint from main.evals")}
+    assert len(old) == N
+
+    # Adding variants: llm_variant is appended, the old rows are the default variant's, nothing re-asked.
+    project.write("models/evals.sql", eval_model(variants_config()))
+    project.dbt("run", "-s", "evals")
+    sent = batches_by_face(emulator)
+    assert sorted((face, n) for face, n, _ in sent[1:]) == [("anthropic", N), ("openai", N)]
+    assert [systems for face, _, systems in sent[1:] if face == "openai"] == [{SYSTEM_B}]  # terse, not the default
+    emulator.complete_all()
+    project.dbt("run", "-s", "evals")
+    rows = table(project)
+    assert len(rows) == 3 * N
+    assert {i: (r[0], r[3]) for (i, v), r in rows.items() if v == "default"} == old
+
+    # Removing a variant: its rows leave the table; the ledger keeps its answers (paid for once).
+    project.write("models/evals.sql", eval_model(variants_config(variants={"terse": {"llm_system": SYSTEM_B}})))
+    project.dbt("run", "-s", "evals")
+    assert {v for _, v in table(project)} == {"default", "terse"} and len(table(project)) == 2 * N
+    kept = project.query("select count(*) from main.llm_batch_row_answers where variant = 'claude'")
+    assert kept == [(N,)]
+    # Adding it back shows its stored answers again, without a request.
+    project.write("models/evals.sql", eval_model(variants_config()))
+    project.dbt("run", "-s", "evals")
+    assert len(batches_by_face(emulator)) == 3 and len(emulator.billed()) == 3 * N
+    assert table(project) == rows
+
+
+def test_a_bad_variant_fails_before_anything_is_recorded(project, emulator):
+    write_seed(project)
+    project.write("models/evals.sql", eval_model("llm_variants = {'wide': {'llm_output': {'category': 'text'}}}"))
+    result = project.dbt("run", "-s", "evals", expect_ok=False)
+    assert "llm_variants['wide']: 'llm_output' cannot differ per variant" in failure_messages(result)
+    assert emulator.batches() == []
+    tables = project.query("select table_name from information_schema.tables where table_name like 'llm_batch%'")
+    assert tables == []
+
+
+def test_the_dry_run_reports_each_variant(evals, emulator):
+    evals.dbt("run", "-s", "evals", "--vars", "{llm_batch_dry_run: true}")
+    log = log_text(evals)
+    for variant in ("default", "terse", "claude"):
+        assert f"main.evals (variant {variant})" in log, variant
+    assert emulator.batches() == []
+
+
+# -- The integration project's evaluation run and judge ----------------------------------------------
+
+EVAL_SYSTEMS = {
+    "baseline": "You triage customer support tickets. Answer with the category and a one-line summary.",
+    "concise": "Classify the support ticket. Keep the summary under ten words.",
+}
+EVAL_SYSTEMS["claude"] = EVAL_SYSTEMS["baseline"]
+JUDGE_SYSTEM = (
+    "You grade the one-line summary of a support ticket: is it faithful to the ticket and useful to an agent? "
+    "Give a score from 1 (useless) to 5 (excellent) and a verdict."
+)
+
+
+def test_the_integration_project_evaluation_run_and_its_judge(project, emulator):
+    eval_schema = parse_config(
+        {
+            "unique_key": "id",
+            "llm_model": "m",
+            "llm_output": {"category": ["billing", "bug", "how_to", "feature_request", "other"], "summary": "text"},
+        }
+    ).output_json_schema()
+    judge_schema = parse_config(
+        {"unique_key": "id", "llm_model": "m", "llm_output": {"score": "integer", "verdict": ["good", "poor"]}}
+    ).output_json_schema()
+    project.dbt("seed", "-s", "support_tickets", "ticket_labels")
+    select = ("-s", "+tag:evaluation")
+    project.dbt("run", *select)  # the variants are asked; the judge has nothing final to grade yet
+    assert sorted(face for face, _, _ in batches_by_face(emulator)) == ["anthropic", "openai", "openai"]
+    emulator.complete_all()
+    project.dbt("run", *select)  # the variants' answers are merged, then the judge asks about them
+    emulator.complete_all()
+    project.dbt("build", *select)  # the grades are merged, the report built, the tests pass
+
+    tickets = dict(
+        project.query(
+            "select ticket_id, 'Subject: ' || subject || chr(10) || chr(10) || body from main.support_tickets"
+        )
+    )
+    label = dict(project.query("select ticket_id, expected_category from main.ticket_labels"))
+    rows = project.query("select ticket_id, llm_variant, category, summary, llm_status from main.ticket_triage_eval")
+    assert len(rows) == 3 * len(tickets)
+    answers = {}
+    for tid, variant, category, summary, status in rows:
+        assert status == "succeeded"
+        expected = json.loads(expected_answer(EVAL_SYSTEMS[variant], tickets[tid], eval_schema))
+        assert (category, summary) == (expected["category"], expected["summary"]), (tid, variant)
+        answers[(tid, variant)] = (category, summary)
+
+    grades = project.query("select ticket_id, judged_variant, score, verdict, llm_status from main.ticket_triage_judge")
+    assert len(grades) == len(rows)
+    for tid, variant, score, verdict, status in grades:
+        assert status == "succeeded"
+        prompt = f"{tickets[tid]}\n\nSummary to grade: {answers[(tid, variant)][1]}"
+        expected = json.loads(expected_answer(JUDGE_SYSTEM, prompt, judge_schema))
+        assert (score, verdict) == (expected["score"], expected["verdict"]), (tid, variant)
+
+    report = {
+        r[0]: r[1:]
+        for r in project.query(
+            "select variant, rows, category_accuracy, judge_score from main.ticket_triage_eval_report"
+        )
+    }
+    assert set(report) == set(EVAL_SYSTEMS)
+    for variant in EVAL_SYSTEMS:
+        right = sum(answers[(tid, variant)][0] == label[tid] for tid in tickets)
+        scores = [g[2] for g in grades if g[1] == variant]
+        n, accuracy_, judge_score = report[variant]
+        assert n == len(tickets)
+        assert float(accuracy_) == pytest.approx(right / len(tickets)), variant
+        assert float(judge_score) == pytest.approx(sum(scores) / len(scores)), variant
+
+
+# -- A crash with two providers' batches in flight -------------------------------------------------
+
+CLAUDE = "llm_variants = {'claude': {'llm_provider': 'anthropic', 'llm_model': 'claude-sonnet-4-5'}}"
+
+
+@pytest.mark.parametrize(
+    "point,occurrence,in_harvest",
+    [
+        ("after_create", 1, False),  # the OpenAI batch made, its id not recorded; Anthropic not yet sent
+        ("after_create", 2, False),  # OpenAI recorded; the Anthropic batch made, its id not recorded
+        ("after_store", 1, True),  # both ended: killed after the first batch's lines were stored
+        ("before_merge", 1, True),  # both harvested, nothing merged
+    ],
+)
+def test_a_killed_run_with_two_providers_in_flight_is_finished_by_later_runs(
+    project, emulator, point, occurrence, in_harvest, tmp_path
+):
+    project.write("models/triage.sql", triage_model(extra_config=CLAUDE))
+    project.dbt("seed", "-s", "support_tickets")
+    if in_harvest:  # die in the run that harvests both, not the one that submits
+        project.dbt("run", "-s", "triage")
+        assert sorted(is_anthropic(b) for b in sorted_batches(emulator)) == [False, True]
+        emulator.complete_all()
+    marker = tmp_path / "crash-marker"
+    project.release_database()
+    killed = dbt_subprocess(
+        project,
+        {
+            "DBT_LLM_BATCH_CRASH_AT": point,
+            "DBT_LLM_BATCH_CRASH_OCCURRENCE": str(occurrence),
+            "DBT_LLM_BATCH_CRASH_MARKER": str(marker),
+        },
+    )
+    assert killed.returncode == -9, killed.stdout[-2000:]
+    assert marker.read_text() == point
+
+    for _ in range(3):  # later runs, as the nightly schedule would make them
+        project.dbt("run", "-s", "triage")
+        emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+
+    rows = project.query("""select t.ticket_id, t.llm_variant, s.subject, s.body, t.category, t.urgent, t.summary,
+                                   t.llm_status, t.llm_model
+                            from main.triage t join main.support_tickets s using (ticket_id)""")
+    assert sorted((r[0], r[1]) for r in rows) == sorted((i, v) for i in range(1, 7) for v in ("claude", "default"))
+    for _, variant, subject, body, category, urgent, summary, status, llm_model in rows:
+        assert status == "succeeded"
+        assert (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}\n\n{body}")
+        assert llm_model == ("claude-sonnet-4-5" if variant == "claude" else "gpt-4o-mini")
+    # Nothing lost: every result either provider returned is stored in the ledger.
+    stored = {r[0] for r in project.query("select custom_id from main.llm_batch_results")}
+    assert set(succeeded_custom_ids(emulator)) <= stored
+    # Nothing billed twice: each key billed once by each provider (twice in all), counting every batch.
+    key_of_prompt = {f"Subject: {r[2]}\n\n{r[3]}": r[0] for r in rows}
+    billed = billed_per_key(emulator, key_of_prompt)
+    assert sorted(billed.values()) == [2] * 6, billed
+    faces = {face: sum(1 for b in emulator.billed() if b["face"] == face) for face in ("openai", "anthropic")}
+    assert faces == {"openai": 6, "anthropic": 6}
+
+
+def test_identical_variants_share_their_requests(project, emulator):
+    write_seed(project)
+    # 'twin' sets a key to the model's own value: its requests are the default's, sent once for both.
+    project.write("models/evals.sql", eval_model("llm_variants = {'twin': {'llm_max_tokens': 100}}"))
+    project.dbt("run", "-s", "evals")
+    assert [(face, n) for face, n, _ in batches_by_face(emulator)] == [("openai", N)]
+    emulator.complete_all()
+    project.dbt("run", "-s", "evals")
+    rows = table(project)
+    assert len(rows) == 2 * N and len(emulator.billed()) == N
+    for i in range(N):
+        assert (
+            rows[(i, "twin")][:4]
+            == rows[(i, "default")][:4]
+            == (answer(SYSTEM_A, i), "succeeded", "gpt-4o-mini", rows[(i, "default")][3])
+        )
+    # One request answers both rows: its cost is split between them, and adds up to what was billed once.
+    costs = dict(project.query("select llm_variant, sum(llm_cost_usd) from main.evals group by 1"))
+    request_cost = project.query("select sum(cost_usd) from main.llm_batch_requests where model = 'main.evals'")[0][0]
+    assert costs["twin"] + costs["default"] == request_cost > 0
+    assert abs(costs["twin"] - costs["default"]) <= N * Decimal("0.000000001")
+
+
+def test_realtime_rows_go_through_each_variant_s_provider_and_the_budget_names_the_variant(project, emulator):
+    write_seed(project)
+    claude = "llm_variants = {'claude': {'llm_provider': 'anthropic', 'llm_model': 'claude-sonnet-4-5'}}"
+    project.write("models/evals.sql", eval_model(f"llm_realtime_when = 'id < 3', {claude}"))
+    project.dbt("run", "-s", "evals")
+    realtime = sorted((b["face"], b["prompt"]) for b in emulator.billed() if b["via"] == "realtime")
+    assert realtime == sorted((face, prompt_of(i)) for face in ("openai", "anthropic") for i in range(3))
+    assert sorted((face, n) for face, n, _ in batches_by_face(emulator)) == [("anthropic", N - 3), ("openai", N - 3)]
+    rows = table(project)  # the urgent rows are answered within the run, for both variants
+    assert sorted(rows) == sorted((i, v) for i in range(3) for v in ("default", "claude"))
+    assert all(r[0] == answer(SYSTEM_A, i) and r[1] == "succeeded" for (i, _), r in rows.items())
+
+    # A budget: checked per variant's plan against everything the model has in flight; the refusal
+    # names the variant, and nothing more is sent.
+    emulator.complete_all()
+    project.write("models/evals.sql", eval_model(f"llm_max_cost_usd = 0.000001, {claude}", system=SYSTEM_B))
+    result = project.dbt("run", "-s", "evals", expect_ok=False)
+    message = failure_messages(result)
+    assert "main.evals (variant default): refusing to submit 60 request(s)" in message
+    assert "exceeds llm_max_cost_usd (this model)" in message
+    assert len(batches_by_face(emulator)) == 2
+    assert len(table(project)) == 2 * N  # what was final is merged first
