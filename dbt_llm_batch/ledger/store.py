@@ -167,6 +167,14 @@ MIGRATIONS += [
     # poller (ops/poller.py) harvests without a dbt project. NULL until the model runs once with it.
     (15, ["alter table {s}.llm_batch_models add column config_snapshot varchar"]),
 ]
+MIGRATIONS += [
+    # output_schema: the llm_output schema a job's requests were asked with (canonical JSON; 'null'
+    # for free text; NULL for jobs written before): an answer is checked against the schema it was
+    # asked for, not one the model was given while it was in flight (harvest.settle). The views
+    # changed too (llm_batch_progress lists a model whose rows are all answered by other models'
+    # requests): they are recreated on reaching this version.
+    (18, ["alter table {s}.llm_batch_jobs add column output_schema varchar"]),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users
@@ -222,7 +230,10 @@ VIEWS = [
            coalesce(max(a.rows_mapped), 0) as rows_mapped,
            coalesce(max(a.rows_reused), 0) as rows_reused,
            coalesce(max(a.dedup_saved_usd), 0) as dedup_saved_usd
-    from {{s}}.llm_batch_requests
+    -- every model with a request or a row answer: under llm_dedup = 'ledger' a model whose rows all
+    -- share other models' requests has no request of its own, and still has rows to show
+    from (select model from {{s}}.llm_batch_requests union select model from {{s}}.llm_batch_row_answers) m
+         left join {{s}}.llm_batch_requests using (model)
          left join (select a.model, count(*) as rows_mapped, count(*) filter (where a.reused) as rows_reused,
                            count(distinct a.key) filter (where r.is_final and r.status = {_SUCCEEDED}) as keys_succeeded,
                            count(distinct a.key) filter (where r.is_final and r.status = {_FAILED}) as keys_failed,
