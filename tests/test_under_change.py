@@ -10,7 +10,7 @@ import threading
 from decimal import Decimal
 
 import pytest
-from conftest import failure_messages
+from conftest import INTEGRATION, failure_messages
 from helpers import (
     PRICES,
     PROVIDER_MODELS,
@@ -99,7 +99,7 @@ CANDIDATE_V2 = 'STRUCT(email VARCHAR, "name" VARCHAR, phone VARCHAR)'
 
 
 def write_extraction(project, provider: str, with_phone: bool) -> None:
-    text = (project.root / EXTRACTION).read_text()
+    text = (INTEGRATION / EXTRACTION).read_text()  # the example as shipped
     text = text.replace(
         "materialized = 'llm_batch',",
         f"materialized = 'llm_batch', llm_provider = '{provider}', llm_model = '{PROVIDER_MODELS[provider]}',",
@@ -196,10 +196,10 @@ def test_a_renamed_model_keeping_its_identity_gets_the_polled_answers_without_pa
 
     (project.root / "models/triage.sql").unlink()
     project.write(
-        "models/ticket_triage.sql",
+        "models/triage_renamed.sql",
         triage_model(provider=provider, extra_config="llm_ledger_identity = 'main.triage',"),
     )
-    project.dbt("run", "-s", "ticket_triage")  # the batch is still in flight: nothing is sent
+    project.dbt("run", "-s", "triage_renamed")  # the batch is still in flight: nothing is sent
     assert batch_counts(emulator) == [6]
     assert "first run of this model" not in log_text(project)
 
@@ -207,12 +207,12 @@ def test_a_renamed_model_keeping_its_identity_gets_the_polled_answers_without_pa
     project.release_database()
     rc, out = poll(project, capsys)
     assert rc == 0, out
-    assert "new results for: ticket_triage" in out
+    assert "new results for: triage_renamed" in out
     calls = dict(emulator.stats()["calls"])
-    project.dbt("run", "-s", "ticket_triage")
+    project.dbt("run", "-s", "triage_renamed")
     assert dict(emulator.stats()["calls"]) == calls, "merged from the ledger, with no provider call"
     rows = project.query("""select s.subject, s.body, t.category, t.urgent, t.summary, t.llm_status
-                            from main.ticket_triage t join main.support_tickets s using (ticket_id)""")
+                            from main.triage_renamed t join main.support_tickets s using (ticket_id)""")
     assert len(rows) == 6
     for subject, body, *answer, status in rows:
         assert (*answer, status) == (*expected_triage(TRIAGE_SYSTEM, f"Subject: {subject}\n\n{body}"), "succeeded")
@@ -227,21 +227,21 @@ def test_a_renamed_model_is_a_new_model_and_says_so_before_paying_again(project,
     project.write("models/triage.sql", triage_model(provider=provider))
     project.dbt("run", "-s", "triage")
     (project.root / "models/triage.sql").unlink()
-    project.write("models/ticket_triage.sql", triage_model(provider=provider))
+    project.write("models/triage_renamed.sql", triage_model(provider=provider))
     emulator.complete_all()
     project.release_database()
     rc, out = poll(project, capsys)
     assert rc == 0 and "main.triage: 1 batch(es) harvested: 6 succeeded, 0 failed" in out, out
 
-    project.dbt("run", "-s", "ticket_triage")
+    project.dbt("run", "-s", "triage_renamed")
     assert (
-        "main.ticket_triage: first run of this model, and 6 of its requests were already answered for model "
+        "main.triage_renamed: first run of this model, and 6 of its requests were already answered for model "
         "'main.triage' (the same prompts and settings): they are sent and paid again now. If you renamed the "
         "model, set llm_ledger_identity = 'main.triage'"
     ) in log_text(project)
     assert batch_counts(emulator) == [6, 6]
     assert project.query("select model, status, count(*) from main.llm_batch_requests group by all order by all") == [
-        ("main.ticket_triage", "queued", 6),
+        ("main.triage_renamed", "queued", 6),
         ("main.triage", "succeeded", 6),
     ]
 

@@ -117,17 +117,21 @@ class RequestWrites(LedgerBase):
 
     def unmap_superseded(self, desired: str) -> int:
         """With llm_dedup: remove this model's row answers, for the keys of `desired` (key, fingerprint:
-        the rows selected now), that point at a request still in flight for a fingerprint the key no
-        longer asks (its prompt or config changed, e.g. another llm_provider, before the answer came);
-        returns how many. A request's cost is split among the rows it answers when it is harvested: a row
-        that stopped asking it would take a share no table shows (and, shared with another model, leave
-        that model's rows costing less than was billed). The request itself stays: harvested and costed,
-        and a row asking it again is mapped to it again (plan.build_plan)."""
+        the rows selected now), that point at a shared request (one answering several rows, of this
+        model or others) still in flight for a fingerprint the key no longer asks (its prompt or config
+        changed, e.g. another llm_provider, before the answer came); returns how many. A request's cost
+        is split among the rows it answers when it is harvested: a row that stopped asking it would take
+        a share that leaves the rows still asking it costing less than was billed. The request stays:
+        harvested and costed, and a row asking it again is mapped to it again (plan.build_plan). A
+        request answering one row only keeps it: that row shows its answer until the new one is final,
+        as without llm_dedup."""
         answers, requests = self.table("llm_batch_row_answers"), self.table("llm_batch_requests")
         return self.count(
             f"""delete from {answers} a using {desired} d
                 where a.model = ? and a.variant = '' and a.key = d.key and a.fingerprint <> d.fingerprint
-                  and a.custom_id in (select custom_id from {requests} where status in {IN_FLIGHT_SQL})""",
+                  and a.custom_id in (select custom_id from {answers}
+                                      where custom_id in (select custom_id from {requests} where status in {IN_FLIGHT_SQL})
+                                      group by custom_id having count(*) > 1)""",
             [self.model],
         )
 
