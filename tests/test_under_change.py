@@ -278,7 +278,7 @@ def test_a_model_answered_only_by_another_models_requests_shows_its_rows_in_prog
 # -- 5. Gap B: a row mapped to a request at the moment another model's run harvests it -----------
 
 
-def test_a_row_mapped_while_another_model_harvests_the_request_is_reused_at_no_cost(project, emulator, monkeypatch):
+def test_a_row_mapped_while_another_model_harvests_the_request_is_reused_at_no_cost(project, emulator):
     """Both models in one `dbt run` (threads): dup_twin plans while dup's request is still in flight,
     then dup harvests and merges before dup_twin writes its rows' mapping. The order is forced with
     two events (no timing): dup_twin's rows are answered from the stored answer (reused, $0), and
@@ -314,12 +314,12 @@ def test_a_row_mapped_while_another_model_harvests_the_request_is_reused_at_no_c
             if ledger.model == "main.dup":
                 dup_merged.set()
 
-    monkeypatch.setattr(runner.ModelRun, "harvest_open", harvest_after_twin_planned)
-    monkeypatch.setattr(runner.ModelRun, "map_answered", map_after_dup_merged)
-    monkeypatch.setattr(merge, "merge", merge_then_say_so)
-    project.dbt("run", "-s", "dup", "dup_twin", "--threads", "2")
+    with pytest.MonkeyPatch.context() as patched:  # undone at the block's end (the fixtures' own patches stay)
+        patched.setattr(runner.ModelRun, "harvest_open", harvest_after_twin_planned)
+        patched.setattr(runner.ModelRun, "map_answered", map_after_dup_merged)
+        patched.setattr(merge, "merge", merge_then_say_so)
+        project.dbt("run", "-s", "dup", "dup_twin", "--threads", "2")
     assert twin_planned.is_set() and dup_merged.is_set()
-    monkeypatch.undo()
     project.dbt("run", "-s", "dup_twin")  # merges what its rows point at, if the first did not
 
     assert batch_counts(emulator) == [8]
