@@ -241,8 +241,8 @@ def test_a_renamed_model_is_a_new_model_and_says_so_before_paying_again(project,
     ) in log_text(project)
     assert batch_counts(emulator) == [6, 6]
     assert project.query("select model, status, count(*) from main.llm_batch_requests group by all order by all") == [
-        ("main.triage_renamed", "queued", 6),
         ("main.triage", "succeeded", 6),
+        ("main.triage_renamed", "queued", 6),
     ]
 
 
