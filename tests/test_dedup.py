@@ -213,6 +213,7 @@ def test_a_ledger_of_the_previous_version_merges_the_same_rows_and_asks_nothing(
     dup.query("drop view main.llm_batch_costs")
     dup.query("drop table main.llm_batch_row_answers")
     dup.query("alter table main.llm_batch_models drop column config_snapshot")  # migration 15 (the poller)
+    dup.query("alter table main.llm_batch_jobs drop column output_schema")  # migration 18
     dup.query("delete from main.llm_batch_meta where schema_version > 13")
     dup.query("update main.llm_batch_requests set emitted = 'merged' where is_final")  # as 0.2.0's merge left them
     calls = emulator.stats()["calls"]
