@@ -13,6 +13,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from decimal import Decimal
 from pathlib import Path
 
 import duckdb
@@ -304,3 +305,43 @@ def file_held_by_another_process(path):
     finally:
         holder.kill()
         holder.wait()
+
+
+# -- Deduplication stories: rows `id, prompt` whose prompts repeat (`question <n>`), a free-text model
+# at test prices (tests/test_dedup.py, tests/test_under_change.py) -------------------------------
+
+PRICES = """provider,model,unit,input_per_mtok,output_per_mtok,cache_write_per_mtok,cache_read_per_mtok,per_hour,batch_discount,as_of,source
+openai,gpt-test,token,2.00,8.00,0,1.00,,0.5,2026-11-29,test prices
+anthropic,claude-test,token,3.00,15.00,3.75,0.30,,0.5,2026-11-29,test prices
+"""
+MODEL = {"openai": "gpt-test", "anthropic": "claude-test"}
+PRICE = {"openai": (Decimal("2.00"), Decimal("8.00")), "anthropic": (Decimal("3.00"), Decimal("15.00"))}
+
+
+def prompt_of(n: int) -> str:
+    return f"question {n}: why does the export of report {n} time out?"
+
+
+def dup_model(provider: str, name: str = "dup", extra: str = "") -> str:
+    return f"""
+{{{{ config(materialized='llm_batch', unique_key='id', llm_provider='{provider}', llm_model='{MODEL[provider]}',
+            llm_max_tokens=50, llm_price_table='main.llm_prices', {extra}) }}}}
+select * from {{{{ ref('dup_rows') }}}}
+"""
+
+
+def write_rows(project, rows: dict[int, int]) -> None:
+    """rows: {id: the prompt number it asks}."""
+    project.write("seeds/dup_rows.csv", "id,prompt\n" + "".join(f'{i},"{prompt_of(n)}"\n' for i, n in rows.items()))
+    project.dbt("seed")
+
+
+def billed_cost(emulator, provider: str) -> Decimal:
+    """What the sandbox billed (its usage totals of succeeded requests) at the test prices, batch half price."""
+    usage = emulator.stats()["usage_by_face"][provider]
+    if provider == "openai":
+        tokens_in, tokens_out = usage["prompt_tokens"], usage["completion_tokens"]
+    else:
+        tokens_in, tokens_out = usage["input_tokens"], usage["output_tokens"]
+    price_in, price_out = PRICE[provider]
+    return (tokens_in * price_in + tokens_out * price_out) / Decimal(1_000_000) * Decimal("0.5")

@@ -12,45 +12,9 @@ import collections
 from decimal import Decimal
 
 import pytest
-from helpers import batch_counts, dbt_subprocess
+from helpers import PRICES, batch_counts, billed_cost, dbt_subprocess, dup_model, prompt_of, write_rows
 
 from dbt_llm_batch.sandbox import expected_answer
-
-PRICES = """provider,model,unit,input_per_mtok,output_per_mtok,cache_write_per_mtok,cache_read_per_mtok,per_hour,batch_discount,as_of,source
-openai,gpt-test,token,2.00,8.00,0,1.00,,0.5,2026-11-29,test prices
-anthropic,claude-test,token,3.00,15.00,3.75,0.30,,0.5,2026-11-29,test prices
-"""
-MODEL = {"openai": "gpt-test", "anthropic": "claude-test"}
-PRICE = {"openai": (Decimal("2.00"), Decimal("8.00")), "anthropic": (Decimal("3.00"), Decimal("15.00"))}
-
-
-def prompt_of(n: int) -> str:
-    return f"question {n}: why does the export of report {n} time out?"
-
-
-def dup_model(provider: str, name: str = "dup", extra: str = "") -> str:
-    return f"""
-{{{{ config(materialized='llm_batch', unique_key='id', llm_provider='{provider}', llm_model='{MODEL[provider]}',
-            llm_max_tokens=50, llm_price_table='main.llm_prices', {extra}) }}}}
-select * from {{{{ ref('dup_rows') }}}}
-"""
-
-
-def write_rows(project, rows: dict[int, int]) -> None:
-    """rows: {id: the prompt number it asks}."""
-    project.write("seeds/dup_rows.csv", "id,prompt\n" + "".join(f'{i},"{prompt_of(n)}"\n' for i, n in rows.items()))
-    project.dbt("seed")
-
-
-def billed_cost(emulator, provider: str) -> Decimal:
-    """What the sandbox billed (its usage totals of succeeded requests) at the test prices, batch half price."""
-    usage = emulator.stats()["usage_by_face"][provider]
-    if provider == "openai":
-        tokens_in, tokens_out = usage["prompt_tokens"], usage["completion_tokens"]
-    else:
-        tokens_in, tokens_out = usage["input_tokens"], usage["output_tokens"]
-    price_in, price_out = PRICE[provider]
-    return (tokens_in * price_in + tokens_out * price_out) / Decimal(1_000_000) * Decimal("0.5")
 
 
 def requests_sent(emulator) -> int:
@@ -249,6 +213,7 @@ def test_a_ledger_of_the_previous_version_merges_the_same_rows_and_asks_nothing(
     dup.query("drop view main.llm_batch_costs")
     dup.query("drop table main.llm_batch_row_answers")
     dup.query("alter table main.llm_batch_models drop column config_snapshot")  # migration 15 (the poller)
+    dup.query("alter table main.llm_batch_jobs drop column output_schema")  # migration 18
     dup.query("delete from main.llm_batch_meta where schema_version > 13")
     dup.query("update main.llm_batch_requests set emitted = 'merged' where is_final")  # as 0.2.0's merge left them
     calls = emulator.stats()["calls"]

@@ -29,6 +29,7 @@ class RequestWrites(LedgerBase):
         chunks: list[int],
         status: str = JobStatus.INTENT,
         members: str | None = None,
+        output_schema: str | None = None,
     ) -> dict[int, str]:
         """Record one job intent per chunk and every request ('queued') in one transaction, before the
         provider is contacted; returns {chunk: job id}. `plan_rows` has each request's `chunk` and
@@ -36,7 +37,8 @@ class RequestWrites(LedgerBase):
         jobs' first status: JobStatus.INTENT, or JobStatus.REALTIME for the realtime path. Each request
         answers its own key, and the rows of `members` (key, fingerprint, custom_id, row_json: the other
         rows asking the same request) whose request is among them: their row answers are written in the
-        same transaction.
+        same transaction. `output_schema`: the llm_output schema the requests are asked with
+        (harvest.asked_schema), recorded on each job.
 
         A crash after this point leaves a trace reconciliation can follow, and nothing is ever sent
         that the ledger does not know about. One transaction for the whole plan also lets DuckDB
@@ -54,10 +56,10 @@ class RequestWrites(LedgerBase):
             with transaction(self.con):
                 self.con.execute(
                     f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
-                          status, request_count, created_at, updated_at, variant)
-                        select m.job_id, ?, ?, ?, ?, count(*), now(), now(), ?
+                          status, request_count, created_at, updated_at, variant, output_schema)
+                        select m.job_id, ?, ?, ?, ?, count(*), now(), now(), ?, ?
                         from {plan_rows} p join {mapping} m using (chunk) group by m.job_id""",
-                    [self.model, provider, llm_model, status, self.variant],
+                    [self.model, provider, llm_model, status, self.variant, output_schema],
                 )
                 self.con.execute(  # a deferred request being sent now becomes a queued one
                     f"""delete from {requests} where model = ? and status = {DEFERRED} and custom_id in
@@ -93,11 +95,43 @@ class RequestWrites(LedgerBase):
 
     def map_rows(self, members: str) -> int:
         """Row answers for rows whose request exists already (`members`: key, fingerprint, custom_id,
-        reused, row_json): answered (reused) or in flight; returns how many. No request is written."""
+        reused, row_json): answered (reused) or in flight; returns how many. No request is written.
+
+        Whether a row is reused is read again here, from the request's status when the row answer is
+        written, not taken from the plan: with llm_dedup = 'ledger' another model's run (another dbt
+        thread) may harvest and merge the request between this run's plan and this write. That run split
+        the cost among the rows mapped before it harvested; a row mapped after must cost $0, or the rows'
+        costs would add up to more than was billed."""
+        requests = self.table("llm_batch_requests")
         return self.count(
             f"""insert into {self.table("llm_batch_row_answers")}
                   (model, key, variant, fingerprint, custom_id, reused, created_at, row_json)
-                select ?, key, ?, fingerprint, custom_id, reused, now(), row_json from {members}""",
+                select ?, m.key, ?, m.fingerprint, m.custom_id, m.reused or coalesce(r.answered, false), now(),
+                       m.row_json
+                from {members} m
+                     left join (select custom_id, bool_or(status = {sql(R.SUCCEEDED)}) as answered from {requests}
+                                where custom_id in (select custom_id from {members}) group by custom_id) r
+                     using (custom_id)""",
+            [self.model, self.variant],
+        )
+
+    def unmap_superseded(self, desired: str) -> int:
+        """With llm_dedup: remove this model's row answers, for the keys of `desired` (key, fingerprint:
+        the rows selected now), that point at a shared request (one answering several rows, of this
+        model or others) still in flight for a fingerprint the key no longer asks (its prompt or config
+        changed, e.g. another llm_provider, before the answer came); returns how many. A request's cost
+        is split among the rows it answers when it is harvested: a row that stopped asking it would take
+        a share that leaves the rows still asking it costing less than was billed. The request stays:
+        harvested and costed, and a row asking it again is mapped to it again (plan.build_plan). A
+        request answering one row only keeps it: that row shows its answer until the new one is final,
+        as without llm_dedup."""
+        answers, requests = self.table("llm_batch_row_answers"), self.table("llm_batch_requests")
+        return self.count(
+            f"""delete from {answers} a using {desired} d
+                where a.model = ? and a.variant = ? and a.key = d.key and a.fingerprint <> d.fingerprint
+                  and a.custom_id in (select custom_id from {answers}
+                                      where custom_id in (select custom_id from {requests} where status in {IN_FLIGHT_SQL})
+                                      group by custom_id having count(*) > 1)""",
             [self.model, self.variant],
         )
 

@@ -179,6 +179,12 @@ MIGRATIONS += [
             "alter table {s}.llm_batch_jobs add column if not exists variant varchar default ''",
         ],
     ),
+    # output_schema: the llm_output schema a job's requests were asked with (canonical JSON; 'null'
+    # for free text; NULL for jobs written before): an answer is checked against the schema it was
+    # asked for, not one the model was given while it was in flight (harvest.settle). The views
+    # changed too (llm_batch_progress lists a model whose rows are all answered by other models'
+    # requests): they are recreated on reaching this version.
+    (18, ["alter table {s}.llm_batch_jobs add column output_schema varchar"]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -237,7 +243,11 @@ VIEWS = [
            coalesce(max(a.rows_reused), 0) as rows_reused,
            coalesce(max(a.dedup_saved_usd), 0) as dedup_saved_usd,
            variant  -- per evaluation variant ('': the default variant, and models without variants)
-    from {{s}}.llm_batch_requests
+    -- every model (and variant) with a request or a row answer: under llm_dedup = 'ledger' a model whose
+    -- rows all share other models' requests has no request of its own, and still has rows to show
+    from (select model, variant from {{s}}.llm_batch_requests
+          union select model, variant from {{s}}.llm_batch_row_answers) m
+         left join {{s}}.llm_batch_requests using (model, variant)
          left join (select a.model, a.variant, count(*) as rows_mapped, count(*) filter (where a.reused) as rows_reused,
                            count(distinct a.key) filter (where r.is_final and r.status = {_SUCCEEDED}) as keys_succeeded,
                            count(distinct a.key) filter (where r.is_final and r.status = {_FAILED}) as keys_failed,

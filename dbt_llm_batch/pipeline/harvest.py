@@ -74,14 +74,26 @@ def answer_problem_sql(config: ModelConfig) -> str:
     return f"case {cases} end"
 
 
-def schema_problems(con, config: ModelConfig, table: str) -> int:
+def asked_schema(config: ModelConfig) -> str:
+    """The llm_output schema requests are asked with, as recorded on their job (canonical JSON; 'null'
+    for free text): harvest checks each answer against the schema it was asked for."""
+    return json.dumps(config.output_json_schema(), sort_keys=True)
+
+
+def schema_problems(con, config: ModelConfig, table: str, skip_jobs=()) -> int:
     """Check each 'ok' answer in `table` (an outcomes table) that the bulk SQL checks passed against
     the output schema with `jsonschema`, when the schema has more than flat columns (objects, lists,
     dates, optional fields, ...): a failing answer gets the validator's message as its `problem`
-    (the field's path and the rule), and is a failed attempt like any other. Returns how many failed."""
+    (the field's path and the rule), and is a failed attempt like any other. Answers of `skip_jobs`
+    are left alone. Returns how many failed."""
     schema = config.output_json_schema()
     if schema is None or all(output_schema.is_flat(c.json_schema) for c in config.output_columns):
         return 0
+    return _validate(con, table, schema, f"job_id not in {in_list(skip_jobs)}" if skip_jobs else "true")
+
+
+def _validate(con, table: str, schema: dict, where: str) -> int:
+    """schema_problems against `schema`, for the answers of `table` that `where` (SQL) selects."""
     validator = jsonschema.Draft202012Validator(
         output_schema.validation_schema(schema),
         format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER,
@@ -89,7 +101,7 @@ def schema_problems(con, config: ModelConfig, table: str) -> int:
     failed: dict[str, list] = {"custom_id": [], "job_id": [], "problem": []}
     # Streamed in chunks (the answers are never all in memory); the table is updated once it is read.
     reader = con.sql(
-        f"select custom_id, job_id, answer from {table} where outcome = 'ok' and problem is null"
+        f"select custom_id, job_id, answer from {table} where outcome = 'ok' and problem is null and ({where})"
     ).to_arrow_reader(10_000)
     for chunk in reader:
         for custom_id, job_id, answer in zip(*(chunk.column(i).to_pylist() for i in range(3)), strict=True):
@@ -112,7 +124,11 @@ def schema_problems(con, config: ModelConfig, table: str) -> int:
 
 def answer_schema_problem(validator, answer: str) -> str | None:
     """The validator's message for an answer that does not match the schema (None if it does)."""
-    error = jsonschema.exceptions.best_match(validator.iter_errors(json.loads(answer)))
+    try:
+        value = json.loads(answer)
+    except ValueError:  # the bulk checks catch this first, except for an earlier schema's answers
+        return "answer is not valid JSON"
+    error = jsonschema.exceptions.best_match(validator.iter_errors(value))
     if error is None:
         return None
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
@@ -247,6 +263,36 @@ def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
         retry_on_conflict(write)
 
 
+def asked_earlier(ledger: Ledger, config: ModelConfig) -> dict[str, dict | None]:
+    """{job id: its llm_output schema} of the ended jobs (Scratch.ended) asked with another schema than
+    `config`'s: llm_output changed while they were in flight (jobs written before schemas were
+    recorded count as asked with the current one)."""
+    rows = ledger.con.execute(
+        f"""select job_id, output_schema from {ledger.table("llm_batch_jobs")}
+            where job_id in (select job_id from {Scratch.ended}) and output_schema is distinct from ?
+              and output_schema is not null""",
+        [asked_schema(config)],
+    ).fetchall()
+    return {job_id: json.loads(schema) for job_id, schema in rows}
+
+
+def recheck(con, config: ModelConfig, table: str, job_id: str, schema: dict | None) -> None:
+    """The answers of a job asked with an earlier llm_output (`schema`) are answers to that request
+    (its fingerprint), checked against that schema: the current one's field checks would fail a good
+    answer for lacking a field it was never asked for, as a billed attempt, and a change back would
+    ask it again. It is kept, and shown only until the current request's answer is final (merge). What
+    no schema changes is kept: a cut-off answer, and with structured output a JSON object."""
+    structured = "coalesce(json_valid(answer), false) and json_type(answer) = 'OBJECT'" if config.structured else "true"
+    con.execute(
+        f"""update {table} set problem = null
+            where job_id = ? and outcome = 'ok' and problem is not null and not coalesce(truncated, false)
+              and {structured}""",
+        [job_id],
+    )
+    if schema is not None:
+        _validate(con, table, schema, f"job_id = {literal(job_id)}")
+
+
 def settle(
     ledger: Ledger,
     provider: Provider,
@@ -319,7 +365,10 @@ def settle(
                  left join failures f using (key, fingerprint)""",
         ([source] if source else []) + [ledger.model],
     )
-    schema_problems(con, config, Scratch.outcomes)
+    earlier = asked_earlier(ledger, config)
+    schema_problems(con, config, Scratch.outcomes, skip_jobs=list(earlier))
+    for job_id, schema in earlier.items():
+        recheck(con, config, Scratch.outcomes, job_id, schema)
     unknown = (
         0
         if source

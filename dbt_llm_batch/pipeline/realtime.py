@@ -91,6 +91,7 @@ def run_realtime(
         [0],
         status=JobStatus.REALTIME,
         members=members,
+        output_schema=harvest.asked_schema(config),
     )[0]  # one job, no request file
     outcome = RealtimeOutcome(
         requests=ledger.con.execute(

@@ -323,6 +323,8 @@ class ModelRun:
         held, until = self.ledger.backed_off()
         if held and self.config is self.default:  # the model's, all variants together: said once
             report.backed_off(self.ledger.model, held, until)
+        if self.config.dedup is not None:  # rows that stopped asking a request in flight stop sharing its cost
+            self.ledger.unmap_superseded(Scratch.desired)
         planned = self.plan()
         self.map_answered()
         if planned == 0:

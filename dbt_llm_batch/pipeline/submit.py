@@ -21,7 +21,7 @@ from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.locks import database_path
 from dbt_llm_batch.ledger.status import JobStatus
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline import crashpoints
+from dbt_llm_batch.pipeline import crashpoints, harvest
 from dbt_llm_batch.pipeline.progress import Progress
 from dbt_llm_batch.pipeline.request_files import RequestFile
 from dbt_llm_batch.providers.base import UNRESOLVED, BatchProvider
@@ -38,7 +38,12 @@ def submit_chunks(
     `members` the other rows each request answers (plan.build_plan), recorded with the intents."""
     batch_ids = []
     job_ids = ledger.write_intents(
-        provider.name, provider.config.model, sent_rows, [f.chunk for f in files], members=members
+        provider.name,
+        provider.config.model,
+        sent_rows,
+        [f.chunk for f in files],
+        members=members,
+        output_schema=harvest.asked_schema(provider.config),
     )
     crashpoints.reach("after_intents")
     attempted = 0
