@@ -167,6 +167,14 @@ MIGRATIONS += [
     # poller (ops/poller.py) harvests without a dbt project. NULL until the model runs once with it.
     (15, ["alter table {s}.llm_batch_models add column config_snapshot varchar"]),
 ]
+MIGRATIONS += [
+    # A fast hash (DuckDB's hash()) of the text a row answer's fingerprint is the md5 of (the
+    # fingerprint's prefix and the prompt): a run takes the stored fingerprint of a row whose hash
+    # matches for the same key and computes md5 only for the others (plan.build_desired). NULL in
+    # earlier ledgers, and filled by the next run (Ledger.remember_prompt_hashes); fingerprints and
+    # custom_ids do not change. Version 16 is another branch's; versions only need to increase.
+    (17, ["alter table {s}.llm_batch_row_answers add column prompt_hash ubigint"]),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users
@@ -320,6 +328,21 @@ class Ledger(RequestWrites, JobWrites, ResultWrites):
                 [self.model],
             ).fetchall()[0]
         )
+
+    def has_prompt_hashes(self) -> bool:
+        """Whether any row answer of this model has a prompt_hash (plan.build_desired)."""
+        answers = self.table("llm_batch_row_answers")
+        return bool(
+            self.con.execute(
+                f"select exists (select 1 from {answers} where model = ? and prompt_hash is not null)", [self.model]
+            ).fetchall()[0][0]
+        )
+
+    def prompt_fingerprints(self) -> str:
+        """SQL (parameter $model): the stored fingerprint of each (key, prompt_hash) of this model."""
+        return f"""select key, prompt_hash, any_value(fingerprint) as fingerprint
+                   from {self.table("llm_batch_row_answers")} where model = $model and prompt_hash is not null
+                   group by key, prompt_hash"""
 
     def pending_count(self) -> int:
         return self.con.execute(

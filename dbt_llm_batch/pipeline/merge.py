@@ -254,14 +254,17 @@ def merge(ledger: Ledger, config: ModelConfig, target: str, input_columns, rebui
     scope = "true" if rebuild else f"emitted is null or key in (select key from {EMIT})"
 
     removed = [0]  # rows of keys no longer selected, deleted (llm_on_unselected = 'delete')
+    # Nothing to write (a run with nothing new): the delete would still compute every row's key.
+    emitting = con.execute(f"select count(*) > 0 from {EMIT}").fetchall()[0][0]
 
     def write():
         with transaction(con):
             if rebuild:
                 con.execute(f"create or replace table {target} ({ddl})")
-            else:
+            elif emitting:
                 con.execute(f"delete from {target} where {target_key} in (select key from {EMIT})")
-            con.execute(f"insert into {target} by name {_row_select(ledger, config, input_columns)}")
+            if emitting or rebuild:
+                con.execute(f"insert into {target} by name {_row_select(ledger, config, input_columns)}")
             refresh = None if rebuild else refresh_sql(config, target, input_columns)
             if refresh:
                 con.execute(refresh)

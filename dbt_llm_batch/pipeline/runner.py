@@ -134,7 +134,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project, model_c
     exists = merge.relation_exists(con, schema, identifier)
     if not full_refresh and exists:
         merge.check_existing_table(con, target, merge.table_columns(input_columns, config), alter=not run.dry_run)
-    plan.build_desired(con, Scratch.input, input_columns, config)
+    plan.build_desired(con, Scratch.input, input_columns, config, run.ledger)
     if run.dry_run:
         run.dry_run_report()
         return run.summary
@@ -309,14 +309,14 @@ class ModelRun:
     @property
     def duplicates(self) -> str:
         """The plan's rows that ask the same request as another selected row (plan.build_plan)."""
-        return f"(select * from {Scratch.plan_members} where duplicate)"
+        return plan.member_rows(self.input_columns, "m.duplicate")
 
     def map_answered(self) -> None:
         """Rows whose request is answered or in flight already (plan.build_plan) point at it now: the
         answered ones are merged this run, with no provider call."""
         shared, reused = plan.dedup_counts(self.con)
         if reused:
-            self.ledger.map_rows(f"(select * from {Scratch.plan_members} where not duplicate)")
+            self.ledger.map_rows(plan.member_rows(self.input_columns, "not m.duplicate"))
         self.summary.reused += reused
         self.summary.shared += shared
 
