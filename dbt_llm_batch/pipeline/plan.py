@@ -136,7 +136,7 @@ def build_desired(con, input_rel: str, columns, config: ModelConfig, ledger: Led
                        {fingerprint} as fingerprint,
                        b.has_prompt, b.prompt_chars, b.realtime, b.prompt_hash, {known} as fingerprint_stored
                 from (select rowid as row_id, {key_sql(config)} as key, {text} as prompt_text,
-                             hash($prefix, {text}) as prompt_hash,
+                             hash(cast($prefix as varchar), {text}) as prompt_hash,
                              {text} <> '' as has_prompt,
                              length({prompt_chars}) as prompt_chars,  -- for the token estimate, read in this one scan
                              {realtime} as realtime
