@@ -329,14 +329,12 @@ class Ledger(RequestWrites, JobWrites, ResultWrites):
             ).fetchall()[0]
         )
 
-    def has_prompt_hashes(self) -> bool:
-        """Whether any row answer of this model has a prompt_hash (plan.build_desired)."""
+    def prompt_hash_count(self) -> int:
+        """How many row answers of this model have a prompt_hash (plan.build_desired)."""
         answers = self.table("llm_batch_row_answers")
-        return bool(
-            self.con.execute(
-                f"select exists (select 1 from {answers} where model = ? and prompt_hash is not null)", [self.model]
-            ).fetchall()[0][0]
-        )
+        return self.con.execute(f"select count(prompt_hash) from {answers} where model = ?", [self.model]).fetchall()[
+            0
+        ][0]
 
     def prompt_fingerprints(self) -> str:
         """SQL (parameter $model): the stored fingerprint of each (key, prompt_hash) of this model."""

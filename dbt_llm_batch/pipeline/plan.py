@@ -122,7 +122,14 @@ def build_desired(con, input_rel: str, columns, config: ModelConfig, ledger: Led
     text = f"coalesce(cast({ident(config.prompt_column)} as varchar), '')"
     stored, fingerprint, known = "", "md5($prefix || b.prompt_text)", "false"
     params: dict = {"prefix": config.fingerprint_prefix()}
-    if ledger is not None and ledger.has_prompt_hashes():
+    hashed = ledger.prompt_hash_count() if ledger is not None else 0
+    # Looking the hashes up reads all of the model's row answers: worth it unless the selection is a
+    # small part of them (md5 over a few rows is cheaper), or empty.
+    if (
+        ledger is not None
+        and hashed
+        and 10 * con.execute(f"select count(*) from {input_rel}").fetchall()[0][0] >= hashed
+    ):
         # CASE evaluates md5 only for the rows whose hash found no stored fingerprint.
         stored = f"left join ({ledger.prompt_fingerprints()}) s on s.key = b.key and s.prompt_hash = b.prompt_hash"
         fingerprint = "case when s.fingerprint is null then md5($prefix || b.prompt_text) else s.fingerprint end"
@@ -205,6 +212,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         stored_prompt = f"decode(cast({stored_prompt} as blob))"
     path = "$." + json.dumps(config.prompt_column)
     asked_now = f"and fingerprint not in (select fingerprint from {DESIRED})" if dedup else ""
+    if not ledger.has_deferred():  # the usual case: no NOT IN over the selected rows to build
+        asked_now += " and false"
     con.execute(  # one whose stored row lacks the prompt column cannot be sent (bad_input.reject_deferred_without_prompt)
         f"""create or replace temp table {Scratch.deferred} as
             select * from (select key, fingerprint, seq, custom_id, row_json,
@@ -269,11 +278,17 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                 group by fingerprint""",
             {"model": ledger.model} if scope else {},
         )
-        reuse = f"""union all
+        # (Each part below is read only when its requests exist: a plan of new rows joins nothing.)
+        answered_any = con.execute(f"select count(*) > 0 from {Scratch.answered}").fetchall()[0][0]
+        reuse = (
+            ""
+            if not answered_any
+            else f"""union all
                   select c.row_id, c.key, c.fingerprint, a.custom_id, a.answered, false, c.prompt_hash
                   from {Scratch.candidates} c join {Scratch.answered} a using (fingerprint)
                   where not exists (select 1 from {answers} x
                                     where x.model = $model and x.key = c.key and x.custom_id = a.custom_id)"""
+        )
     con.execute(
         f"""create or replace temp table {PLAN} as
             with history as (
@@ -324,14 +339,19 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
     con.execute(f"drop table {Scratch.deferred}")
     # The members: rows asking a request planned now for another row, or answered / in flight already,
     # or (with dedup) whose request failed for good: they show that failure, as its first rows do.
-    if dedup:
+    final_failed = f"model = $model and status = {sql(RequestStatus.FAILED)} and is_final"
+    if (
+        dedup
+        and con.execute(
+            f"select exists (select 1 from {requests} where {final_failed})", {"model": ledger.model}
+        ).fetchall()[0][0]
+    ):
         reuse += f"""
                   union all
                   select c.row_id, c.key, c.fingerprint, f.custom_id, true, false, c.prompt_hash
                   from {Scratch.candidates} c
                        join (select fingerprint, arg_max(custom_id, queued_at) as custom_id from {requests}
-                             where model = $model and status = {sql(RequestStatus.FAILED)} and is_final
-                               and fingerprint in (select fingerprint from {Scratch.candidates})
+                             where {final_failed} and fingerprint in (select fingerprint from {Scratch.candidates})
                              group by fingerprint) f using (fingerprint)
                   where c.fingerprint not in (select fingerprint from {PLAN})
                     and c.fingerprint not in (select fingerprint from {Scratch.answered})
@@ -343,7 +363,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
             select row_id, key, fingerprint, custom_id, false as reused, true as duplicate, prompt_hash
             from {PLAN} where member
             {reuse}""",
-        {"model": ledger.model} if dedup else {},
+        {"model": ledger.model} if "$model" in reuse else {},
     )
     con.execute(f"delete from {PLAN} where member")
     if dedup:  # a request sent for several rows goes the urgent way if one of them is urgent
