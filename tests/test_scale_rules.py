@@ -11,7 +11,7 @@ from helpers import batch_counts, triage_model
 
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import InputError
-from dbt_llm_batch.ledger import SCHEMA_VERSION
+from dbt_llm_batch.ledger.store import SCHEMA_VERSION
 from dbt_llm_batch.pipeline import plan, request_files
 from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
 

@@ -33,7 +33,9 @@ __all__ = ["IN_FLIGHT", "MIGRATIONS", "SCHEMA_VERSION", "Ledger", "retry_on_conf
 MIGRATIONS: list[tuple[int, list[str]]] = [
     # row_json and raw (a request's selected row, a result line) are large texts written once and read
     # rarely: stored with ZSTD, which writes them about 3x faster than DuckDB's default choice
-    # (dictionary/FSST analysis). Storage only; ledgers created before keep their compression.
+    # (dictionary/FSST analysis). custom_id, key and fingerprint are short, all different, and written
+    # a million at a time: stored uncompressed, which writes them about 3x faster than the default
+    # (and twice as fast as ZSTD) for some more bytes. Storage only; ledgers created before keep theirs.
     (
         1,
         [
@@ -46,12 +48,13 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                created_at timestamptz, submitted_at timestamptz, ended_at timestamptz,
                harvested_at timestamptz, updated_at timestamptz)""",
             """create table if not exists {s}.llm_batch_requests (
-               custom_id varchar, model varchar, key varchar, fingerprint varchar, seq integer,
-               job_id varchar, status varchar, is_final boolean, error varchar, finish_reason varchar,
+               custom_id varchar using compression uncompressed, model varchar, key varchar using compression uncompressed,
+               fingerprint varchar using compression uncompressed, seq integer, job_id varchar, status varchar, is_final boolean, error varchar, finish_reason varchar,
                input_tokens bigint, output_tokens bigint, cached_tokens bigint, row_json varchar using compression zstd,
                queued_at timestamptz, completed_at timestamptz, emitted varchar, answer varchar)""",
             """create table if not exists {s}.llm_batch_results (
-               custom_id varchar, model varchar, job_id varchar, source varchar, raw varchar using compression zstd,
+               custom_id varchar using compression uncompressed, model varchar, job_id varchar, source varchar,
+               raw varchar using compression zstd,
                stored_at timestamptz)""",
         ],
     ),
@@ -155,7 +158,8 @@ MIGRATIONS += [
         14,
         [
             """create table if not exists {s}.llm_batch_row_answers (
-               model varchar, key varchar, variant varchar default '', fingerprint varchar, custom_id varchar,
+               model varchar, key varchar using compression uncompressed, variant varchar default '',
+               fingerprint varchar using compression uncompressed, custom_id varchar using compression uncompressed,
                reused boolean, created_at timestamptz, row_json varchar using compression zstd, emitted varchar)""",
             f"""insert into {{s}}.llm_batch_row_answers
                select model, key, '', fingerprint, custom_id, false, coalesce(queued_at, now()), null, emitted
