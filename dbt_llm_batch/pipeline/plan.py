@@ -236,14 +236,17 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         # Attempts of the request: distinct attempt numbers (ledgers before dedup hold one per key).
         failed = f"count(distinct seq) filter (where status = {sql(RequestStatus.FAILED)})"
         next_seq = "coalesce(h.max_seq + 1, 0)"
-        custom_id = "'r_' || substr(sha256($model || fingerprint || seq), 1, 40)"
+        # The group's request id, computed once per group (seq is the group's: history is per fingerprint).
+        custom_id = "l.custom_id"
         # Each group's first row (the key an earlier attempt was sent for, else the lowest key) asks the
         # request; the others are its members. Aggregates and semi-joins, not windows: no sort of the plan.
         leaders = """,
             leaders as (
-                select coalesce(max(row_id) filter (where key = prior_key), arg_min(row_id, key)) as row_id
+                select fingerprint, coalesce(max(row_id) filter (where key = prior_key), arg_min(row_id, key)) as leader,
+                       'r_' || substr(sha256($model || fingerprint || any_value(seq)), 1, 40) as custom_id
                 from fresh group by fingerprint)"""
-        member = "row_id not in (select row_id from leaders)"
+        member = "row_id <> l.leader"
+        by_group = "join leaders l using (fingerprint)"
         urgent = "fingerprint in (select fingerprint from fresh where route = 'realtime')"
         not_answered = f"and d.fingerprint not in (select fingerprint from {Scratch.answered})"
     else:
@@ -252,7 +255,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         next_seq = "coalesce(h.n_requests, 0)"
         custom_id = "'r_' || substr(sha256($model || key || fingerprint || seq), 1, 40)"
         member = urgent = "false"
-        not_answered = leaders = ""
+        not_answered = leaders = by_group = ""
     # Selected rows with no answer, request in flight or hold for their prompt.
     con.execute(
         f"""create or replace temp table {Scratch.candidates} as
@@ -323,7 +326,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
             from (select row_id, key, fingerprint, seq, {custom_id} as custom_id,
                          null::varchar as deferred_prompt, null::varchar as deferred_row_json, route, prompt_chars,
                          {member} as member, {urgent} as urgent, prompt_hash
-                  from fresh
+                  from fresh {by_group}
                   union all
                   select null, key, fingerprint, seq, custom_id, prompt, row_json, $deferred_route, prompt_chars,
                          false, false, null::ubigint
