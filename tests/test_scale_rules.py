@@ -11,6 +11,7 @@ from helpers import batch_counts, triage_model
 
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import InputError
+from dbt_llm_batch.ledger.store import SCHEMA_VERSION
 from dbt_llm_batch.pipeline import plan, request_files
 from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
 
@@ -172,3 +173,34 @@ def test_a_waiting_request_whose_stored_row_lost_its_prompt_column_fails_alone(p
     project.dbt("run", "-s", "triage")
     assert batch_counts(emulator) == [2], "nothing that cannot be built is sent"
     assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(2,)]
+
+
+def test_a_ledger_of_the_previous_version_with_a_batch_in_flight_is_migrated_and_its_batch_harvests(project, emulator):
+    """A ledger at schema version 15 (before row answers stored a prompt_hash) with a batch in flight:
+    the next run migrates it in place, harvests the batch and asks nothing again; fingerprints and
+    custom_ids stay as they were, the row answers learn their hash, and a run after that changes nothing."""
+    project.write("models/triage.sql", triage_model())
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    sent = batch_counts(emulator)
+    identities = project.query("select key, fingerprint, custom_id from main.llm_batch_requests order by all")
+    # Back to version 15's shape, as that version left it: no prompt_hash column.
+    project.query("alter table main.llm_batch_row_answers drop column prompt_hash")
+    project.query("delete from main.llm_batch_meta where schema_version > 15")
+
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select max(schema_version) from main.llm_batch_meta") == [(SCHEMA_VERSION,)]
+    assert batch_counts(emulator) == sent, "nothing asked again"
+    assert project.query("select count(*), count(*) filter (where llm_status = 'succeeded') from main.triage") == [
+        (6, 6)
+    ]
+    assert project.query("select key, fingerprint, custom_id from main.llm_batch_requests order by all") == identities
+    assert project.query("select count(*) from main.llm_batch_row_answers where prompt_hash is null") == [(0,)]
+
+    before, calls = ledger_snapshot(project), emulator.stats()["calls"]
+    answers = project.query("select * from main.llm_batch_row_answers order by all")
+    project.dbt("run", "-s", "triage")
+    assert emulator.stats()["calls"] == calls
+    assert ledger_snapshot(project) == before
+    assert project.query("select * from main.llm_batch_row_answers order by all") == answers

@@ -33,9 +33,10 @@ class RequestWrites(LedgerBase):
     ) -> dict[int, str]:
         """Record one job intent per chunk and every request ('queued') in one transaction, before the
         provider is contacted; returns {chunk: job id}. `plan_rows` has each request's `chunk` and
-        its `line` in the chunk's request file (NULL when there is no file: realtime). `status` is the
+        its `line` in the chunk's request file (NULL when there is no file: realtime), and its row's
+        `prompt_hash` (plan.build_desired; NULL for a deferred one). `status` is the
         jobs' first status: JobStatus.INTENT, or JobStatus.REALTIME for the realtime path. Each request
-        answers its own key, and the rows of `members` (key, fingerprint, custom_id, row_json: the other
+        answers its own key, and the rows of `members` (key, fingerprint, custom_id, row_json, prompt_hash: the other
         rows asking the same request) whose request is among them: their row answers are written in the
         same transaction. `output_schema`: the llm_output schema the requests are asked with
         (harvest.asked_schema), recorded on each job.
@@ -52,20 +53,16 @@ class RequestWrites(LedgerBase):
         mapping = f"(select unnest({chunk_list})::bigint as chunk, unnest({job_id_list}) as job_id)"
         requests = self.table("llm_batch_requests")
 
+        # `plan_rows` (a join of the plan, the input and the files) is read for the requests (their
+        # rows) and the row answers (their prompt_hash); the other statements read the requests
+        # written (their job ids are new).
+        written = f"(select * from {requests} where job_id in (select job_id from {mapping}) and status = {QUEUED})"
+
         def write():
             with transaction(self.con):
-                self.con.execute(
-                    f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
-                          status, request_count, created_at, updated_at, variant, output_schema)
-                        select m.job_id, ?, ?, ?, ?, count(*), now(), now(), ?, ?
-                        from {plan_rows} p join {mapping} m using (chunk) group by m.job_id""",
-                    [self.model, provider, llm_model, status, self.variant, output_schema],
-                )
-                self.con.execute(  # a deferred request being sent now becomes a queued one
-                    f"""delete from {requests} where model = ? and status = {DEFERRED} and custom_id in
-                        (select custom_id from {plan_rows} join {mapping} using (chunk))""",
-                    [self.model],
-                )
+                deferred = self.con.execute(
+                    f"select count(*) from {requests} where model = ? and status = {DEFERRED}", [self.model]
+                ).fetchall()[0][0]
                 self.con.execute(
                     f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
                           row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line, variant)
@@ -74,19 +71,32 @@ class RequestWrites(LedgerBase):
                         from {plan_rows} p join {mapping} m using (chunk)""",
                     [self.model, self.variant],
                 )
+                self.con.execute(
+                    f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
+                          status, request_count, created_at, updated_at, variant, output_schema)
+                        select job_id, ?, ?, ?, ?, count(*), now(), now(), ?, ?
+                        from {written} group by job_id""",
+                    [self.model, provider, llm_model, status, self.variant, output_schema],
+                )
+                if deferred:  # a deferred request being sent now becomes a queued one
+                    self.con.execute(
+                        f"""delete from {requests} where model = ? and status = {DEFERRED} and custom_id in
+                            (select custom_id from {written})""",
+                        [self.model],
+                    )
                 answers = self.table("llm_batch_row_answers")
                 self.con.execute(
-                    f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, created_at)
-                        select ?, p.key, ?, p.fingerprint, p.custom_id, false, now()
+                    f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, created_at, prompt_hash)
+                        select ?, p.key, ?, p.fingerprint, p.custom_id, false, now(), p.prompt_hash
                         from {plan_rows} p join {mapping} m using (chunk)""",
                     [self.model, self.variant],
                 )
                 if members is not None:
                     self.con.execute(
-                        f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, created_at, row_json)
-                            select ?, x.key, ?, x.fingerprint, x.custom_id, false, now(), x.row_json
-                            from {members} x semi join (select custom_id from {plan_rows} join {mapping} using (chunk)) p
-                                 using (custom_id)""",
+                        f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, created_at, row_json,
+                              prompt_hash)
+                            select ?, x.key, ?, x.fingerprint, x.custom_id, false, now(), x.row_json, x.prompt_hash
+                            from {members} x semi join (select custom_id from {written}) p using (custom_id)""",
                         [self.model, self.variant],
                     )
 
@@ -95,7 +105,7 @@ class RequestWrites(LedgerBase):
 
     def map_rows(self, members: str) -> int:
         """Row answers for rows whose request exists already (`members`: key, fingerprint, custom_id,
-        reused, row_json): answered (reused) or in flight; returns how many. No request is written.
+        reused, row_json, prompt_hash): answered (reused) or in flight; returns how many. No request is written.
 
         Whether a row is reused is read again here, from the request's status when the row answer is
         written, not taken from the plan: with llm_dedup = 'ledger' another model's run (another dbt
@@ -105,9 +115,9 @@ class RequestWrites(LedgerBase):
         requests = self.table("llm_batch_requests")
         return self.count(
             f"""insert into {self.table("llm_batch_row_answers")}
-                  (model, key, variant, fingerprint, custom_id, reused, created_at, row_json)
+                  (model, key, variant, fingerprint, custom_id, reused, created_at, row_json, prompt_hash)
                 select ?, m.key, ?, m.fingerprint, m.custom_id, m.reused or coalesce(r.answered, false), now(),
-                       m.row_json
+                       m.row_json, m.prompt_hash
                 from {members} m
                      left join (select custom_id, bool_or(status = {sql(R.SUCCEEDED)}) as answered from {requests}
                                 where custom_id in (select custom_id from {members}) group by custom_id) r
@@ -133,6 +143,19 @@ class RequestWrites(LedgerBase):
                                       where custom_id in (select custom_id from {requests} where status in {IN_FLIGHT_SQL})
                                       group by custom_id having count(*) > 1)""",
             [self.model, self.variant],
+        )
+
+    def remember_prompt_hashes(self, desired: str) -> int:
+        """Store the prompt_hash of `desired`'s rows (key, fingerprint, prompt_hash, fingerprint_stored:
+        plan.build_desired) on this model's row answers of the same key and fingerprint that lack it or
+        have another (an earlier ledger, or a DuckDB that hashes differently); returns how many. Only
+        the rows whose fingerprint was computed with md5 are looked at: the others matched already."""
+        return self.count(
+            f"""update {self.table("llm_batch_row_answers")} a set prompt_hash = d.prompt_hash
+                from (select key, fingerprint, prompt_hash from {desired} where not fingerprint_stored) d
+                where a.model = ? and a.key = d.key and a.fingerprint = d.fingerprint
+                  and a.prompt_hash is distinct from d.prompt_hash""",
+            [self.model],
         )
 
     def defer(self, plan_rows: str | None) -> None:
@@ -330,8 +353,14 @@ class RequestWrites(LedgerBase):
         """Inside the merge's transaction: row answers with a final request within `scope` (an SQL
         condition) are 'merged' if `emitted` (a relation with key and custom_id) holds them, else
         'superseded'."""
+        answers = self.table("llm_batch_row_answers")
+        # Nothing in scope (a run with nothing new): skip the join with every final request.
+        if not self.con.execute(
+            f"select count(*) from {answers} where model = ? and ({scope})", [self.model]
+        ).fetchall()[0][0]:
+            return
         self.con.execute(
-            f"""update {self.table("llm_batch_row_answers")} a
+            f"""update {answers} a
                 set emitted = case when (key, custom_id) in (select (key, custom_id) from {emitted})
                                    then 'merged' else 'superseded' end
                 where model = ? and ({scope}) and custom_id in

@@ -33,7 +33,9 @@ __all__ = ["IN_FLIGHT", "MIGRATIONS", "SCHEMA_VERSION", "Ledger", "retry_on_conf
 MIGRATIONS: list[tuple[int, list[str]]] = [
     # row_json and raw (a request's selected row, a result line) are large texts written once and read
     # rarely: stored with ZSTD, which writes them about 3x faster than DuckDB's default choice
-    # (dictionary/FSST analysis). Storage only; ledgers created before keep their compression.
+    # (dictionary/FSST analysis). custom_id, key and fingerprint are short, all different, and written
+    # a million at a time: stored uncompressed, which writes them about 3x faster than the default
+    # (and twice as fast as ZSTD) for some more bytes. Storage only; ledgers created before keep theirs.
     (
         1,
         [
@@ -46,12 +48,13 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                created_at timestamptz, submitted_at timestamptz, ended_at timestamptz,
                harvested_at timestamptz, updated_at timestamptz)""",
             """create table if not exists {s}.llm_batch_requests (
-               custom_id varchar, model varchar, key varchar, fingerprint varchar, seq integer,
-               job_id varchar, status varchar, is_final boolean, error varchar, finish_reason varchar,
+               custom_id varchar using compression uncompressed, model varchar, key varchar using compression uncompressed,
+               fingerprint varchar using compression uncompressed, seq integer, job_id varchar, status varchar, is_final boolean, error varchar, finish_reason varchar,
                input_tokens bigint, output_tokens bigint, cached_tokens bigint, row_json varchar using compression zstd,
                queued_at timestamptz, completed_at timestamptz, emitted varchar, answer varchar)""",
             """create table if not exists {s}.llm_batch_results (
-               custom_id varchar, model varchar, job_id varchar, source varchar, raw varchar using compression zstd,
+               custom_id varchar using compression uncompressed, model varchar, job_id varchar, source varchar,
+               raw varchar using compression zstd,
                stored_at timestamptz)""",
         ],
     ),
@@ -155,7 +158,8 @@ MIGRATIONS += [
         14,
         [
             """create table if not exists {s}.llm_batch_row_answers (
-               model varchar, key varchar, variant varchar default '', fingerprint varchar, custom_id varchar,
+               model varchar, key varchar using compression uncompressed, variant varchar default '',
+               fingerprint varchar using compression uncompressed, custom_id varchar using compression uncompressed,
                reused boolean, created_at timestamptz, row_json varchar using compression zstd, emitted varchar)""",
             f"""insert into {{s}}.llm_batch_row_answers
                select model, key, '', fingerprint, custom_id, false, coalesce(queued_at, now()), null, emitted
@@ -179,6 +183,12 @@ MIGRATIONS += [
             "alter table {s}.llm_batch_jobs add column if not exists variant varchar default ''",
         ],
     ),
+    # A fast hash (DuckDB's hash()) of the text a row answer's fingerprint is the md5 of (the
+    # fingerprint's prefix and the prompt): a run takes the stored fingerprint of a row whose hash
+    # matches for the same key and computes md5 only for the others (plan.build_desired). NULL in
+    # earlier ledgers, and filled by the next run (Ledger.remember_prompt_hashes); fingerprints and
+    # custom_ids do not change. Version 16 is another branch's; versions only need to increase.
+    (17, ["alter table {s}.llm_batch_row_answers add column prompt_hash ubigint"]),
     # output_schema: the llm_output schema a job's requests were asked with (canonical JSON; 'null'
     # for free text; NULL for jobs written before): an answer is checked against the schema it was
     # asked for, not one the model was given while it was in flight (harvest.settle). The views
@@ -345,6 +355,19 @@ class Ledger(RequestWrites, JobWrites, ResultWrites):
                 [self.model],
             ).fetchall()[0]
         )
+
+    def prompt_hash_count(self) -> int:
+        """How many row answers of this model have a prompt_hash (plan.build_desired)."""
+        answers = self.table("llm_batch_row_answers")
+        return self.con.execute(f"select count(prompt_hash) from {answers} where model = ?", [self.model]).fetchall()[
+            0
+        ][0]
+
+    def prompt_fingerprints(self) -> str:
+        """SQL (parameter $model): the stored fingerprint of each (key, prompt_hash) of this model."""
+        return f"""select key, prompt_hash, any_value(fingerprint) as fingerprint
+                   from {self.table("llm_batch_row_answers")} where model = $model and prompt_hash is not null
+                   group by key, prompt_hash"""
 
     def pending_count(self) -> int:
         return self.con.execute(

@@ -9,7 +9,8 @@ rows under the old key next to the new ones. Here, before anything is planned:
   columns, else by their fingerprint (the same prompt and settings as exactly one selected row);
 - requests that match no selected row are set aside under `<identity> (unique_key <old columns>)`:
   still harvested and costed, never merged.
-It also renames fingerprints stored the way earlier versions computed them (config.legacy_prefix).
+It also renames fingerprints stored the way earlier versions computed them (config.legacy_prefix),
+and stores the prompt_hash of row answers that lack it (plan.build_desired).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def prepare_ledger(ledger: Ledger, config: ModelConfig, input_columns) -> None:
     ).fetchall()
     stored, adopted = row[0] if row else (None, None)
     if stored == current and adopted == prefix:
+        _remember_prompt_hashes(ledger)
         return
     requests = ledger.table("llm_batch_requests")
     n = con.execute(f"select count(*) from {requests} where model = ?", [ledger.model]).fetchall()[0][0]
@@ -53,6 +55,14 @@ def prepare_ledger(ledger: Ledger, config: ModelConfig, input_columns) -> None:
     if n and adopted != prefix:  # after the re-key: it matches on the current key
         plan.adopt_legacy_fingerprints(ledger, config)
     ledger.record_model_identity(current, prefix)
+    _remember_prompt_hashes(ledger)
+
+
+def _remember_prompt_hashes(ledger: Ledger) -> None:
+    """Rows whose fingerprint md5 computed (plan.build_desired) give their prompt_hash to their row
+    answers (an upgraded ledger's, or after DuckDB changed its hash), so the next run skips md5."""
+    if ledger.con.execute(f"select count(*) from {DESIRED} where not fingerprint_stored").fetchall()[0][0]:
+        ledger.remember_prompt_hashes(DESIRED)
 
 
 def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str]) -> None:

@@ -105,10 +105,13 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
         if typ in TEXT_ROUND_TRIP:
             stored = f"cast({stored} as {typ})"
         # A column the request was not made of shows the current selection's value for a selected key.
-        current = "" if name in request_columns(config) else "d.key is not null or "
+        current = "" if name in request_columns(config) else f"when d.key is not null then i.{ident(name)} "
+        # A stored NULL is the stored row's value only if the row has the column (json_transform gives
+        # NULL for both): the JSON is read again for those alone, not parsed a second time for every row.
+        path = literal("$." + json.dumps(name))
         selected.append(
-            f"case when {current}not list_contains(w.stored_keys, {literal(name)}) then i.{ident(name)} "
-            f"else {stored} end as {ident(name)}"
+            f"case {current}when w.stored.{ident(name)} is not null or json_exists(w.stored_json, {path}) "
+            f"then {stored} else i.{ident(name)} end as {ident(name)}"
         )
     outputs = []
     for name, value in _output_values(config):
@@ -137,7 +140,7 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
         select {", ".join(selected + outputs + status)}
         from (select r.* exclude (key, row_json), e.key, e.reused, e.sharing, e.share_rank,
                      json_transform(coalesce(e.row_json, r.row_json), {literal(structure)}) as stored,
-                     json_keys(coalesce(e.row_json, r.row_json)) as stored_keys
+                     coalesce(e.row_json, r.row_json) as stored_json
               from {EMIT} e join {ledger.table("llm_batch_requests")} r on r.custom_id = e.custom_id and r.is_final) w
              left join {ledger.table("llm_batch_jobs")} j on j.job_id = w.job_id
              left join {DESIRED} d on d.key = w.key left join {INPUT} i on i.rowid = d.row_id"""
@@ -288,6 +291,8 @@ def merge(
     )
 
     removed = [0]  # rows of keys no longer selected, deleted (llm_on_unselected = 'delete')
+    # Nothing to write (a run with nothing new): the delete would still compute every row's key.
+    emitting = con.execute(f"select count(*) > 0 from {EMIT}").fetchall()[0][0]
 
     def write():
         with transaction(con):
@@ -295,9 +300,10 @@ def merge(
                 con.execute(f"create or replace table {target} ({ddl})")
             elif rebuild:  # a later variant of a rebuilt table
                 con.execute(f"delete from {target} where {shown}")
-            else:
+            elif emitting:
                 con.execute(f"delete from {target} where {shown} and {target_key} in (select key from {EMIT})")
-            con.execute(f"insert into {target} by name {_row_select(ledger, config, input_columns)}")
+            if emitting or rebuild:
+                con.execute(f"insert into {target} by name {_row_select(ledger, config, input_columns)}")
             refresh = None if rebuild else refresh_sql(config, target, input_columns)
             if refresh:
                 con.execute(refresh)

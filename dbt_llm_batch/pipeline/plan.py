@@ -100,10 +100,17 @@ def row_json_sql(columns, alias: str = "") -> str:
     return "to_json(struct_pack(" + ", ".join(f"{ident(c)} := {alias}{ident(c)}" for c, _ in columns) + "))"
 
 
-def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
+def build_desired(con, input_rel: str, columns, config: ModelConfig, ledger: Ledger | None = None) -> None:
     """One row per selected key: its input row id, key, fingerprint, whether it has a prompt, its
     length and whether it goes to the realtime path. No copy of the prompt or the row: those are read from the
-    input when a row is actually sent."""
+    input when a row is actually sent.
+
+    The fingerprint is md5 over the prompt (stable across versions of everything). With a `ledger`, a
+    fast hash of the same text (`prompt_hash`, DuckDB's hash()) is looked up first among the model's
+    row answers for the same key: where it matches, their stored fingerprint is taken and md5 is not
+    computed, so a run with nothing new hashes its prompts cheaply. A hash DuckDB computes differently
+    (another version) only matches nothing: md5 then gives the same fingerprint as before, and
+    Ledger.remember_prompt_hashes stores the new hash."""
     prompt_chars = prompt_text_sql(config, columns)
     if prompt_is_blob(config, columns):  # not-UTF-8 BLOBs fail later, alone (bad_input.reject_unsendable)
         prompt_chars = f"try({prompt_chars})"
@@ -114,17 +121,36 @@ def build_desired(con, input_rel: str, columns, config: ModelConfig) -> None:
         realtime = f"coalesce(cast((\n{config.realtime_when}\n) as boolean), false)"
     else:
         realtime = "false"
+    text = f"coalesce(cast({ident(config.prompt_column)} as varchar), '')"
+    stored, fingerprint, known = "", "md5($prefix || b.prompt_text)", "false"
+    params: dict = {"prefix": config.fingerprint_prefix()}
+    hashed = ledger.prompt_hash_count() if ledger is not None else 0
+    # Looking the hashes up reads all of the model's row answers: worth it unless the selection is a
+    # small part of them (md5 over a few rows is cheaper), or empty.
+    if (
+        ledger is not None
+        and hashed
+        and 10 * con.execute(f"select count(*) from {input_rel}").fetchall()[0][0] >= hashed
+    ):
+        # CASE evaluates md5 only for the rows whose hash found no stored fingerprint.
+        stored = f"left join ({ledger.prompt_fingerprints()}) s on s.key = b.key and s.prompt_hash = b.prompt_hash"
+        fingerprint = "case when s.fingerprint is null then md5($prefix || b.prompt_text) else s.fingerprint end"
+        known = "s.fingerprint is not null"
+        params["model"] = ledger.model
     try:
         con.execute(
             f"""create or replace temp table {DESIRED} as
-                select rowid as row_id, {key_sql(config)} as key,
+                select b.row_id, b.key,
                        -- md5: change detection, not security, and twice as fast as sha256 over long prompts
-                       md5(? || coalesce(cast({ident(config.prompt_column)} as varchar), '')) as fingerprint,
-                       coalesce(cast({ident(config.prompt_column)} as varchar), '') <> '' as has_prompt,
-                       length({prompt_chars}) as prompt_chars,  -- for the token estimate, read in this one scan
-                       {realtime} as realtime
-                from {input_rel}""",
-            [config.fingerprint_prefix()],
+                       {fingerprint} as fingerprint,
+                       b.has_prompt, b.prompt_chars, b.realtime, b.prompt_hash, {known} as fingerprint_stored
+                from (select rowid as row_id, {key_sql(config)} as key, {text} as prompt_text,
+                             hash(cast($prefix as varchar), {text}) as prompt_hash,
+                             {text} <> '' as has_prompt,
+                             length({prompt_chars}) as prompt_chars,  -- for the token estimate, read in this one scan
+                             {realtime} as realtime
+                      from {input_rel}) b {stored}""",
+            params,
         )
     except duckdb.Error as exc:
         if not config.realtime_when:
@@ -188,6 +214,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         stored_prompt = f"decode(cast({stored_prompt} as blob))"
     path = "$." + json.dumps(config.prompt_column)
     asked_now = f"and fingerprint not in (select fingerprint from {DESIRED})" if dedup else ""
+    if not ledger.has_deferred():  # the usual case: no NOT IN over the selected rows to build
+        asked_now += " and false"
     con.execute(  # one whose stored row lacks the prompt column cannot be sent (bad_input.reject_deferred_without_prompt)
         f"""create or replace temp table {Scratch.deferred} as
             select * from (select key, fingerprint, seq, custom_id, row_json,
@@ -211,9 +239,18 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         # Attempts of the request: distinct attempt numbers (ledgers before dedup hold one per key).
         failed = f"count(distinct seq) filter (where status = {sql(RequestStatus.FAILED)})"
         next_seq = "coalesce(h.max_seq + 1, 0)"
-        custom_id = "'r_' || substr(sha256($model || fingerprint || seq), 1, 40)"
-        member = "row_number() over (partition by fingerprint order by (key = prior_key) desc nulls last, key) > 1"
-        urgent = "bool_or(route = 'realtime') over (partition by fingerprint)"
+        # The group's request id, computed once per group (seq is the group's: history is per fingerprint).
+        custom_id = "l.custom_id"
+        # Each group's first row (the key an earlier attempt was sent for, else the lowest key) asks the
+        # request; the others are its members. Aggregates and semi-joins, not windows: no sort of the plan.
+        leaders = """,
+            leaders as (
+                select fingerprint, coalesce(max(row_id) filter (where key = prior_key), arg_min(row_id, key)) as leader,
+                       'r_' || substr(sha256($model || fingerprint || any_value(seq)), 1, 40) as custom_id
+                from fresh group by fingerprint)"""
+        member = "row_id <> l.leader"
+        by_group = "join leaders l using (fingerprint)"
+        urgent = "fingerprint in (select fingerprint from fresh where route = 'realtime')"
         not_answered = f"and d.fingerprint not in (select fingerprint from {Scratch.answered})"
     else:
         group, in_candidates = "key, fingerprint", f"key in (select key from {Scratch.candidates})"
@@ -221,7 +258,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         next_seq = "coalesce(h.n_requests, 0)"
         custom_id = "'r_' || substr(sha256($model || key || fingerprint || seq), 1, 40)"
         member = urgent = "false"
-        not_answered = ""
+        not_answered = leaders = by_group = ""
     # Selected rows with no answer, request in flight or hold for their prompt.
     con.execute(
         f"""create or replace temp table {Scratch.candidates} as
@@ -247,12 +284,18 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                 group by fingerprint""",
             {"model": ledger.model} if scope else {},
         )
-        reuse = f"""union all
-                  select c.row_id, c.key, c.fingerprint, a.custom_id, a.answered, false
+        # (Each part below is read only when its requests exist: a plan of new rows joins nothing.)
+        answered_any = con.execute(f"select count(*) > 0 from {Scratch.answered}").fetchall()[0][0]
+        reuse = (
+            ""
+            if not answered_any
+            else f"""union all
+                  select c.row_id, c.key, c.fingerprint, a.custom_id, a.answered, false, c.prompt_hash
                   from {Scratch.candidates} c join {Scratch.answered} a using (fingerprint)
                   where not exists (select 1 from {answers} x
                                     where x.model = $model and x.key = c.key and x.custom_id = a.custom_id
                                       and x.variant = $variant)"""
+        )
     con.execute(
         f"""create or replace temp table {PLAN} as
             with history as (
@@ -272,7 +315,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                 where model = $model and status <> {sql(RequestStatus.DEFERRED)} and {in_candidates}
                 group by {group}),
             fresh as (
-                select d.row_id, d.key, d.fingerprint, d.prompt_chars, {next_seq} as seq, h.prior_key,
+                select d.row_id, d.key, d.fingerprint, d.prompt_chars, d.prompt_hash, {next_seq} as seq, h.prior_key,
                        case when d.realtime or coalesce(h.failed, 0) >= $max_attempts then 'realtime' else 'batch' end as route
                 from {Scratch.candidates} d left join history h using ({group})
                 where coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0 and coalesce(h.held, 0) = 0
@@ -281,16 +324,16 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                        -- llm_fallback = 'realtime': batch attempts used up, one more try in realtime
                        or ($fallback_realtime and coalesce(h.realtime_tried, 0) = 0))
                   and coalesce(h.not_before <= now(), true)
-                  {not_answered})
+                  {not_answered}){leaders}
             select *, {costs.estimated_input_tokens_sql(config, chars_sql="prompt_chars")} as estimated_input_tokens,
                    {estimated_cost} as estimated_cost_usd
             from (select row_id, key, fingerprint, seq, {custom_id} as custom_id,
                          null::varchar as deferred_prompt, null::varchar as deferred_row_json, route, prompt_chars,
-                         {member} as member, {urgent} as urgent
-                  from fresh
+                         {member} as member, {urgent} as urgent, prompt_hash
+                  from fresh {by_group}
                   union all
                   select null, key, fingerprint, seq, custom_id, prompt, row_json, $deferred_route, prompt_chars,
-                         false, false
+                         false, false, null::ubigint
                   from {Scratch.deferred})""",
         {
             "model": ledger.model,
@@ -303,27 +346,32 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
     con.execute(f"drop table {Scratch.deferred}")
     # The members: rows asking a request planned now for another row, or answered / in flight already,
     # or (with dedup) whose request failed for good: they show that failure, as its first rows do.
-    if dedup:
+    final_failed = f"model = $model and status = {sql(RequestStatus.FAILED)} and is_final"
+    if (
+        dedup
+        and con.execute(
+            f"select exists (select 1 from {requests} where {final_failed})", {"model": ledger.model}
+        ).fetchall()[0][0]
+    ):
         reuse += f"""
                   union all
-                  select c.row_id, c.key, c.fingerprint, f.custom_id, true, false
+                  select c.row_id, c.key, c.fingerprint, f.custom_id, true, false, c.prompt_hash
                   from {Scratch.candidates} c
                        join (select fingerprint, arg_max(custom_id, queued_at) as custom_id from {requests}
-                             where model = $model and status = {sql(RequestStatus.FAILED)} and is_final
-                               and fingerprint in (select fingerprint from {Scratch.candidates})
+                             where {final_failed} and fingerprint in (select fingerprint from {Scratch.candidates})
                              group by fingerprint) f using (fingerprint)
                   where c.fingerprint not in (select fingerprint from {PLAN})
                     and c.fingerprint not in (select fingerprint from {Scratch.answered})
                     and not exists (select 1 from {answers} x
                                     where x.model = $model and x.key = c.key and x.custom_id = f.custom_id
                                       and x.variant = $variant)"""
+    # Their rows (row_json) are read from the input when their row answers are written (member_rows).
     con.execute(
         f"""create or replace temp table {Scratch.plan_members} as
-            select m.key, m.fingerprint, m.custom_id, m.reused, m.duplicate, {row_json_sql(columns, "i.")} as row_json
-            from (select row_id, key, fingerprint, custom_id, false as reused, true as duplicate from {PLAN} where member
-                  {reuse}) m
-                 join {INPUT} i on i.rowid = m.row_id""",
-        {"model": ledger.model, "variant": ledger.variant} if dedup else {},
+            select row_id, key, fingerprint, custom_id, false as reused, true as duplicate, prompt_hash
+            from {PLAN} where member
+            {reuse}""",
+        {"model": ledger.model, "variant": ledger.variant} if "$model" in reuse else {},
     )
     con.execute(f"delete from {PLAN} where member")
     if dedup:  # a request sent for several rows goes the urgent way if one of them is urgent
@@ -333,6 +381,14 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         con.execute(f"drop table {Scratch.answered}")
     con.execute(f"drop table {Scratch.candidates}")
     return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
+
+
+def member_rows(columns, where: str) -> str:
+    """The plan's members matching `where` (duplicate / not duplicate), each with its row as JSON
+    (row_json), read from the input: key, fingerprint, custom_id, reused, duplicate, prompt_hash, row_json."""
+    return f"""(select m.key, m.fingerprint, m.custom_id, m.reused, m.duplicate, m.prompt_hash,
+                       {row_json_sql(columns, "i.")} as row_json
+                from {Scratch.plan_members} m join {INPUT} i on i.rowid = m.row_id where {where})"""
 
 
 def dedup_counts(con) -> tuple[int, int]:

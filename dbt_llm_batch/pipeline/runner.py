@@ -144,7 +144,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project, model_c
             alter=not run.dry_run,
             default_variant=config.variant_name,
         )
-    plan.build_desired(con, Scratch.input, input_columns, config)
+    plan.build_desired(con, Scratch.input, input_columns, config, run.ledger)
     if run.dry_run:
         for variant in config.all_variants():
             with run.using(variant):
@@ -267,7 +267,7 @@ class ModelRun:
         self.ledger.variant = variant.variant
         self._provider = self._variant_providers.get(variant.variant)
         self.price = costs.price_of(self.con, variant.provider, variant.model)
-        plan.build_desired(self.con, Scratch.input, self.input_columns, variant)
+        plan.build_desired(self.con, Scratch.input, self.input_columns, variant, self.ledger)
         variants.sample_desired(self.con, variant)
 
     @property
@@ -400,14 +400,14 @@ class ModelRun:
     @property
     def duplicates(self) -> str:
         """The plan's rows that ask the same request as another selected row (plan.build_plan)."""
-        return f"(select * from {Scratch.plan_members} where duplicate)"
+        return plan.member_rows(self.input_columns, "m.duplicate")
 
     def map_answered(self) -> None:
         """Rows whose request is answered or in flight already (plan.build_plan) point at it now: the
         answered ones are merged this run, with no provider call."""
         shared, reused = plan.dedup_counts(self.con)
         if reused:
-            self.ledger.map_rows(f"(select * from {Scratch.plan_members} where not duplicate)")
+            self.ledger.map_rows(plan.member_rows(self.input_columns, "not m.duplicate"))
         self.summary.reused += reused
         self.summary.shared += shared
 

@@ -43,15 +43,13 @@ def reject_unsendable(ledger: Ledger, config: ModelConfig, columns, record: bool
             f"nothing was sent. Decode or convert it to text in the model''s SQL (for example from "
             f"Latin-1), or filter such rows out'",
         )
-        text = f"try(decode({prompt}))"
-    else:
-        text = f"cast({prompt} as varchar)"
     limit = context_limit(config)
     if limit:
         # Without llm_max_tokens: what the provider reserves for the output (nothing, for some).
         output = config.max_tokens or get_provider(config.provider).default_max_tokens(config.model) or 0
         output_name = "llm_max_tokens" if config.max_tokens else "the default max_tokens"
-        estimate = costs.estimated_input_tokens_sql(config, text)
+        # The prompt's length is in DESIRED already (plan.build_desired, the same text): no second scan.
+        estimate = costs.estimated_input_tokens_sql(config, chars_sql="d.prompt_chars")
         source = "llm_max_context_tokens" if config.max_context_tokens else f"the context window of {config.model}"
         n += _reject(
             ledger,

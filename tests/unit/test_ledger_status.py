@@ -213,7 +213,7 @@ def plan(ledger: Ledger, n: int, chunks: int = 1, start: int = 0) -> str:
         f"""create or replace temp table plan_rows as
             select 'c' || (i + {start}) as custom_id, 'k' || (i + {start}) as key, 'f' as fingerprint, 0 as seq,
                    '{{"p": "x"}}' as row_json, 0.01::decimal(18, 9) as estimated_cost_usd, 10 as estimated_input_tokens,
-                   'batch' as route, i % {chunks} as chunk, i // {chunks} + 1 as line
+                   'batch' as route, i % {chunks} as chunk, i // {chunks} + 1 as line, null::ubigint as prompt_hash
             from range({n}) t(i)"""
     )
     return "plan_rows"

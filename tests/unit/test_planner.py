@@ -10,6 +10,7 @@ import pytest
 
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import ConfigError, InputError
+from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.pipeline import plan
 
 BASE = {"unique_key": ["shop", "id"], "llm_model": "gpt-4o-mini", "llm_system": "Be brief."}
@@ -103,3 +104,43 @@ def test_plan_rows_reads_prompt_and_row_from_the_input_or_from_a_deferred_reques
         f"select prompt, json_extract_string(row_json, '$.shop'), plan_row from {plan.plan_rows(config, columns, 'my_plan')} order by plan_row"
     ).fetchall()
     assert rows == [("Refund please", "a", 0), ("kept prompt", "z", 1)]
+
+
+def test_a_stored_prompt_hash_gives_the_stored_fingerprint_and_md5_is_the_fallback(memory_con):
+    """A row answer's prompt_hash (DuckDB's hash() of the fingerprint's prefix and the prompt) lets a
+    run take the stored fingerprint of the same key without md5; a hash that does not match (the
+    prompt changed, or a DuckDB that hashes differently) falls back to md5, and the row answers learn
+    the new hash."""
+    config = parse_config(BASE)
+    given_input(memory_con, ROWS)
+    columns = plan.check_input(memory_con, plan.INPUT, config)
+    ledger = Ledger(memory_con, "main", "main.m")
+    ledger.migrate()
+    plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
+    computed = {k: v[0] for k, v in desired(memory_con).items()}  # no hash stored yet: md5 for every row
+    answers = ledger.table("llm_batch_row_answers")
+    # Row answers whose fingerprint is a marker md5 can never give: seen only if the stored one is taken.
+    memory_con.execute(
+        f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, prompt_hash)
+            select 'main.m', key, '', 'stored-' || key, 'r_' || key, false,
+                   case when key = '["a","1"]' then prompt_hash else xor(prompt_hash, 1::ubigint) end
+            from {plan.DESIRED} where key in ('["a","1"]', '["b","2"]')"""
+    )
+    plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
+    got = {k: v[0] for k, v in desired(memory_con).items()}
+    assert got[("a", "1")] == 'stored-["a","1"]'  # the hash matched: md5 was not computed
+    assert got[("b", "2")] == computed[("b", "2")]  # another hash: md5, the same fingerprint as ever
+    assert got[("a", "2")] == computed[("a", "2")]
+
+    # The mismatched hash is replaced only where the fingerprint agrees (here none: the marker).
+    assert ledger.remember_prompt_hashes(plan.DESIRED) == 0
+    memory_con.execute(f'update {answers} set fingerprint = ? where key = \'["b","2"]\'', [computed[("b", "2")]])
+    assert ledger.remember_prompt_hashes(plan.DESIRED) == 1
+    plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
+    assert memory_con.execute(f"select count(*) from {plan.DESIRED} where fingerprint_stored").fetchall() == [(2,)]
+
+    # A changed prompt of a key with a stored hash: md5 of the new prompt.
+    memory_con.execute(f"update {plan.INPUT} set prompt = 'Refund now' where shop = 'a' and id = 1")
+    plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
+    expected = hashlib.md5((config.fingerprint_prefix() + "Refund now").encode()).hexdigest()
+    assert {k: v[0] for k, v in desired(memory_con).items()}[("a", "1")] == expected
