@@ -81,11 +81,17 @@ def engine_flags(max_num_seqs: int, prefix_caching: bool) -> list[str]:
     return [
         "--model", MODEL_DIR, "--served-model-name", MODEL,
         "--chat-template", os.path.join(ROOT, "engine", "gemma3_chat_template.jinja"),
-        "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs), "--dtype", "bfloat16",
+        "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs), "--dtype", engine_dtype(),
         "--gpu-memory-utilization", "0.3",
         "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
         "--enforce-eager",
     ] + ([] if prefix_caching else ["--no-enable-prefix-caching"])  # fmt: skip
+
+
+def engine_dtype() -> str:
+    """As scripts/engine.sh chooses it: bfloat16 only on a CPU with fast bf16 matmuls."""
+    with open("/proc/cpuinfo") as f:
+        return "bfloat16" if re.search(r"avx512_bf16|amx_bf16", f.read()) else "float32"
 
 
 def engine_env() -> dict:
