@@ -201,6 +201,21 @@ def dbt_subprocess(project, env_extra: dict) -> subprocess.CompletedProcess:
     )
 
 
+def kill_then_run_on(project, emulator, marker, point: str, env_extra: dict | None = None) -> None:
+    """Kill `dbt run -s triage` (SIGKILL) at crash point `point`, checking it died there, then run it
+    as the nightly schedule would: three runs with every batch completed after each, and a last one."""
+    project.release_database()
+    killed = dbt_subprocess(
+        project, {"DBT_LLM_BATCH_CRASH_AT": point, "DBT_LLM_BATCH_CRASH_MARKER": str(marker), **(env_extra or {})}
+    )
+    assert killed.returncode == -9, killed.stdout[-2000:]
+    assert marker.read_text() == point
+    for _ in range(3):
+        project.dbt("run", "-s", "triage")
+        emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+
+
 def succeeded_custom_ids(emulator) -> list[str]:
     """custom_ids of every successful result the emulator returned, over all batches, from the
     emulator's own record (runs delete the files and batches at the provider once results are stored)."""

@@ -12,9 +12,9 @@ from helpers import (
     TRIAGE_SYSTEM,
     assert_triage_rows_answered,
     billed_per_key,
-    dbt_subprocess,
     expected_triage,
     is_anthropic,
+    kill_then_run_on,
     sorted_batches,
     succeeded_custom_ids,
     triage_model,
@@ -41,16 +41,7 @@ def test_a_killed_run_is_finished_by_later_runs(project, emulator, provider_name
     if point in HARVEST_POINTS:  # die in the run that harvests, not the one that submits
         project.dbt("run", "-s", "triage")
         emulator.complete_all()
-    marker = tmp_path / "crash-marker"
-    project.release_database()
-    killed = dbt_subprocess(project, {"DBT_LLM_BATCH_CRASH_AT": point, "DBT_LLM_BATCH_CRASH_MARKER": str(marker)})
-    assert killed.returncode == -9, killed.stdout[-2000:]
-    assert marker.read_text() == point
-
-    for _ in range(3):  # later runs, as the nightly schedule would make them
-        project.dbt("run", "-s", "triage")
-        emulator.complete_all()
-    project.dbt("run", "-s", "triage")
+    kill_then_run_on(project, emulator, tmp_path / "crash-marker", point)
 
     rows = project.query("""select t.ticket_id, s.subject, s.body, t.category, t.urgent, t.summary, t.llm_status
                             from main.triage t join main.support_tickets s using (ticket_id) order by 1""")

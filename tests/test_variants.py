@@ -19,9 +19,9 @@ from helpers import (
     TRIAGE_SYSTEM,
     batch_input_lines,
     billed_per_key,
-    dbt_subprocess,
     expected_triage,
     is_anthropic,
+    kill_then_run_on,
     log_text,
     sorted_batches,
     succeeded_custom_ids,
@@ -394,23 +394,9 @@ def test_a_killed_run_with_two_providers_in_flight_is_finished_by_later_runs(
         project.dbt("run", "-s", "triage")
         assert sorted(is_anthropic(b) for b in sorted_batches(emulator)) == [False, True]
         emulator.complete_all()
-    marker = tmp_path / "crash-marker"
-    project.release_database()
-    killed = dbt_subprocess(
-        project,
-        {
-            "DBT_LLM_BATCH_CRASH_AT": point,
-            "DBT_LLM_BATCH_CRASH_OCCURRENCE": str(occurrence),
-            "DBT_LLM_BATCH_CRASH_MARKER": str(marker),
-        },
+    kill_then_run_on(
+        project, emulator, tmp_path / "crash-marker", point, {"DBT_LLM_BATCH_CRASH_OCCURRENCE": str(occurrence)}
     )
-    assert killed.returncode == -9, killed.stdout[-2000:]
-    assert marker.read_text() == point
-
-    for _ in range(3):  # later runs, as the nightly schedule would make them
-        project.dbt("run", "-s", "triage")
-        emulator.complete_all()
-    project.dbt("run", "-s", "triage")
 
     rows = project.query("""select t.ticket_id, t.llm_variant, s.subject, s.body, t.category, t.urgent, t.summary,
                                    t.llm_status, t.llm_model
