@@ -2,25 +2,26 @@
 engine (Gemma 3 270M on vLLM's CPU build, set up by scripts/engine.sh setup), one workload, one process.
 
     .venv/bin/python benchmarks/engine_batch.py                # everything below, about 30 minutes
-    .venv/bin/python benchmarks/engine_batch.py --rows 40 --sweep 8,32 --prefix-rows 20 --seqs 32   # a quick check
+    .venv/bin/python benchmarks/engine_batch.py --rows 40 --sweep 8,32 --prefix-rows 20 --seqs 64   # a quick check
 
 The workload: --rows support tickets (each text distinct, so deduplication sends every row), a triage
 prompt with structured output (category and priority enums), temperature 0, 32 max tokens.
 
 1. The server (the same flags as scripts/engine.sh, on its own port) and the plugin through the real
    run path (runner.run_model on a DuckDB file: plan, ledger, requests in flight, answers settled, merge),
-   at the default llm_concurrency, at 'auto', and at each fixed value of --sweep: rows per second of the
+   at the default llm_concurrency, at 'auto' (one run when 'auto' is the default), and at each fixed value
+   of --sweep: rows per second of the
    realtime phase.
 2. Prefix caching: a ~1,000-token system prompt shared by --prefix-rows requests, with the server's
    prefix caching on (vLLM's default) and off (--no-enable-prefix-caching): rows per second and the
    engine's own counters (vllm:prefix_cache_queries / vllm:prefix_cache_hits on /metrics).
-3. For each --seqs value other than 32 (the engine's --max-num-seqs): the server again with that value,
-   the plugin at 'auto' and at the default.
+3. For each --seqs value after the first (the first is scripts/engine.sh's --max-num-seqs, 64): the
+   server again with that value, the plugin at the default, at 'auto' and at that many in flight.
 4. `vllm run-batch` (python -m vllm.entrypoints.openai.run_batch) on the plugin's own request lines
    (the provider's request body, the prompt spliced in), with the same model and engine flags as the
    server: rows per second including its model load (process start to exit) and excluding it (from its
    "Reading batch" log line, written once the engine is up, to exit).
-Each phase runs alone: the server is stopped before run-batch starts, so they never share the 2 cores.
+--parts picks some of the parts (1 always runs). Each phase runs alone: the server is stopped before run-batch starts, so they never share the 2 cores.
 """
 
 from __future__ import annotations
@@ -291,7 +292,10 @@ def main() -> int:
         help="fixed llm_concurrency values to try; 'all' = every row at once, as run-batch submits them",
     )
     parser.add_argument("--prefix-rows", type=int, default=200)
-    parser.add_argument("--seqs", default="32,64", help="the engine's --max-num-seqs values to try (32 first)")
+    parser.add_argument(
+        "--seqs", default="64,32", help="the engine's --max-num-seqs values to try (first: scripts/engine.sh's)"
+    )
+    parser.add_argument("--parts", default="1,2,3,4", help="which of the numbered parts above to run")
     args = parser.parse_args()
     if not os.path.exists(os.path.join(MODEL_DIR, "CONVERTED")):
         raise SystemExit("the engine is not set up: run scripts/engine.sh setup")
@@ -307,7 +311,10 @@ def main() -> int:
         print(f"   prefix caching in the engine's config: {server.prefix_caching_logged()}")
         plugin_run(8, 8)  # warm-up: the first requests compile the grammar
         rates["default"] = rate_line(f"plugin, default ({default})", n, *plugin_run(n, None))
-        rates["auto"] = rate_line("plugin, 'auto'", n, *plugin_run(n, "auto"))
+        if default == "auto":  # the default is 'auto': one run measures both
+            rates["auto"] = rates["default"]
+        else:
+            rates["auto"] = rate_line("plugin, 'auto'", n, *plugin_run(n, "auto"))
         for c in [n if c == "all" else int(c) for c in args.sweep.split(",")]:
             rates[str(c)] = rate_line(f"plugin, llm_concurrency {c}", n, *plugin_run(n, c))
     finally:
@@ -317,7 +324,8 @@ def main() -> int:
     print(f"   best fixed concurrency {best}: {fixed[best]:.2f} rows/s", flush=True)
     for label in ("default", "auto"):
         print(f"   plugin {label}: {rates[label] / fixed[best]:.2f}x the best fixed", flush=True)
-    for on in (True, False):
+    parts = set(args.parts.split(","))
+    for on in (True, False) if "2" in parts else ():
         print(f"2. server with prefix caching {'on' if on else 'off'}", flush=True)
         server = Server(seqs[0], prefix_caching=on)
         try:
@@ -327,16 +335,19 @@ def main() -> int:
             prefix_part(server, args.prefix_rows, "on" if on else "off")
         finally:
             server.stop()
-    for s in seqs[1:]:
+    for s in seqs[1:] if "3" in parts else ():
         print(f"3. server, --max-num-seqs {s}", flush=True)
         server = Server(s)
         try:
             plugin_run(8, 8)
             rate_line(f"plugin, default ({default})", n, *plugin_run(n, None))
-            rate_line("plugin, 'auto'", n, *plugin_run(n, "auto"))
+            if default != "auto":
+                rate_line("plugin, 'auto'", n, *plugin_run(n, "auto"))
             rate_line(f"plugin, llm_concurrency {s}", n, *plugin_run(n, s))
         finally:
             server.stop()
+    if "4" not in parts:
+        return 0
     # Last: on this CPU build it is the slowest part (the server is stopped, so it runs alone).
     print(f"4. vllm run-batch, --max-num-seqs {seqs[0]}", flush=True)
     total, working, valid = run_batch(n, seqs[0])

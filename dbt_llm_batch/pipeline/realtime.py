@@ -36,7 +36,7 @@ from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import JobStatus, RequestStatus, sql
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import crashpoints, harvest
-from dbt_llm_batch.pipeline.concurrency import AdaptiveConcurrency
+from dbt_llm_batch.pipeline.concurrency import AUTO_START, AdaptiveConcurrency
 from dbt_llm_batch.pipeline.progress import Progress
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchState, Provider
@@ -185,7 +185,13 @@ async def _send_all(
         return queue.pop()
 
     # llm_concurrency = 'auto': as many workers as the bound, of which the controller lets `limit` send.
-    adaptive = AdaptiveConcurrency(upper=provider.config.concurrency) if provider.config.adaptive_concurrency else None
+    # It starts at 16, the fixed default of earlier versions: a hosted API takes that many, and an engine's
+    # knee is rarely below it, so the climb costs a run little.
+    adaptive = (
+        AdaptiveConcurrency(upper=provider.config.concurrency, start=AUTO_START)
+        if provider.config.adaptive_concurrency
+        else None
+    )
     sending = 0
     slot_freed = asyncio.Condition()
 
