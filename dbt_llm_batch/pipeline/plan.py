@@ -239,18 +239,19 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         # Attempts of the request: distinct attempt numbers (ledgers before dedup hold one per key).
         failed = f"count(distinct seq) filter (where status = {sql(RequestStatus.FAILED)})"
         next_seq = "coalesce(h.max_seq + 1, 0)"
-        # The group's request id, computed once per group (seq is the group's: history is per fingerprint).
-        custom_id = "l.custom_id"
-        # Each group's first row (the key an earlier attempt was sent for, else the lowest key) asks the
-        # request; the others are its members. Aggregates and semi-joins, not windows: no sort of the plan.
-        leaders = """,
-            leaders as (
-                select fingerprint, coalesce(max(row_id) filter (where key = prior_key), arg_min(row_id, key)) as leader,
-                       'r_' || substr(sha256($model || fingerprint || any_value(seq)), 1, 40) as custom_id
+        # Each group is one request, for its first row (the key an earlier attempt was sent for, else the
+        # lowest key): the plan takes one row per group straight from an aggregate (no window, no sort of
+        # the plan, no join back), and the other rows become members after (from the plan's custom_ids).
+        # The group's rows share the prompt, so its length and hash are any row's; its route is realtime
+        # if one of its rows is urgent. The custom_id is computed once per group (seq is the group's).
+        custom_id = "'r_' || substr(sha256($model || fingerprint || seq), 1, 40)"
+        fresh_requests = """(
+                select fingerprint, coalesce(max(row_id) filter (where key = prior_key), arg_min(row_id, key)) as row_id,
+                       coalesce(max(key) filter (where key = prior_key), min(key)) as key, any_value(seq) as seq,
+                       case when bool_or(route = 'realtime') then 'realtime' else 'batch' end as route,
+                       any_value(prompt_chars) as prompt_chars, any_value(prompt_hash) as prompt_hash
                 from fresh group by fingerprint)"""
-        member = "row_id <> l.leader"
-        by_group = "join leaders l using (fingerprint)"
-        urgent = "fingerprint in (select fingerprint from fresh where route = 'realtime')"
+        member, urgent = "false", "route = 'realtime'"
         not_answered = f"and d.fingerprint not in (select fingerprint from {Scratch.answered})"
     else:
         group, in_candidates = "key, fingerprint", f"key in (select key from {Scratch.candidates})"
@@ -258,7 +259,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         next_seq = "coalesce(h.n_requests, 0)"
         custom_id = "'r_' || substr(sha256($model || key || fingerprint || seq), 1, 40)"
         member = urgent = "false"
-        not_answered = leaders = by_group = ""
+        not_answered, fresh_requests = "", "fresh"
     # Selected rows with no answer, request in flight or hold for their prompt.
     con.execute(
         f"""create or replace temp table {Scratch.candidates} as
@@ -324,13 +325,13 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                        -- llm_fallback = 'realtime': batch attempts used up, one more try in realtime
                        or ($fallback_realtime and coalesce(h.realtime_tried, 0) = 0))
                   and coalesce(h.not_before <= now(), true)
-                  {not_answered}){leaders}
+                  {not_answered})
             select *, {costs.estimated_input_tokens_sql(config, chars_sql="prompt_chars")} as estimated_input_tokens,
                    {estimated_cost} as estimated_cost_usd
             from (select row_id, key, fingerprint, seq, {custom_id} as custom_id,
                          null::varchar as deferred_prompt, null::varchar as deferred_row_json, route, prompt_chars,
                          {member} as member, {urgent} as urgent, prompt_hash
-                  from fresh {by_group}
+                  from {fresh_requests}
                   union all
                   select null, key, fingerprint, seq, custom_id, prompt, row_json, $deferred_route, prompt_chars,
                          false, false, null::ubigint
@@ -366,19 +367,25 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                                     where x.model = $model and x.key = c.key and x.custom_id = f.custom_id
                                       and x.variant = $variant)"""
     # Their rows (row_json) are read from the input when their row answers are written (member_rows).
+    # With dedup, a group's other rows: the candidates whose request the plan holds for another row (a
+    # candidate whose fingerprint is planned passed the same per-fingerprint filters as its leader).
+    duplicates = (
+        f"""select c.row_id, c.key, c.fingerprint, p.custom_id, false as reused, true as duplicate, c.prompt_hash
+            from {Scratch.candidates} c join {PLAN} p on p.fingerprint = c.fingerprint and p.row_id <> c.row_id"""
+        if dedup
+        else f"""select row_id, key, fingerprint, custom_id, false as reused, true as duplicate, prompt_hash
+            from {PLAN} where member"""
+    )
     con.execute(
         f"""create or replace temp table {Scratch.plan_members} as
-            select row_id, key, fingerprint, custom_id, false as reused, true as duplicate, prompt_hash
-            from {PLAN} where member
+            {duplicates}
             {reuse}""",
         {"model": ledger.model, "variant": ledger.variant} if "$model" in reuse else {},
     )
-    con.execute(f"delete from {PLAN} where member")
-    if dedup:  # a request sent for several rows goes the urgent way if one of them is urgent
-        con.execute(
-            f"update {PLAN} set route = 'realtime', estimated_cost_usd = {estimated_cost} where urgent and route = 'batch'"
-        )
+    if dedup:
         con.execute(f"drop table {Scratch.answered}")
+    else:
+        con.execute(f"delete from {PLAN} where member")
     con.execute(f"drop table {Scratch.candidates}")
     return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
 
