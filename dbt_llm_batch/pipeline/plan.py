@@ -239,27 +239,34 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         # Attempts of the request: distinct attempt numbers (ledgers before dedup hold one per key).
         failed = f"count(distinct seq) filter (where status = {sql(RequestStatus.FAILED)})"
         next_seq = "coalesce(h.max_seq + 1, 0)"
-        # Each group is one request, for its first row (the key an earlier attempt was sent for, else the
-        # lowest key): the plan takes one row per group straight from an aggregate (no window, no sort of
-        # the plan, no join back), and the other rows become members after (from the plan's custom_ids).
-        # The group's rows share the prompt, so its length and hash are any row's; its route is realtime
-        # if one of its rows is urgent. The custom_id is computed once per group (seq is the group's).
+        # Each group of candidates asking the same request is one request, for its first row (the key an
+        # earlier attempt was sent for, else the lowest key). The rows are grouped before anything else
+        # (an aggregate: no window, no sort, no join back), so history, filters and custom_id are
+        # per group; the group's rows share the prompt, so its length and hash are any row's, and it is
+        # urgent if one of its rows is. Its other rows become members after (from the plan's custom_ids).
         custom_id = "'r_' || substr(sha256($model || fingerprint || seq), 1, 40)"
-        fresh_requests = """(
-                select fingerprint, coalesce(max(row_id) filter (where key = prior_key), arg_min(row_id, key)) as row_id,
-                       coalesce(max(key) filter (where key = prior_key), min(key)) as key, any_value(seq) as seq,
-                       case when bool_or(route = 'realtime') then 'realtime' else 'batch' end as route,
-                       any_value(prompt_chars) as prompt_chars, any_value(prompt_hash) as prompt_hash
-                from fresh group by fingerprint)"""
-        member, urgent = "false", "route = 'realtime'"
-        not_answered = f"and d.fingerprint not in (select fingerprint from {Scratch.answered})"
+        source = f"""(select fingerprint, arg_min(row_id, key) as row_id, min(key) as key, bool_or(realtime) as realtime,
+                             any_value(prompt_chars) as prompt_chars, any_value(prompt_hash) as prompt_hash,
+                             count(*) as group_rows
+                      from {Scratch.candidates} group by fingerprint) d
+                     left join history h using (fingerprint)
+                     left join (select c.fingerprint, c.row_id, c.key
+                                from {Scratch.candidates} c join history h on h.fingerprint = c.fingerprint and h.prior_key = c.key
+                               ) p using (fingerprint)"""
+        leader, rows, no_rows = (
+            "coalesce(p.row_id, d.row_id) as row_id, coalesce(p.key, d.key) as key",
+            ", group_rows",
+            ", null",
+        )
     else:
         group, in_candidates = "key, fingerprint", f"key in (select key from {Scratch.candidates})"
         failed = f"count(*) filter (where status = {sql(RequestStatus.FAILED)})"
         next_seq = "coalesce(h.n_requests, 0)"
         custom_id = "'r_' || substr(sha256($model || key || fingerprint || seq), 1, 40)"
-        member = urgent = "false"
-        not_answered, fresh_requests = "", "fresh"
+        source = f"{Scratch.candidates} d left join history h using ({group})"
+        leader, rows, no_rows = "d.row_id, d.key", "", ""
+    member = urgent = "false"
+    not_answered = ""
     # Selected rows with no answer, request in flight or hold for their prompt.
     con.execute(
         f"""create or replace temp table {Scratch.candidates} as
@@ -287,6 +294,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         )
         # (Each part below is read only when its requests exist: a plan of new rows joins nothing.)
         answered_any = con.execute(f"select count(*) > 0 from {Scratch.answered}").fetchall()[0][0]
+        if answered_any:
+            not_answered = f"and d.fingerprint not in (select fingerprint from {Scratch.answered})"
         reuse = (
             ""
             if not answered_any
@@ -316,9 +325,9 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                 where model = $model and status <> {sql(RequestStatus.DEFERRED)} and {in_candidates}
                 group by {group}),
             fresh as (
-                select d.row_id, d.key, d.fingerprint, d.prompt_chars, d.prompt_hash, {next_seq} as seq, h.prior_key,
-                       case when d.realtime or coalesce(h.failed, 0) >= $max_attempts then 'realtime' else 'batch' end as route
-                from {Scratch.candidates} d left join history h using ({group})
+                select {leader}, d.fingerprint, d.prompt_chars, d.prompt_hash, {next_seq} as seq, h.prior_key,
+                       case when d.realtime or coalesce(h.failed, 0) >= $max_attempts then 'realtime' else 'batch' end as route{rows}
+                from {source}
                 where coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0 and coalesce(h.held, 0) = 0
                   and coalesce(h.final_failed, 0) = 0
                   and (coalesce(h.failed, 0) < $max_attempts
@@ -330,11 +339,11 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                    {estimated_cost} as estimated_cost_usd
             from (select row_id, key, fingerprint, seq, {custom_id} as custom_id,
                          null::varchar as deferred_prompt, null::varchar as deferred_row_json, route, prompt_chars,
-                         {member} as member, {urgent} as urgent, prompt_hash
-                  from {fresh_requests}
+                         {member} as member, {urgent} as urgent, prompt_hash{rows}
+                  from fresh
                   union all
                   select null, key, fingerprint, seq, custom_id, prompt, row_json, $deferred_route, prompt_chars,
-                         false, false, null::ubigint
+                         false, false, null::ubigint{no_rows}
                   from {Scratch.deferred})""",
         {
             "model": ledger.model,
@@ -367,11 +376,13 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                                     where x.model = $model and x.key = c.key and x.custom_id = f.custom_id
                                       and x.variant = $variant)"""
     # Their rows (row_json) are read from the input when their row answers are written (member_rows).
-    # With dedup, a group's other rows: the candidates whose request the plan holds for another row (a
-    # candidate whose fingerprint is planned passed the same per-fingerprint filters as its leader).
+    # With dedup, each request's other rows: the candidates of its group (read only for groups of more
+    # than one row) other than the one it is planned for.
     duplicates = (
         f"""select c.row_id, c.key, c.fingerprint, p.custom_id, false as reused, true as duplicate, c.prompt_hash
-            from {Scratch.candidates} c join {PLAN} p on p.fingerprint = c.fingerprint and p.row_id <> c.row_id"""
+            from {Scratch.candidates} c
+                 join (select fingerprint, row_id, custom_id from {PLAN} where group_rows > 1) p
+                 on p.fingerprint = c.fingerprint and p.row_id <> c.row_id"""
         if dedup
         else f"""select row_id, key, fingerprint, custom_id, false as reused, true as duplicate, prompt_hash
             from {PLAN} where member"""
@@ -382,7 +393,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
             {reuse}""",
         {"model": ledger.model, "variant": ledger.variant} if "$model" in reuse else {},
     )
-    if dedup:
+    if dedup:  # the plan keeps the columns it has without dedup
+        con.execute(f"alter table {PLAN} drop column group_rows")
         con.execute(f"drop table {Scratch.answered}")
     else:
         con.execute(f"delete from {PLAN} where member")
