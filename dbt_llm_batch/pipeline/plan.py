@@ -239,26 +239,34 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         # Attempts of the request: distinct attempt numbers (ledgers before dedup hold one per key).
         failed = f"count(distinct seq) filter (where status = {sql(RequestStatus.FAILED)})"
         next_seq = "coalesce(h.max_seq + 1, 0)"
-        # The group's request id, computed once per group (seq is the group's: history is per fingerprint).
-        custom_id = "l.custom_id"
-        # Each group's first row (the key an earlier attempt was sent for, else the lowest key) asks the
-        # request; the others are its members. Aggregates and semi-joins, not windows: no sort of the plan.
-        leaders = """,
-            leaders as (
-                select fingerprint, coalesce(max(row_id) filter (where key = prior_key), arg_min(row_id, key)) as leader,
-                       'r_' || substr(sha256($model || fingerprint || any_value(seq)), 1, 40) as custom_id
-                from fresh group by fingerprint)"""
-        member = "row_id <> l.leader"
-        by_group = "join leaders l using (fingerprint)"
-        urgent = "fingerprint in (select fingerprint from fresh where route = 'realtime')"
-        not_answered = f"and d.fingerprint not in (select fingerprint from {Scratch.answered})"
+        # Each group of candidates asking the same request is one request, for its first row (the key an
+        # earlier attempt was sent for, else the lowest key). The rows are grouped before anything else
+        # (an aggregate: no window, no sort, no join back), so history, filters and custom_id are
+        # per group; the group's rows share the prompt, so its length and hash are any row's, and it is
+        # urgent if one of its rows is. Its other rows become members after (from the plan's custom_ids).
+        custom_id = "'r_' || substr(sha256($model || fingerprint || seq), 1, 40)"
+        source = f"""(select fingerprint, arg_min(row_id, key) as row_id, min(key) as key, bool_or(realtime) as realtime,
+                             any_value(prompt_chars) as prompt_chars, any_value(prompt_hash) as prompt_hash,
+                             count(*) as group_rows
+                      from {Scratch.candidates} group by fingerprint) d
+                     left join history h using (fingerprint)
+                     left join (select c.fingerprint, c.row_id, c.key
+                                from {Scratch.candidates} c join history h on h.fingerprint = c.fingerprint and h.prior_key = c.key
+                               ) p using (fingerprint)"""
+        leader, rows, no_rows = (
+            "coalesce(p.row_id, d.row_id) as row_id, coalesce(p.key, d.key) as key",
+            ", group_rows",
+            ", null",
+        )
     else:
         group, in_candidates = "key, fingerprint", f"key in (select key from {Scratch.candidates})"
         failed = f"count(*) filter (where status = {sql(RequestStatus.FAILED)})"
         next_seq = "coalesce(h.n_requests, 0)"
         custom_id = "'r_' || substr(sha256($model || key || fingerprint || seq), 1, 40)"
-        member = urgent = "false"
-        not_answered = leaders = by_group = ""
+        source = f"{Scratch.candidates} d left join history h using ({group})"
+        leader, rows, no_rows = "d.row_id, d.key", "", ""
+    member = urgent = "false"
+    not_answered = ""
     # Selected rows with no answer, request in flight or hold for their prompt.
     con.execute(
         f"""create or replace temp table {Scratch.candidates} as
@@ -286,6 +294,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         )
         # (Each part below is read only when its requests exist: a plan of new rows joins nothing.)
         answered_any = con.execute(f"select count(*) > 0 from {Scratch.answered}").fetchall()[0][0]
+        if answered_any:
+            not_answered = f"and d.fingerprint not in (select fingerprint from {Scratch.answered})"
         reuse = (
             ""
             if not answered_any
@@ -315,25 +325,25 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                 where model = $model and status <> {sql(RequestStatus.DEFERRED)} and {in_candidates}
                 group by {group}),
             fresh as (
-                select d.row_id, d.key, d.fingerprint, d.prompt_chars, d.prompt_hash, {next_seq} as seq, h.prior_key,
-                       case when d.realtime or coalesce(h.failed, 0) >= $max_attempts then 'realtime' else 'batch' end as route
-                from {Scratch.candidates} d left join history h using ({group})
+                select {leader}, d.fingerprint, d.prompt_chars, d.prompt_hash, {next_seq} as seq, h.prior_key,
+                       case when d.realtime or coalesce(h.failed, 0) >= $max_attempts then 'realtime' else 'batch' end as route{rows}
+                from {source}
                 where coalesce(h.in_flight, 0) = 0 and coalesce(h.succeeded, 0) = 0 and coalesce(h.held, 0) = 0
                   and coalesce(h.final_failed, 0) = 0
                   and (coalesce(h.failed, 0) < $max_attempts
                        -- llm_fallback = 'realtime': batch attempts used up, one more try in realtime
                        or ($fallback_realtime and coalesce(h.realtime_tried, 0) = 0))
                   and coalesce(h.not_before <= now(), true)
-                  {not_answered}){leaders}
+                  {not_answered})
             select *, {costs.estimated_input_tokens_sql(config, chars_sql="prompt_chars")} as estimated_input_tokens,
                    {estimated_cost} as estimated_cost_usd
             from (select row_id, key, fingerprint, seq, {custom_id} as custom_id,
                          null::varchar as deferred_prompt, null::varchar as deferred_row_json, route, prompt_chars,
-                         {member} as member, {urgent} as urgent, prompt_hash
-                  from fresh {by_group}
+                         {member} as member, {urgent} as urgent, prompt_hash{rows}
+                  from fresh
                   union all
                   select null, key, fingerprint, seq, custom_id, prompt, row_json, $deferred_route, prompt_chars,
-                         false, false, null::ubigint
+                         false, false, null::ubigint{no_rows}
                   from {Scratch.deferred})""",
         {
             "model": ledger.model,
@@ -366,19 +376,28 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                                     where x.model = $model and x.key = c.key and x.custom_id = f.custom_id
                                       and x.variant = $variant)"""
     # Their rows (row_json) are read from the input when their row answers are written (member_rows).
+    # With dedup, each request's other rows: the candidates of its group (read only for groups of more
+    # than one row) other than the one it is planned for.
+    duplicates = (
+        f"""select c.row_id, c.key, c.fingerprint, p.custom_id, false as reused, true as duplicate, c.prompt_hash
+            from {Scratch.candidates} c
+                 join (select fingerprint, row_id, custom_id from {PLAN} where group_rows > 1) p
+                 on p.fingerprint = c.fingerprint and p.row_id <> c.row_id"""
+        if dedup
+        else f"""select row_id, key, fingerprint, custom_id, false as reused, true as duplicate, prompt_hash
+            from {PLAN} where member"""
+    )
     con.execute(
         f"""create or replace temp table {Scratch.plan_members} as
-            select row_id, key, fingerprint, custom_id, false as reused, true as duplicate, prompt_hash
-            from {PLAN} where member
+            {duplicates}
             {reuse}""",
         {"model": ledger.model, "variant": ledger.variant} if "$model" in reuse else {},
     )
-    con.execute(f"delete from {PLAN} where member")
-    if dedup:  # a request sent for several rows goes the urgent way if one of them is urgent
-        con.execute(
-            f"update {PLAN} set route = 'realtime', estimated_cost_usd = {estimated_cost} where urgent and route = 'batch'"
-        )
+    if dedup:  # the plan keeps the columns it has without dedup
+        con.execute(f"alter table {PLAN} drop column group_rows")
         con.execute(f"drop table {Scratch.answered}")
+    else:
+        con.execute(f"delete from {PLAN} where member")
     con.execute(f"drop table {Scratch.candidates}")
     return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
 

@@ -11,7 +11,9 @@ import pytest
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import ConfigError, InputError
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.pipeline import plan
+from dbt_llm_batch.ledger.status import RequestStatus, sql
+from dbt_llm_batch.pipeline import costs, plan
+from dbt_llm_batch.pipeline.scratch import Scratch
 
 BASE = {"unique_key": ["shop", "id"], "llm_model": "gpt-4o-mini", "llm_system": "Be brief."}
 
@@ -144,3 +146,62 @@ def test_a_stored_prompt_hash_gives_the_stored_fingerprint_and_md5_is_the_fallba
     plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
     expected = hashlib.md5((config.fingerprint_prefix() + "Refund now").encode()).hexdigest()
     assert {k: v[0] for k, v in desired(memory_con).items()}[("a", "1")] == expected
+
+
+def test_dedup_plans_one_request_per_group_for_its_first_key_at_its_most_urgent_route(memory_con):
+    """With llm_dedup, each distinct request is planned once, for the key an earlier attempt was sent
+    for, else the lowest key; the group's other rows are members pointing at its custom_id (one per
+    model, fingerprint and attempt: the ids of existing ledgers stay what they were); a group with one
+    urgent row goes realtime, estimated at list price. Members count as duplicates, not as reuse."""
+    config = parse_config({**BASE, "llm_realtime_when": "priority = 'urgent'"})
+    assert config.dedup is not None  # on by default
+    given_input(
+        memory_con,
+        [
+            ("b", 1, "urgent", "same"),  # group "same": (a,1) asks, (a,2) and (b,1) are members; (b,1) is urgent
+            ("a", 2, "low", "same"),
+            ("a", 1, "low", "same"),
+            ("b", 2, "low", "solo"),  # alone: its own request, by batch
+            ("a", 3, "low", "again"),  # group "again": (b,3) asked it before (a failed attempt), so it asks again
+            ("b", 3, "low", "again"),
+        ],
+    )
+    columns = plan.check_input(memory_con, plan.INPUT, config)
+    ledger = Ledger(memory_con, "main", "main.m")
+    ledger.migrate()
+    costs.load_prices(memory_con, None)
+    price = costs.price_of(memory_con, config.provider, config.model)
+    plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
+    fingerprint = {k: v[0] for k, v in desired(memory_con).items()}
+    memory_con.execute(
+        f"""insert into {ledger.table("llm_batch_requests")} (custom_id, model, key, fingerprint, seq, status, is_final, queued_at, route)
+            values ('r_earlier', 'main.m', '["b","3"]', ?, 0, {sql(RequestStatus.FAILED)}, false, now(), 'batch')""",
+        [fingerprint[("b", "3")]],
+    )
+    assert plan.build_plan(ledger, config, plan.INPUT, columns, price) == 3
+
+    def custom_id(key: tuple, seq: int) -> str:
+        return "r_" + hashlib.sha256(f"main.m{fingerprint[key]}{seq}".encode()).hexdigest()[:40]
+
+    def estimate(prompt: str, route: str):
+        cost = costs.estimated_cost_sql(config, price, route_sql=f"'{route}'", chars_sql=str(len(prompt)))
+        return memory_con.execute(f"select {cost}").fetchall()[0][0]
+
+    planned = memory_con.execute(
+        f"select key, custom_id, seq, route, estimated_cost_usd from {plan.PLAN} order by key"
+    ).fetchall()
+    assert planned == [
+        ('["a","1"]', custom_id(("a", "1"), 0), 0, "realtime", estimate("same", "realtime")),
+        ('["b","2"]', custom_id(("b", "2"), 0), 0, "batch", estimate("solo", "batch")),
+        ('["b","3"]', custom_id(("b", "3"), 1), 1, "batch", estimate("again", "batch")),
+    ]
+    assert estimate("same", "realtime") > estimate("same", "batch")  # the urgent row's route priced the group
+    members = memory_con.execute(
+        f"select key, custom_id, reused, duplicate from {Scratch.plan_members} order by key"
+    ).fetchall()
+    assert members == [
+        ('["a","2"]', custom_id(("a", "1"), 0), False, True),
+        ('["a","3"]', custom_id(("b", "3"), 1), False, True),
+        ('["b","1"]', custom_id(("a", "1"), 0), False, True),
+    ]
+    assert plan.dedup_counts(memory_con) == (3, 0)
