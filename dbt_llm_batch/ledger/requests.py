@@ -136,6 +136,12 @@ class RequestWrites(LedgerBase):
         request answering one row only keeps it: that row shows its answer until the new one is final,
         as without llm_dedup."""
         answers, requests = self.table("llm_batch_row_answers"), self.table("llm_batch_requests")
+        # Nothing in flight (a run with nothing new, usually): no join of every selected row with every
+        # row answer to find none.
+        if not self.con.execute(f"select exists (select 1 from {requests} where status in {IN_FLIGHT_SQL})").fetchall()[
+            0
+        ][0]:
+            return 0
         return self.count(
             f"""delete from {answers} a using {desired} d
                 where a.model = ? and a.variant = ? and a.key = d.key and a.fingerprint <> d.fingerprint

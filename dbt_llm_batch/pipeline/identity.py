@@ -70,7 +70,9 @@ def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str
     types = dict(input_columns)
     structure = literal(json.dumps({k: types[k] for k in config.unique_key}))
     names = list_literal(config.unique_key)
-    from_row = "to_json([" + ", ".join(f"cast(s.{ident(k)} as varchar)" for k in config.unique_key) + "])"
+    from_row = (
+        "cast(to_json([" + ", ".join(f"cast(s.{ident(k)} as varchar)" for k in config.unique_key) + "]) as varchar)"
+    )
     con.execute(
         f"""create or replace temp table {REKEY} as
             select r.custom_id, r.status,

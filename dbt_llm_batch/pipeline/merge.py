@@ -176,7 +176,7 @@ def refresh_sql(config: ModelConfig, target: str, input_columns) -> str | None:
     columns = [name for name, _ in input_columns if name not in request_columns(config)]
     if not columns:
         return None
-    key = "to_json([" + ", ".join(f"cast(t.{ident(k)} as varchar)" for k in config.unique_key) + "])"
+    key = "cast(to_json([" + ", ".join(f"cast(t.{ident(k)} as varchar)" for k in config.unique_key) + "]) as varchar)"
     changed = " or ".join(f"t.{ident(c)} is distinct from i.{ident(c)}" for c in columns)
     return f"""update {target} t set {", ".join(f"{ident(c)} = i.{ident(c)}" for c in columns)}
                from {DESIRED} d join {INPUT} i on i.rowid = d.row_id
@@ -217,25 +217,35 @@ def _winners(ledger: Ledger, keys_sql: str, variant: str = "") -> str:
     the one queued last. With how many rows share the request's cost, and this row's rank among them.
     Only the row answers of `variant` (an evaluation variant; '' the default, and a model without)."""
     # Narrow columns only: the wide ones (row_json, answer) are read once, by the insert (_row_select),
-    # so a million-row merge neither sorts nor copies a million stored rows.
-    answers = ledger.table("llm_batch_row_answers")
+    # so a million-row merge neither sorts nor copies a million stored rows. Aggregates, not windows:
+    # the winner is each key's arg_max (NULLs ranked lowest, as `desc nulls last` did), and only the
+    # requests answering several rows are ranked (a request answering one row: its whole cost, rank 1).
+    answers, requests = ledger.table("llm_batch_row_answers"), ledger.table("llm_batch_requests")
+    model = literal(ledger.model)
+    rank = (
+        "coalesce(cast(a.fingerprint = d.fingerprint as integer), -1), coalesce(r.queued_at, '-infinity'::timestamptz), "
+        "coalesce(r.seq, -2147483648), coalesce(a.created_at, '-infinity'::timestamptz)"
+    )
     return f"""
-        select w.*, coalesce(s.sharing, 1) as sharing, coalesce(s.share_rank, 1) as share_rank
-        from (select a.custom_id, a.key, a.variant, r.status, a.emitted, a.reused, a.row_json
-              from {answers} a join {ledger.table("llm_batch_requests")} r using (custom_id)
-                   left join {DESIRED} d on d.key = a.key
-              where a.model = {literal(ledger.model)} and a.variant = {literal(variant)} and r.is_final
-                and a.key in ({keys_sql})
-              qualify row_number() over (partition by a.key
-                                         order by (a.fingerprint = d.fingerprint) desc nulls last, r.queued_at desc,
-                                                  r.seq desc, a.created_at desc) = 1) w
-             left join (select custom_id, model, key, variant, count(*) over (partition by custom_id) as sharing,
-                               row_number() over (partition by custom_id order by model, key, variant) as share_rank
-                        from {answers} where not reused
-                          and custom_id in (select custom_id from {answers} where model = {literal(ledger.model)}
-                                            and key in ({keys_sql}))) s
-                  on s.custom_id = w.custom_id and s.model = {literal(ledger.model)} and s.key = w.key
-                     and s.variant = w.variant"""
+        with w as (
+            select a.key, arg_max({{'custom_id': a.custom_id, 'variant': a.variant, 'status': r.status,
+                                    'emitted': a.emitted, 'reused': a.reused, 'row_json': a.row_json}}, ({rank})) as won
+            from {answers} a join {requests} r using (custom_id) left join {DESIRED} d on d.key = a.key
+            where a.model = {model} and a.variant = {literal(variant)} and r.is_final and a.key in ({keys_sql})
+            group by a.key),
+        shared as (
+            select custom_id, count(*) as sharing from {answers}
+            where not reused and custom_id in (select won.custom_id from w)
+            group by custom_id having count(*) > 1),
+        ranked as (
+            select x.custom_id, x.model, x.key, x.variant, s.sharing,
+                   row_number() over (partition by x.custom_id order by x.model, x.key, x.variant) as share_rank
+            from {answers} x join shared s using (custom_id) where not x.reused)
+        select w.won.custom_id as custom_id, w.key, w.won.variant as variant, w.won.status as status,
+               w.won.emitted as emitted, w.won.reused as reused, w.won.row_json as row_json,
+               coalesce(k.sharing, 1) as sharing, coalesce(k.share_rank, 1) as share_rank
+        from w left join ranked k on k.custom_id = w.won.custom_id and k.model = {model} and k.key = w.key
+                                     and k.variant = w.won.variant"""
 
 
 def _compression(name: str, typ: str, config: ModelConfig) -> str:
@@ -274,14 +284,24 @@ def merge(
         # full refresh left the key out). Their winner is written only if it is not shown already.
         answers = ledger.table("llm_batch_row_answers")
         final = f"custom_id in (select custom_id from {requests} where is_final)"
-        candidates = f"""
-            select key from {answers} where model = {model} and variant = {variant} and emitted is null and {final}
-            union
-            select a.key from {answers} a semi join {DESIRED} d on a.key = d.key
-            where a.model = {model} and a.variant = {variant} and a.emitted = 'superseded' and {final}"""
+        # Each part only when it has rows to look at: a run with nothing new has no row answer that is
+        # not merged yet and none superseded, and would otherwise join every final request for none.
+        unmerged, superseded = con.execute(
+            f"""select count(*) filter (where emitted is null), count(*) filter (where emitted = 'superseded')
+                from {answers} where model = {model} and variant = {variant}"""
+        ).fetchall()[0]
+        parts = []
+        if unmerged:
+            parts.append(
+                f"select key from {answers} where model = {model} and variant = {variant} and emitted is null and {final}"
+            )
+        if superseded:
+            parts.append(f"""select a.key from {answers} a semi join {DESIRED} d on a.key = d.key
+                             where a.model = {model} and a.variant = {variant} and a.emitted = 'superseded' and {final}""")
+        candidates = " union ".join(parts) or "select null::varchar as key"
         con.execute(f"""create or replace temp table {EMIT} as
                         select * from ({_winners(ledger, candidates, config.variant)})
-                        where emitted is distinct from 'merged'""")
+                        where emitted is distinct from 'merged' {"" if parts else "and false"}""")
     ddl = ", ".join(f"{ident(n)} {t}{_compression(n, t, config)}" for n, t in columns)
     target_key = key_sql(config)
     # Which final requests the table now shows ('merged') and which it does not ('superseded'), so

@@ -91,8 +91,10 @@ def _fmt(rows) -> str:
 
 
 def key_sql(config: ModelConfig) -> str:
-    """The ledger's key: a JSON list of the key columns as text (composite keys stay unambiguous)."""
-    return "to_json([" + ", ".join(f"cast({ident(k)} as varchar)" for k in config.unique_key) + "])"
+    """The ledger's key: a JSON list of the key columns as text (composite keys stay unambiguous).
+    VARCHAR, as the ledger stores it: compared with a JSON value, each stored key would be cast to
+    JSON (parsed) in every join with the ledger."""
+    return "cast(to_json([" + ", ".join(f"cast({ident(k)} as varchar)" for k in config.unique_key) + "]) as varchar)"
 
 
 def row_json_sql(columns, alias: str = "") -> str:
@@ -267,14 +269,19 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         leader, rows, no_rows = "d.row_id, d.key", "", ""
     member = urgent = "false"
     not_answered = ""
-    # Selected rows with no answer, request in flight or hold for their prompt.
+    # Selected rows with no answer, request in flight or hold for their prompt: no row answer of theirs
+    # points at a request in BLOCKS_REPLANNING. Every row answer's request exists (requests are deleted
+    # only while deferred, and a deferred request answers no row), so that is: none points outside the
+    # requests NOT in it, which are few. One join of the selected rows with the row answers, not also
+    # one of every row answer with every request.
     con.execute(
         f"""create or replace temp table {Scratch.candidates} as
             select * from {DESIRED} d
             where d.has_prompt and not exists (
-                select 1 from {answers} a join {requests} b using (custom_id)
-                where a.model = $model and b.status in {sql_in(BLOCKS_REPLANNING)}
-                  and a.key = d.key and a.fingerprint = d.fingerprint and a.variant = $variant)""",
+                select 1 from {answers} a
+                where a.model = $model and a.variant = $variant and a.key = d.key and a.fingerprint = d.fingerprint
+                  and a.custom_id not in (select custom_id from {requests}
+                                          where status not in {sql_in(BLOCKS_REPLANNING)} and custom_id is not null))""",
         {"model": ledger.model, "variant": ledger.variant},
     )
     reuse = ""

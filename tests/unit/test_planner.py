@@ -51,6 +51,25 @@ def test_one_desired_row_per_key_with_its_fingerprint(memory_con):
     assert got[("b", "2")][:4] == (md5("Héllo"), True, 5, False)  # characters, not bytes
 
 
+def test_the_key_is_the_text_the_ledger_stores_so_joins_with_the_ledger_cast_nothing(memory_con):
+    """The ledger stores keys as VARCHAR; a JSON-typed key would make every join with the ledger
+    (the hash lookup, the planner's anti-join, the merge) cast each stored key to JSON, which cost
+    most of a run with nothing new. The text is the one earlier versions stored: ledgers still match."""
+    config = parse_config(BASE)
+    given_input(memory_con, ROWS)
+    plan.build_desired(memory_con, plan.INPUT, plan.check_input(memory_con, plan.INPUT, config), config)
+    types = memory_con.execute(f"select distinct typeof(key) from {plan.DESIRED}").fetchall()
+    assert types == [("VARCHAR",)]
+    keys = memory_con.execute(f"select key from {plan.DESIRED} order by key").fetchall()
+    assert keys == [('["a","1"]',), ('["a","2"]',), ('["b","1"]',), ('["b","2"]',)]
+    Ledger(memory_con, "main", "m").migrate()
+    memory_con.execute(f"insert into main.llm_batch_row_answers (model, key) select 'm', key from {plan.DESIRED}")
+    explained = memory_con.execute(
+        f"explain select * from {plan.DESIRED} d semi join main.llm_batch_row_answers a on a.key = d.key"
+    ).fetchall()
+    assert "JSON" not in str(explained)
+
+
 def test_the_fingerprint_changes_with_what_is_asked_not_with_how(memory_con):
     given_input(memory_con, ROWS)
     fingerprints = {}
