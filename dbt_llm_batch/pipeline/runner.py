@@ -628,9 +628,8 @@ class ModelRun:
             self.send_realtime()
 
     def check_budget(self, n: int, estimate) -> None:
-        """The budget gate for this pass's plan. With variants it is checked per variant, against what
-        is in flight for the whole model (earlier variants' batches of this run included), so the
-        model's total never goes over; the refusal names the variant."""
+        """The budget gate for this run's plan (a model with several variants is checked once for all
+        of them, check_run_budget); a model named as its only variant is named so in the refusal."""
         try:
             budget.check_budget(self.ledger, self.config, self.project_max_cost, n, estimate, self.output)
         except BudgetError as exc:
