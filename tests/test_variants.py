@@ -9,8 +9,10 @@ own (OpenAI, system prompt A: the variant 'default'), 'terse' (OpenAI, system pr
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import re
 from decimal import Decimal
 
 import pytest
@@ -75,12 +77,12 @@ def variants_config(terse_system: str = SYSTEM_B, sample: dict | None = None, va
     return f"llm_variants = {json.dumps(variants)}{extra}"
 
 
-def eval_model(config: str = "", system: str = SYSTEM_A) -> str:
+def eval_model(config: str = "", system: str = SYSTEM_A, unique_key: str = "id") -> str:
     return f"""
-{{{{ config(materialized = 'llm_batch', unique_key = 'id', llm_provider = 'openai', llm_model = 'gpt-4o-mini',
+{{{{ config(materialized = 'llm_batch', unique_key = {unique_key!r}, llm_provider = 'openai', llm_model = 'gpt-4o-mini',
             llm_system = {json.dumps(system)}, llm_output = {json.dumps(OUTPUT)}, llm_max_tokens = 100
             {", " + config if config else ""}) }}}}
-select id, prompt, expected_category from {{{{ ref('eval_tickets') }}}}
+select id, id + 1000 as ticket_no, prompt, expected_category from {{{{ ref('eval_tickets') }}}}
 """
 
 
@@ -131,13 +133,18 @@ def evals(project, emulator):
 
 def test_three_variants_two_providers_one_run_180_rows_report_and_gate(evals, emulator):
     evals.dbt("run", "-s", "evals")
-    # One batch per variant, each through its own provider, in the same run: 60 requests each.
+    # One batch per provider in the same run: the two OpenAI variants' 120 requests (each line with
+    # its own variant's system prompt) in one batch, the Anthropic variant's 60 in another.
     sent = batches_by_face(emulator)
-    assert sorted((face, n) for face, n, _ in sent) == [("anthropic", N), ("openai", N), ("openai", N)]
-    assert sorted(s for face, _, systems in sent if face == "openai" for s in systems) == sorted([SYSTEM_A, SYSTEM_B])
+    assert sorted((face, n) for face, n, _ in sent) == [("anthropic", N), ("openai", 2 * N)]
+    assert [systems for face, _, systems in sent if face == "openai"] == [{SYSTEM_A, SYSTEM_B}]
     assert evals.query("select count(*) from main.evals") == [(0,)]  # nothing final yet
+    # A batch holding several variants' requests lists them ('' is the default variant).
     in_flight = evals.query("select variant, provider, request_count from main.llm_batch_in_flight order by 1")
-    assert in_flight == [("", "openai", N), ("claude", "anthropic", N), ("terse", "openai", N)]
+    assert in_flight == [(",terse", "openai", 2 * N), ("claude", "anthropic", N)]
+    assert "submitted 120 request(s) in 1 batch(es) to openai (gpt-4o-mini): variant default 60, variant terse 60" in (
+        log_text(evals)
+    )
 
     emulator.complete_all()
     evals.dbt("run", "-s", "evals")
@@ -154,6 +161,18 @@ def test_three_variants_two_providers_one_run_180_rows_report_and_gate(evals, em
     measured = {v: accuracy(rows, v) for v in ("default", "terse", "claude")}
     assert measured["default"] > measured["terse"] and measured["claude"] == measured["default"]
     assert len(emulator.billed()) == 3 * N  # nothing asked twice
+    # Each variant's requests and cost, apart, though two variants shared a batch.
+    per_variant = evals.query(
+        "select variant, sum(rows_succeeded), sum(cost_usd) > 0 from main.llm_batch_costs group by 1 order by 1"
+    )
+    assert per_variant == [("", N, True), ("claude", N, True), ("terse", N, True)]
+    table_costs = dict(evals.query("select llm_variant, sum(llm_cost_usd) from main.evals group by 1"))
+    ledger_costs = dict(evals.query("select variant, sum(cost_usd) from main.llm_batch_requests group by 1"))
+    assert table_costs == {
+        "default": ledger_costs[""],
+        "terse": ledger_costs["terse"],
+        "claude": ledger_costs["claude"],
+    }
 
     # variant_report returns the accuracy computed here from the rows.
     evals.write(
@@ -194,7 +213,7 @@ def test_editing_one_variant_s_prompt_re_asks_only_that_variant(evals, emulator)
     evals.write("models/evals.sql", eval_model(variants_config(terse_system=SYSTEM_B2)))
     evals.dbt("run", "-s", "evals")
     sent = batches_by_face(emulator)
-    assert len(sent) == 4 and sent[3] == ("openai", N, {SYSTEM_B2}), "one new batch: the terse variant's 60 rows"
+    assert len(sent) == 3 and sent[2] == ("openai", N, {SYSTEM_B2}), "one new batch: the terse variant's 60 rows"
     emulator.complete_all()
     evals.dbt("run", "-s", "evals")
     after = table(evals)
@@ -209,7 +228,7 @@ def test_editing_one_variant_s_prompt_re_asks_only_that_variant(evals, emulator)
     # Changing it back shows the stored answers again, with no request.
     evals.write("models/evals.sql", eval_model(variants_config()))
     evals.dbt("run", "-s", "evals")
-    assert len(batches_by_face(emulator)) == 4
+    assert len(batches_by_face(emulator)) == 3
     assert table(evals) == before
 
 
@@ -295,7 +314,13 @@ def test_the_dry_run_reports_each_variant(evals, emulator):
     evals.dbt("run", "-s", "evals", "--vars", "{llm_batch_dry_run: true}")
     log = log_text(evals)
     for variant in ("default", "terse", "claude"):
-        assert f"main.evals (variant {variant})" in log, variant
+        assert f"main.evals (variant {variant}): DRY RUN: would submit {N} request(s) in 1 batch(es)" in log, variant
+    # The batches a real run would make: one per provider, the two OpenAI variants together.
+    assert (
+        f"main.evals: DRY RUN: openai (gpt-4o-mini) would get {2 * N} request(s) in 1 batch(es): "
+        f"variant default {N}, variant terse {N}"
+    ) in log
+    assert f"main.evals: DRY RUN: anthropic (claude-sonnet-4-5) would get {N} request(s) in 1 batch(es)" in log
     assert emulator.batches() == []
 
 
@@ -326,7 +351,7 @@ def test_the_integration_project_evaluation_run_and_its_judge(project, emulator)
     project.dbt("seed", "-s", "support_tickets", "ticket_labels")
     select = ("-s", "+tag:evaluation")
     project.dbt("run", *select)  # the variants are asked; the judge has nothing final to grade yet
-    assert sorted(face for face, _, _ in batches_by_face(emulator)) == ["anthropic", "openai", "openai"]
+    assert sorted(face for face, _, _ in batches_by_face(emulator)) == ["anthropic", "openai"]  # one per provider
     emulator.complete_all()
     project.dbt("run", *select)  # the variants' answers are merged, then the judge asks about them
     emulator.complete_all()
@@ -452,13 +477,214 @@ def test_realtime_rows_go_through_each_variant_s_provider_and_the_budget_names_t
     assert sorted(rows) == sorted((i, v) for i in range(3) for v in ("default", "claude"))
     assert all(r[0] == answer(SYSTEM_A, i) and r[1] == "succeeded" for (i, _), r in rows.items())
 
-    # A budget: checked per variant's plan against everything the model has in flight; the refusal
-    # names the variant, and nothing more is sent.
+    # A budget: checked once for the whole run (both variants' batch and realtime requests) against
+    # everything the model has in flight; the refusal names the variants, and nothing more is sent.
     emulator.complete_all()
+    billed = len(emulator.billed())
     project.write("models/evals.sql", eval_model(f"llm_max_cost_usd = 0.000001, {claude}", system=SYSTEM_B))
     result = project.dbt("run", "-s", "evals", expect_ok=False)
     message = failure_messages(result)
-    assert "main.evals (variant default): refusing to submit 60 request(s)" in message
+    assert f"main.evals (variants default, claude): refusing to submit {2 * N} request(s)" in message
     assert "exceeds llm_max_cost_usd (this model)" in message
-    assert len(batches_by_face(emulator)) == 2
+    assert len(batches_by_face(emulator)) == 2 and len(emulator.billed()) == billed
     assert len(table(project)) == 2 * N  # what was final is merged first
+
+
+# -- One batch per sender, the budget and the caps across variants ----------------------------------
+
+
+def billed_once(emulator) -> bool:
+    """Nothing paid twice: every request the sandbox billed has its own custom_id (variants that
+    share a request share its id)."""
+    counts = collections.Counter(b["custom_id"] for b in emulator.billed())
+    return all(n == 1 for n in counts.values())
+
+
+def test_two_openai_variants_on_two_models_go_in_two_batches(project, emulator):
+    """An OpenAI batch input file holds requests to one model only (OpenAI Batch API docs): variants on
+    two OpenAI models are two batches, each of one model; variants on the same model share one."""
+    write_seed(project)
+    variants = {"big": {"llm_model": "gpt-4o"}, "terse": {"llm_system": SYSTEM_B}}
+    project.write("models/evals.sql", eval_model(variants_config(variants=variants)))
+    project.dbt("run", "-s", "evals")
+    batches = sorted_batches(emulator)
+    assert not any(is_anthropic(b) for b in batches)
+    shape = sorted(
+        (
+            sorted({line["body"]["model"] for line in batch_input_lines(emulator, b)}),
+            len(batch_input_lines(emulator, b)),
+        )
+        for b in batches
+    )
+    assert shape == [(["gpt-4o"], N), (["gpt-4o-mini"], 2 * N)]
+    in_flight = project.query("select llm_model, variant, request_count from main.llm_batch_in_flight order by 1")
+    assert in_flight == [("gpt-4o", "big", N), ("gpt-4o-mini", ",terse", 2 * N)]
+
+    emulator.complete_all()
+    project.dbt("run", "-s", "evals")
+    rows = table(project)
+    assert len(rows) == 3 * N
+    for (i, variant), (category, status, llm_model, *_rest) in rows.items():
+        assert status == "succeeded", (i, variant)
+        assert category == answer(SYSTEM_B if variant == "terse" else SYSTEM_A, i), (i, variant)
+        assert llm_model == ("gpt-4o" if variant == "big" else "gpt-4o-mini")
+    assert len(emulator.billed()) == 3 * N and billed_once(emulator)
+    # Each batch priced by its own model: big and default asked the same, at gpt-4o's and gpt-4o-mini's prices.
+    costs = dict(project.query("select llm_variant, sum(llm_cost_usd) from main.evals group by 1"))
+    assert float(costs["big"] / costs["default"]) == pytest.approx(2.50 / 0.15, rel=1e-3)
+
+
+def test_the_budget_is_checked_for_the_whole_run_before_anything_is_sent(project, emulator):
+    """A budget the default variant's plan fits under but not both variants' together: nothing is sent
+    (checked variant by variant, the first variant's batch went before the second was refused)."""
+    write_seed(project)
+    project.write("models/evals.sql", eval_model(CLAUDE))
+    project.dbt("run", "-s", "evals", "--vars", "{llm_batch_dry_run: true}")
+    ceilings = {
+        variant: Decimal(figure.replace(",", ""))
+        for variant, figure in re.findall(
+            r"main\.evals \(variant (\w+)\): DRY RUN: .*? at most \$([\d.,]+) at 100 output tokens", log_text(project)
+        )
+    }
+    assert set(ceilings) == {"default", "claude"} and all(ceilings.values())
+    limit = ceilings["default"] + ceilings["claude"] / 2
+    project.write("models/evals.sql", eval_model(f"llm_max_cost_usd = {limit}, {CLAUDE}"))
+    result = project.dbt("run", "-s", "evals", expect_ok=False)
+    message = failure_messages(result)
+    assert f"main.evals (variants default, claude): refusing to submit {2 * N} request(s)" in message
+    assert emulator.batches() == [] and emulator.billed() == []
+    assert project.query("select count(*) from main.llm_batch_jobs") == [(0,)]
+
+    # Raised over both: one run sends both, one batch per provider.
+    project.write("models/evals.sql", eval_model(f"llm_max_cost_usd = {2 * limit}, {CLAUDE}"))
+    project.dbt("run", "-s", "evals")
+    assert sorted((face, n) for face, n, _ in batches_by_face(emulator)) == [("anthropic", N), ("openai", N)]
+
+
+def test_the_in_flight_caps_are_the_model_s_total_across_variants(evals, emulator):
+    """llm_max_batches_in_flight (like every in-flight cap) counts the model's batches, all variants
+    together; what does not fit waits in the ledger as its own variant's, and the run log shows each
+    variant's share of it."""
+    evals.write("models/evals.sql", eval_model(variants_config() + ", llm_max_batches_in_flight = 1"))
+    evals.dbt("run", "-s", "evals")
+    assert [(face, n) for face, n, _ in batches_by_face(emulator)] == [("openai", 2 * N)]
+    assert evals.query("select count(*) from main.llm_batch_in_flight") == [(1,)]
+    assert f"{N} request(s) wait in the ledger for a later run" in log_text(evals)
+    assert f"(variant claude {N})" in log_text(evals)
+    waiting = evals.query("select variant, requests_waiting from main.llm_batch_progress order by 1")
+    assert waiting == [("", 0), ("claude", N), ("terse", 0)]
+
+    evals.dbt("run", "-s", "evals")  # the one batch allowed is still in flight: nothing more is sent
+    assert len(batches_by_face(emulator)) == 1
+    emulator.complete_all()
+    evals.dbt("run", "-s", "evals")  # harvested: the waiting variant's batch goes now
+    assert [(face, n) for face, n, _ in batches_by_face(emulator)] == [("openai", 2 * N), ("anthropic", N)]
+    assert evals.query("select count(*) from main.llm_batch_in_flight") == [(1,)]
+    emulator.complete_all()
+    evals.dbt("run", "-s", "evals")
+    rows = table(evals)
+    assert len(rows) == 3 * N and all(r[1] == "succeeded" for r in rows.values())
+    assert len(emulator.billed()) == 3 * N and billed_once(emulator)
+
+
+# -- Variants under change -------------------------------------------------------------------------
+
+
+def completed(project, emulator) -> dict:
+    project.dbt("run", "-s", "evals")
+    emulator.complete_all()
+    project.dbt("run", "-s", "evals")
+    rows = table(project)
+    assert len(rows) == 3 * N and all(r[1] == "succeeded" for r in rows.values())
+    return rows
+
+
+def test_changing_the_unique_key_of_a_model_with_variants_asks_nothing_again(evals, emulator):
+    before = completed(evals, emulator)
+    evals.write("models/evals.sql", eval_model(variants_config(), unique_key="ticket_no"))
+    evals.dbt("run", "-s", "evals")
+    assert len(batches_by_face(emulator)) == 2 and len(emulator.billed()) == 3 * N  # nothing asked again
+    assert table(evals) == before  # every variant's rows, as they were
+    assert evals.query("select count(*), count(distinct (ticket_no, llm_variant)) from main.evals") == [(3 * N, 3 * N)]
+
+
+def test_two_identical_sampling_variants_each_get_their_own_answers(project, emulator):
+    """At llm_temperature > 0 dedup is off by default (each row is its own sample): two variants that
+    ask the same thing are two samples, each row with its own request and answer."""
+    write_seed(project)
+    project.write(
+        "models/evals.sql", eval_model("llm_temperature = 0.7, llm_variants = {'twin': {'llm_max_tokens': 100}}")
+    )
+    project.dbt("run", "-s", "evals")
+    sent = sorted_batches(emulator)
+    assert [(face, n) for face, n, _ in batches_by_face(emulator)] == [("openai", 2 * N)]
+    assert len({line["custom_id"] for line in batch_input_lines(emulator, sent[0])}) == 2 * N
+    emulator.complete_all()
+    project.dbt("run", "-s", "evals")
+    rows = table(project)
+    assert sorted(rows) == sorted((i, v) for i in range(N) for v in ("default", "twin"))
+    for (i, variant), (category, status, *_rest) in rows.items():
+        assert (category, status) == (answer(SYSTEM_A, i), "succeeded"), (i, variant)
+    assert len(emulator.billed()) == 2 * N and billed_once(emulator)
+    assert collections.Counter(b["prompt"] for b in emulator.billed()) == {prompt_of(i): 2 for i in range(N)}
+    ids = project.query("select llm_variant, count(distinct llm_batch_id), count(*) from main.evals group by 1")
+    assert sorted(ids) == [("default", 1, N), ("twin", 1, N)]
+    project.dbt("run", "-s", "evals")  # nothing new
+    assert len(sorted_batches(emulator)) == 1 and len(emulator.billed()) == 2 * N
+
+
+def test_renaming_the_default_variant_relabels_its_rows_and_asks_nothing(evals, emulator):
+    before = completed(evals, emulator)
+    evals.write("models/evals.sql", eval_model(variants_config() + ", llm_default_variant = 'champion'"))
+    evals.dbt("run", "-s", "evals")
+    after = table(evals)
+    assert after == {(i, "champion" if v == "default" else v): row for (i, v), row in before.items()}
+    assert len(batches_by_face(emulator)) == 2 and len(emulator.billed()) == 3 * N
+
+
+def test_switching_a_variant_s_provider_while_its_batch_is_in_flight(project, emulator):
+    """The in-flight batch is still polled and harvested through the provider it went to (and paid
+    for once); the variant's rows are asked of the new provider; nothing is lost."""
+    write_seed(project)
+    project.write("models/evals.sql", eval_model(variants_config(variants={"alt": {"llm_system": SYSTEM_B}})))
+    project.dbt("run", "-s", "evals")
+    assert [(face, n) for face, n, _ in batches_by_face(emulator)] == [("openai", 2 * N)]
+    moved = {"alt": {"llm_system": SYSTEM_B, "llm_provider": "anthropic", "llm_model": "claude-sonnet-4-5"}}
+    project.write("models/evals.sql", eval_model(variants_config(variants=moved)))
+    project.dbt("run", "-s", "evals")  # the OpenAI batch is in flight; alt is asked of Anthropic
+    assert [(face, n) for face, n, _ in batches_by_face(emulator)] == [("openai", 2 * N), ("anthropic", N)]
+    emulator.complete_all()
+    project.dbt("run", "-s", "evals")
+    rows = table(project)
+    assert len(rows) == 2 * N
+    for (i, variant), (category, status, llm_model, *_rest) in rows.items():
+        assert status == "succeeded", (i, variant)
+        assert category == answer(SYSTEM_B if variant == "alt" else SYSTEM_A, i), (i, variant)
+        assert llm_model == ("claude-sonnet-4-5" if variant == "alt" else "gpt-4o-mini"), (i, variant)
+    # Nothing lost: every answer either provider gave is stored, the in-flight one's too, and costed.
+    stored = {r[0] for r in project.query("select custom_id from main.llm_batch_results")}
+    assert set(succeeded_custom_ids(emulator)) <= stored
+    assert project.query(
+        "select count(*) from main.llm_batch_requests where variant = 'alt' and status = 'succeeded' and cost_usd > 0"
+    ) == [(2 * N,)]
+    assert project.query("select count(*) from main.llm_batch_in_flight") == [(0,)]
+    assert len(emulator.billed()) == 3 * N and billed_once(emulator)
+
+
+def test_a_renamed_model_with_variants_keeps_its_batches_in_flight_with_llm_ledger_identity(evals, emulator):
+    """As for a model without variants (test_under_change): renamed with llm_ledger_identity set to its
+    old schema.name, it takes over the ledger and the batches in flight, paying for nothing again."""
+    evals.dbt("run", "-s", "evals")
+    assert len(batches_by_face(emulator)) == 2
+    (evals.root / "models" / "evals.sql").unlink()
+    evals.write("models/evals_v2.sql", eval_model(variants_config() + ", llm_ledger_identity = 'main.evals'"))
+    evals.dbt("run", "-s", "evals_v2")  # both batches are in flight: nothing is sent
+    assert len(batches_by_face(emulator)) == 2
+    assert "first run of this model" not in log_text(evals)
+    emulator.complete_all()
+    evals.dbt("run", "-s", "evals_v2")
+    rows = evals.query("select id, llm_variant, category, llm_status from main.evals_v2")
+    assert len(rows) == 3 * N
+    for i, variant, category, status in rows:
+        assert (category, status) == (answer(SYSTEM_B if variant == "terse" else SYSTEM_A, i), "succeeded")
+    assert len(emulator.billed()) == 3 * N and billed_once(emulator)

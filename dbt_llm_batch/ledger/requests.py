@@ -30,6 +30,7 @@ class RequestWrites(LedgerBase):
         status: str = JobStatus.INTENT,
         members: str | None = None,
         output_schema: str | None = None,
+        per_row_variant: bool = False,
     ) -> dict[int, str]:
         """Record one job intent per chunk and every request ('queued') in one transaction, before the
         provider is contacted; returns {chunk: job id}. `plan_rows` has each request's `chunk` and
@@ -39,7 +40,10 @@ class RequestWrites(LedgerBase):
         answers its own key, and the rows of `members` (key, fingerprint, custom_id, row_json, prompt_hash: the other
         rows asking the same request) whose request is among them: their row answers are written in the
         same transaction. `output_schema`: the llm_output schema the requests are asked with
-        (harvest.asked_schema), recorded on each job.
+        (harvest.asked_schema), recorded on each job. `per_row_variant`: the requests (and `members`)
+        carry their evaluation variant in a `variant` column (a batch holding several variants'
+        requests, pipeline/variants.py), instead of all being this ledger's `variant`; the job records
+        its variants, comma-separated.
 
         A crash after this point leaves a trace reconciliation can follow, and nothing is ever sent
         that the ledger does not know about. One transaction for the whole plan also lets DuckDB
@@ -58,6 +62,12 @@ class RequestWrites(LedgerBase):
         # written (their job ids are new).
         written = f"(select * from {requests} where job_id in (select job_id from {mapping}) and status = {QUEUED})"
 
+        # Each row's variant: its own column, or this ledger's (the parameter after the model's).
+        variant = "p.variant" if per_row_variant else "?"
+        member_variant = "x.variant" if per_row_variant else "?"
+        job_variant = "string_agg(distinct variant, ',' order by variant)" if per_row_variant else "?"
+        own = [] if per_row_variant else [self.variant]
+
         def write():
             with transaction(self.con):
                 deferred = self.con.execute(
@@ -67,16 +77,16 @@ class RequestWrites(LedgerBase):
                     f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
                           row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line, variant)
                         select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, {QUEUED}, p.row_json, now(),
-                               p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line, ?
+                               p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line, {variant}
                         from {plan_rows} p join {mapping} m using (chunk)""",
-                    [self.model, self.variant],
+                    [self.model, *own],
                 )
                 self.con.execute(
                     f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
                           status, request_count, created_at, updated_at, variant, output_schema)
-                        select job_id, ?, ?, ?, ?, count(*), now(), now(), ?, ?
+                        select job_id, ?, ?, ?, ?, count(*), now(), now(), {job_variant}, ?
                         from {written} group by job_id""",
-                    [self.model, provider, llm_model, status, self.variant, output_schema],
+                    [self.model, provider, llm_model, status, *own, output_schema],
                 )
                 if deferred:  # a deferred request being sent now becomes a queued one
                     self.con.execute(
@@ -87,17 +97,18 @@ class RequestWrites(LedgerBase):
                 answers = self.table("llm_batch_row_answers")
                 self.con.execute(
                     f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, created_at, prompt_hash)
-                        select ?, p.key, ?, p.fingerprint, p.custom_id, false, now(), p.prompt_hash
+                        select ?, p.key, {variant}, p.fingerprint, p.custom_id, false, now(), p.prompt_hash
                         from {plan_rows} p join {mapping} m using (chunk)""",
-                    [self.model, self.variant],
+                    [self.model, *own],
                 )
                 if members is not None:
                     self.con.execute(
                         f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, created_at, row_json,
                               prompt_hash)
-                            select ?, x.key, ?, x.fingerprint, x.custom_id, false, now(), x.row_json, x.prompt_hash
+                            select ?, x.key, {member_variant}, x.fingerprint, x.custom_id, false, now(), x.row_json,
+                                   x.prompt_hash
                             from {members} x semi join (select custom_id from {written}) p using (custom_id)""",
-                        [self.model, self.variant],
+                        [self.model, *own],
                     )
 
         retry_on_conflict(write)

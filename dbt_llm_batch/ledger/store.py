@@ -326,6 +326,15 @@ class Ledger(RequestWrites, JobWrites, ResultWrites):
     def has_deferred(self) -> bool:
         return self.deferred_count() > 0
 
+    def deferred_by_variant(self) -> dict[str, int]:
+        """This model's deferred requests per evaluation variant ('': the default variant)."""
+        rows = self.con.execute(
+            f"""select variant, count(*) from {self.table("llm_batch_requests")}
+                where model = ? and status = {DEFERRED} group by variant""",
+            [self.model],
+        ).fetchall()
+        return {r[0]: r[1] for r in rows}
+
     def in_flight(self) -> tuple[int, int, int]:
         """(open batches, requests in flight, estimated input tokens in flight) of this model."""
         jobs = len(self.open_jobs())

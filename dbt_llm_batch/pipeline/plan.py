@@ -17,7 +17,7 @@ from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT, IN_FLIGHT_
 from dbt_llm_batch.pipeline import costs
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import get_provider
-from dbt_llm_batch.sql import ident
+from dbt_llm_batch.sql import ident, literal
 
 # Temp tables (connection-local): the model's rows as selected this run (runner.load_input), and
 # the two this module creates.
@@ -267,6 +267,15 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         custom_id = "'r_' || substr(sha256($model || key || fingerprint || seq), 1, 40)"
         source = f"{Scratch.candidates} d left join history h using ({group})"
         leader, rows, no_rows = "d.row_id, d.key", "", ""
+        if config.variant_name is not None:
+            # Evaluation variants without dedup: each variant's rows are its own requests, even when two
+            # variants ask the same thing (sampling at llm_temperature > 0 wants a sample per variant),
+            # so a variant's history is its own and a non-default variant's ids carry its name.
+            in_candidates += f" and variant = {literal(ledger.variant)}"
+            if ledger.variant:
+                custom_id = (
+                    f"'r_' || substr(sha256($model || key || fingerprint || seq || {literal(ledger.variant)}), 1, 40)"
+                )
     member = urgent = "false"
     not_answered = ""
     # Selected rows with no answer, request in flight or hold for their prompt: no row answer of theirs
@@ -440,9 +449,10 @@ def prompt_text_sql(config: ModelConfig, columns, alias: str = "") -> str:
     return f"cast({column} as varchar)"
 
 
-def plan_rows(config: ModelConfig, columns, plan: str = PLAN) -> str:
+def plan_rows(config: ModelConfig, columns, plan: str = PLAN, where: str | None = None) -> str:
     """The plan joined back to the input: every PLAN column plus `plan_row` (the plan's row id),
-    `prompt` and `row_json` (a deferred request brings its own from the ledger). A subquery, so rows are read, not copied."""
+    `prompt` and `row_json` (a deferred request brings its own from the ledger). A subquery, so rows are read, not copied.
+    `where`: only the plan rows it selects (over `p`: one variant's rows of the run's plan, variants.py)."""
     return f"""(select p.*, p.rowid as plan_row, coalesce(p.deferred_prompt, {prompt_text_sql(config, columns, "i.")}) as prompt,
                        coalesce(p.deferred_row_json, {row_json_sql(columns, "i.")}) as row_json
-                from {plan} p left join {INPUT} i on i.rowid = p.row_id)"""
+                from {plan} p left join {INPUT} i on i.rowid = p.row_id{f" where {where}" if where else ""})"""

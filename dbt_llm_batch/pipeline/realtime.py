@@ -77,11 +77,13 @@ def run_realtime(
     deadline: float,
     heartbeat=None,
     members: str | None = None,
+    per_row_variant: bool = False,
 ) -> RealtimeOutcome:
     """Send every row of `rows` (planner.plan_rows over the realtime part of the plan) in realtime,
     starting no request after `deadline` (time.monotonic(); the run's llm_realtime_budget_seconds).
     `heartbeat(ledger)` keeps the model's lock fresh; it is called with the writer's own ledger.
-    `members`: the other rows each request answers (plan.build_plan), recorded with the intents."""
+    `members`: the other rows each request answers (plan.build_plan), recorded with the intents;
+    `per_row_variant`: they carry their evaluation variant (Ledger.write_intents)."""
     config = provider.config
     started = time.monotonic()
     job_id = ledger.write_intents(
@@ -92,6 +94,7 @@ def run_realtime(
         status=JobStatus.REALTIME,
         members=members,
         output_schema=harvest.asked_schema(config),
+        per_row_variant=per_row_variant,
     )[0]  # one job, no request file
     outcome = RealtimeOutcome(
         requests=ledger.con.execute(

@@ -160,11 +160,12 @@ def backed_off(model: str, held: int, until: object) -> None:
     )
 
 
-def deferred(model: str, waiting: int, config: ModelConfig, tokens_cap: int | None) -> None:
+def deferred(model: str, waiting: int, config: ModelConfig, tokens_cap: int | None, shares: str = "") -> None:
+    """`shares`: with evaluation variants, each variant's part of them (the caps are the model's)."""
     log.info(
         f"{model}: {waiting} request(s) wait in the ledger for a later run: the "
         f"in-flight caps are reached (llm_max_batches_in_flight={config.max_batches_in_flight}, "
-        f"llm_max_tokens_in_flight={tokens_cap})"
+        f"llm_max_tokens_in_flight={tokens_cap}){f' ({shares})' if shares else ''}"
     )
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from decimal import Decimal
 
@@ -146,9 +147,10 @@ def _run(con, schema, identifier, target, config, full_refresh, project, model_c
         )
     plan.build_desired(con, Scratch.input, input_columns, config, run.ledger)
     if run.dry_run:
-        for variant in config.all_variants():
-            with run.using(variant):
-                run.dry_run_report()
+        if config.variants:  # every variant planned, then each sender's batches: as a real run would
+            run.plan_and_submit_variants(dry=True)
+        else:
+            run.dry_run_report()
         return run.summary
 
     tempdirs.remove_stale()  # prompts and answers a killed run left on disk
@@ -225,7 +227,9 @@ class ModelRun:
                 return
             # Each variant's pass through its own provider. Its rows that cannot be sent are rejected
             # in the pass: they are marked in the pass's own Scratch.desired, which the plan reads.
-            for variant in self.default.all_variants():
+            if several and not full_refresh:  # every variant planned, then one batch per sender
+                self.plan_and_submit_variants()
+            for variant in self.default.all_variants() if not several or full_refresh else ():
                 with self.using(variant):
                     if several:
                         self.reject_unsendable()
@@ -261,14 +265,262 @@ class ModelRun:
         finally:
             self._switch(self.default)
 
-    def _switch(self, variant: ModelConfig) -> None:
+    def _switch(self, variant: ModelConfig, desired: bool = True) -> None:
         self._variant_providers[self.config.variant] = self._provider
         self.config = variant
         self.ledger.variant = variant.variant
         self._provider = self._variant_providers.get(variant.variant)
         self.price = costs.price_of(self.con, variant.provider, variant.model)
-        plan.build_desired(self.con, Scratch.input, self.input_columns, variant, self.ledger)
-        variants.sample_desired(self.con, variant)
+        if desired:
+            plan.build_desired(self.con, Scratch.input, self.input_columns, variant, self.ledger)
+            variants.sample_desired(self.con, variant)
+
+    @contextlib.contextmanager
+    def acting_as(self, variant: ModelConfig):
+        """`variant`'s config, price, provider and ledger variant for the block, without building its
+        selected rows (Scratch.desired is left as it is): for the steps after every pass was planned."""
+        if variant is self.config:
+            yield
+            return
+        previous = self.config
+        self._switch(variant, desired=False)
+        try:
+            yield
+        finally:
+            self._switch(previous, desired=False)
+
+    def client_of(self, variant: ModelConfig):
+        """`variant`'s provider client (created on first use, kept for the run)."""
+        with self.acting_as(variant):
+            return self.provider
+
+    def plan_and_submit_variants(self, dry: bool = False) -> None:
+        """Evaluation variants: every variant's pass is planned first (variants.stash_pass); then the
+        passes' batch requests are written into one set of request files per sender (provider and
+        model), each line rendered with its own variant's config; the budget is checked once, for the
+        whole run, before anything is sent; each sender's files are submitted; what did not fit
+        waits, each variant's own; then each variant's realtime rows. `dry`: plan and report only."""
+        held, until = self.ledger.backed_off()
+        if held and not dry:  # the model's, all variants together: said once
+            report.backed_off(self.ledger.model, held, until)
+        passes = self.default.all_variants()
+        planned: list[int] = []
+        realtime_plans: list[tuple[int, Decimal | None]] = []
+        outputs: list[costs.OutputEstimate | None] = []
+        unsendable: list[int] = []
+        counts: list[tuple[int, int]] = []
+        for i, variant in enumerate(passes):
+            with self.using(variant):
+                if dry:  # rows a real run would fail before sending are kept out of the plan, not recorded
+                    unsendable.append(
+                        validate.reject_unsendable(self.ledger, self.config, self.input_columns, record=False)
+                    )
+                else:
+                    self.reject_unsendable()
+                    if self.config.dedup is not None:  # rows that stopped asking a request in flight
+                        self.ledger.unmap_superseded(Scratch.desired)
+                n = self.plan()
+                if n and i and self.config.dedup is not None:  # asked by an earlier variant already
+                    n -= variants.share_planned(self.con)
+                counts.append(plan.dedup_counts(self.con))
+                if not dry:
+                    self.map_answered()
+                planned.append(n)
+                realtime_plans.append(self.split_realtime())
+                outputs.append(self.output)
+                variants.stash_pass(self.con, i, variant.variant)
+        # One set of request files per sender, in the order the passes first name it.
+        senders: dict[tuple[str, str], list[int]] = {}
+        for i, variant in enumerate(passes):
+            if planned[i] > realtime_plans[i][0] and issubclass(get_provider(variant.provider), BatchProvider):
+                senders.setdefault((variant.provider, variant.model), []).append(i)
+        variants.start_sent(self.con)
+        with contextlib.ExitStack() as stack:
+            directory = None if dry else stack.enter_context(tempdirs.private_dir())
+            files = self.write_sender_files(passes, senders, directory)
+            written = variants.written(self.con)
+            estimates: list[Decimal | None] = []
+            for i, variant in enumerate(passes):
+                batch_cost = written.get(i, (0, None, 0))[1] if i in written else Decimal(0)
+                priced = costs.price_of(self.con, variant.provider, variant.model) is not None
+                estimates.append(None if not priced or batch_cost is None else batch_cost + (realtime_plans[i][1] or 0))
+            if dry:
+                self.report_dry_variants(
+                    passes, planned, realtime_plans, outputs, unsendable, counts, estimates, written
+                )
+                self.report_senders(senders, files)
+                return
+            self.check_run_budget(passes, realtime_plans, estimates, written, outputs)
+            for sender, (provider_name, llm_model) in enumerate(senders):
+                if files[sender]:
+                    self.submit_sender(sender, passes, senders[(provider_name, llm_model)], files[sender])
+        submitted = variants.written(self.con)  # what went in a submitted batch, per pass
+        for i, variant in enumerate(passes):
+            with self.acting_as(variant):
+                if planned[i] or self.ledger.has_deferred():
+                    unsent = variants.unsent_rows(variants.pass_rows(variant, self.input_columns, i))
+                    n_unsent = self.con.execute(f"select count(*) from {unsent}").fetchall()[0][0]
+                    self.ledger.defer(unsent if n_unsent else None)
+                n_sent, sent_cost, _ = submitted.get(i, (0, None, 0))
+                output = outputs[i]
+                if n_sent and sent_cost is not None and self.price is not None and output is not None:
+                    self.summary.estimated_usd = (self.summary.estimated_usd or 0) + sent_cost
+                    expected, ceiling = costs.estimate_range(self.price, output, sent_cost, n_sent)
+                    self.summary.expected_usd = (self.summary.expected_usd or 0) + expected
+                    self.summary.ceiling_usd = (self.summary.ceiling_usd or 0) + ceiling
+        waiting = self.ledger.deferred_count()
+        self.summary.deferred = waiting
+        if waiting:
+            report.deferred(self.ledger.model, waiting, self.config, self.tokens_cap(), shares=self.deferred_shares())
+        for i, variant in enumerate(passes):
+            if realtime_plans[i][0]:
+                with self.acting_as(variant):
+                    self.con.execute(
+                        f"create or replace temp table {Scratch.realtime_plan} as "
+                        f"select * exclude (pass_index) from {Scratch.run_realtime} where pass_index = {i}"
+                    )
+                    self.send_realtime(members=variants.member_rows(self.input_columns), per_row_variant=True)
+
+    def write_sender_files(
+        self, passes, senders: dict[tuple[str, str], list[int]], directory: str | None
+    ) -> list[list[request_files.RequestFile]]:
+        """Each sender's request files, of every pass sending through it (one rendered line per request,
+        with its own variant's config), as many as the in-flight caps leave: the model's caps hold for
+        all its variants together, so each sender's files take what the earlier ones left."""
+        out: list[list[request_files.RequestFile]] = []
+        taken = (0, 0, 0)  # batches, requests, estimated input tokens written for earlier senders
+        for sender, ((provider_name, _), indexes) in enumerate(senders.items()):
+            provider_cls = get_provider(provider_name)
+            assert issubclass(provider_cls, BatchProvider)  # senders are batch providers only
+            rows = self.sender_rows(passes, indexes, lines=True)
+            path = None
+            if directory is not None:
+                path = os.path.join(directory, f"sender-{sender}")
+                os.mkdir(path, 0o700)
+            files = request_files.write_request_files(
+                self.con,
+                "line_text",
+                rows,
+                path,
+                provider_cls.max_requests_per_batch,
+                provider_cls.max_bytes_per_batch,
+                self.room(provider_name, taken),
+            )
+            variants.record_sent(self.con, sender)
+            taken = (
+                taken[0] + len(files),
+                taken[1] + sum(f.requests for f in files),
+                taken[2] + sum(f.tokens for f in files),
+            )
+            out.append(files)
+        return out
+
+    def sender_rows(self, passes, indexes: list[int], lines: bool = False) -> str:
+        """The run's plan rows of the passes `indexes` (variants.pass_rows); with `lines`, each with its
+        request line (`line_text`), rendered by its own variant's provider config."""
+        parts = []
+        for i in indexes:
+            variant = passes[i]
+            rows = variants.pass_rows(variant, self.input_columns, i)
+            if lines:
+                line = get_provider(variant.provider)(variant).request_line_sql()  # type: ignore[attr-defined]
+                rows = f"(select *, {line} as line_text from {rows})"
+            parts.append(f"select * from {rows}")
+        return "(" + " union all ".join(parts) + ")"
+
+    def check_run_budget(self, passes, realtime_plans, estimates, written, outputs) -> None:
+        """The budget gate, once for the whole run (every variant's batch and realtime requests),
+        before anything is sent; the refusal names the variants that would have sent."""
+        sending = [i for i in range(len(passes)) if written.get(i, (0, None, 0))[0] + realtime_plans[i][0]]
+        if not sending:
+            return
+        label = self.ledger.model + (
+            f" (variant {passes[sending[0]].variant_name})"
+            if len(sending) == 1
+            else f" (variants {', '.join(str(passes[i].variant_name) for i in sending)})"
+        )
+        unpriced = [i for i in sending if estimates[i] is None]
+        n = sum(written.get(i, (0, None, 0))[0] + realtime_plans[i][0] for i in sending)
+        first = unpriced[0] if unpriced else sending[0]
+        total = None if unpriced else sum((estimates[i] for i in sending), Decimal(0))
+        with self.acting_as(passes[first]):
+            try:
+                budget.check_budget(self.ledger, self.config, self.project_max_cost, n, total, outputs[first])
+            except BudgetError as exc:
+                raise BudgetError(str(exc).replace(f"{self.ledger.model}:", f"{label}:", 1)) from None
+
+    def submit_sender(self, sender: int, passes, indexes: list[int], files) -> None:
+        """Submit one sender's request files (several variants' requests in each batch), through the
+        first of its variants' clients (a client depends only on the provider and model)."""
+        first = passes[indexes[0]]
+        provider = self.client_of(first)
+        for i in indexes:
+            report.prefix_too_short(
+                variants.label(self.ledger.model, passes[i]), passes[i], get_provider(passes[i].provider)(passes[i])
+            )
+        rows = self.sender_rows(passes, indexes)
+        batch_ids = submit.submit_chunks(
+            self.ledger,
+            provider,
+            files,
+            variants.sent_rows(rows, sender),
+            members=variants.member_rows(self.input_columns),
+            per_row_variant=True,
+        )
+        # A file uploaded for a create that was refused is not left at the provider.
+        reconcile.delete_provider_files(self.ledger, self.provider_for, self.config.delete_provider_files)
+        variants.keep_submitted(self.con, sender, len(batch_ids))  # a failed create stops this sender
+        sent = sum(f.requests for f in files[: len(batch_ids)])
+        self.summary.submitted += sent
+        self.summary.batches += len(batch_ids)
+        if batch_ids:  # the run line adds up the variants: each batch's share of them
+            log.info(
+                f"{self.ledger.model}: submitted {sent} request(s) in {len(batch_ids)} batch(es) to "
+                f"{first.provider} ({first.model}): "
+                f"{variants.labels(self.default, variants.shares(self.con, sender))}"
+            )
+
+    def report_senders(self, senders, files) -> None:
+        """The dry run: each sender's batches, with every variant's share of them."""
+        for sender, (provider_name, llm_model) in enumerate(senders):
+            if files[sender]:
+                log.info(
+                    f"{self.ledger.model}: DRY RUN: {provider_name} ({llm_model}) would get "
+                    f"{sum(f.requests for f in files[sender])} request(s) in {len(files[sender])} batch(es): "
+                    f"{variants.labels(self.default, variants.shares(self.con, sender))}"
+                )
+
+    def report_dry_variants(self, passes, planned, realtime_plans, outputs, unsendable, counts, estimates, written):
+        """The dry run's line per variant: its requests, what they would cost, what would wait."""
+        committed = budget.committed(self.ledger)
+        total: Decimal | None = Decimal(0)
+        for i, variant in enumerate(passes):
+            n, (n_realtime, _) = planned[i], realtime_plans[i]
+            batch, _, n_files = written.get(i, (0, None, 0))
+            estimate = estimates[i]
+            this = estimate if n else 0
+            total = None if total is None or this is None else total + this
+            price = costs.price_of(self.con, variant.provider, variant.model)
+            figures = None
+            if estimate is not None and price is not None and outputs[i] is not None and n:
+                figures = (*costs.estimate_range(price, outputs[i], estimate, batch, n_realtime), outputs[i])
+            report.dry_run(
+                variants.label(self.ledger.model, variant),
+                n,
+                batch,
+                n_files,
+                n_realtime,
+                unsendable[i],
+                estimate,
+                committed,
+                figures,
+                *counts[i],
+            )
+        self.summary.estimated_usd = total
+
+    def deferred_shares(self) -> str:
+        """Each variant's deferred requests, as the run log names them."""
+        return variants.labels(self.default, self.ledger.deferred_by_variant())
 
     @property
     def label(self) -> str:
@@ -376,9 +628,8 @@ class ModelRun:
             self.send_realtime()
 
     def check_budget(self, n: int, estimate) -> None:
-        """The budget gate for this pass's plan. With variants it is checked per variant, against what
-        is in flight for the whole model (earlier variants' batches of this run included), so the
-        model's total never goes over; the refusal names the variant."""
+        """The budget gate for this run's plan (a model with several variants is checked once for all
+        of them, check_run_budget); a model named as its only variant is named so in the refusal."""
         try:
             budget.check_budget(self.ledger, self.config, self.project_max_cost, n, estimate, self.output)
         except BudgetError as exc:
@@ -440,12 +691,21 @@ class ModelRun:
             self.room(),
         )
 
-    def send_realtime(self) -> None:
+    def send_realtime(self, members: str | None = None, per_row_variant: bool = False) -> None:
+        """The realtime part of the plan (`members`: the rows its requests answer besides their own,
+        default this pass's; `per_row_variant`: rows and members carry their variant, variants.py)."""
         rows = plan.plan_rows(self.config, self.input_columns, plan=Scratch.realtime_plan)
         lock = self.lock
         heartbeat = (lambda ledger: locks.ModelLock(ledger, owner=lock.owner).heartbeat()) if lock else None
         outcome = realtime.run_realtime(
-            self.ledger, self.provider, rows, self.price, self.realtime_deadline, heartbeat, members=self.duplicates
+            self.ledger,
+            self.provider,
+            rows,
+            self.price,
+            self.realtime_deadline,
+            heartbeat,
+            members=self.duplicates if members is None else members,
+            per_row_variant=per_row_variant,
         )
         lost = outcome.lost_replies  # this round's
         previous = self.summary.realtime
@@ -605,11 +865,14 @@ class ModelRun:
         self.unavailable_error = self.unavailable_error or spent[0].last_error
         return True
 
-    def room(self) -> request_files.Room:
+    def room(self, provider: str | None = None, taken: tuple[int, int, int] = (0, 0, 0)) -> request_files.Room:
         """What the in-flight caps leave for this run: llm_max_batches_in_flight, the token cap (the
-        model's llm_max_tokens_in_flight, else the provider's default) and the provider's request cap."""
-        tokens_cap, requests_cap = self.tokens_cap(), get_provider(self.config.provider).max_requests_in_flight
-        batches, requests, tokens = self.ledger.in_flight()
+        model's llm_max_tokens_in_flight, else the provider's default) and the provider's request cap.
+        The caps are the model's, all variants together: `taken` (batches, requests, tokens) is what this
+        run's earlier senders' files took (variants.py), `provider` the sender's (default: this pass's)."""
+        name = provider or self.config.provider
+        tokens_cap, requests_cap = self.tokens_cap(name), get_provider(name).max_requests_in_flight
+        batches, requests, tokens = (a + b for a, b in zip(self.ledger.in_flight(), taken, strict=True))
         return request_files.Room(
             batches=max(0, self.config.max_batches_in_flight - batches),
             requests=None if requests_cap is None else max(0, requests_cap - requests),
@@ -617,9 +880,12 @@ class ModelRun:
             nothing_in_flight=batches == 0,
         )
 
-    def tokens_cap(self) -> int | None:
+    def tokens_cap(self, provider: str | None = None) -> int | None:
         """Most estimated input tokens in flight: the model's setting, else the provider's default."""
-        return self.config.max_tokens_in_flight or get_provider(self.config.provider).default_max_tokens_in_flight
+        return (
+            self.config.max_tokens_in_flight
+            or get_provider(provider or self.config.provider).default_max_tokens_in_flight
+        )
 
     def unsent(self, first_unsent: int) -> int:
         """Batch requests of the plan not in a file submitted this run (request_files.unsent_rows)."""

@@ -38,9 +38,15 @@ class Scratch:
     outcomes = "__llm_outcomes"  # each harvested request's outcome (harvest.settle)
     batch_failed = "__llm_batch_failed"  # unanswered requests of failed batches (batch_failures)
     emit = "__llm_emit"  # the ledger rows the merge writes to the model's table (merge)
+    # With evaluation variants, every variant's pass is planned before anything is sent (variants.py):
+    run_plan = "__llm_run_plan"  # each pass's batch requests, with its pass and variant
+    run_realtime = "__llm_run_realtime"  # each pass's realtime requests, likewise
+    run_members = "__llm_run_members"  # each pass's rows answered by a request planned this run
+    run_sent = "__llm_run_sent"  # which run_plan rows went into which sender's request file, at which line
     TABLES = (
         "input", "prices", "rekey", "desired", "unsendable", "deferred", "plan", "realtime_plan",
         "sent", "outcomes", "batch_failed", "emit", "rekey_rows", "candidates", "answered", "plan_members",
+        "run_plan", "run_realtime", "run_members", "run_sent",
     )  # fmt: skip
 
     # Python objects (Arrow tables, readers, pandas frames) registered on the connection as views.

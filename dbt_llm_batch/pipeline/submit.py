@@ -31,11 +31,17 @@ NEVER_SENT = "submission interrupted before reaching the provider"
 
 
 def submit_chunks(
-    ledger: Ledger, provider: BatchProvider, files: list[RequestFile], sent_rows: str, members: str | None = None
+    ledger: Ledger,
+    provider: BatchProvider,
+    files: list[RequestFile],
+    sent_rows: str,
+    members: str | None = None,
+    per_row_variant: bool = False,
 ) -> list[str]:
     """Submit each written request file as one batch; returns the provider batch ids. `sent_rows` is
     the plan's rows with the file (`chunk`) and `line` each was written to (request_files.sent_rows);
-    `members` the other rows each request answers (plan.build_plan), recorded with the intents."""
+    `members` the other rows each request answers (plan.build_plan), recorded with the intents;
+    `per_row_variant`: the rows carry their evaluation variant (Ledger.write_intents)."""
     batch_ids = []
     job_ids = ledger.write_intents(
         provider.name,
@@ -44,6 +50,7 @@ def submit_chunks(
         [f.chunk for f in files],
         members=members,
         output_schema=harvest.asked_schema(provider.config),
+        per_row_variant=per_row_variant,
     )
     crashpoints.reach("after_intents")
     attempted = 0

@@ -5,21 +5,35 @@ A variant is not a model of its own: the ledger knows one model, and a *row answ
 variant), pointing at the request that answers it. The default variant (the model's own keys, named
 by `llm_default_variant`) is stored as variant '' (so adding variants to a model keeps every answer it
 has), the others under their names. The run (runner.py) harvests once for the whole model (each batch
-through the provider it went to), then makes one pass per variant with that variant's config: its
-selected rows and fingerprints (`Scratch.desired`), its plan, budget check, request files, submission
-and realtime rows, through its own provider; then merges each variant's rows. A variant's fingerprint
+through the provider it went to), then plans one pass per variant with that variant's config: its
+selected rows and fingerprints (`Scratch.desired`), its plan and its realtime rows. Every pass is
+planned before anything is sent: the passes' batch requests are kept in the run's tables (`stash_pass`)
+and written, each line rendered with its own variant's config, into one set of request files per
+*sender* (provider and model: an OpenAI batch input file holds one model's requests, and a job is
+priced by its model), so two variants on the same provider and model share one batch. The budget is
+checked once for the whole run, then each sender's files are submitted, then each variant's realtime
+rows are sent through its provider; then each variant's rows are merged. A variant's fingerprint
 is its own answer-defining fields, so editing one variant re-asks only its rows, and two variants that
 would send identical requests share them (llm_dedup).
 """
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
+from dbt_llm_batch.pipeline import plan
 from dbt_llm_batch.pipeline.scratch import Scratch
-from dbt_llm_batch.sql import in_list
+from dbt_llm_batch.sql import in_list, literal
 
 DESIRED = Scratch.desired
+RUN_PLAN, RUN_REALTIME, RUN_MEMBERS, RUN_SENT = (
+    Scratch.run_plan,
+    Scratch.run_realtime,
+    Scratch.run_members,
+    Scratch.run_sent,
+)
 
 # A key's place in [0, 1): the first 32 bits of the md5 of its ledger key (the JSON list of the key
 # columns as text), the same on every run, machine and DuckDB version, unlike DuckDB's hash().
@@ -71,3 +85,114 @@ def drop_removed(ledger: Ledger, config: ModelConfig, target: str) -> int:
             return removed
 
     return retry_on_conflict(write)
+
+
+# --- one run's passes, planned before anything is sent ------------------------------------------------
+
+
+def stash_pass(con, index: int, variant: str) -> None:
+    """Keep pass `index`'s plan for the run's senders: its batch requests (Scratch.plan), its realtime
+    requests (Scratch.realtime_plan) and the rows that requests planned this run answer besides their
+    own (Scratch.plan_members), each with the pass and its variant."""
+    for source, target, where in (
+        (Scratch.plan, RUN_PLAN, ""),
+        (Scratch.realtime_plan, RUN_REALTIME, ""),
+        (Scratch.plan_members, RUN_MEMBERS, "where duplicate"),
+    ):
+        rows = f"select *, {int(index)} as pass_index, {literal(variant)} as variant from {source} {where}"
+        if index == 0:
+            con.execute(f"create or replace temp table {target} as {rows}")
+        else:
+            con.execute(f"insert into {target} {rows}")
+
+
+def share_planned(con) -> int:
+    """With llm_dedup, in a pass after the first: requests an earlier pass of this run planned already
+    (two variants asking the same thing) are not planned again; this pass's rows become rows that
+    request answers, written with its intent, so each request is sent once, in one batch. Returns how
+    many requests were left to the earlier pass."""
+    earlier = f"""(select fingerprint, any_value(custom_id) as custom_id
+                   from (select fingerprint, custom_id from {RUN_PLAN}
+                         union all select fingerprint, custom_id from {RUN_REALTIME})
+                   group by fingerprint)"""
+    con.execute(
+        f"""update {Scratch.plan_members} m set custom_id = e.custom_id from {earlier} e
+            where m.duplicate and m.fingerprint = e.fingerprint"""
+    )
+    con.execute(
+        f"""insert into {Scratch.plan_members} (row_id, key, fingerprint, custom_id, reused, duplicate, prompt_hash)
+            select p.row_id, p.key, p.fingerprint, e.custom_id, false, true, p.prompt_hash
+            from {Scratch.plan} p join {earlier} e using (fingerprint) where p.row_id is not null"""
+    )
+    # (A deferred request of a key no longer selected, asked by an earlier pass too, is that request.)
+    return con.execute(
+        f"delete from {Scratch.plan} where fingerprint in (select fingerprint from {earlier})"
+    ).fetchall()[0][0]
+
+
+def pass_rows(config: ModelConfig, columns, index: int, table: str = RUN_PLAN) -> str:
+    """Pass `index`'s requests of the run's plan (or its realtime ones) with their prompt and row
+    (plan.plan_rows): `plan_row` is unique across the passes."""
+    return plan.plan_rows(config, columns, plan=table, where=f"p.pass_index = {int(index)}")
+
+
+def member_rows(columns) -> str:
+    """Every pass's rows answered by another row's request planned this run, with their variant
+    (plan.member_rows, for Ledger.write_intents with per_row_variant)."""
+    return f"""(select m.key, m.fingerprint, m.custom_id, m.reused, m.duplicate, m.prompt_hash, m.variant,
+                       {plan.row_json_sql(columns, "i.")} as row_json
+                from {RUN_MEMBERS} m join {Scratch.input} i on i.rowid = m.row_id)"""
+
+
+def start_sent(con) -> None:
+    con.execute(
+        f"create or replace temp table {RUN_SENT} (plan_row bigint, chunk integer, line integer, sender integer)"
+    )
+
+
+def record_sent(con, sender: int) -> None:
+    """The rows request_files wrote for `sender` (Scratch.sent), kept for the run."""
+    con.execute(f"insert into {RUN_SENT} select plan_row, chunk, line, {int(sender)} from {Scratch.sent}")
+
+
+def sent_rows(rows: str, sender: int) -> str:
+    """`rows` written to `sender`'s files, with their file (`chunk`) and `line` (request_files.sent_rows)."""
+    return (
+        f"(select p.*, s.chunk, s.line from {rows} p join {RUN_SENT} s using (plan_row) where s.sender = {int(sender)})"
+    )
+
+
+def keep_submitted(con, sender: int, first_unsent: int) -> None:
+    """Forget `sender`'s files from `first_unsent` on (not submitted): RUN_SENT then holds what was sent."""
+    con.execute(f"delete from {RUN_SENT} where sender = {int(sender)} and chunk >= {int(first_unsent)}")
+
+
+def unsent_rows(rows: str) -> str:
+    """`rows` of a pass not in a submitted file: they wait in the ledger (Ledger.defer)."""
+    return f"(select p.* from {rows} p where p.plan_row not in (select plan_row from {RUN_SENT}))"
+
+
+def written(con) -> dict[int, tuple[int, Decimal | None, int]]:
+    """Per pass: (requests in request files, their estimated cost or None, files they are in)."""
+    rows = con.execute(
+        f"""select p.pass_index, count(*), sum(p.estimated_cost_usd), count(distinct (s.sender, s.chunk))
+            from {RUN_PLAN} p join {RUN_SENT} s on s.plan_row = p.rowid group by p.pass_index"""
+    ).fetchall()
+    return {r[0]: (r[1], r[2], r[3]) for r in rows}
+
+
+def shares(con, sender: int | None = None) -> dict[str, int]:
+    """Requests per stored variant in the request files (of one sender, or all)."""
+    where = "" if sender is None else f"where s.sender = {int(sender)}"
+    rows = con.execute(
+        f"""select p.variant, count(*) from {RUN_PLAN} p join {RUN_SENT} s on s.plan_row = p.rowid {where}
+            group by p.variant"""
+    ).fetchall()
+    return dict(rows)
+
+
+def labels(config: ModelConfig, counts: dict[str, int]) -> str:
+    """'variant a 60, variant b 60': each variant's share, in the model's order of variants."""
+    return ", ".join(
+        f"variant {c.variant_name} {counts[c.variant]}" for c in config.all_variants() if counts.get(c.variant)
+    )

@@ -415,3 +415,29 @@ def test_migrations_are_numbered_in_the_order_they_run():
     # higher one would be skipped on every ledger that already has the higher one.
     versions = [version for version, _ in MIGRATIONS]
     assert versions == sorted(set(versions)), versions
+
+
+def test_one_job_holds_several_variants_requests_each_with_its_own_variant(ledger):
+    """Evaluation variants on the same provider and model share a batch: each request, row answer and
+    member row keeps its own variant; the job lists its variants."""
+    plan(ledger, 4)
+    ledger.con.execute(
+        "create or replace temp table rows_v as select *, case when key in ('k0', 'k1') then '' else 'terse' end as variant from plan_rows"
+    )
+    ledger.con.execute(
+        """create or replace temp table members_v as
+           select 'k9' as key, 'f' as fingerprint, 'c3' as custom_id, false as reused, true as duplicate,
+                  null::ubigint as prompt_hash, 'claude' as variant, '{"p": "y"}' as row_json"""
+    )
+    job = ledger.write_intents("openai", "gpt-4o-mini", "rows_v", [0], members="members_v", per_row_variant=True)[0]
+    requests = ledger.con.execute(
+        f"select custom_id, variant from {ledger.table('llm_batch_requests')} order by 1"
+    ).fetchall()
+    assert requests == [("c0", ""), ("c1", ""), ("c2", "terse"), ("c3", "terse")]
+    answers = ledger.con.execute(
+        f"select key, variant, custom_id from {ledger.table('llm_batch_row_answers')} order by 1"
+    ).fetchall()
+    assert answers == [("k0", "", "c0"), ("k1", "", "c1"), ("k2", "terse", "c2"), ("k3", "terse", "c3"),
+                       ("k9", "claude", "c3")]  # fmt: skip
+    jobs = ledger.con.execute(f"select job_id, variant, request_count from {ledger.table('llm_batch_jobs')}").fetchall()
+    assert jobs == [(job, ",terse", 4)]
