@@ -378,6 +378,9 @@ def test_ctrl_c_stops_waiting_at_once_and_loses_nothing(project, emulator):
             stderr=err,
             # faulthandler: a SIGABRT (sent below if the run hangs) prints every thread's stack to stderr
             env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+            # Ctrl-C as a user's terminal delivers it: a suite started in the background by a shell
+            # without job control inherits SIGINT ignored, and Python then installs no handler for it.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     try:
         deadline = time.monotonic() + 240
