@@ -1,7 +1,8 @@
 """Self-hosted benchmark (not a test): the plugin against vLLM's own offline batch runner on the real local
 engine (Gemma 3 270M on vLLM's CPU build, set up by scripts/engine.sh setup), one workload, one process.
 
-    .venv/bin/python benchmarks/engine_batch.py                # everything below, about 30 minutes
+    .venv/bin/python benchmarks/engine_batch.py                # everything below: over an hour on a 2-core CPU (part 2's caching-off run is the slowest)
+    .venv/bin/python benchmarks/engine_batch.py --sweep 32,64,all --parts 1,4  # the default vs the best and run-batch, ~15 min
     .venv/bin/python benchmarks/engine_batch.py --rows 40 --sweep 8,32 --prefix-rows 20 --seqs 64   # a quick check
 
 The workload: --rows support tickets (each text distinct, so deduplication sends every row), a triage
