@@ -251,21 +251,14 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                              any_value(prompt_chars) as prompt_chars, any_value(prompt_hash) as prompt_hash,
                              count(*) as group_rows
                       from {Scratch.candidates} group by fingerprint) d
-                     left join history h using (fingerprint)
-                     left join (select c.fingerprint, c.row_id, c.key
-                                from {Scratch.candidates} c join history h on h.fingerprint = c.fingerprint and h.prior_key = c.key
-                               ) p using (fingerprint)"""
-        leader, rows, no_rows = (
-            "coalesce(p.row_id, d.row_id) as row_id, coalesce(p.key, d.key) as key",
-            ", group_rows",
-            ", null",
-        )
+                     left join {Scratch.history} h using (fingerprint)"""
+        leader, rows, no_rows = "d.row_id, d.key", ", group_rows", ", null"
     else:
         group, in_candidates = "key, fingerprint", f"key in (select key from {Scratch.candidates})"
         failed = f"count(*) filter (where status = {sql(RequestStatus.FAILED)})"
         next_seq = "coalesce(h.n_requests, 0)"
         custom_id = "'r_' || substr(sha256($model || key || fingerprint || seq), 1, 40)"
-        source = f"{Scratch.candidates} d left join history h using ({group})"
+        source = f"{Scratch.candidates} d left join {Scratch.history} h using ({group})"
         leader, rows, no_rows = "d.row_id, d.key", "", ""
         if config.variant_name is not None:
             # Evaluation variants without dedup: each variant's rows are its own requests, even when two
@@ -322,25 +315,36 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                                     where x.model = $model and x.key = c.key and x.custom_id = a.custom_id
                                       and x.variant = $variant)"""
         )
+    # The candidates' requests so far, by request: a run of new rows (or with nothing new) aggregates nothing.
+    con.execute(
+        f"""create or replace temp table {Scratch.history} as
+            select {group}, count(*) as n_requests, max(seq) as max_seq,
+                   arg_max(key, queued_at) as prior_key,  -- the key an earlier attempt was sent for
+                   count(*) filter (where status in {IN_FLIGHT_SQL}) as in_flight,
+                   count(*) filter (where status = {sql(RequestStatus.SUCCEEDED)}) as succeeded,
+                   {failed} as failed,
+                   count(*) filter (where route = 'realtime' and status <> {sql(RequestStatus.VOIDED)}) as realtime_tried,
+                   max(not_before) as not_before,  -- a back-off (token limit) holds the key until then
+                   count(*) filter (where status = {sql(RequestStatus.HELD)}) as held,  -- cancelled by an operator (operator.py)
+                   -- failed in a way no retry changes (batch_failures.py): not sent again for this fingerprint
+                   count(*) filter (where status = {sql(RequestStatus.FAILED)} and failure_kind in ('deterministic', 'gave_up'))
+                       as final_failed
+            from {requests}
+            where model = $model and status <> {sql(RequestStatus.DEFERRED)} and {in_candidates}
+            group by {group}""",
+        {"model": ledger.model},
+    )
+    if dedup and con.execute(f"select count(*) > 0 from {Scratch.history}").fetchall()[0][0]:
+        # A request tried before stays with the key of its earlier attempt, if that row is still a
+        # candidate (read only when there is history: new rows have none).
+        source += f"""
+                     left join (select c.fingerprint, c.row_id, c.key
+                                from {Scratch.candidates} c join {Scratch.history} h on h.fingerprint = c.fingerprint and h.prior_key = c.key
+                               ) p using (fingerprint)"""
+        leader = "coalesce(p.row_id, d.row_id) as row_id, coalesce(p.key, d.key) as key"
     con.execute(
         f"""create or replace temp table {PLAN} as
-            with history as (
-                select {group}, count(*) as n_requests, max(seq) as max_seq,
-                       arg_max(key, queued_at) as prior_key,  -- the key an earlier attempt was sent for
-                       count(*) filter (where status in {IN_FLIGHT_SQL}) as in_flight,
-                       count(*) filter (where status = {sql(RequestStatus.SUCCEEDED)}) as succeeded,
-                       {failed} as failed,
-                       count(*) filter (where route = 'realtime' and status <> {sql(RequestStatus.VOIDED)}) as realtime_tried,
-                       max(not_before) as not_before,  -- a back-off (token limit) holds the key until then
-                       count(*) filter (where status = {sql(RequestStatus.HELD)}) as held,  -- cancelled by an operator (operator.py)
-                       -- failed in a way no retry changes (batch_failures.py): not sent again for this fingerprint
-                       count(*) filter (where status = {sql(RequestStatus.FAILED)} and failure_kind in ('deterministic', 'gave_up'))
-                           as final_failed
-                from {requests}
-                -- only the candidates' history: a run with nothing new aggregates nothing
-                where model = $model and status <> {sql(RequestStatus.DEFERRED)} and {in_candidates}
-                group by {group}),
-            fresh as (
+            with fresh as (
                 select {leader}, d.fingerprint, d.prompt_chars, d.prompt_hash, {next_seq} as seq, h.prior_key,
                        case when d.realtime or coalesce(h.failed, 0) >= $max_attempts then 'realtime' else 'batch' end as route{rows}
                 from {source}
@@ -415,6 +419,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
     else:
         con.execute(f"delete from {PLAN} where member")
     con.execute(f"drop table {Scratch.candidates}")
+    con.execute(f"drop table {Scratch.history}")
     return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
 
 
