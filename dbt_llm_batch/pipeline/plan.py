@@ -278,15 +278,17 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
     # points at a request in BLOCKS_REPLANNING. Every row answer's request exists (requests are deleted
     # only while deferred, and a deferred request answers no row), so that is: none points outside the
     # requests NOT in it, which are few. One join of the selected rows with the row answers, not also
-    # one of every row answer with every request.
+    # one of every row answer with every request. An anti join on equal keys and fingerprints (neither is
+    # NULL): NOT EXISTS would be planned as a mark join on IS NOT DISTINCT FROM, slower over every row.
     con.execute(
         f"""create or replace temp table {Scratch.candidates} as
-            select * from {DESIRED} d
-            where d.has_prompt and not exists (
-                select 1 from {answers} a
-                where a.model = $model and a.variant = $variant and a.key = d.key and a.fingerprint = d.fingerprint
-                  and a.custom_id not in (select custom_id from {requests}
-                                          where status not in {sql_in(BLOCKS_REPLANNING)} and custom_id is not null))""",
+            select d.* from {DESIRED} d
+                 anti join (select a.key, a.fingerprint from {answers} a
+                            where a.model = $model and a.variant = $variant
+                              and a.custom_id not in (select custom_id from {requests}
+                                                      where status not in {sql_in(BLOCKS_REPLANNING)} and custom_id is not null)) a
+                 on a.key = d.key and a.fingerprint = d.fingerprint
+            where d.has_prompt""",
         {"model": ledger.model, "variant": ledger.variant},
     )
     reuse = ""
