@@ -7,7 +7,7 @@ to a plain-DuckDB baseline timed in the same process, so the ratios hold on a no
 (a) plan + ledger insert + JSONL write   vs  COPY (SELECT ...) TO ... (FORMAT json) of the same lines
 (b) ingest of N result lines into the ledger and the typed output columns
                                          vs  read_json plus the same extraction into a table
-(c) a no-op run on the N-row ledger      vs  a run of the same model selecting no rows
+(c) a no-op run on the N-row ledger      vs  a run of the same model selecting no rows (alone: --noop-only)
 Each round runs on a fresh database file; the median ratio over the rounds is reported.
 (e) planning N rows of which 30 % repeat another row's prompt, with llm_dedup on (70 % of the requests
     sent, every row answered) vs llm_dedup = false (one request per row): the planner alone, and plan +
@@ -190,6 +190,47 @@ def run_once(n: int, memory_limit: str | None = None) -> dict:
     return figures
 
 
+def noop_report(n: int, repeat: int) -> None:
+    """(c) alone: one answered ledger of N rows (built untimed, as in run_once), then `repeat` rounds of
+    an empty-model run and a no-op run back to back on it (round 1 is run_once's (c)); the median
+    difference in wall and in CPU time (all threads: it moves less when other processes share the machine)."""
+    config = parse_config(RAW_CONFIG)
+    with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_bench_") as directory:
+        con = duckdb.connect(os.path.join(directory, "bench.duckdb"))
+        con.execute(f"create table src as {SOURCE.format(n=n)}")
+        con.execute(f"create temp table {plan.INPUT} as select * from src")
+        Ledger(con, "main", "main.bench").migrate()
+        plan_and_write(con, config, directory)
+        write_results(con, directory)
+        merge.merge(
+            Ledger(con, "main", "main.bench"), config, "main.bench", plan.describe(con, plan.INPUT), rebuild=True
+        )
+        ingest(con, config, directory)
+
+        def run(sql):
+            cpu = time.process_time()
+            wall, summary = timed(
+                lambda: runner.run_model(
+                    con, schema="main", identifier="bench", target="main.bench", raw_config=RAW_CONFIG, sql=sql
+                )
+            )
+            assert summary.submitted == 0 and summary.merged == 0
+            return wall, time.process_time() - cpu
+
+        walls, cpus = [], []
+        for _ in range(repeat):
+            empty, empty_cpu = run("select * from src where false")
+            noop, noop_cpu = run("select * from src")
+            walls.append(noop - empty)
+            cpus.append(noop_cpu - empty_cpu)
+            print(f"(c) no-op {noop:.2f} s - empty model {empty:.2f} s = {noop - empty:+.2f} s", flush=True)
+        con.close()
+    print(
+        f"(c) {n:,} rows: no-op run vs empty model run: median difference {statistics.median(walls):+.2f} s "
+        f"(CPU time {statistics.median(cpus):+.2f} s; median of {repeat})"
+    )
+
+
 def dedup_once(n: int, dedup: bool) -> dict:
     """(e) one round: the planner alone, then plan + ledger insert + JSONL write, on a fresh database."""
     config = parse_config({**RAW_CONFIG, "llm_dedup": dedup})
@@ -258,6 +299,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="rounds of (a), (b), (c), each on a fresh database")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dedup-only", action="store_true", help="run only (e), planning with and without dedup")
+    parser.add_argument("--noop-only", action="store_true", help="run only (c), a no-op run vs an empty model")
     parser.add_argument(
         "--memory-limit",
         default="1GB",
@@ -270,6 +312,9 @@ def main() -> int:
         return 0
     if args.dedup_only:
         dedup_report(args.rows, args.repeat)
+        return 0
+    if args.noop_only:
+        noop_report(args.rows, args.repeat)
         return 0
     if not args.no_memory:
         # Children first: Linux keeps a process's max RSS across execve, so a child started after

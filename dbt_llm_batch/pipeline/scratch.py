@@ -29,6 +29,7 @@ class Scratch:
     desired = "__llm_desired"  # one request per input row: key, fingerprint, has_prompt (plan.build_desired)
     unsendable = "__llm_unsendable"  # rows whose prompt cannot be sent (validate)
     deferred = "__llm_deferred"  # requests deferred by an earlier run, still wanted (plan.build_plan)
+    history = "__llm_history"  # the candidates' earlier requests, by request (plan.build_plan)
     plan = "__llm_plan"  # what this run sends (plan.build_plan)
     candidates = "__llm_candidates"  # selected rows without an answer or a request in flight (plan.build_plan)
     answered = "__llm_answered"  # with dedup: the stored request answering each candidate's prompt (plan.build_plan)
@@ -45,7 +46,7 @@ class Scratch:
     run_sent = "__llm_run_sent"  # which run_plan rows went into which sender's request file, at which line
     TABLES = (
         "input", "prices", "rekey", "desired", "unsendable", "deferred", "plan", "realtime_plan",
-        "sent", "outcomes", "batch_failed", "emit", "rekey_rows", "candidates", "answered", "plan_members",
+        "sent", "outcomes", "batch_failed", "emit", "rekey_rows", "candidates", "answered", "history", "plan_members",
         "run_plan", "run_realtime", "run_members", "run_sent",
     )  # fmt: skip
 

@@ -77,9 +77,12 @@ def _reject(ledger: Ledger, columns, record: bool, condition: str, error_sql: st
         ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from {UNSENDABLE})")
         ledger.execute(f"drop table {UNSENDABLE}")
         return n
-    n = ledger.record_never_sent(Scratch.unsendable, [], only_without_live_request=True)
-    ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from {Scratch.unsendable})")
-    ledger.execute(f"drop table {Scratch.unsendable}")
+    n = 0
+    # Usually none: recording them looks every selected key up among the ledger's requests.
+    if ledger.execute(f"select exists (select 1 from {UNSENDABLE})").fetchall()[0][0]:
+        n = ledger.record_never_sent(Scratch.unsendable, [], only_without_live_request=True)
+        ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from {UNSENDABLE})")
+    ledger.execute(f"drop table {UNSENDABLE}")
     return n
 
 
@@ -87,4 +90,6 @@ def reject_deferred_without_prompt(ledger: Ledger, config: ModelConfig) -> int:
     """A request waiting over an in-flight cap whose stored row lacks the prompt column (the model's
     prompt column changed since) cannot be sent: it fails alone, with the reason, instead of waiting
     forever. (The planner leaves such requests out; a dry run records nothing.)"""
+    if not ledger.has_deferred():  # the usual case: no update reading every deferred row's JSON
+        return 0
     return ledger.fail_deferred_without_field(DESIRED, "$." + json.dumps(config.prompt_column), config.prompt_column)

@@ -224,3 +224,46 @@ def test_dedup_plans_one_request_per_group_for_its_first_key_at_its_most_urgent_
         ('["b","1"]', custom_id(("a", "1"), 0), False, True),
     ]
     assert plan.dedup_counts(memory_con) == (3, 0)
+
+
+class Recording:
+    """A connection that records each statement it runs (what a step asks of DuckDB, not how long)."""
+
+    def __init__(self, con):
+        self.con, self.statements = con, []
+
+    def execute(self, statement, *args):
+        self.statements.append(" ".join(statement.split()))
+        return self.con.execute(statement, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.con, name)
+
+
+def test_with_nothing_to_reject_or_retry_the_steps_before_the_plan_leave_the_ledger_alone(memory_con):
+    """A run whose rows can all be sent (the usual run, and every run with nothing new) records no
+    never-sent failure and fails no deferred request: each of those looked every selected key up
+    among the ledger's requests, which was a good part of a run with nothing to do. A plan of new
+    rows with llm_dedup has no earlier attempt whose key it keeps: the candidates are not joined
+    with their history."""
+    from dbt_llm_batch.pipeline import validate
+
+    config = parse_config({**BASE, "llm_max_context_tokens": 1000})
+    given_input(memory_con, [("a", 1, "low", "same"), ("a", 2, "low", "same"), ("b", 1, "low", "solo")])
+    columns = plan.check_input(memory_con, plan.INPUT, config)
+    con = Recording(memory_con)
+    ledger = Ledger(con, "main", "main.m")
+    ledger.migrate()
+    plan.build_desired(con, plan.INPUT, columns, config, ledger)
+    con.statements.clear()
+    assert plan.reject_empty_prompts(ledger, plan.INPUT, columns) == 0
+    assert validate.reject_unsendable(ledger, config, columns) == 0
+    assert validate.reject_deferred_without_prompt(ledger, config) == 0
+    requests = ledger.table("llm_batch_requests")
+    assert not [s for s in con.statements if s.startswith(("insert", "update")) and requests in s]
+
+    costs.load_prices(memory_con, None)
+    con.statements.clear()
+    assert plan.build_plan(ledger, config, plan.INPUT, columns) == 2
+    assert not [s for s in con.statements if "prior_key = c.key" in s]
+    assert plan.dedup_counts(memory_con) == (1, 0)
