@@ -224,3 +224,34 @@ def test_dedup_plans_one_request_per_group_for_its_first_key_at_its_most_urgent_
         ('["b","1"]', custom_id(("a", "1"), 0), False, True),
     ]
     assert plan.dedup_counts(memory_con) == (3, 0)
+
+
+def test_dedup_without_repeated_prompts_plans_each_row_as_its_own_request(memory_con):
+    """No fingerprint repeats (the usual plan of new rows): the rows are not aggregated (plan._request_groups),
+    and the plan is the one the grouping gives: a request per row, for its own key, at its own route, a
+    key asked before at its next attempt, and no members."""
+    config = parse_config({**BASE, "llm_realtime_when": "priority = 'urgent'"})
+    rows = [("b", 1, "urgent", "one"), ("a", 2, "low", "two"), ("a", 3, "low", "three")]
+    given_input(memory_con, rows)
+    columns = plan.check_input(memory_con, plan.INPUT, config)
+    ledger = Ledger(memory_con, "main", "main.m")
+    ledger.migrate()
+    plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
+    fingerprint = {k: v[0] for k, v in desired(memory_con).items()}
+    memory_con.execute(
+        f"""insert into {ledger.table("llm_batch_requests")} (custom_id, model, key, fingerprint, seq, status, is_final, queued_at, route)
+            values ('r_earlier', 'main.m', '["a","3"]', ?, 0, {sql(RequestStatus.FAILED)}, false, now(), 'batch')""",
+        [fingerprint[("a", "3")]],
+    )
+    assert plan.build_plan(ledger, config, plan.INPUT, columns) == 3
+
+    def custom_id(key: tuple, seq: int) -> str:
+        return "r_" + hashlib.sha256(f"main.m{fingerprint[key]}{seq}".encode()).hexdigest()[:40]
+
+    planned = memory_con.execute(f"select key, custom_id, seq, route, row_id from {plan.PLAN} order by key").fetchall()
+    assert planned == [
+        ('["a","2"]', custom_id(("a", "2"), 0), 0, "batch", 1),
+        ('["a","3"]', custom_id(("a", "3"), 1), 1, "batch", 2),
+        ('["b","1"]', custom_id(("b", "1"), 0), 0, "realtime", 0),
+    ]
+    assert memory_con.execute(f"select count(*) from {Scratch.plan_members}").fetchall()[0][0] == 0
