@@ -230,11 +230,6 @@ def nothing_to_write(con) -> list[RequestFile]:
     return []
 
 
-def sent_rows(rows: str) -> str:
-    """`rows` (planner.plan_rows) that were written, with their file (`chunk`) and `line`."""
-    return f"(select p.*, s.chunk, s.line from {rows} p join {SENT} s using (plan_row))"
-
-
 def unsent_rows(rows: str, first_unsent_chunk: int) -> str:
     """`rows` not written, or written to a file from `first_unsent_chunk` on (never submitted)."""
     return f"""(select p.* from {rows} p

@@ -125,6 +125,18 @@ def test_plan_rows_reads_prompt_and_row_from_the_input_or_from_a_deferred_reques
         f"select prompt, json_extract_string(row_json, '$.shop'), plan_row from {plan.plan_rows(config, columns, 'my_plan')} order by plan_row"
     ).fetchall()
     assert rows == [("Refund please", "a", 0), ("kept prompt", "z", 1)]
+    # With `sent`: only the rows written to a request file, each with its file and line.
+    memory_con.execute("create temp table my_sent as select 1::bigint as plan_row, 3 as chunk, 7 as line")
+    sent = plan.plan_rows(config, columns, "my_plan", sent="my_sent")
+    rows = memory_con.execute(
+        f"select prompt, json_extract_string(row_json, '$.shop'), plan_row, chunk, line from {sent}"
+    )
+    assert rows.fetchall() == [("kept prompt", "z", 1, 3, 7)]
+    memory_con.execute("insert into my_sent values (0, 0, 1)")
+    rows = memory_con.execute(
+        f"select prompt, json_extract_string(row_json, '$.shop'), plan_row, chunk, line from {sent}"
+    )
+    assert sorted(rows.fetchall()) == [("Refund please", "a", 0, 0, 1), ("kept prompt", "z", 1, 3, 7)]
 
 
 def test_a_stored_prompt_hash_gives_the_stored_fingerprint_and_md5_is_the_fallback(memory_con):
