@@ -33,6 +33,8 @@ from dbt_llm_batch.pipeline.scratch import Scratch
 
 SENT = Scratch.sent
 STREAM_BATCH_ROWS = 10_000
+# The Arrow text types whose value buffer is the lines' bytes, end to end: the dtype of their offsets.
+_OFFSET_TYPES = {pa.string(): np.int32, pa.large_string(): np.int64}
 
 
 @dataclass
@@ -121,9 +123,11 @@ class _Writer:
     def take(self, batch: pa.RecordBatch) -> bool:
         """Write as much of `batch` as the limits allow; False once writing must stop."""
         lines = batch.column("line")
-        if lines.type != pa.large_string():
+        # DuckDB hands text over as `string` (32-bit offsets): read as it is, not cast (a copy of every line).
+        if lines.type not in _OFFSET_TYPES:
             lines = lines.cast(pa.large_string())
-        offsets = np.frombuffer(lines.buffers()[1], dtype=np.int64)[lines.offset : lines.offset + len(lines) + 1]
+        offsets = np.frombuffer(lines.buffers()[1], dtype=_OFFSET_TYPES[lines.type])
+        offsets = offsets[lines.offset : lines.offset + len(lines) + 1].astype(np.int64)
         sizes = np.diff(offsets)
         if lines.null_count:  # planner.build_plan fails requests without a prompt before they get here
             raise ValueError("dbt-llm-batch bug: a planned request has no request line")
@@ -224,11 +228,6 @@ def nothing_to_write(con) -> list[RequestFile]:
     recorded empty, as write_request_files would for an empty plan."""
     con.execute(f"create or replace temp table {SENT} (plan_row bigint, chunk integer, line integer)")
     return []
-
-
-def sent_rows(rows: str) -> str:
-    """`rows` (planner.plan_rows) that were written, with their file (`chunk`) and `line`."""
-    return f"(select p.*, s.chunk, s.line from {rows} p join {SENT} s using (plan_row))"
 
 
 def unsent_rows(rows: str, first_unsent_chunk: int) -> str:

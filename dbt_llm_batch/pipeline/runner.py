@@ -597,7 +597,11 @@ class ModelRun:
                 provider = self.provider
                 report.prefix_too_short(self.label, self.config, provider)
                 batch_ids = submit.submit_chunks(
-                    self.ledger, provider, files, request_files.sent_rows(self.rows), members=self.duplicates
+                    self.ledger,
+                    provider,
+                    files,
+                    plan.plan_rows(self.config, self.input_columns, sent=Scratch.sent),
+                    members=self.duplicates,
                 )
                 # A file uploaded for a create that was refused is not left at the provider.
                 reconcile.delete_provider_files(self.ledger, self.provider_for, self.config.delete_provider_files)

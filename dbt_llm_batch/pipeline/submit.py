@@ -39,7 +39,7 @@ def submit_chunks(
     per_row_variant: bool = False,
 ) -> list[str]:
     """Submit each written request file as one batch; returns the provider batch ids. `sent_rows` is
-    the plan's rows with the file (`chunk`) and `line` each was written to (request_files.sent_rows);
+    the plan's rows with the file (`chunk`) and `line` each was written to (plan.plan_rows with `sent`);
     `members` the other rows each request answers (plan.build_plan), recorded with the intents;
     `per_row_variant`: the rows carry their evaluation variant (Ledger.write_intents)."""
     batch_ids = []

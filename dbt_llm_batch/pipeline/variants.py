@@ -156,7 +156,7 @@ def record_sent(con, sender: int) -> None:
 
 
 def sent_rows(rows: str, sender: int) -> str:
-    """`rows` written to `sender`'s files, with their file (`chunk`) and `line` (request_files.sent_rows)."""
+    """`rows` written to `sender`'s files, with their file (`chunk`) and `line` (plan.plan_rows with `sent`)."""
     return (
         f"(select p.*, s.chunk, s.line from {rows} p join {RUN_SENT} s using (plan_row) where s.sender = {int(sender)})"
     )

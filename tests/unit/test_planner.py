@@ -125,6 +125,18 @@ def test_plan_rows_reads_prompt_and_row_from_the_input_or_from_a_deferred_reques
         f"select prompt, json_extract_string(row_json, '$.shop'), plan_row from {plan.plan_rows(config, columns, 'my_plan')} order by plan_row"
     ).fetchall()
     assert rows == [("Refund please", "a", 0), ("kept prompt", "z", 1)]
+    # With `sent`: only the rows written to a request file, each with its file and line.
+    memory_con.execute("create temp table my_sent as select 1::bigint as plan_row, 3 as chunk, 7 as line")
+    sent = plan.plan_rows(config, columns, "my_plan", sent="my_sent")
+    rows = memory_con.execute(
+        f"select prompt, json_extract_string(row_json, '$.shop'), plan_row, chunk, line from {sent}"
+    )
+    assert rows.fetchall() == [("kept prompt", "z", 1, 3, 7)]
+    memory_con.execute("insert into my_sent values (0, 0, 1)")
+    rows = memory_con.execute(
+        f"select prompt, json_extract_string(row_json, '$.shop'), plan_row, chunk, line from {sent}"
+    )
+    assert sorted(rows.fetchall()) == [("Refund please", "a", 0, 0, 1), ("kept prompt", "z", 1, 3, 7)]
 
 
 def test_a_stored_prompt_hash_gives_the_stored_fingerprint_and_md5_is_the_fallback(memory_con):
@@ -267,3 +279,33 @@ def test_with_nothing_to_reject_or_retry_the_steps_before_the_plan_leave_the_led
     assert plan.build_plan(ledger, config, plan.INPUT, columns) == 2
     assert not [s for s in con.statements if "prior_key = c.key" in s]
     assert plan.dedup_counts(memory_con) == (1, 0)
+
+
+def test_dedup_without_repeated_prompts_plans_each_row_as_its_own_request(memory_con):
+    """No fingerprint repeats (the usual plan of new rows): a request per row, for its own key, at its own
+    route, a key asked before at its next attempt, and no members."""
+    config = parse_config({**BASE, "llm_realtime_when": "priority = 'urgent'"})
+    rows = [("b", 1, "urgent", "one"), ("a", 2, "low", "two"), ("a", 3, "low", "three")]
+    given_input(memory_con, rows)
+    columns = plan.check_input(memory_con, plan.INPUT, config)
+    ledger = Ledger(memory_con, "main", "main.m")
+    ledger.migrate()
+    plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
+    fingerprint = {k: v[0] for k, v in desired(memory_con).items()}
+    memory_con.execute(
+        f"""insert into {ledger.table("llm_batch_requests")} (custom_id, model, key, fingerprint, seq, status, is_final, queued_at, route)
+            values ('r_earlier', 'main.m', '["a","3"]', ?, 0, {sql(RequestStatus.FAILED)}, false, now(), 'batch')""",
+        [fingerprint[("a", "3")]],
+    )
+    assert plan.build_plan(ledger, config, plan.INPUT, columns) == 3
+
+    def custom_id(key: tuple, seq: int) -> str:
+        return "r_" + hashlib.sha256(f"main.m{fingerprint[key]}{seq}".encode()).hexdigest()[:40]
+
+    planned = memory_con.execute(f"select key, custom_id, seq, route, row_id from {plan.PLAN} order by key").fetchall()
+    assert planned == [
+        ('["a","2"]', custom_id(("a", "2"), 0), 0, "batch", 1),
+        ('["a","3"]', custom_id(("a", "3"), 1), 1, "batch", 2),
+        ('["b","1"]', custom_id(("b", "1"), 0), 0, "realtime", 0),
+    ]
+    assert memory_con.execute(f"select count(*) from {Scratch.plan_members}").fetchall()[0][0] == 0
