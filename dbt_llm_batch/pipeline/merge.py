@@ -239,6 +239,8 @@ def _winners(ledger: Ledger, keys_sql: str, variant: str = "") -> str:
     # so a million-row merge neither sorts nor copies a million stored rows. Aggregates, not windows:
     # the winner is each key's arg_max (NULLs ranked lowest, as `desc nulls last` did), and only the
     # requests answering several rows are ranked (a request answering one row: its whole cost, rank 1).
+    # The aggregate carries the winning row answer's rowid, read back by one join: a struct of its
+    # columns in every aggregate state cost twice as much.
     answers, requests = ledger.table("llm_batch_row_answers"), ledger.table("llm_batch_requests")
     model = literal(ledger.model)
     rank = (
@@ -247,24 +249,24 @@ def _winners(ledger: Ledger, keys_sql: str, variant: str = "") -> str:
     )
     return f"""
         with w as (
-            select a.key, arg_max({{'custom_id': a.custom_id, 'variant': a.variant, 'status': r.status,
-                                    'emitted': a.emitted, 'reused': a.reused, 'row_json': a.row_json}}, ({rank})) as won
-            from {answers} a join {requests} r using (custom_id) left join {DESIRED} d on d.key = a.key
-            where a.model = {model} and a.variant = {literal(variant)} and r.is_final and a.key in ({keys_sql})
-            group by a.key),
+            select x.key, x.custom_id, x.variant, x.emitted, x.reused, x.row_json
+            from (select a.key, arg_max(a.rowid, ({rank})) as won
+                  from {answers} a join {requests} r using (custom_id) left join {DESIRED} d on d.key = a.key
+                  where a.model = {model} and a.variant = {literal(variant)} and r.is_final and a.key in ({keys_sql})
+                  group by a.key) k
+                 join {answers} x on x.rowid = k.won),
         shared as (
             select custom_id, count(*) as sharing from {answers}
-            where not reused and custom_id in (select won.custom_id from w)
+            where not reused and custom_id in (select custom_id from w)
             group by custom_id having count(*) > 1),
         ranked as (
             select x.custom_id, x.model, x.key, x.variant, s.sharing,
                    row_number() over (partition by x.custom_id order by x.model, x.key, x.variant) as share_rank
             from {answers} x join shared s using (custom_id) where not x.reused)
-        select w.won.custom_id as custom_id, w.key, w.won.variant as variant, w.won.status as status,
-               w.won.emitted as emitted, w.won.reused as reused, w.won.row_json as row_json,
+        select w.custom_id, w.key, w.variant, w.emitted, w.reused, w.row_json,
                coalesce(k.sharing, 1) as sharing, coalesce(k.share_rank, 1) as share_rank
-        from w left join ranked k on k.custom_id = w.won.custom_id and k.model = {model} and k.key = w.key
-                                     and k.variant = w.won.variant"""
+        from w left join ranked k on k.custom_id = w.custom_id and k.model = {model} and k.key = w.key
+                                     and k.variant = w.variant"""
 
 
 def _compression(name: str, typ: str, config: ModelConfig) -> str:
@@ -372,7 +374,8 @@ def merge(
             f"(llm_on_unselected='delete'; the ledger keeps their answers)"
         )
     written, failed = con.execute(
-        f"select count(*), count(*) filter (where status = {sql(RequestStatus.FAILED)}) from {EMIT}"
+        f"""select count(*), count(*) filter (where r.status = {sql(RequestStatus.FAILED)})
+            from {EMIT} e join {requests} r on r.custom_id = e.custom_id and r.is_final"""
     ).fetchall()[0]
     con.execute(f"drop table if exists {EMIT}")
     return written, failed
