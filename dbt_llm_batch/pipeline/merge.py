@@ -227,7 +227,11 @@ def _share(column: str) -> str:
     so the parts add up to the cost exactly); a reused row (answered later from the ledger) costs $0."""
     units = f"cast({column} * 1000000000 as hugeint)"
     part = f"({units} // w.sharing + case when w.share_rank <= {units} % w.sharing then 1 else 0 end)"
-    return f"case when w.reused then 0 else cast({part} / 1000000000 as decimal(18, 9)) end"
+    # A request answering one row (most of them) is that row's cost as is: no division to make.
+    return (
+        f"case when w.reused then 0 when w.sharing = 1 then {column} "
+        f"else cast({part} / 1000000000 as decimal(18, 9)) end"
+    )
 
 
 def _winners(ledger: Ledger, keys_sql: str, variant: str = "") -> str:
@@ -271,8 +275,12 @@ def _winners(ledger: Ledger, keys_sql: str, variant: str = "") -> str:
 
 def _compression(name: str, typ: str, config: ModelConfig) -> str:
     """The prompt column is long text written in bulk: ZSTD writes it about 3x faster than DuckDB's
-    default (dictionary/FSST analysis), and reads it as fast. Other columns keep the default."""
-    return " using compression zstd" if name == config.prompt_column and typ == "VARCHAR" else ""
+    default (dictionary/FSST analysis), and reads it as fast. llm_fingerprint is short, all different
+    and written a million at a time: uncompressed, as the ledger stores fingerprints (the default's
+    analysis finds nothing to gain and was a fifth of writing the table). Other columns keep the default."""
+    if name == config.prompt_column and typ == "VARCHAR":
+        return " using compression zstd"
+    return " using compression uncompressed" if name == "llm_fingerprint" else ""
 
 
 def merge(
