@@ -97,22 +97,30 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
     """The table's rows for the winners in EMIT, with named columns (inserted by name). Selected
     columns come from the request's stored row, read back with json_transform, which keeps every
     value exact (a DECIMAL(38,9) included); a column the stored row lacks (the SELECT gained it
-    since) comes from the key's current row. Incremental runs and full refreshes use the same rule."""
+    since) comes from the key's current row. Incremental runs and full refreshes use the same rule.
+
+    A selected key whose current row asks the winner's fingerprint (md5 of the prompt) has the
+    stored row's prompt and key already: the whole row is the current one, and the stored JSON is
+    parsed only for the other winners (parsing every stored row was most of a large merge)."""
     structure = json.dumps({name: "VARCHAR" if typ in TEXT_ROUND_TRIP else typ for name, typ in input_columns})
-    selected = []
-    for name, typ in input_columns:
-        stored = f"w.stored.{ident(name)}"
+    # The fingerprint hashes the prompt as text: equal for the same VARCHAR prompt (an empty or NULL
+    # one, and other types' text forms, are read from the stored row as before).
+    same_row = "false"
+    if dict(input_columns).get(config.prompt_column, "").upper() == "VARCHAR":
+        same_row = "d.has_prompt and d.fingerprint = r.fingerprint"
+    selected, from_stored = [], []
+    for n, (name, typ) in enumerate(input_columns):
+        stored = f"x.stored.{ident(name)}"
         if typ in TEXT_ROUND_TRIP:
             stored = f"cast({stored} as {typ})"
         # A column the request was not made of shows the current selection's value for a selected key.
-        current = "" if name in request_columns(config) else f"when d.key is not null then i.{ident(name)} "
+        current = "" if name in request_columns(config) else "x.desired_row is null and "
         # A stored NULL is the stored row's value only if the row has the column (json_transform gives
         # NULL for both): the JSON is read again for those alone, not parsed a second time for every row.
         path = literal("$." + json.dumps(name))
-        selected.append(
-            f"case {current}when w.stored.{ident(name)} is not null or json_exists(w.stored_json, {path}) "
-            f"then {stored} else i.{ident(name)} end as {ident(name)}"
-        )
+        take = f"{current}({stored} is not null or json_exists(x.stored_json, {path}))"
+        from_stored += [f"{take} as take_{n}", f"{stored} as stored_{n}"]
+        selected.append(f"case when s.take_{n} then s.stored_{n} else i.{ident(name)} end as {ident(name)}")
     outputs = []
     for name, value in _output_values(config):
         outputs.append(f"case when w.status = {sql(RequestStatus.SUCCEEDED)} then {value} end as {ident(name)}")
@@ -136,14 +144,25 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
     status = [f"{value} as {ident(name)}" for value, (name, _) in zip(status_values, STATUS_COLUMNS, strict=True)]
     if config.variant_name is not None:
         status.append(f"{literal(config.variant_name)} as llm_variant")
+    requests = ledger.table("llm_batch_requests")
+    # The stored rows (wide JSON) are read, parsed and joined only for the winners that need them: a
+    # wide column carried through the joins of every winner was most of a large merge.
     return f"""
+        with w as (
+            select r.* exclude (key, row_json), e.key, e.reused, e.sharing, e.share_rank, e.row_json as own_row_json,
+                   d.row_id as desired_row, coalesce({same_row}, false) as same_row
+            from {EMIT} e join {requests} r on r.custom_id = e.custom_id and r.is_final
+                 left join {DESIRED} d on d.key = e.key),
+        s as (
+            select x.key, {", ".join(from_stored)}
+            from (select w.key, w.desired_row, coalesce(w.own_row_json, r.row_json) as stored_json,
+                         json_transform(coalesce(w.own_row_json, r.row_json), {literal(structure)}) as stored
+                  from w join {requests} r on r.custom_id = w.custom_id and r.is_final
+                  where not w.same_row) x)
         select {", ".join(selected + outputs + status)}
-        from (select r.* exclude (key, row_json), e.key, e.reused, e.sharing, e.share_rank,
-                     json_transform(coalesce(e.row_json, r.row_json), {literal(structure)}) as stored,
-                     coalesce(e.row_json, r.row_json) as stored_json
-              from {EMIT} e join {ledger.table("llm_batch_requests")} r on r.custom_id = e.custom_id and r.is_final) w
+        from w left join s on s.key = w.key
              left join {ledger.table("llm_batch_jobs")} j on j.job_id = w.job_id
-             left join {DESIRED} d on d.key = w.key left join {INPUT} i on i.rowid = d.row_id"""
+             left join {INPUT} i on i.rowid = w.desired_row"""
 
 
 def finish_reason_sql() -> str:
@@ -208,7 +227,11 @@ def _share(column: str) -> str:
     so the parts add up to the cost exactly); a reused row (answered later from the ledger) costs $0."""
     units = f"cast({column} * 1000000000 as hugeint)"
     part = f"({units} // w.sharing + case when w.share_rank <= {units} % w.sharing then 1 else 0 end)"
-    return f"case when w.reused then 0 else cast({part} / 1000000000 as decimal(18, 9)) end"
+    # A request answering one row (most of them) is that row's cost as is: no division to make.
+    return (
+        f"case when w.reused then 0 when w.sharing = 1 then {column} "
+        f"else cast({part} / 1000000000 as decimal(18, 9)) end"
+    )
 
 
 def _winners(ledger: Ledger, keys_sql: str, variant: str = "") -> str:
@@ -220,6 +243,8 @@ def _winners(ledger: Ledger, keys_sql: str, variant: str = "") -> str:
     # so a million-row merge neither sorts nor copies a million stored rows. Aggregates, not windows:
     # the winner is each key's arg_max (NULLs ranked lowest, as `desc nulls last` did), and only the
     # requests answering several rows are ranked (a request answering one row: its whole cost, rank 1).
+    # The aggregate carries the winning row answer's rowid, read back by one join: a struct of its
+    # columns in every aggregate state cost twice as much.
     answers, requests = ledger.table("llm_batch_row_answers"), ledger.table("llm_batch_requests")
     model = literal(ledger.model)
     rank = (
@@ -228,30 +253,34 @@ def _winners(ledger: Ledger, keys_sql: str, variant: str = "") -> str:
     )
     return f"""
         with w as (
-            select a.key, arg_max({{'custom_id': a.custom_id, 'variant': a.variant, 'status': r.status,
-                                    'emitted': a.emitted, 'reused': a.reused, 'row_json': a.row_json}}, ({rank})) as won
-            from {answers} a join {requests} r using (custom_id) left join {DESIRED} d on d.key = a.key
-            where a.model = {model} and a.variant = {literal(variant)} and r.is_final and a.key in ({keys_sql})
-            group by a.key),
+            select x.key, x.custom_id, x.variant, x.emitted, x.reused, x.row_json
+            from (select a.key, arg_max(a.rowid, ({rank})) as won
+                  from {answers} a join {requests} r using (custom_id) left join {DESIRED} d on d.key = a.key
+                  where a.model = {model} and a.variant = {literal(variant)} and r.is_final and a.key in ({keys_sql})
+                  group by a.key) k
+                 join {answers} x on x.rowid = k.won),
         shared as (
             select custom_id, count(*) as sharing from {answers}
-            where not reused and custom_id in (select won.custom_id from w)
+            where not reused and custom_id in (select custom_id from w)
             group by custom_id having count(*) > 1),
         ranked as (
             select x.custom_id, x.model, x.key, x.variant, s.sharing,
                    row_number() over (partition by x.custom_id order by x.model, x.key, x.variant) as share_rank
             from {answers} x join shared s using (custom_id) where not x.reused)
-        select w.won.custom_id as custom_id, w.key, w.won.variant as variant, w.won.status as status,
-               w.won.emitted as emitted, w.won.reused as reused, w.won.row_json as row_json,
+        select w.custom_id, w.key, w.variant, w.emitted, w.reused, w.row_json,
                coalesce(k.sharing, 1) as sharing, coalesce(k.share_rank, 1) as share_rank
-        from w left join ranked k on k.custom_id = w.won.custom_id and k.model = {model} and k.key = w.key
-                                     and k.variant = w.won.variant"""
+        from w left join ranked k on k.custom_id = w.custom_id and k.model = {model} and k.key = w.key
+                                     and k.variant = w.variant"""
 
 
 def _compression(name: str, typ: str, config: ModelConfig) -> str:
     """The prompt column is long text written in bulk: ZSTD writes it about 3x faster than DuckDB's
-    default (dictionary/FSST analysis), and reads it as fast. Other columns keep the default."""
-    return " using compression zstd" if name == config.prompt_column and typ == "VARCHAR" else ""
+    default (dictionary/FSST analysis), and reads it as fast. llm_fingerprint is short, all different
+    and written a million at a time: uncompressed, as the ledger stores fingerprints (the default's
+    analysis finds nothing to gain and was a fifth of writing the table). Other columns keep the default."""
+    if name == config.prompt_column and typ == "VARCHAR":
+        return " using compression zstd"
+    return " using compression uncompressed" if name == "llm_fingerprint" else ""
 
 
 def merge(
@@ -353,7 +382,8 @@ def merge(
             f"(llm_on_unselected='delete'; the ledger keeps their answers)"
         )
     written, failed = con.execute(
-        f"select count(*), count(*) filter (where status = {sql(RequestStatus.FAILED)}) from {EMIT}"
+        f"""select count(*), count(*) filter (where r.status = {sql(RequestStatus.FAILED)})
+            from {EMIT} e join {requests} r on r.custom_id = e.custom_id and r.is_final"""
     ).fetchall()[0]
     con.execute(f"drop table if exists {EMIT}")
     return written, failed
