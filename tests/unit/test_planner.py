@@ -179,6 +179,18 @@ def test_a_stored_prompt_hash_gives_the_stored_fingerprint_and_md5_is_the_fallba
     assert {k: v[0] for k, v in desired(memory_con).items()}[("a", "1")] == expected
 
 
+def given_an_earlier_failed_attempt(con, ledger: Ledger, key: tuple) -> dict:
+    """A failed batch attempt ('r_earlier', seq 0) of `key` at its current fingerprint; returns every
+    desired key's fingerprint."""
+    fingerprint = {k: v[0] for k, v in desired(con).items()}
+    con.execute(
+        f"""insert into {ledger.table("llm_batch_requests")} (custom_id, model, key, fingerprint, seq, status, is_final, queued_at, route)
+            values ('r_earlier', 'main.m', ?, ?, 0, {sql(RequestStatus.FAILED)}, false, now(), 'batch')""",
+        [json.dumps(list(key), separators=(",", ":")), fingerprint[key]],
+    )
+    return fingerprint
+
+
 def test_dedup_plans_one_request_per_group_for_its_first_key_at_its_most_urgent_route(memory_con):
     """With llm_dedup, each distinct request is planned once, for the key an earlier attempt was sent
     for, else the lowest key; the group's other rows are members pointing at its custom_id (one per
@@ -203,12 +215,7 @@ def test_dedup_plans_one_request_per_group_for_its_first_key_at_its_most_urgent_
     costs.load_prices(memory_con, None)
     price = costs.price_of(memory_con, config.provider, config.model)
     plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
-    fingerprint = {k: v[0] for k, v in desired(memory_con).items()}
-    memory_con.execute(
-        f"""insert into {ledger.table("llm_batch_requests")} (custom_id, model, key, fingerprint, seq, status, is_final, queued_at, route)
-            values ('r_earlier', 'main.m', '["b","3"]', ?, 0, {sql(RequestStatus.FAILED)}, false, now(), 'batch')""",
-        [fingerprint[("b", "3")]],
-    )
+    fingerprint = given_an_earlier_failed_attempt(memory_con, ledger, ("b", "3"))
     assert plan.build_plan(ledger, config, plan.INPUT, columns, price) == 3
 
     def custom_id(key: tuple, seq: int) -> str:
@@ -291,12 +298,7 @@ def test_dedup_without_repeated_prompts_plans_each_row_as_its_own_request(memory
     ledger = Ledger(memory_con, "main", "main.m")
     ledger.migrate()
     plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
-    fingerprint = {k: v[0] for k, v in desired(memory_con).items()}
-    memory_con.execute(
-        f"""insert into {ledger.table("llm_batch_requests")} (custom_id, model, key, fingerprint, seq, status, is_final, queued_at, route)
-            values ('r_earlier', 'main.m', '["a","3"]', ?, 0, {sql(RequestStatus.FAILED)}, false, now(), 'batch')""",
-        [fingerprint[("a", "3")]],
-    )
+    fingerprint = given_an_earlier_failed_attempt(memory_con, ledger, ("a", "3"))
     assert plan.build_plan(ledger, config, plan.INPUT, columns) == 3
 
     def custom_id(key: tuple, seq: int) -> str:
