@@ -100,6 +100,15 @@ def table(project) -> dict[tuple[int, str], tuple]:
     return {(r[0], r[1]): r[2:] for r in rows}
 
 
+def assert_each_row_answered(rows: dict, system: dict[str, str], model: dict[str, str], default_model: str) -> None:
+    """Every row of `rows` (table()) succeeded with the sandbox's answer to its variant's system prompt
+    (`system`, by variant; SYSTEM_A otherwise), from its variant's model (`model`, else `default_model`)."""
+    for (i, variant), (category, status, llm_model, *_rest) in rows.items():
+        assert status == "succeeded", (i, variant)
+        assert category == answer(system.get(variant, SYSTEM_A), i), (i, variant)
+        assert llm_model == model.get(variant, default_model), (i, variant)
+
+
 def batches_by_face(emulator) -> list[tuple[str, int, set[str]]]:
     """Each batch the sandbox received, in order: (face, requests, the system prompts of its OpenAI lines)."""
     out = []
@@ -151,10 +160,7 @@ def test_three_variants_two_providers_one_run_180_rows_report_and_gate(evals, em
     rows = table(evals)
     assert len(rows) == 3 * N
     assert {v for _, v in rows} == {"default", "terse", "claude"}
-    for (i, variant), (category, status, llm_model, *_rest) in rows.items():
-        assert status == "succeeded", (i, variant)
-        assert category == answer(SYSTEMS[variant], i), (i, variant)
-        assert llm_model == ("claude-sonnet-4-5" if variant == "claude" else "gpt-4o-mini")
+    assert_each_row_answered(rows, SYSTEMS, {"claude": "claude-sonnet-4-5"}, "gpt-4o-mini")
     # The labels follow the default variant's answers for most keys, so terse (another system prompt)
     # scores lower. The sandbox answers from (system, prompt, schema), whatever the model: claude, with
     # the default's system prompt, gives the default's answers, through the other provider.
@@ -524,10 +530,7 @@ def test_two_openai_variants_on_two_models_go_in_two_batches(project, emulator):
     project.dbt("run", "-s", "evals")
     rows = table(project)
     assert len(rows) == 3 * N
-    for (i, variant), (category, status, llm_model, *_rest) in rows.items():
-        assert status == "succeeded", (i, variant)
-        assert category == answer(SYSTEM_B if variant == "terse" else SYSTEM_A, i), (i, variant)
-        assert llm_model == ("gpt-4o" if variant == "big" else "gpt-4o-mini")
+    assert_each_row_answered(rows, {"terse": SYSTEM_B}, {"big": "gpt-4o"}, "gpt-4o-mini")
     assert len(emulator.billed()) == 3 * N and billed_once(emulator)
     # Each batch priced by its own model: big and default asked the same, at gpt-4o's and gpt-4o-mini's prices.
     costs = dict(project.query("select llm_variant, sum(llm_cost_usd) from main.evals group by 1"))
@@ -657,10 +660,7 @@ def test_switching_a_variant_s_provider_while_its_batch_is_in_flight(project, em
     project.dbt("run", "-s", "evals")
     rows = table(project)
     assert len(rows) == 2 * N
-    for (i, variant), (category, status, llm_model, *_rest) in rows.items():
-        assert status == "succeeded", (i, variant)
-        assert category == answer(SYSTEM_B if variant == "alt" else SYSTEM_A, i), (i, variant)
-        assert llm_model == ("claude-sonnet-4-5" if variant == "alt" else "gpt-4o-mini"), (i, variant)
+    assert_each_row_answered(rows, {"alt": SYSTEM_B}, {"alt": "claude-sonnet-4-5"}, "gpt-4o-mini")
     # Nothing lost: every answer either provider gave is stored, the in-flight one's too, and costed.
     stored = {r[0] for r in project.query("select custom_id from main.llm_batch_results")}
     assert set(succeeded_custom_ids(emulator)) <= stored
