@@ -688,3 +688,27 @@ def test_a_renamed_model_with_variants_keeps_its_batches_in_flight_with_llm_ledg
     for i, variant, category, status in rows:
         assert (category, status) == (answer(SYSTEM_B if variant == "terse" else SYSTEM_A, i), "succeeded")
     assert len(emulator.billed()) == 3 * N and billed_once(emulator)
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.7"], ids=["shared", "sampled"])
+def test_a_row_that_cannot_be_sent_fails_alone_in_each_identical_variant(project, emulator, temperature):
+    """Two variants asking the same thing (one request shared at temperature 0, one sample each above
+    it): a row with an empty prompt fails in both variants' rows, each with its own never-sent
+    failure, and later runs record nothing again."""
+    write_seed(project)
+    model = eval_model(f"llm_temperature = {temperature}, llm_variants = {{'twin': {{'llm_max_tokens': 100}}}}")
+    project.write("models/evals.sql", model.replace(" prompt,", " case when id = 3 then '' else prompt end as prompt,"))
+    project.dbt("run", "-s", "evals")
+    emulator.complete_all()
+    project.dbt("run", "-s", "evals")
+    rows = table(project)
+    assert sorted(rows) == sorted((i, v) for i in range(N) for v in ("default", "twin"))
+    assert rows[(3, "default")][:2] == rows[(3, "twin")][:2] == (None, "failed")
+    errors = project.query("select llm_variant, llm_error from main.evals where id = 3 order by 1")
+    assert errors == [(v, "prompt is NULL or empty: nothing was sent") for v in ("default", "twin")]
+    assert all(status == "succeeded" for (i, _v), (_c, status, *_r) in rows.items() if i != 3)
+    never_sent = "select variant, count(*) from main.llm_batch_requests where starts_with(custom_id, 'x_') group by 1"
+    assert sorted(project.query(never_sent)) == [("", 1), ("twin", 1)]
+    project.dbt("run", "-s", "evals")  # nothing new: nothing recorded again, nothing sent
+    assert sorted(project.query(never_sent)) == [("", 1), ("twin", 1)]
+    assert table(project) == rows and len(sorted_batches(emulator)) == 1

@@ -10,7 +10,7 @@ import uuid
 
 from dbt_llm_batch.ledger.base import LedgerBase, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT_SQL, JobStatus, RequestStatus, sql, sql_in
-from dbt_llm_batch.sql import list_literal
+from dbt_llm_batch.sql import list_literal, literal
 
 R = RequestStatus
 QUEUED, DEFERRED, FAILED, VOIDED = sql(R.QUEUED), sql(R.DEFERRED), sql(R.FAILED), sql(R.VOIDED)
@@ -224,16 +224,25 @@ class RequestWrites(LedgerBase):
 
         retry_on_conflict(write)
 
-    def record_never_sent(self, rows: str, params: list, only_without_live_request: bool) -> int:
+    def record_never_sent(self, rows: str, only_without_live_request: bool) -> int:
         """Record a final failure, never sent, for each row of `rows` (an SQL relation with key,
-        fingerprint, error and row_json; `params` its parameters), once per key and fingerprint: not if
-        the ledger has a request for them already, or with `only_without_live_request`, not if it has one
-        never sent or answered, in flight or held. Returns how many were recorded."""
+        fingerprint, error and row_json), once per key, fingerprint and
+        variant: not if the ledger has a request for them already (this variant's, or one a row answer
+        of this variant points at: a request shared by identical variants), or with
+        `only_without_live_request`, not if it has one never sent or answered, in flight or held.
+        Returns how many were recorded."""
         requests = self.table("llm_batch_requests")
+        answers = self.table("llm_batch_row_answers")
         existing = "true"
         if only_without_live_request:
             existing = f"(r.job_id is null or r.status in {sql_in(BLOCKS_REPLANNING)})"
-        answers = self.table("llm_batch_row_answers")
+        # Two variants asking the same thing (identical configs) have the same fingerprint: the other
+        # variant's failure answers none of this variant's rows, so each records its own.
+        existing += f""" and (r.variant = $variant or exists (select 1 from {answers} a
+                                                             where a.model = $model and a.variant = $variant
+                                                               and a.key = u.key and a.custom_id = r.custom_id))"""
+        # The default variant's ids are those of earlier versions; another variant's carry its name.
+        variant_part = "" if not self.variant else f" || {literal(self.variant)}"
         new_ids = f"""(select custom_id from {requests} where model = ? and starts_with(custom_id, 'x_')
                        and custom_id not in (select custom_id from {answers} where model = ?))"""
 
@@ -242,13 +251,13 @@ class RequestWrites(LedgerBase):
                 n = self.con.execute(
                     f"""insert into {requests} (custom_id, model, key, fingerprint, seq, status, is_final, error,
                           row_json, queued_at, completed_at, variant)
-                        select 'x_' || substr(sha256(? || u.key || u.fingerprint), 1, 40), ?, u.key, u.fingerprint, 0,
-                               {FAILED}, true, u.error, u.row_json, now(), now(), ?
+                        select 'x_' || substr(sha256($model || u.key || u.fingerprint{variant_part}), 1, 40), $model,
+                               u.key, u.fingerprint, 0, {FAILED}, true, u.error, u.row_json, now(), now(), $variant
                         from {rows} u
                         where not exists (select 1 from {requests} r
-                                          where r.model = ? and r.key = u.key and r.fingerprint = u.fingerprint
+                                          where r.model = $model and r.key = u.key and r.fingerprint = u.fingerprint
                                             and {existing})""",
-                    [self.model, self.model, self.variant, *params, self.model],
+                    {"model": self.model, "variant": self.variant},
                 ).fetchall()[0][0]
                 if n:  # a row that failed without a request answers itself with that failure
                     self.con.execute(

@@ -188,7 +188,6 @@ def reject_empty_prompts(ledger: Ledger, input_rel: str, columns) -> int:
                     {row_json_sql(columns, "i.")} as row_json
              from {DESIRED} d join {input_rel} i on i.rowid = d.row_id
              where not d.has_prompt)""",
-        [],
         only_without_live_request=False,
     )
 

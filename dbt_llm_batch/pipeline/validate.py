@@ -80,7 +80,7 @@ def _reject(ledger: Ledger, columns, record: bool, condition: str, error_sql: st
     n = 0
     # Usually none: recording them looks every selected key up among the ledger's requests.
     if ledger.execute(f"select exists (select 1 from {UNSENDABLE})").fetchall()[0][0]:
-        n = ledger.record_never_sent(Scratch.unsendable, [], only_without_live_request=True)
+        n = ledger.record_never_sent(Scratch.unsendable, only_without_live_request=True)
         ledger.execute(f"update {DESIRED} set has_prompt = false where row_id in (select row_id from {UNSENDABLE})")
     ledger.execute(f"drop table {UNSENDABLE}")
     return n
