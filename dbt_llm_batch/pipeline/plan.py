@@ -90,10 +90,29 @@ def _fmt(rows) -> str:
     return ", ".join("(" + ", ".join(repr(v) for v in r) + ")" if len(r) > 1 else repr(r[0]) for r in rows)
 
 
-def key_sql(config: ModelConfig) -> str:
+# Column types whose text (a cast to VARCHAR) is digits and an optional '-': nothing JSON escapes.
+INTEGER_TYPES = frozenset(
+    ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT", "UHUGEINT")
+)
+
+
+def key_sql(config: ModelConfig, columns=None) -> str:
     """The ledger's key: a JSON list of the key columns as text (composite keys stay unambiguous).
     VARCHAR, as the ledger stores it: compared with a JSON value, each stored key would be cast to
-    JSON (parsed) in every join with the ledger."""
+    JSON (parsed) in every join with the ledger.
+
+    With the selected `columns` (name, type) and key columns all of integer types, the same text is
+    concatenated instead of built by to_json (a tenth of a no-op run's key building at a million rows):
+    an integer's text needs no escaping, so '["' || k || '"]' is byte for byte what to_json gives
+    (tests/unit/test_planner.py compares both over each type's extremes). Keys are never NULL here
+    (plan.check_input rejects them), where to_json would give 'null' and the concatenation NULL."""
+    types = dict(columns or ())
+    if columns is not None and all(types.get(k, "").upper() in INTEGER_TYPES for k in config.unique_key):
+        return (
+            "('[\"' || "
+            + " || '\",\"' || ".join(f"cast({ident(k)} as varchar)" for k in config.unique_key)
+            + " || '\"]')"
+        )
     return "cast(to_json([" + ", ".join(f"cast({ident(k)} as varchar)" for k in config.unique_key) + "]) as varchar)"
 
 
@@ -127,33 +146,50 @@ def build_desired(con, input_rel: str, columns, config: ModelConfig, ledger: Led
     stored, fingerprint, known = "", "md5($prefix || b.prompt_text)", "false"
     params: dict = {"prefix": config.fingerprint_prefix()}
     hashed = ledger.prompt_hash_count() if ledger is not None else 0
+    selected, distinct = 0, True
     # Looking the hashes up reads all of the model's row answers: worth it unless the selection is a
     # small part of them (md5 over a few rows is cheaper), or empty.
     if (
         ledger is not None
         and hashed
-        and 10 * con.execute(f"select count(*) from {input_rel}").fetchall()[0][0] >= hashed
+        and 10 * (selected := con.execute(f"select count(*) from {input_rel}").fetchall()[0][0]) >= hashed
     ):
+        # A key has several row answers of one prompt when its request was tried again (an attempt
+        # is a request and a row answer): then they are grouped to one per (key, prompt_hash) before
+        # the join. Without retries they are usually one already, and grouping a million of them is
+        # a fifth of a run with nothing new: joined as they are, and grouped only if the join did
+        # give a row twice (the count below).
+        distinct = ledger.has_retries()
         # CASE evaluates md5 only for the rows whose hash found no stored fingerprint.
-        stored = f"left join ({ledger.prompt_fingerprints()}) s on s.key = b.key and s.prompt_hash = b.prompt_hash"
+        stored = "left join ({}) s on s.key = b.key and s.prompt_hash = b.prompt_hash"
         fingerprint = "case when s.fingerprint is null then md5($prefix || b.prompt_text) else s.fingerprint end"
         known = "s.fingerprint is not null"
         params["model"] = ledger.model
-    try:
+
+    def create(lookup: str) -> None:
         con.execute(
             f"""create or replace temp table {DESIRED} as
                 select b.row_id, b.key,
                        -- md5: change detection, not security, and twice as fast as sha256 over long prompts
                        {fingerprint} as fingerprint,
                        b.has_prompt, b.prompt_chars, b.realtime, b.prompt_hash, {known} as fingerprint_stored
-                from (select rowid as row_id, {key_sql(config)} as key, {text} as prompt_text,
+                from (select rowid as row_id, {key_sql(config, columns)} as key, {text} as prompt_text,
                              hash(cast($prefix as varchar), {text}) as prompt_hash,
                              {text} <> '' as has_prompt,
                              length({prompt_chars}) as prompt_chars,  -- for the token estimate, read in this one scan
                              {realtime} as realtime
-                      from {input_rel}) b {stored}""",
+                      from {input_rel}) b {lookup}""",
             params,
         )
+
+    try:
+        if ledger is None or not stored:
+            create("")
+            return
+        create(stored.format(ledger.prompt_fingerprints(distinct)))
+        # Every selected row is in DESIRED at least once: as many rows as selected means none twice.
+        if not distinct and con.execute(f"select count(*) from {DESIRED}").fetchall()[0][0] != selected:
+            create(stored.format(ledger.prompt_fingerprints(True)))
     except duckdb.Error as exc:
         if not config.realtime_when:
             raise

@@ -311,3 +311,52 @@ def test_dedup_without_repeated_prompts_plans_each_row_as_its_own_request(memory
         ('["b","1"]', custom_id(("b", "1"), 0), 0, "realtime", 0),
     ]
     assert memory_con.execute(f"select count(*) from {Scratch.plan_members}").fetchall()[0][0] == 0
+
+
+INTEGER_EDGES = {
+    "tinyint": ["-128", "0", "127"],
+    "smallint": ["-32768", "-1", "32767"],
+    "integer": ["-2147483648", "7", "2147483647"],
+    "bigint": ["-9223372036854775808", "-10", "9223372036854775807"],
+    "hugeint": ["-170141183460469231731687303715884105728", "170141183460469231731687303715884105727"],
+    "utinyint": ["0", "255"],
+    "usmallint": ["0", "65535"],
+    "uinteger": ["0", "4294967295"],
+    "ubigint": ["0", "18446744073709551615"],
+    "uhugeint": ["0", "340282366920938463463374607431768211455"],
+}
+
+
+@pytest.mark.parametrize("type_name", sorted(INTEGER_EDGES))
+def test_integer_keys_are_concatenated_to_the_text_to_json_gives(memory_con, type_name):
+    # Stored keys must not change: the concatenation taken for integer key columns gives, byte for
+    # byte, the text to_json gives, for one key column and for a composite key (an integer next to
+    # a negative bigint), at each type's extremes.
+    memory_con.execute(
+        f"""create or replace temp table k as
+            select cast(v as {type_name}) as id, cast(w as bigint) as part
+            from unnest(?) t(v), unnest(['-9223372036854775808', '0', '42']) u(w)""",
+        [INTEGER_EDGES[type_name]],
+    )
+    columns = plan.describe(memory_con, "k")
+    for unique_key in (["id"], ["id", "part"], ["part", "id"]):
+        config = parse_config({**BASE, "unique_key": unique_key})
+        fast = plan.key_sql(config, columns)
+        assert "to_json" not in fast  # the concatenation is what is compared
+        mismatched = memory_con.execute(
+            f"""select count(*), count(*) filter (where {fast} is distinct from {plan.key_sql(config)})
+                from k"""
+        ).fetchall()[0]
+        assert mismatched == (len(INTEGER_EDGES[type_name]) * 3, 0), (unique_key, mismatched)
+
+
+def test_other_key_types_keep_to_json(memory_con):
+    # Text needs JSON's escaping (a quote, a backslash, a newline): to_json stays for any key that
+    # has a column of another type.
+    memory_con.execute("""create or replace temp table k as select 'a"b\\c' || chr(10) as name, 1 as id""")
+    columns = plan.describe(memory_con, "k")
+    config = parse_config({**BASE, "unique_key": ["id", "name"]})
+    assert "to_json" in plan.key_sql(config, columns)
+    assert memory_con.execute(f"select {plan.key_sql(config, columns)} from k").fetchall()[0][0] == (
+        '["1","a\\"b\\\\c\\n"]'
+    )
