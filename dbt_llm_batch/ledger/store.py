@@ -372,11 +372,25 @@ class Ledger(RequestWrites, JobWrites, ResultWrites):
             0
         ][0]
 
-    def prompt_fingerprints(self) -> str:
-        """SQL (parameter $model): the stored fingerprint of each (key, prompt_hash) of this model."""
+    def prompt_fingerprints(self, distinct: bool = True) -> str:
+        """SQL (parameter $model): the stored fingerprint of each (key, prompt_hash) of this model; with
+        `distinct` False, of each of its row answers with a prompt_hash (one (key, prompt_hash) may
+        then come more than once: plan.build_desired checks)."""
+        answers = self.table("llm_batch_row_answers")
+        if not distinct:
+            return (
+                f"select key, prompt_hash, fingerprint from {answers} where model = $model and prompt_hash is not null"
+            )
         return f"""select key, prompt_hash, any_value(fingerprint) as fingerprint
-                   from {self.table("llm_batch_row_answers")} where model = $model and prompt_hash is not null
+                   from {answers} where model = $model and prompt_hash is not null
                    group by key, prompt_hash"""
+
+    def has_retries(self) -> bool:
+        """Whether a request of this model was tried more than once (an attempt after the first)."""
+        return self.con.execute(
+            f"select exists (select 1 from {self.table('llm_batch_requests')} where model = ? and seq > 0)",
+            [self.model],
+        ).fetchall()[0][0]
 
     def pending_count(self) -> int:
         return self.con.execute(

@@ -29,13 +29,14 @@ def describe(con, relation: str) -> list[tuple[str, str]]:
     return [(r[0], r[1]) for r in con.execute(f"describe {relation}").fetchall()]
 
 
-def check_input(con, input_rel: str, config: ModelConfig) -> list[tuple[str, str]]:
-    """Validate the selected rows before anything is sent; returns the selected columns.
+def check_input(con, input_rel: str, config: ModelConfig, precomputed: bool = False) -> list[tuple[str, str]]:
+    """Validate the selected rows before anything is sent; returns the selected columns (without
+    PRECOMPUTED, when the input carries them: `precomputed`).
 
     Raises ConfigError for a missing or clashing column and InputError for NULL or duplicate keys,
     naming a few offending keys so the user can find them.
     """
-    columns = describe(con, input_rel)
+    columns = [c for c in describe(con, input_rel) if not (precomputed and c[0] in PRECOMPUTED)]
     names = [c[0] for c in columns]
     lowered = {n.lower() for n in names}
     problems = []
@@ -90,10 +91,29 @@ def _fmt(rows) -> str:
     return ", ".join("(" + ", ".join(repr(v) for v in r) + ")" if len(r) > 1 else repr(r[0]) for r in rows)
 
 
-def key_sql(config: ModelConfig) -> str:
+# Column types whose text (a cast to VARCHAR) is digits and an optional '-': nothing JSON escapes.
+INTEGER_TYPES = frozenset(
+    ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT", "UHUGEINT")
+)
+
+
+def key_sql(config: ModelConfig, columns=None) -> str:
     """The ledger's key: a JSON list of the key columns as text (composite keys stay unambiguous).
     VARCHAR, as the ledger stores it: compared with a JSON value, each stored key would be cast to
-    JSON (parsed) in every join with the ledger."""
+    JSON (parsed) in every join with the ledger.
+
+    With the selected `columns` (name, type) and key columns all of integer types, the same text is
+    concatenated instead of built by to_json (a tenth of a no-op run's key building at a million rows):
+    an integer's text needs no escaping, so '["' || k || '"]' is byte for byte what to_json gives
+    (tests/unit/test_planner.py compares both over each type's extremes). Keys are never NULL here
+    (plan.check_input rejects them), where to_json would give 'null' and the concatenation NULL."""
+    types = dict(columns or ())
+    if columns is not None and all(types.get(k, "").upper() in INTEGER_TYPES for k in config.unique_key):
+        return (
+            "('[\"' || "
+            + " || '\",\"' || ".join(f"cast({ident(k)} as varchar)" for k in config.unique_key)
+            + " || '\"]')"
+        )
     return "cast(to_json([" + ", ".join(f"cast({ident(k)} as varchar)" for k in config.unique_key) + "]) as varchar)"
 
 
@@ -102,10 +122,37 @@ def row_json_sql(columns, alias: str = "") -> str:
     return "to_json(struct_pack(" + ", ".join(f"{ident(c)} := {alias}{ident(c)}" for c, _ in columns) + "))"
 
 
-def build_desired(con, input_rel: str, columns, config: ModelConfig, ledger: Ledger | None = None) -> None:
+# Columns runner.load_input adds to the model's rows as it copies them, for the model's own config
+# (row_facts_sql): the prompts are read once, not once more by build_desired. check_input leaves them
+# out of the selected columns. (Columns, not scratch tables: named here; a selected column of one of
+# these names gets none of them, runner._row_facts.)
+PRECOMPUTED = ("_llm_key", "_llm_prompt_hash", "_llm_has_prompt", "_llm_prompt_chars")
+
+
+def row_facts_sql(config: ModelConfig, columns) -> list[str]:
+    """SQL over the input's columns, in PRECOMPUTED's order: the row's key, its prompt_hash (DuckDB's
+    hash() of the fingerprint's prefix and the prompt, Identity in ARCHITECTURE.md), whether it has
+    a prompt, and its prompt's length in characters (for the token estimate)."""
+    prompt_chars = prompt_text_sql(config, columns)
+    if prompt_is_blob(config, columns):  # not-UTF-8 BLOBs fail later, alone (bad_input.reject_unsendable)
+        prompt_chars = f"try({prompt_chars})"
+    text = f"coalesce(cast({ident(config.prompt_column)} as varchar), '')"
+    prefix = literal(config.fingerprint_prefix())
+    return [
+        key_sql(config, columns),
+        f"hash(cast({prefix} as varchar), {text})",
+        f"{text} <> ''",
+        f"length({prompt_chars})",
+    ]
+
+
+def build_desired(
+    con, input_rel: str, columns, config: ModelConfig, ledger: Ledger | None = None, precomputed: bool = False
+) -> None:
     """One row per selected key: its input row id, key, fingerprint, whether it has a prompt, its
     length and whether it goes to the realtime path. No copy of the prompt or the row: those are read from the
-    input when a row is actually sent.
+    input when a row is actually sent. `precomputed`: the input carries PRECOMPUTED for `config`
+    (runner.load_input), read instead of computed.
 
     The fingerprint is md5 over the prompt (stable across versions of everything). With a `ledger`, a
     fast hash of the same text (`prompt_hash`, DuckDB's hash()) is looked up first among the model's
@@ -113,9 +160,6 @@ def build_desired(con, input_rel: str, columns, config: ModelConfig, ledger: Led
     computed, so a run with nothing new hashes its prompts cheaply. A hash DuckDB computes differently
     (another version) only matches nothing: md5 then gives the same fingerprint as before, and
     Ledger.remember_prompt_hashes stores the new hash."""
-    prompt_chars = prompt_text_sql(config, columns)
-    if prompt_is_blob(config, columns):  # not-UTF-8 BLOBs fail later, alone (bad_input.reject_unsendable)
-        prompt_chars = f"try({prompt_chars})"
     if not get_provider(config.provider).has_batch_api:
         realtime = "true"
     elif config.realtime_when:
@@ -124,36 +168,59 @@ def build_desired(con, input_rel: str, columns, config: ModelConfig, ledger: Led
     else:
         realtime = "false"
     text = f"coalesce(cast({ident(config.prompt_column)} as varchar), '')"
+    key, prompt_hash, has_prompt, prompt_chars = PRECOMPUTED if precomputed else row_facts_sql(config, columns)
     stored, fingerprint, known = "", "md5($prefix || b.prompt_text)", "false"
     params: dict = {"prefix": config.fingerprint_prefix()}
     hashed = ledger.prompt_hash_count() if ledger is not None else 0
+    selected, distinct = 0, True
     # Looking the hashes up reads all of the model's row answers: worth it unless the selection is a
     # small part of them (md5 over a few rows is cheaper), or empty.
     if (
         ledger is not None
         and hashed
-        and 10 * con.execute(f"select count(*) from {input_rel}").fetchall()[0][0] >= hashed
+        and 10 * (selected := con.execute(f"select count(*) from {input_rel}").fetchall()[0][0]) >= hashed
     ):
-        # CASE evaluates md5 only for the rows whose hash found no stored fingerprint.
-        stored = f"left join ({ledger.prompt_fingerprints()}) s on s.key = b.key and s.prompt_hash = b.prompt_hash"
-        fingerprint = "case when s.fingerprint is null then md5($prefix || b.prompt_text) else s.fingerprint end"
+        # A key has several row answers of one prompt when its request was tried again (an attempt
+        # is a request and a row answer): then they are grouped to one per (key, prompt_hash) before
+        # the join. Without retries they are usually one already, and grouping a million of them is
+        # a fifth of a run with nothing new: joined as they are, and grouped only if the join did
+        # give a row twice (the count below).
+        distinct = ledger.has_retries()
+        stored = "left join ({}) s on s.key = b.key and s.prompt_hash = b.prompt_hash"
+        # CASE evaluates md5 only for the rows whose hash found no stored fingerprint. With the
+        # facts precomputed, the prompts are not read here at all: md5 fills in the rows not found
+        # afterwards (usually none), reading only their prompts.
+        fingerprint = (
+            "s.fingerprint"
+            if precomputed
+            else "case when s.fingerprint is null then md5($prefix || b.prompt_text) else s.fingerprint end"
+        )
         known = "s.fingerprint is not null"
         params["model"] = ledger.model
-    try:
-        con.execute(
-            f"""create or replace temp table {DESIRED} as
+    prompt_text = "" if stored and precomputed else f", {text} as prompt_text"
+
+    def create(lookup: str) -> None:
+        query = f"""create or replace temp table {DESIRED} as
                 select b.row_id, b.key,
                        -- md5: change detection, not security, and twice as fast as sha256 over long prompts
                        {fingerprint} as fingerprint,
                        b.has_prompt, b.prompt_chars, b.realtime, b.prompt_hash, {known} as fingerprint_stored
-                from (select rowid as row_id, {key_sql(config)} as key, {text} as prompt_text,
-                             hash(cast($prefix as varchar), {text}) as prompt_hash,
-                             {text} <> '' as has_prompt,
-                             length({prompt_chars}) as prompt_chars,  -- for the token estimate, read in this one scan
+                from (select rowid as row_id, {key} as key{prompt_text},
+                             {prompt_hash} as prompt_hash,
+                             {has_prompt} as has_prompt,
+                             {prompt_chars} as prompt_chars,  -- for the token estimate, read in this one scan
                              {realtime} as realtime
-                      from {input_rel}) b {stored}""",
-            params,
-        )
+                      from {input_rel}) b {lookup}"""
+        con.execute(query, {name: value for name, value in params.items() if f"${name}" in query})
+
+    try:
+        if not stored:
+            create("")
+            return
+        create(stored.format(ledger.prompt_fingerprints(distinct)))  # type: ignore[union-attr]
+        # Every selected row is in DESIRED at least once: as many rows as selected means none twice.
+        if not distinct and con.execute(f"select count(*) from {DESIRED}").fetchall()[0][0] != selected:
+            create(stored.format(ledger.prompt_fingerprints(True)))  # type: ignore[union-attr]
     except duckdb.Error as exc:
         if not config.realtime_when:
             raise
@@ -161,6 +228,16 @@ def build_desired(con, input_rel: str, columns, config: ModelConfig, ledger: Led
             f"llm_realtime_when = {config.realtime_when!r} is not a boolean SQL expression over "
             f"the model's columns ({', '.join(c for c, _ in columns)}): {exc}; nothing was sent"
         ) from None
+    if (
+        prompt_text
+        or not con.execute(f"select exists (select 1 from {DESIRED} where fingerprint is null)").fetchall()[0][0]
+    ):
+        return
+    con.execute(
+        f"""update {DESIRED} d set fingerprint = md5($prefix || coalesce(cast(i.{ident(config.prompt_column)} as varchar), ''))
+            from {input_rel} i where i.rowid = d.row_id and d.fingerprint is null""",
+        {"prefix": config.fingerprint_prefix()},
+    )
 
 
 def adopt_legacy_fingerprints(ledger: Ledger, config: ModelConfig) -> int:

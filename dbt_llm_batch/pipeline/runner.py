@@ -88,8 +88,8 @@ def run_model(
     work_con, rows = input_connection(con, df)
     scratch = Scratch(work_con)
     try:
-        load_input(work_con, sql, rows)
-        return _run(work_con, schema, identifier, target, config, full_refresh, project, contract)
+        precomputed = load_input(work_con, sql, rows, config)
+        return _run(work_con, schema, identifier, target, config, full_refresh, project, contract, precomputed)
     finally:
         scratch.drop_all()  # success, error or interrupt: no scratch table is left on dbt's connection
         if work_con is not con:  # a connection input_connection opened for a Python model's rows
@@ -112,29 +112,64 @@ def input_connection(con, df):
     return con, df
 
 
-def load_input(con, sql: str | None, df) -> None:
+def load_input(con, sql: str | None, df, config: ModelConfig | None = None) -> bool:
     """Materialise the model's rows once as a temp table: a SQL model's query, or a Python model's
-    rows (an Arrow reader, Arrow table or pandas frame)."""
+    rows (an Arrow reader, Arrow table or pandas frame). With a SQL model's `config`, each row's key,
+    prompt hash and prompt length (plan.PRECOMPUTED) are computed in the same pass, so the prompts are
+    read once, not again by plan.build_desired; returns whether they were."""
     if sql is not None:
         import duckdb
 
+        facts = _row_facts(con, sql, config) if config is not None else None
+        if facts is not None:
+            try:
+                con.execute(
+                    f"create or replace temp table {Scratch.input} as select *, {facts} from (\n{sql}\n) model_sql"
+                )
+                return True
+            except duckdb.Error:
+                pass  # copied as it is below: the user's SQL fails there as it would have, or check_input says why
         try:
             con.execute(f"create or replace temp table {Scratch.input} as {sql}")
         except duckdb.Error as exc:  # the user's SQL: DuckDB's message is the one to show, as dbt would
             raise InputError(f"the model's SQL failed, nothing was sent: {exc}") from None
-        return
+        return False
     con.register(Scratch.input_view, df)
     con.execute(f"create or replace temp table {Scratch.input} as select * from {Scratch.input_view}")
     con.unregister(Scratch.input_view)
+    return False
 
 
-def _run(con, schema, identifier, target, config, full_refresh, project, model_contract=None) -> RunSummary:
-    """The run itself, on the connection that holds the model's rows (see run_model)."""
+def _row_facts(con, sql: str, config: ModelConfig) -> str | None:
+    """plan.PRECOMPUTED as SQL over the model's query, when its columns (bound, not run) have the key
+    and prompt columns, distinct names and none of PRECOMPUTED's; else None (the rows are copied as
+    they are, and plan.check_input says what is wrong, if anything)."""
+    import duckdb
+
+    try:
+        columns = [(r[0], r[1]) for r in con.execute(f"describe (\n{sql}\n)").fetchall()]
+    except duckdb.Error:
+        return None
+    names = [c[0].lower() for c in columns]
+    needed = [k.lower() for k in (*config.unique_key, config.prompt_column)]
+    if len(set(names)) < len(names) or not set(needed) <= set(names) or set(names) & set(plan.PRECOMPUTED):
+        return None
+    return ", ".join(
+        f"{value} as {name}" for value, name in zip(plan.row_facts_sql(config, columns), plan.PRECOMPUTED, strict=True)
+    )
+
+
+def _run(
+    con, schema, identifier, target, config, full_refresh, project, model_contract=None, precomputed=False
+) -> RunSummary:
+    """The run itself, on the connection that holds the model's rows (see run_model); `precomputed`:
+    they carry plan.PRECOMPUTED for `config` (load_input)."""
     run = ModelRun(con, config, schema, identity.ledger_identity(config, schema, identifier), project)
+    run.precomputed = precomputed
     # Validate: the selected columns against the config, and against the table an earlier run made.
-    input_columns = run.input_columns = plan.check_input(con, Scratch.input, config)
+    input_columns = run.input_columns = plan.check_input(con, Scratch.input, config, precomputed)
     for other in config.variants:  # each variant's prompt column
-        plan.check_input(con, Scratch.input, other)
+        plan.check_input(con, Scratch.input, other, precomputed)
     contract.enforce(con, model_contract, merge.table_columns(input_columns, config))
     exists = merge.relation_exists(con, schema, identifier)
     if not full_refresh and exists:
@@ -145,7 +180,7 @@ def _run(con, schema, identifier, target, config, full_refresh, project, model_c
             alter=not run.dry_run,
             default_variant=config.variant_name,
         )
-    plan.build_desired(con, Scratch.input, input_columns, config, run.ledger)
+    plan.build_desired(con, Scratch.input, input_columns, config, run.ledger, precomputed)
     if run.dry_run:
         if config.variants:  # every variant planned, then each sender's batches: as a real run would
             run.plan_and_submit_variants(dry=True)
@@ -209,6 +244,7 @@ class ModelRun:
         self.unavailable_error: str | None = None  # set once a provider stayed down for the retry budget
         self.lock: locks.ModelLock | None = None  # held while the run writes (set by _run)
         self.input_columns: list[tuple[str, str]] = []  # the model's selected columns, set by run_model
+        self.precomputed = False  # the input carries plan.PRECOMPUTED for the model's own config (load_input)
         self.output: costs.OutputEstimate | None = None  # output tokens per request, set by plan()
         self.said_dedup_off = False  # the run log says once that llm_temperature turned dedup off
 
@@ -272,7 +308,8 @@ class ModelRun:
         self._provider = self._variant_providers.get(variant.variant)
         self.price = costs.price_of(self.con, variant.provider, variant.model)
         if desired:
-            plan.build_desired(self.con, Scratch.input, self.input_columns, variant, self.ledger)
+            precomputed = self.precomputed and variant is self.default  # computed for the model's own config
+            plan.build_desired(self.con, Scratch.input, self.input_columns, variant, self.ledger, precomputed)
             variants.sample_desired(self.con, variant)
 
     @contextlib.contextmanager

@@ -12,7 +12,7 @@ from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import ConfigError, InputError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import RequestStatus, sql
-from dbt_llm_batch.pipeline import costs, plan
+from dbt_llm_batch.pipeline import costs, plan, runner
 from dbt_llm_batch.pipeline.scratch import Scratch
 
 BASE = {"unique_key": ["shop", "id"], "llm_model": "gpt-4o-mini", "llm_system": "Be brief."}
@@ -311,3 +311,130 @@ def test_dedup_without_repeated_prompts_plans_each_row_as_its_own_request(memory
         ('["b","1"]', custom_id(("b", "1"), 0), 0, "realtime", 0),
     ]
     assert memory_con.execute(f"select count(*) from {Scratch.plan_members}").fetchall()[0][0] == 0
+
+
+INTEGER_EDGES = {
+    "tinyint": ["-128", "0", "127"],
+    "smallint": ["-32768", "-1", "32767"],
+    "integer": ["-2147483648", "7", "2147483647"],
+    "bigint": ["-9223372036854775808", "-10", "9223372036854775807"],
+    "hugeint": ["-170141183460469231731687303715884105728", "170141183460469231731687303715884105727"],
+    "utinyint": ["0", "255"],
+    "usmallint": ["0", "65535"],
+    "uinteger": ["0", "4294967295"],
+    "ubigint": ["0", "18446744073709551615"],
+    "uhugeint": ["0", "340282366920938463463374607431768211455"],
+}
+
+
+@pytest.mark.parametrize("type_name", sorted(INTEGER_EDGES))
+def test_integer_keys_are_concatenated_to_the_text_to_json_gives(memory_con, type_name):
+    # Stored keys must not change: the concatenation taken for integer key columns gives, byte for
+    # byte, the text to_json gives, for one key column and for a composite key (an integer next to
+    # a negative bigint), at each type's extremes.
+    memory_con.execute(
+        f"""create or replace temp table k as
+            select cast(v as {type_name}) as id, cast(w as bigint) as part
+            from unnest(?) t(v), unnest(['-9223372036854775808', '0', '42']) u(w)""",
+        [INTEGER_EDGES[type_name]],
+    )
+    columns = plan.describe(memory_con, "k")
+    for unique_key in (["id"], ["id", "part"], ["part", "id"]):
+        config = parse_config({**BASE, "unique_key": unique_key})
+        fast = plan.key_sql(config, columns)
+        assert "to_json" not in fast  # the concatenation is what is compared
+        mismatched = memory_con.execute(
+            f"""select count(*), count(*) filter (where {fast} is distinct from {plan.key_sql(config)})
+                from k"""
+        ).fetchall()[0]
+        assert mismatched == (len(INTEGER_EDGES[type_name]) * 3, 0), (unique_key, mismatched)
+
+
+def test_other_key_types_keep_to_json(memory_con):
+    # Text needs JSON's escaping (a quote, a backslash, a newline): to_json stays for any key that
+    # has a column of another type.
+    memory_con.execute("""create or replace temp table k as select 'a"b\\c' || chr(10) as name, 1 as id""")
+    columns = plan.describe(memory_con, "k")
+    config = parse_config({**BASE, "unique_key": ["id", "name"]})
+    assert "to_json" in plan.key_sql(config, columns)
+    assert memory_con.execute(f"select {plan.key_sql(config, columns)} from k").fetchall()[0][0] == (
+        '["1","a\\"b\\\\c\\n"]'
+    )
+
+
+def desired_table(con) -> list[tuple]:
+    return con.execute(
+        f"""select key, fingerprint, has_prompt, prompt_chars, realtime, prompt_hash, fingerprint_stored
+            from {plan.DESIRED} order by key"""
+    ).fetchall()
+
+
+@pytest.mark.parametrize(
+    ("unique_key", "columns", "prompt"),
+    [
+        (["shop", "id"], "shop varchar, id integer, priority varchar, prompt varchar", "varchar"),
+        (["id"], "shop varchar, id integer, priority varchar, prompt varchar", "varchar"),
+        (["id"], "shop varchar, id integer, priority varchar, prompt blob", "blob"),
+    ],
+)
+def test_facts_computed_while_the_rows_are_copied_give_the_same_desired_rows(memory_con, unique_key, columns, prompt):
+    """runner.load_input computes each row's key, prompt hash and prompt length as it copies the
+    model's rows (plan.PRECOMPUTED): the desired rows are the ones computed from the plain copy, with
+    no stored hash (md5 for all), with stored hashes (found: the stored fingerprint; not found: md5),
+    and the selected columns are the model's own."""
+    config = parse_config({**BASE, "unique_key": unique_key, "llm_realtime_when": "priority = 'urgent'"})
+    rows = [("a", 1, "urgent", "Refund please"), ("a", 2, "low", ""), ("b", 3, "low", None), ("b", 4, "low", "Héllo")]
+    memory_con.execute("create table source_text (shop varchar, id integer, priority varchar, prompt varchar)")
+    memory_con.executemany("insert into source_text values (?, ?, ?, ?)", rows)
+    memory_con.execute(
+        f"create table source ({columns}); insert into source select shop, id, priority, "
+        f"{'encode(prompt)' if prompt == 'blob' else 'prompt'} from source_text"
+    )
+    if prompt == "blob":
+        memory_con.execute("insert into source values ('c', 5, 'low', '\\xC3\\x28'::blob)")  # not UTF-8
+    ledger = Ledger(memory_con, "main", "main.m")
+    ledger.migrate()
+
+    def both() -> tuple[list, list]:
+        runner.load_input(memory_con, "select * from source -- a comment", None)
+        plain = plan.check_input(memory_con, plan.INPUT, config)
+        plan.build_desired(memory_con, plan.INPUT, plain, config, ledger)
+        expected = desired_table(memory_con)
+        assert runner.load_input(memory_con, "select * from source -- a comment", None, config)
+        assert plan.check_input(memory_con, plan.INPUT, config, precomputed=True) == plain
+        plan.build_desired(memory_con, plan.INPUT, plain, config, ledger, precomputed=True)
+        return expected, desired_table(memory_con)
+
+    expected, got = both()
+    assert got == expected and not any(r[-1] for r in got)  # nothing stored: md5 for every row
+    # Row answers for some keys: one with this very hash (found), one with another (md5 again).
+    memory_con.execute(
+        f"""insert into {ledger.table("llm_batch_row_answers")} (model, key, variant, fingerprint, custom_id, reused, prompt_hash)
+            select 'main.m', key, '', fingerprint, 'r_' || key, false,
+                   case when row_number() over (order by key) = 1 then prompt_hash else xor(prompt_hash, 1::ubigint) end
+            from {plan.DESIRED} where has_prompt"""
+    )
+    expected, got = both()
+    assert got == expected
+    assert [r[-1] for r in got].count(True) == 1
+
+
+def test_a_key_with_two_row_answers_of_one_prompt_is_one_desired_row(memory_con):
+    """Row answers are joined as they are when no request of the model was tried again; a key with two
+    of the same prompt hash all the same (a variant asking the same, an operator's edit) gives one
+    desired row, with the stored fingerprint."""
+    config = parse_config(BASE)
+    given_input(memory_con, ROWS)
+    columns = plan.check_input(memory_con, plan.INPUT, config)
+    ledger = Ledger(memory_con, "main", "main.m")
+    ledger.migrate()
+    plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
+    memory_con.execute(
+        f"""insert into {ledger.table("llm_batch_row_answers")} (model, key, variant, fingerprint, custom_id, reused, prompt_hash)
+            select 'main.m', key, variant, 'stored', 'r_' || key || variant, false, prompt_hash
+            from {plan.DESIRED}, (values (''), ('other')) v(variant)"""
+    )
+    assert not ledger.has_retries()
+    plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
+    got = desired_table(memory_con)
+    assert len(got) == len(ROWS) and {r[1] for r in got} == {"stored"}
