@@ -139,17 +139,24 @@ def test_plan_rows_reads_prompt_and_row_from_the_input_or_from_a_deferred_reques
     assert sorted(rows.fetchall()) == [("Refund please", "a", 0, 0, 1), ("kept prompt", "z", 1, 3, 7)]
 
 
-def test_a_stored_prompt_hash_gives_the_stored_fingerprint_and_md5_is_the_fallback(memory_con):
-    """A row answer's prompt_hash (DuckDB's hash() of the fingerprint's prefix and the prompt) lets a
-    run take the stored fingerprint of the same key without md5; a hash that does not match (the
-    prompt changed, or a DuckDB that hashes differently) falls back to md5, and the row answers learn
-    the new hash."""
+def given_desired_rows(memory_con):
+    """ROWS selected by a model of BASE's config with an empty ledger, and their desired rows built
+    (md5 for every row): (config, columns, ledger)."""
     config = parse_config(BASE)
     given_input(memory_con, ROWS)
     columns = plan.check_input(memory_con, plan.INPUT, config)
     ledger = Ledger(memory_con, "main", "main.m")
     ledger.migrate()
     plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
+    return config, columns, ledger
+
+
+def test_a_stored_prompt_hash_gives_the_stored_fingerprint_and_md5_is_the_fallback(memory_con):
+    """A row answer's prompt_hash (DuckDB's hash() of the fingerprint's prefix and the prompt) lets a
+    run take the stored fingerprint of the same key without md5; a hash that does not match (the
+    prompt changed, or a DuckDB that hashes differently) falls back to md5, and the row answers learn
+    the new hash."""
+    config, columns, ledger = given_desired_rows(memory_con)
     computed = {k: v[0] for k, v in desired(memory_con).items()}  # no hash stored yet: md5 for every row
     answers = ledger.table("llm_batch_row_answers")
     # Row answers whose fingerprint is a marker md5 can never give: seen only if the stored one is taken.
@@ -423,12 +430,7 @@ def test_a_key_with_two_row_answers_of_one_prompt_is_one_desired_row(memory_con)
     """Row answers are joined as they are when no request of the model was tried again; a key with two
     of the same prompt hash all the same (a variant asking the same, an operator's edit) gives one
     desired row, with the stored fingerprint."""
-    config = parse_config(BASE)
-    given_input(memory_con, ROWS)
-    columns = plan.check_input(memory_con, plan.INPUT, config)
-    ledger = Ledger(memory_con, "main", "main.m")
-    ledger.migrate()
-    plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
+    config, columns, ledger = given_desired_rows(memory_con)
     memory_con.execute(
         f"""insert into {ledger.table("llm_batch_row_answers")} (model, key, variant, fingerprint, custom_id, reused, prompt_hash)
             select 'main.m', key, variant, 'stored', 'r_' || key || variant, false, prompt_hash
