@@ -127,10 +127,14 @@ def load_input(con, sql: str | None, df, config: ModelConfig | None = None) -> b
                     f"create or replace temp table {Scratch.input} as select *, {facts} from (\n{sql}\n) model_sql"
                 )
                 return True
+            except duckdb.InterruptException:  # Ctrl-C (dbt cancels the query): stop, don't copy again
+                raise
             except duckdb.Error:
                 pass  # copied as it is below: the user's SQL fails there as it would have, or check_input says why
         try:
             con.execute(f"create or replace temp table {Scratch.input} as {sql}")
+        except duckdb.InterruptException:
+            raise
         except duckdb.Error as exc:  # the user's SQL: DuckDB's message is the one to show, as dbt would
             raise InputError(f"the model's SQL failed, nothing was sent: {exc}") from None
         return False

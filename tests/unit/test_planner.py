@@ -440,3 +440,35 @@ def test_a_key_with_two_row_answers_of_one_prompt_is_one_desired_row(memory_con)
     plan.build_desired(memory_con, plan.INPUT, columns, config, ledger)
     got = desired_table(memory_con)
     assert len(got) == len(ROWS) and {r[1] for r in got} == {"stored"}
+
+
+def test_an_interrupted_copy_of_the_rows_stops_at_once_and_is_not_run_again(memory_con):
+    """Ctrl-C while the model's rows are copied (dbt interrupts the query) stops the run: the copy
+    with the rows' facts is not retried as a plain copy, and the interrupt is not reported as the
+    model's SQL failing."""
+    import threading
+    import time
+
+    import duckdb
+
+    config = parse_config({**BASE, "unique_key": "id"})
+    slow = "select i as id, md5(repeat(cast(i as varchar), 2000)) as prompt from range(1000000000) t(i)"
+    outcome: list = []
+
+    def copy():
+        started = time.monotonic()
+        try:
+            runner.load_input(memory_con, slow, None, config)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at which one
+            outcome.append(exc)
+        outcome.append(time.monotonic() - started)
+
+    worker = threading.Thread(target=copy)
+    worker.start()
+    time.sleep(0.5)
+    memory_con.interrupt()
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    error, elapsed = outcome
+    assert isinstance(error, duckdb.InterruptException)
+    assert elapsed < 5  # the whole query would take minutes: nothing was run again after the interrupt
