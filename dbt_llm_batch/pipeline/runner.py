@@ -152,6 +152,8 @@ def _row_facts(con, sql: str, config: ModelConfig) -> str | None:
 
     try:
         columns = [(r[0], r[1]) for r in con.execute(f"describe (\n{sql}\n)").fetchall()]
+    except duckdb.InterruptException:
+        raise
     except duckdb.Error:
         return None
     names = [c[0].lower() for c in columns]

@@ -443,9 +443,9 @@ def test_a_key_with_two_row_answers_of_one_prompt_is_one_desired_row(memory_con)
 
 
 def test_an_interrupted_copy_of_the_rows_stops_at_once_and_is_not_run_again(memory_con):
-    """Ctrl-C while the model's rows are copied (dbt interrupts the query) stops the run: the copy
-    with the rows' facts is not retried as a plain copy, and the interrupt is not reported as the
-    model's SQL failing."""
+    """Ctrl-C while the model's rows are copied (dbt interrupts the query) stops the run with the
+    interrupt: the copy with the rows' facts is not retried as a plain copy (a second interrupt would
+    then be reported as the model's SQL failing), and nothing runs on afterwards."""
     import threading
     import time
 
@@ -456,19 +456,19 @@ def test_an_interrupted_copy_of_the_rows_stops_at_once_and_is_not_run_again(memo
     outcome: list = []
 
     def copy():
-        started = time.monotonic()
         try:
             runner.load_input(memory_con, slow, None, config)
         except BaseException as exc:  # noqa: BLE001 - the test looks at which one
             outcome.append(exc)
-        outcome.append(time.monotonic() - started)
 
     worker = threading.Thread(target=copy)
     worker.start()
-    time.sleep(0.5)
-    memory_con.interrupt()
-    worker.join(timeout=30)
+    # Interrupted again and again until the copy ends (the query would take minutes): on a loaded
+    # machine the first interrupt may come before the query started, when it does nothing.
+    deadline = time.monotonic() + 30
+    while worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+        memory_con.interrupt()
+    worker.join(timeout=10)
     assert not worker.is_alive()
-    error, elapsed = outcome
-    assert isinstance(error, duckdb.InterruptException)
-    assert elapsed < 5  # the whole query would take minutes: nothing was run again after the interrupt
+    assert len(outcome) == 1 and isinstance(outcome[0], duckdb.InterruptException), outcome
