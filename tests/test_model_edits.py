@@ -161,3 +161,26 @@ def test_a_column_named_rowid_is_a_config_error(project, emulator):
     result = project.dbt("run", "-s", "triage", expect_ok=False)
     assert "a selected column is named 'rowid'" in str(result.result.results[0].message)
     assert emulator.stats()["calls"] == {}
+
+
+def test_a_key_whose_type_changes_with_a_batch_in_flight_keeps_its_answers(project, emulator):
+    """The ledger key of an integer column is built by concatenation, of any other type by to_json:
+    both give the same text, so casting the key to text (or back) while a batch is in flight keeps
+    every request's key: the batch is harvested and merged, and nothing is asked again."""
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model())
+    project.dbt("run", "-s", "triage")  # 6 requests in flight, keyed by an integer column
+    as_text = triage_model().replace("select ticket_id,", "select cast(ticket_id as varchar) as ticket_id,")
+    project.write("models/triage.sql", as_text)
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage", "--full-refresh")  # the table's key column changes type
+    want = [(str(i), *rest) for i, *rest in expected(project, TRIAGE_SYSTEM)]
+    assert sorted(answers(project)) == sorted(want)
+    assert batch_counts(emulator) == [6]
+    project.write("models/triage.sql", triage_model())  # and back to the integer column
+    project.dbt("run", "-s", "triage", "--full-refresh")
+    project.dbt("run", "-s", "triage")
+    assert answers(project) == expected(project, TRIAGE_SYSTEM)
+    assert batch_counts(emulator) == [6], "the same keys: nothing is asked again"
+    keys = project.query("select distinct key from main.llm_batch_requests order by 1")
+    assert keys == [(f'["{i}"]',) for i, *_ in sorted(expected(project, TRIAGE_SYSTEM), key=lambda r: str(r[0]))]
