@@ -125,7 +125,7 @@ def _key_by_fingerprint(config: ModelConfig) -> str:
     current = f"select fingerprint, any_value(key) as key from {DESIRED} group by fingerprint"
     if not config.legacy_prefix:
         return current
-    prompt = f"coalesce(cast(i.{ident(config.prompt_column)} as varchar), '')"
+    prompt = plan.fingerprinted_text_sql(config, "i.")
     legacy_prefix = "'" + config.legacy_prefix + "'"  # hex digits only
     return (
         f"{current} union all select md5({legacy_prefix} || {prompt}), any_value(d.key) "

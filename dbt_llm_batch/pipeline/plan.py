@@ -136,7 +136,7 @@ def row_facts_sql(config: ModelConfig, columns) -> list[str]:
     prompt_chars = prompt_text_sql(config, columns)
     if prompt_is_blob(config, columns):  # not-UTF-8 BLOBs fail later, alone (bad_input.reject_unsendable)
         prompt_chars = f"try({prompt_chars})"
-    text = f"coalesce(cast({ident(config.prompt_column)} as varchar), '')"
+    text = fingerprinted_text_sql(config)
     prefix = literal(config.fingerprint_prefix())
     return [
         key_sql(config, columns),
@@ -167,7 +167,7 @@ def build_desired(
         realtime = f"coalesce(cast((\n{config.realtime_when}\n) as boolean), false)"
     else:
         realtime = "false"
-    text = f"coalesce(cast({ident(config.prompt_column)} as varchar), '')"
+    text = fingerprinted_text_sql(config)
     key, prompt_hash, has_prompt, prompt_chars = PRECOMPUTED if precomputed else row_facts_sql(config, columns)
     stored, fingerprint, known = "", "md5($prefix || b.prompt_text)", "false"
     params: dict = {"prefix": config.fingerprint_prefix()}
@@ -234,7 +234,7 @@ def build_desired(
     ):
         return
     con.execute(
-        f"""update {DESIRED} d set fingerprint = md5($prefix || coalesce(cast(i.{ident(config.prompt_column)} as varchar), ''))
+        f"""update {DESIRED} d set fingerprint = md5($prefix || {fingerprinted_text_sql(config, "i.")})
             from {input_rel} i where i.rowid = d.row_id and d.fingerprint is null""",
         {"prefix": config.fingerprint_prefix()},
     )
@@ -247,7 +247,7 @@ def adopt_legacy_fingerprints(ledger: Ledger, config: ModelConfig) -> int:
     request sent was the same apart from that order, so its answer stands and nothing is asked again."""
     if not config.legacy_prefix:
         return 0
-    prompt = f"coalesce(cast({ident(config.prompt_column)} as varchar), '')"
+    prompt = fingerprinted_text_sql(config)
     return ledger.rename_fingerprints(
         f"""(select d.key, d.fingerprint, md5(? || {prompt}) as legacy
              from {DESIRED} d join {INPUT} i on i.rowid = d.row_id)""",
@@ -524,6 +524,11 @@ def dedup_counts(con) -> tuple[int, int]:
 
 def prompt_is_blob(config: ModelConfig, columns) -> bool:
     return dict(columns).get(config.prompt_column, "").upper() == "BLOB"
+
+
+def fingerprinted_text_sql(config: ModelConfig, alias: str = "") -> str:
+    """The prompt as the fingerprint and the prompt hash read it: its text, '' for NULL."""
+    return f"coalesce(cast({alias}{ident(config.prompt_column)} as varchar), '')"
 
 
 def prompt_text_sql(config: ModelConfig, columns, alias: str = "") -> str:
