@@ -252,8 +252,9 @@ def build_desired(
 def adopt_legacy_fingerprints(ledger: Ledger, config: ModelConfig) -> int:
     """Rename this model's ledger fingerprints computed the way earlier versions did (the output
     schema's `required` list and dict examples in the order dbt's parse gave: config.legacy_prefix)
-    to the canonical ones, for the keys selected now; returns how many requests were renamed. The
-    request sent was the same apart from that order, so its answer stands and nothing is asked again."""
+    to the canonical ones, for the keys selected now; returns how many requests and row answers were
+    renamed. The request sent was the same apart from that order, so its answer stands and nothing is
+    asked again."""
     if not config.legacy_prefix:
         return 0
     prompt = fingerprinted_text_sql(config)
