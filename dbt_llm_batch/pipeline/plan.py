@@ -70,9 +70,19 @@ def check_input(con, input_rel: str, config: ModelConfig, precomputed: bool = Fa
             f"{nulls} selected row(s) have a NULL in unique_key ({', '.join(config.unique_key)}), "
             f"for example {_fmt(sample)}; nothing was sent. Filter them out in the model's SQL."
         )
-    dupes = con.execute(
-        f"select {keys}, count(*) from {input_rel} group by all having count(*) > 1 order by count(*) desc limit 5"
-    ).fetchall()
+    # Usually none. With one key column, counting its distinct values says so a little faster than
+    # grouping (a sixth, at a million integer keys); with several, grouping is the faster.
+    unique = (
+        len(config.unique_key) == 1
+        and not con.execute(f"select count(*) - count(distinct {keys}) from {input_rel}").fetchall()[0][0]
+    )
+    dupes = (
+        []
+        if unique
+        else con.execute(
+            f"select {keys}, count(*) from {input_rel} group by all having count(*) > 1 order by count(*) desc limit 5"
+        ).fetchall()
+    )
     if dupes:
         total = con.execute(
             f"select count(*) from (select 1 from {input_rel} group by all having count(*) > 1)".replace(

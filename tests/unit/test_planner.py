@@ -101,6 +101,14 @@ def test_bad_input_is_refused_naming_examples(memory_con):
     given_input(memory_con, [*ROWS, ("a", 1, "low", "again"), ("a", 1, "low", "and again")])
     with pytest.raises(InputError, match=r"1 unique_key value\(s\) are duplicated, for example \('a', 1\) \(3 rows\)"):
         plan.check_input(memory_con, plan.INPUT, config)
+    # One key column (its distinct values counted first): the same refusal, the same examples.
+    single = parse_config({**BASE, "unique_key": "shop"})
+    with pytest.raises(
+        InputError, match=r"2 unique_key value\(s\) are duplicated, for example 'a' \(4 rows\), 'b' \(2 rows\)"
+    ):
+        plan.check_input(memory_con, plan.INPUT, single)
+    given_input(memory_con, [("a", 1, "low", "x"), ("b", 1, "low", "y")])
+    assert plan.check_input(memory_con, plan.INPUT, single)
     given_input(memory_con, [*ROWS, (None, 3, "low", "x")])
     with pytest.raises(InputError, match=r"1 selected row\(s\) have a NULL in unique_key \(shop, id\)"):
         plan.check_input(memory_con, plan.INPUT, config)
