@@ -199,6 +199,40 @@ def test_changing_unique_key_with_a_batch_in_flight_rekeys_the_ledger(project, e
     assert emulator.stats()["request_lines"] == 6, "changing the key asked nothing again"
 
 
+def test_a_row_whose_new_key_was_another_rows_old_key_is_asked_after_the_rekey(project, emulator):
+    """The selected rows' fingerprints are read from the row answers of the same key and prompt before
+    the ledger is re-keyed; the plan must still see the row answers as the re-key left them. Every
+    row asks the same prompt, and each row's new key (`code`) is another row's old key text: the stored
+    requests move to the keys their stored rows give (ticket_id + 100), so the selected keys have no
+    answer and are asked (llm_dedup = false: a request per key)."""
+    from helpers import triage_model
+
+    same_prompt = triage_model(extra_config="llm_dedup = false,").replace(
+        "'Subject: ' || subject || chr(10) || chr(10) || body as prompt", "'One question' as prompt"
+    )
+    project.dbt("seed")
+    project.write(
+        "models/triage.sql", same_prompt.replace("select ticket_id,", "select ticket_id + 100 as code, ticket_id,")
+    )
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert emulator.stats()["request_lines"] == 6
+    by_code = same_prompt.replace("unique_key = 'ticket_id'", "unique_key = 'code'").replace(
+        "select ticket_id,", "select ticket_id as code, ticket_id,"
+    )
+    project.write("models/triage.sql", by_code)
+    project.dbt("run", "-s", "triage")
+    assert emulator.stats()["request_lines"] == 12, "the selected keys have no answer after the re-key"
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    # (The rows of the old codes stay in the table: llm_on_unselected keeps them.)
+    assert project.query(
+        "select count(*), count(distinct code), count(*) filter (where llm_status = 'succeeded') from main.triage"
+        " where code < 100"
+    ) == [(6, 6, 6)]
+
+
 def test_a_renamed_model_keeps_its_answers_with_llm_ledger_identity(project, emulator):
     from helpers import triage_model
 

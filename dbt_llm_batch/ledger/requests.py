@@ -298,23 +298,25 @@ class RequestWrites(LedgerBase):
     # --- identity ---------------------------------------------------------------------------
 
     def rename_fingerprints(self, renames: str, params: list) -> int:
-        """Give this model's requests whose fingerprint is `legacy` the new `fingerprint`, per key
-        (`renames`: an SQL relation with key, fingerprint, legacy; `params` its parameters)."""
+        """Give this model's requests and row answers whose fingerprint is `legacy` the new
+        `fingerprint`, per key (`renames`: an SQL relation with key, fingerprint, legacy; `params` its
+        parameters); returns how many of both it renamed."""
 
         def write():
             with transaction(self.con):
-                self.con.execute(
+                answers = self.con.execute(
                     f"""update {self.table("llm_batch_row_answers")} r set fingerprint = d.fingerprint
                         from {renames} d
                         where r.model = ? and r.key = d.key and r.fingerprint = d.legacy""",
                     [*params, self.model],
-                )
-                return self.con.execute(
+                ).fetchall()[0][0]
+                requests = self.con.execute(
                     f"""update {self.table("llm_batch_requests")} r set fingerprint = d.fingerprint
                         from {renames} d
                         where r.model = ? and r.key = d.key and r.fingerprint = d.legacy""",
                     [*params, self.model],
                 ).fetchall()[0][0]
+                return answers + requests
 
         return retry_on_conflict(write)
 

@@ -373,17 +373,24 @@ class Ledger(RequestWrites, JobWrites, ResultWrites):
         ][0]
 
     def prompt_fingerprints(self, distinct: bool = True) -> str:
-        """SQL (parameter $model): the stored fingerprint of each (key, prompt_hash) of this model; with
-        `distinct` False, of each of its row answers with a prompt_hash (one (key, prompt_hash) may
-        then come more than once: plan.build_desired checks)."""
+        """SQL (parameters $model, $variant): the stored fingerprint of each (key, prompt_hash) of this
+        model, and `answer_id`, the custom_id of the row answer it was read from when that row answer
+        is the pass's variant's (else NULL: plan.build_plan's candidates read it); with `distinct`
+        False, of each of its row answers with a prompt_hash (one (key, prompt_hash) may then come
+        more than once: plan.build_desired checks). Grouped, a row answer of the pass's variant is
+        preferred, and the fingerprint and answer_id are the same row answer's."""
         answers = self.table("llm_batch_row_answers")
         if not distinct:
-            return (
-                f"select key, prompt_hash, fingerprint from {answers} where model = $model and prompt_hash is not null"
-            )
-        return f"""select key, prompt_hash, any_value(fingerprint) as fingerprint
-                   from {answers} where model = $model and prompt_hash is not null
-                   group by key, prompt_hash"""
+            return f"""select key, prompt_hash, fingerprint, case when variant = $variant then custom_id end as answer_id
+                       from {answers} where model = $model and prompt_hash is not null"""
+        return f"""select key, prompt_hash, struct_extract(m, 'fingerprint') as fingerprint,
+                          struct_extract(m, 'answer_id') as answer_id
+                   from (select key, prompt_hash,
+                                arg_max({{'fingerprint': fingerprint,
+                                          'answer_id': case when variant = $variant then custom_id end}},
+                                        variant = $variant) as m
+                         from {answers} where model = $model and prompt_hash is not null
+                         group by key, prompt_hash)"""
 
     def has_retries(self) -> bool:
         """Whether a request of this model was tried more than once (an attempt after the first)."""

@@ -32,11 +32,12 @@ def ledger_identity(config: ModelConfig, schema: str, identifier: str) -> str:
     return config.ledger_identity or f"{schema}.{identifier}"
 
 
-def prepare_ledger(ledger: Ledger, config: ModelConfig, input_columns) -> None:
+def prepare_ledger(ledger: Ledger, config: ModelConfig, input_columns) -> bool:
     """Before planning: when the model's key columns changed since its last run, re-key the ledger;
     when its fingerprints may have been stored the way earlier versions computed them, rename them
     (plan.adopt_legacy_fingerprints). Both are recorded in `llm_batch_models`, so a run with
-    nothing new does neither."""
+    nothing new does neither. Returns whether the model's row answers changed key or fingerprint:
+    the selected rows' desired rows (their `answer_id`, plan.build_desired) are then built again."""
     con, models = ledger.con, ledger.table("llm_batch_models")
     current, prefix = json.dumps(list(config.unique_key)), config.fingerprint_prefix()
     row = con.execute(
@@ -45,17 +46,20 @@ def prepare_ledger(ledger: Ledger, config: ModelConfig, input_columns) -> None:
     stored, adopted = row[0] if row else (None, None)
     if stored == current and adopted == prefix:
         _remember_prompt_hashes(ledger)
-        return
+        return False
     requests = ledger.table("llm_batch_requests")
     n = con.execute(f"select count(*) from {requests} where model = ?", [ledger.model]).fetchall()[0][0]
     if stored is None and not n:
         _warn_if_renamed(ledger, config)
+    changed = False
     if stored is not None and stored != current and n:
         _rekey(ledger, config, input_columns, json.loads(stored))
+        changed = True
     if n and adopted != prefix:  # after the re-key: it matches on the current key
-        plan.adopt_legacy_fingerprints(ledger, config)
+        changed = plan.adopt_legacy_fingerprints(ledger, config) > 0 or changed
     ledger.record_model_identity(current, prefix)
     _remember_prompt_hashes(ledger)
+    return changed
 
 
 def _remember_prompt_hashes(ledger: Ledger) -> None:

@@ -186,8 +186,8 @@ def _run(
             alter=not run.dry_run,
             default_variant=config.variant_name,
         )
-    plan.build_desired(con, Scratch.input, input_columns, config, run.ledger, precomputed)
     if run.dry_run:
+        plan.build_desired(con, Scratch.input, input_columns, config, run.ledger, precomputed)
         if config.variants:  # every variant planned, then each sender's batches: as a real run would
             run.plan_and_submit_variants(dry=True)
         else:
@@ -199,7 +199,11 @@ def _run(
     lock.acquire()  # before anything is harvested, planned or sent; released also on failure
     refused = None
     try:
-        identity.prepare_ledger(run.ledger, config, input_columns)
+        # Under the lock: the row answers the desired rows were read from (their answer_id, which
+        # the plan reads) stay as they are until the run ends, unless prepare_ledger re-keys them.
+        plan.build_desired(con, Scratch.input, input_columns, config, run.ledger, precomputed)
+        if identity.prepare_ledger(run.ledger, config, input_columns):
+            plan.build_desired(con, Scratch.input, input_columns, config, run.ledger, precomputed)
         if project.get("settle_snapshot"):  # what the poller needs to harvest this model (ops/poller.py)
             run.ledger.record_config_snapshot(project["settle_snapshot"])
         try:

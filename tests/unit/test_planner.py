@@ -101,6 +101,14 @@ def test_bad_input_is_refused_naming_examples(memory_con):
     given_input(memory_con, [*ROWS, ("a", 1, "low", "again"), ("a", 1, "low", "and again")])
     with pytest.raises(InputError, match=r"1 unique_key value\(s\) are duplicated, for example \('a', 1\) \(3 rows\)"):
         plan.check_input(memory_con, plan.INPUT, config)
+    # One key column (its distinct values counted first): the same refusal, the same examples.
+    single = parse_config({**BASE, "unique_key": "shop"})
+    with pytest.raises(
+        InputError, match=r"2 unique_key value\(s\) are duplicated, for example 'a' \(4 rows\), 'b' \(2 rows\)"
+    ):
+        plan.check_input(memory_con, plan.INPUT, single)
+    given_input(memory_con, [("a", 1, "low", "x"), ("b", 1, "low", "y")])
+    assert plan.check_input(memory_con, plan.INPUT, single)
     given_input(memory_con, [*ROWS, (None, 3, "low", "x")])
     with pytest.raises(InputError, match=r"1 selected row\(s\) have a NULL in unique_key \(shop, id\)"):
         plan.check_input(memory_con, plan.INPUT, config)
@@ -472,3 +480,98 @@ def test_an_interrupted_copy_of_the_rows_stops_at_once_and_is_not_run_again(memo
     worker.join(timeout=10)
     assert not worker.is_alive()
     assert len(outcome) == 1 and isinstance(outcome[0], duckdb.InterruptException), outcome
+
+
+ANSWERED_ROWS = [("a", i, "low", f"Question {i}") for i in range(1, 7)]
+
+
+def plan_of(ledger: Ledger, config, columns) -> set[tuple]:
+    plan.build_plan(ledger, config, plan.INPUT, columns)
+    return set(ledger.con.execute(f"select key, fingerprint, seq, custom_id, route from {plan.PLAN}").fetchall())
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+@pytest.mark.parametrize("retries", [False, True])
+def test_rows_decided_by_the_lookups_row_answer_plan_as_the_join_with_every_row_answer(memory_con, dedup, retries):
+    """The candidates: a row whose fingerprint came from a row answer of this variant (answer_id) whose
+    request blocks replanning is left out without a join; every other row is joined with the row
+    answers as before. The plan is the one the join alone gives, for rows with a stored hash (answered,
+    and in flight when the desired rows were built but failed by the harvest before planning), a hash
+    that does not match, no stored hash, another variant's row answer, and none; with the row answers
+    joined as they are or grouped (a request of the model tried again)."""
+    config = parse_config({**BASE, "llm_dedup": dedup})
+    given_input(memory_con, ANSWERED_ROWS)
+    columns = plan.check_input(memory_con, plan.INPUT, config)
+    con = Recording(memory_con)
+    ledger = Ledger(con, "main", "main.m")
+    ledger.migrate()
+    plan.build_desired(con, plan.INPUT, columns, config, ledger)
+    costs.load_prices(memory_con, None)
+    requests, answers = ledger.table("llm_batch_requests"), ledger.table("llm_batch_row_answers")
+    # id: (request status, the row answer's prompt_hash: the row's, another, none; its variant)
+    given = {
+        1: (RequestStatus.SUCCEEDED, "same", ""),
+        2: (RequestStatus.QUEUED, "same", ""),  # failed by the harvest below, after the lookup
+        3: (RequestStatus.SUCCEEDED, "other", ""),
+        4: (RequestStatus.QUEUED, "none", ""),
+        5: (RequestStatus.SUCCEEDED, "same", "other"),
+    }
+    for i, (status, hashed, variant) in given.items():
+        key = json.dumps(["a", str(i)], separators=(",", ":"))
+        seq = 1 if retries and i == 1 else 0  # with a retry, the lookup groups the row answers
+        memory_con.execute(
+            f"""insert into {requests} (custom_id, model, key, fingerprint, seq, status, is_final, queued_at, route)
+                select 'r_' || $i, 'main.m', key, fingerprint, $seq, $status, false, now(), 'batch'
+                from {plan.DESIRED} where key = $key""",
+            {"i": str(i), "seq": seq, "status": status, "key": key},
+        )
+        prompt_hash = {"same": "prompt_hash", "other": "xor(prompt_hash, 1::ubigint)", "none": "null"}[hashed]
+        memory_con.execute(
+            f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, prompt_hash)
+                select 'main.m', key, $variant, fingerprint, 'r_' || $i, false, {prompt_hash}
+                from {plan.DESIRED} where key = $key""",
+            {"i": str(i), "variant": variant, "key": key},
+        )
+    assert ledger.has_retries() == retries
+    plan.build_desired(con, plan.INPUT, columns, config, ledger)
+    answer_ids = dict(memory_con.execute(f"select key, answer_id from {plan.DESIRED}").fetchall())
+    assert {k: v for k, v in answer_ids.items() if v} == {'["a","1"]': "r_1", '["a","2"]': "r_2"}
+    memory_con.execute(f"update {requests} set status = {sql(RequestStatus.FAILED)} where custom_id = 'r_2'")
+
+    con.statements.clear()
+    got = plan_of(ledger, config, columns)
+    assert any("anti join" in s for s in con.statements)  # rows 2 to 6 are undecided
+    memory_con.execute(f"update {plan.DESIRED} set answer_id = null")  # every row joined, as before
+    assert plan_of(ledger, config, columns) == got
+    # Row 5 is a candidate (its row answer is another variant's), but its request succeeded: not sent.
+    assert {(k, seq) for k, _, seq, _, _ in got} == {('["a","2"]', 1), ('["a","6"]', 0)}
+
+
+def test_a_run_with_every_row_answered_plans_without_joining_the_row_answers(memory_con):
+    """Every selected row's fingerprint came from a row answer whose request succeeded or is in flight:
+    nothing to send, decided from the desired rows alone."""
+    config = parse_config(BASE)
+    given_input(memory_con, ANSWERED_ROWS)
+    columns = plan.check_input(memory_con, plan.INPUT, config)
+    con = Recording(memory_con)
+    ledger = Ledger(con, "main", "main.m")
+    ledger.migrate()
+    plan.build_desired(con, plan.INPUT, columns, config, ledger)
+    costs.load_prices(memory_con, None)
+    for table, values in (
+        ("llm_batch_requests", f"'r_' || key, 'main.m', key, fingerprint, 0, {sql(RequestStatus.SUCCEEDED)}"),
+        ("llm_batch_row_answers", "'main.m', key, '', fingerprint, 'r_' || key, prompt_hash"),
+    ):
+        names = (
+            "custom_id, model, key, fingerprint, seq, status"
+            if table == "llm_batch_requests"
+            else "model, key, variant, fingerprint, custom_id, prompt_hash"
+        )
+        memory_con.execute(f"insert into {ledger.table(table)} ({names}) select {values} from {plan.DESIRED}")
+    memory_con.execute(
+        f"update {ledger.table('llm_batch_requests')} set status = {sql(RequestStatus.QUEUED)} where key like '%\"6\"%'"
+    )
+    plan.build_desired(con, plan.INPUT, columns, config, ledger)
+    con.statements.clear()
+    assert plan.build_plan(ledger, config, plan.INPUT, columns) == 0
+    assert not [s for s in con.statements if "anti join" in s]
