@@ -12,6 +12,8 @@ to a plain-DuckDB baseline timed in the same process, so the ratios hold on a no
     and next to its floor: the least the invariants ask, in plain DuckDB (every raw line stored
     before anything reads it, then one parse of each into a table with the row stored with its request)
 (c) a no-op run on the N-row ledger      vs  a run of the same model selecting no rows (alone: --noop-only)
+    and next to its floor: the least a run must do to know nothing is new, in plain DuckDB (one copy
+    of the selected rows with each key and prompt hash, and an anti join with the stored ones)
 Each round runs on a fresh database file; the median ratio over the rounds is reported.
 (e) planning N rows of which 30 % repeat another row's prompt, with llm_dedup on (70 % of the requests
     sent, every row answered) vs llm_dedup = false (one request per row): planning as the run's step 6
@@ -213,6 +215,26 @@ def floor_ingest(con, paths) -> None:
     con.execute("drop table floor_out")
 
 
+def floor_noop(con, config, source: str) -> int:
+    """(c) floor, one side: what any run must do to know that nothing is new while keeping the model's
+    rows for the rest of the run (read once: the model's SQL runs once), in plain DuckDB: one copy of
+    the selected rows with each row's key and prompt hash (the same expressions the plugin uses, so
+    they match the stored ones), then one anti join with the (key, prompt hash) of the stored row
+    answers. Returns how many rows are new. Timed on the model's rows and on none: the difference is
+    the floor of (c)."""
+    facts = plan.row_facts_sql(config, plan.describe(con, "src"))
+    con.execute(
+        f"create or replace temp table floor_input as select *, {facts[0]} as k, {facts[1]} as h from ({source})"
+    )
+    new = con.execute(
+        """select count(*) from floor_input i
+           anti join (select key, prompt_hash from main.llm_batch_row_answers where model = 'main.bench') a
+           on a.key = i.k and a.prompt_hash = i.h"""
+    ).fetchall()[0][0]
+    con.execute("drop table floor_input")
+    return new
+
+
 def run_once(n: int, memory_limit: str | None = None) -> dict:
     config = parse_config(RAW_CONFIG)
     figures = {"rows": n}
@@ -248,6 +270,9 @@ def run_once(n: int, memory_limit: str | None = None) -> dict:
         figures["c_empty_s"], _ = timed(lambda: run("select * from src where false"))
         figures["c_noop_s"], summary = timed(lambda: run("select * from src"))
         assert summary.submitted == 0 and summary.merged == 0
+        figures["c_floor_empty_s"], _ = timed(lambda: floor_noop(con, config, "select * from src where false"))
+        figures["c_floor_s"], new = timed(lambda: floor_noop(con, config, "select * from src"))
+        assert new == 0
     figures["peak_rss_mb"] = max_rss_mb()
     return figures
 
@@ -279,17 +304,26 @@ def noop_report(n: int, repeat: int) -> None:
             assert summary.submitted == 0 and summary.merged == 0
             return wall, time.process_time() - cpu
 
-        walls, cpus = [], []
+        walls, cpus, floors = [], [], []
         for _ in range(repeat):
             empty, empty_cpu = run("select * from src where false")
             noop, noop_cpu = run("select * from src")
             walls.append(noop - empty)
             cpus.append(noop_cpu - empty_cpu)
-            print(f"(c) no-op {noop:.2f} s - empty model {empty:.2f} s = {noop - empty:+.2f} s", flush=True)
+            floor_empty, _ = timed(lambda: floor_noop(con, config, "select * from src where false"))
+            floor, new = timed(lambda: floor_noop(con, config, "select * from src"))
+            assert new == 0
+            floors.append(floor - floor_empty)
+            print(
+                f"(c) no-op {noop:.2f} s - empty model {empty:.2f} s = {noop - empty:+.2f} s "
+                f"(floor {floor - floor_empty:+.2f} s)",
+                flush=True,
+            )
         con.close()
     print(
         f"(c) {n:,} rows: no-op run vs empty model run: median difference {statistics.median(walls):+.2f} s "
-        f"(CPU time {statistics.median(cpus):+.2f} s; median of {repeat})"
+        f"(CPU time {statistics.median(cpus):+.2f} s; median of {repeat}); its floor (one copy of the rows with keys "
+        f"and prompt hashes + an anti join with the stored ones) {statistics.median(floors):+.2f} s"
     )
 
 
@@ -358,7 +392,8 @@ def report(rounds: list[dict]) -> None:
             f"{f['a_floor_s'] / f['a_baseline_s']:.2f}x)   (b) plugin {f['b_plugin_s']:.2f} s / read_json baseline "
             f"{f['b_baseline_s']:.2f} s = {f['b_plugin_s'] / f['b_baseline_s']:.2f}x (floor {f['b_floor_s']:.2f} s = "
             f"{f['b_floor_s'] / f['b_baseline_s']:.2f}x)   (c) no-op {f['c_noop_s']:.2f} s"
-            f" - empty model {f['c_empty_s']:.2f} s = {f['c_noop_s'] - f['c_empty_s']:+.2f} s"
+            f" - empty model {f['c_empty_s']:.2f} s = {f['c_noop_s'] - f['c_empty_s']:+.2f} s (floor "
+            f"{f['c_floor_s'] - f['c_floor_empty_s']:+.2f} s)"
         )
     median = lambda values: statistics.median(values)  # noqa: E731
     print(
@@ -377,7 +412,9 @@ def report(rounds: list[dict]) -> None:
     )
     print(
         f"(c) no-op run on the ledger vs empty model run: median difference "
-        f"{median([f['c_noop_s'] - f['c_empty_s'] for f in rounds]):+.2f} s"
+        f"{median([f['c_noop_s'] - f['c_empty_s'] for f in rounds]):+.2f} s; the floor (one copy of the rows with "
+        f"keys and prompt hashes + an anti join with the stored ones) "
+        f"{median([f['c_floor_s'] - f['c_floor_empty_s'] for f in rounds]):+.2f} s"
     )
 
 
