@@ -256,9 +256,13 @@ def _winners(ledger: Ledger, keys_sql: str, variant: str = "", own_answer: str |
     # A key with one row answer (of this model and variant) has no other to rank it against: when no
     # key has two (a first harvest; no prompt ever changed), each key's winner is its answer if that
     # answer's request is final. Counting the keys costs a tenth of ranking them (a 1M-row merge).
-    single = ledger.con.execute(
-        f"select count(*) = count(distinct key) from {answers} where model = {model} and variant = ?", [variant]
-    ).fetchall()[0][0]
+    # No candidate at all (a run with nothing new): nothing to rank, and the keys are not counted.
+    single = (
+        own_answer == "false"
+        or ledger.con.execute(
+            f"select count(*) = count(distinct key) from {answers} where model = {model} and variant = ?", [variant]
+        ).fetchall()[0][0]
+    )
     if single:
         won = f"""select key, custom_id, variant, emitted, reused, row_json from {answers}
                   where model = {model} and variant = {literal(variant)} and ({own_answer or f"key in ({keys_sql})"})
