@@ -398,11 +398,12 @@ class RequestWrites(LedgerBase):
 
     # --- harvest ------------------------------------------------------------------------------
 
-    def settle_outcomes(self, outcomes: str, max_attempts: int, cost: str) -> None:
+    def settle_outcomes(self, outcomes: str, max_attempts: int, cost: str) -> int:
         """Inside harvest's transaction: each queued request of `outcomes` (harvest.settle's
-        outcomes table) takes its outcome: succeeded, failed, or voided (the provider settled nothing
-        for it). `cost` is SQL assigning the cost columns (ending with a comma), or ''."""
-        self.con.execute(
+        outcomes table: lines, matched here to their job's request) takes its outcome: succeeded,
+        failed, or voided (the provider settled nothing for it). `cost` is SQL assigning the cost
+        columns (ending with a comma), or ''. Returns how many requests it settled."""
+        return self.con.execute(
             f"""update {self.table("llm_batch_requests")} r set
                   status = case when o.outcome = 'void' then {VOIDED}
                                 when o.outcome = 'ok' and o.problem is null then {sql(R.SUCCEEDED)} else {FAILED} end,
@@ -420,7 +421,7 @@ class RequestWrites(LedgerBase):
                   completed_at = now()
                 from {outcomes} o where r.custom_id = o.custom_id and r.job_id = o.job_id and r.status = {QUEUED}""",
             [max_attempts],
-        )
+        ).fetchall()[0][0]
 
     def fail_named_lines(self, line_errors: str, note: str) -> None:
         """Inside harvest's transaction: fail the queued requests whose lines validation named

@@ -338,6 +338,27 @@ def settle(
         one_per_id += (
             " qualify row_number() over (partition by job_id, custom_id order by (outcome = 'ok') desc, source) = 1"
         )
+    # Earlier failed attempts of the same (key, fingerprint) count towards llm_max_attempts. A model
+    # with no failed request has none: its lines are not joined to their requests here (a third of
+    # this statement on a million lines); settle_outcomes matches each to its queued request.
+    failed_before = con.execute(
+        f"select exists (select 1 from {requests} where model = ? and status = {sql(RequestStatus.FAILED)})",
+        [ledger.model],
+    ).fetchall()[0][0]
+    outcomes = "\n            select *, 0 as earlier_failures from checked"
+    if failed_before:
+        outcomes = f""",
+            settling as (
+                select key, fingerprint, custom_id, job_id from {requests}
+                where job_id in (select job_id from {Scratch.ended}) and status in {IN_FLIGHT_SQL}),
+            failures as (  -- earlier failed attempts of the same (key, fingerprint)
+                select p.key, p.fingerprint, count(*) as n from {requests} p
+                where p.model = ? and p.status = {sql(RequestStatus.FAILED)} and (p.key, p.fingerprint) in
+                      (select (key, fingerprint) from settling)
+                group by all)
+            select s.custom_id, s.job_id, c.* exclude (custom_id, job_id), coalesce(f.n, 0) as earlier_failures
+            from settling s join checked c using (custom_id, job_id)
+                 left join failures f using (key, fingerprint)"""
     con.execute(
         f"""create or replace temp table {Scratch.outcomes} as
             with parsed as (
@@ -352,42 +373,21 @@ def settle(
                        -- provider nondeterminism) they usually parse, so they keep llm_max_attempts.
                        coalesce((outcome = 'ok' and truncated) or (outcome = 'error' and not_retried is not null),
                                 false) as permanent
-                from one_per_id),
-            settling as (
-                select key, fingerprint, custom_id, job_id from {requests}
-                where job_id in (select job_id from {Scratch.ended}) and status in {IN_FLIGHT_SQL}),
-            failures as (  -- earlier failed attempts of the same (key, fingerprint)
-                select p.key, p.fingerprint, count(*) as n from {requests} p
-                where p.model = ? and p.status = {sql(RequestStatus.FAILED)} and (p.key, p.fingerprint) in
-                      (select (key, fingerprint) from settling)
-                group by all)
-            select s.custom_id, s.job_id, c.* exclude (custom_id, job_id), coalesce(f.n, 0) as earlier_failures
-            from settling s join checked c using (custom_id, job_id)
-                 left join failures f using (key, fingerprint)""",
-        ([source] if source else []) + [ledger.model],
+                from one_per_id){outcomes}""",
+        ([source] if source else []) + ([ledger.model] if failed_before else []),
     )
     earlier = asked_earlier(ledger, config)
     schema_problems(con, config, Scratch.outcomes, skip_jobs=list(earlier))
     for job_id, schema in earlier.items():
         recheck(con, config, Scratch.outcomes, job_id, schema)
-    # Every line settling a request of its job (as many outcomes as lines, none duplicated) leaves no
-    # unknown line: the anti-join over all lines is only needed when the counts differ.
-    settled_all = not duplicated and con.execute(f"select count(*) from {Scratch.outcomes}").fetchall()[0][0] == lines
-    unknown = (
-        0
-        if source or settled_all
-        else con.execute(
-            f"""select count(distinct custom_id) from {results} l
-            where job_id in (select job_id from {Scratch.ended}) and not exists
-                  (select 1 from {requests} r where r.custom_id = l.custom_id and r.job_id = l.job_id)"""
-        ).fetchall()[0][0]
-    )
     # Without a price, cost stays NULL: unknown, never $0. Unbilled outcomes (errors, expiries) have no usage: $0.
     cost = costs.cost_columns_sql(price, provider.self_hosted, "r.route", "o.") if price is not None else ""
 
+    settled = [0]
+
     def write():
         with transaction(con):
-            ledger.settle_outcomes(Scratch.outcomes, config.max_attempts, cost)
+            settled[0] = ledger.settle_outcomes(Scratch.outcomes, config.max_attempts, cost)
             if source:
                 return
             batch_failures.fail_named_lines(ledger)
@@ -399,6 +399,17 @@ def settle(
 
     try:
         retry_on_conflict(write)
+        # Every line settling a queued request of its job (as many settled as lines, none duplicated)
+        # leaves no unknown line: the anti-join over all lines is only needed when the counts differ.
+        unknown = (
+            0
+            if source or (not duplicated and settled[0] == lines)
+            else con.execute(
+                f"""select count(distinct custom_id) from {results} l
+                where job_id in (select job_id from {Scratch.ended}) and not exists
+                      (select 1 from {requests} r where r.custom_id = l.custom_id and r.job_id = l.job_id)"""
+            ).fetchall()[0][0]
+        )
     finally:
         con.unregister(Scratch.ended)
         con.unregister(Scratch.line_errors)

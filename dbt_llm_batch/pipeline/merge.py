@@ -234,11 +234,13 @@ def _share(column: str) -> str:
     )
 
 
-def _winners(ledger: Ledger, keys_sql: str, variant: str = "") -> str:
+def _winners(ledger: Ledger, keys_sql: str, variant: str = "", own_answer: str | None = None) -> str:
     """Per key in `keys_sql`, the row answer whose request's row belongs in the table: among the key's
     answers by a final request, one for the fingerprint the model selects now if there is one, else
     the one queued last. With how many rows share the request's cost, and this row's rank among them.
-    Only the row answers of `variant` (an evaluation variant; '' the default, and a model without)."""
+    Only the row answers of `variant` (an evaluation variant; '' the default, and a model without).
+    `own_answer`: an SQL condition on a row answer that, when each key has one row answer, holds
+    for exactly the answers of the keys of `keys_sql` (read in place of the keys)."""
     # Narrow columns only: the wide ones (row_json, answer) are read once, by the insert (_row_select),
     # so a million-row merge neither sorts nor copies a million stored rows. Aggregates, not windows:
     # the winner is each key's arg_max (NULLs ranked lowest, as `desc nulls last` did), and only the
@@ -251,14 +253,29 @@ def _winners(ledger: Ledger, keys_sql: str, variant: str = "") -> str:
         "coalesce(cast(a.fingerprint = d.fingerprint as integer), -1), coalesce(r.queued_at, '-infinity'::timestamptz), "
         "coalesce(r.seq, -2147483648), coalesce(a.created_at, '-infinity'::timestamptz)"
     )
+    # A key with one row answer (of this model and variant) has no other to rank it against: when no
+    # key has two (a first harvest; no prompt ever changed), each key's winner is its answer if that
+    # answer's request is final. Counting the keys costs a tenth of ranking them (a 1M-row merge).
+    # No candidate at all (a run with nothing new): nothing to rank, and the keys are not counted.
+    single = (
+        own_answer == "false"
+        or ledger.con.execute(
+            f"select count(*) = count(distinct key) from {answers} where model = {model} and variant = ?", [variant]
+        ).fetchall()[0][0]
+    )
+    if single:
+        won = f"""select key, custom_id, variant, emitted, reused, row_json from {answers}
+                  where model = {model} and variant = {literal(variant)} and ({own_answer or f"key in ({keys_sql})"})
+                    and custom_id in (select custom_id from {requests} where is_final)"""
+    else:
+        won = f"""select x.key, x.custom_id, x.variant, x.emitted, x.reused, x.row_json
+                  from (select a.key, arg_max(a.rowid, ({rank})) as won
+                        from {answers} a join {requests} r using (custom_id) left join {DESIRED} d on d.key = a.key
+                        where a.model = {model} and a.variant = {literal(variant)} and r.is_final and a.key in ({keys_sql})
+                        group by a.key) k
+                       join {answers} x on x.rowid = k.won"""
     return f"""
-        with w as (
-            select x.key, x.custom_id, x.variant, x.emitted, x.reused, x.row_json
-            from (select a.key, arg_max(a.rowid, ({rank})) as won
-                  from {answers} a join {requests} r using (custom_id) left join {DESIRED} d on d.key = a.key
-                  where a.model = {model} and a.variant = {literal(variant)} and r.is_final and a.key in ({keys_sql})
-                  group by a.key) k
-                 join {answers} x on x.rowid = k.won),
+        with w as ({won}),
         shared as (
             select custom_id, count(*) as sharing from {answers}
             where not reused and custom_id in (select custom_id from w)
@@ -319,17 +336,20 @@ def merge(
             f"""select count(*) filter (where emitted is null), count(*) filter (where emitted = 'superseded')
                 from {answers} where model = {model} and variant = {variant}"""
         ).fetchall()[0]
-        parts = []
+        parts, own = [], []  # the candidate keys; the same as a condition on a key's only answer
         if unmerged:
             parts.append(
                 f"select key from {answers} where model = {model} and variant = {variant} and emitted is null and {final}"
             )
+            own.append("emitted is null")
         if superseded:
             parts.append(f"""select a.key from {answers} a semi join {DESIRED} d on a.key = d.key
                              where a.model = {model} and a.variant = {variant} and a.emitted = 'superseded' and {final}""")
+            own.append(f"(emitted = 'superseded' and key in (select key from {DESIRED}))")
         candidates = " union ".join(parts) or "select null::varchar as key"
+        own_answer = " or ".join(own) or "false"
         con.execute(f"""create or replace temp table {EMIT} as
-                        select * from ({_winners(ledger, candidates, config.variant)})
+                        select * from ({_winners(ledger, candidates, config.variant, own_answer)})
                         where emitted is distinct from 'merged' {"" if parts else "and false"}""")
     ddl = ", ".join(f"{ident(n)} {t}{_compression(n, t, config)}" for n, t in columns)
     target_key = key_sql(config)
