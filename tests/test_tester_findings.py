@@ -239,3 +239,35 @@ def test_unique_key_changed_with_a_batch_in_flight(project, emulator):
     assert len(got) == 6
     assert all(s == "succeeded" and o == expected_answer(THINGS_SYSTEM, p, None) for p, s, o in got.values()), got
     assert batch_counts(emulator) == [6, 1]
+
+
+def test_one_waiting_run_retries_a_failure_it_harvested(project, emulator):
+    """Change 3: with llm_wait_seconds the run's desired rows are built once; a request the run's
+    own wait harvests as failed is planned again in the same run (its row had no answer_id when the
+    rows were built), and the table is complete when the run ends."""
+    emulator.auto_advance_seconds = 0.2
+    emulator.add_fault(prompt_contains="row 4", status_code=500, message="Upstream failure.", times=1)
+    project.write("models/m.sql", things_model("openai", "llm_max_attempts = 3, llm_wait_seconds = 60,"))
+    write_things(project, base())
+    run(project)
+    assert batch_counts(emulator) == [6, 1]
+    assert_answers_current_prompts(project, 6)
+    assert_full_refresh_agrees(project)
+
+
+def test_dry_run_after_an_edit_plans_only_the_edited_row(project, emulator):
+    """Change 3: a dry run builds its desired rows outside the lock; with one prompt edited and one
+    request in flight it reports one request to submit, sends nothing, and leaves the table as is."""
+    project.write("models/m.sql", things_model("openai"))
+    write_things(project, base())
+    run(project)
+    emulator.complete_all()
+    run(project)
+    before = snapshot(project)
+    write_things(project, {**base(), 1: "row 1 edited"})
+    project.dbt("run", "-s", "m", "--vars", "{llm_batch_dry_run: true}")
+    assert "DRY RUN: would submit 1 request(s) in 1 batch(es)" in log_text(project)
+    assert batch_counts(emulator) == [6]
+    assert snapshot(project) == before
+    run(project)
+    assert batch_counts(emulator) == [6, 1]
