@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from helpers import THINGS_SYSTEM, batch_counts, log_text, run, sorted_batches, things_model
 from test_faults import append_result_lines
 
@@ -271,3 +273,40 @@ def test_dry_run_after_an_edit_plans_only_the_edited_row(project, emulator):
     assert snapshot(project) == before
     run(project)
     assert batch_counts(emulator) == [6, 1]
+
+
+@pytest.mark.parametrize("failed_before", [False, True])
+def test_expired_batch_with_partial_results_and_an_unknown_line(project, emulator, provider, failed_before):
+    """Change 2: an expired batch's partial results plus a line for a custom_id it never sent, with and
+    without an earlier failed request in the model (the two settle paths): the answered requests
+    succeed, the expired ones are sent again without using an attempt, the unknown line is reported."""
+    if failed_before:
+        emulator.add_fault(prompt_contains="row 0", status_code=500, message="Upstream failure.", times=1)
+    project.write("models/m.sql", things_model(provider, "llm_max_attempts = 2,"))
+    write_things(project, base(8))
+    run(project)
+    if failed_before:
+        emulator.complete_all()
+        write_things(project, base(12))  # new rows go in the retry's batch: it has lines to expire
+        run(project)  # row 0 failed once; its retry goes with the next batch
+        assert project.query("select count(*) from main.llm_batch_requests where status = 'failed'") == [(1,)]
+    batch = sorted_batches(emulator)[-1]
+    emulator.advance(batch["id"], "expired", done_fraction=0.5)
+    batch = sorted_batches(emulator)[-1]
+    face = {f.name: f for f in emulator.faces}
+    if provider == "openai":
+        existing = [json.loads(x) for x in face["openai"].contents[batch["output_file_id"]].splitlines()]
+    else:
+        existing = [json.loads(x) for x in face["anthropic"].jobs[batch["id"]].jsonl.splitlines()]
+    stranger = json.loads(json.dumps(existing[0]))
+    stranger["custom_id"] = "r_not_ours"
+    append_result_lines(emulator, batch, [stranger])
+    run(project)
+    assert "1 result line(s) for custom_ids their batch never sent were ignored" in log_text(project)
+    assert project.query("select count(*) from main.llm_batch_requests where status = 'voided'") != [(0,)]
+    emulator.complete_all()
+    run(project)
+    rows = 12 if failed_before else 8
+    assert_answers_current_prompts(project, rows)
+    assert project.query("select count(*) from main.llm_batch_requests where status = 'succeeded'") == [(rows,)]
+    assert_full_refresh_agrees(project)
