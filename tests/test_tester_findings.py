@@ -310,3 +310,29 @@ def test_expired_batch_with_partial_results_and_an_unknown_line(project, emulato
     assert_answers_current_prompts(project, rows)
     assert project.query("select count(*) from main.llm_batch_requests where status = 'succeeded'") == [(rows,)]
     assert_full_refresh_agrees(project)
+
+
+def test_ledger_dedup_across_models_with_a_shared_request_failing_once(project, emulator):
+    """Change 3 with llm_dedup='ledger': model n's rows are answered by model m's requests; one fails
+    once and m plans its retry; n's row (whose answer_id is the failed request) maps to the retry, not
+    to a request of its own: each distinct prompt is paid once, and both tables are complete."""
+    emulator.add_fault(prompt_contains="row 2", status_code=500, message="Upstream failure.", times=1)
+    model = things_model("openai", "llm_max_attempts = 3, llm_dedup = 'ledger',")
+    project.write("models/m.sql", model)
+    project.write("models/n.sql", model)
+    write_things(project, base())
+    run(project)
+    project.dbt("run", "-s", "n")
+    assert batch_counts(emulator) == [6], "n's rows share m's requests"
+    emulator.complete_all()
+    run(project)  # m harvests: row 2 failed once, its retry is planned
+    project.dbt("run", "-s", "n")
+    assert batch_counts(emulator) == [6, 1], "n maps row 2 to m's retry"
+    emulator.complete_all()
+    run(project)
+    project.dbt("run", "-s", "n")
+    assert batch_counts(emulator) == [6, 1]
+    assert_answers_current_prompts(project, 6)
+    got = {a: (s, o) for a, s, o in project.query("select a, llm_status, llm_output from main.n")}
+    assert got == {a: ("succeeded", o) for a, (_, _, o) in outputs(project).items()}
+    assert_full_refresh_agrees(project)
