@@ -336,3 +336,41 @@ def test_ledger_dedup_across_models_with_a_shared_request_failing_once(project, 
     got = {a: (s, o) for a, s, o in project.query("select a, llm_status, llm_output from main.n")}
     assert got == {a: ("succeeded", o) for a, (_, _, o) in outputs(project).items()}
     assert_full_refresh_agrees(project)
+
+
+def test_realtime_rows_failing_once_with_a_prompt_edited_back(project, emulator):
+    """Change 2 (the realtime settle, by source) and 3: rows sent in realtime, one failing once, then a
+    prompt edited and edited back: each distinct request is answered once and a full refresh agrees."""
+    emulator.add_fault(prompt_contains="row 3", status_code=500, message="Upstream failure.", times=1)
+    project.write("models/m.sql", things_model("openai", "llm_max_attempts = 3, llm_realtime_when = 'a >= 0',"))
+    write_things(project, base())
+    run(project)
+    run(project)  # the failed row's retry, if the first run left it
+    assert_answers_current_prompts(project, 6)
+    write_things(project, {**base(), 1: "row 1 edited"})
+    run(project)
+    write_things(project, base())
+    run(project)
+    assert_answers_current_prompts(project, 6)
+    assert project.query("select count(*) from main.llm_batch_requests where status = 'succeeded'") == [(7,)]
+    assert_full_refresh_agrees(project)
+
+
+def test_final_failure_then_more_attempts_allowed(project, emulator):
+    """Change 1 and 2: a row failed finally (llm_max_attempts = 1) is shown failed; allowing a second
+    attempt asks it again, and its success replaces the failure, incremental and full refresh alike."""
+    emulator.add_fault(prompt_contains="row 2", status_code=500, message="Upstream failure.", times=1)
+    project.write("models/m.sql", things_model("openai", "llm_max_attempts = 1,"))
+    write_things(project, base())
+    run(project)
+    emulator.complete_all()
+    run(project)
+    assert project.query("select llm_status from main.m where a = 2") == [("failed",)]
+    assert_full_refresh_agrees(project)
+    project.write("models/m.sql", things_model("openai", "llm_max_attempts = 2,"))
+    run(project)
+    assert batch_counts(emulator) == [6, 1]
+    emulator.complete_all()
+    run(project)
+    assert_answers_current_prompts(project, 6)
+    assert_full_refresh_agrees(project)
