@@ -374,3 +374,28 @@ def test_final_failure_then_more_attempts_allowed(project, emulator):
     run(project)
     assert_answers_current_prompts(project, 6)
     assert_full_refresh_agrees(project)
+
+
+def test_identical_variants_share_requests_through_edits(project, emulator):
+    """Change 1 and 3: a variant identical to the model's own config shares its requests (one
+    fingerprint, a row answer per variant); a prompt edited and edited back while in flight leaves
+    both variants' rows answered by the same requests, incremental and full refresh alike."""
+    model = things_model("openai", f"llm_variants = {{'same': {{'llm_system': {THINGS_SYSTEM!r}}}}},")
+    project.write("models/m.sql", model)
+    write_things(project, base())
+    run(project)
+    first = batch_counts(emulator)
+    write_things(project, {**base(), 1: "row 1 edited"})
+    run(project)
+    write_things(project, base())
+    run(project)
+    emulator.complete_all()
+    run(project)
+    assert first == [6], "the identical variant shares the model's requests"
+    assert batch_counts(emulator) == [6, 1], "the edit asked once for both variants, the revert nothing"
+    rows = project.query(
+        "select llm_variant, a, prompt, llm_status, llm_output from main.m order by llm_variant nulls first, a"
+    )
+    assert len(rows) == 12, rows
+    assert all(s == "succeeded" and o == expected_answer(THINGS_SYSTEM, p, None) for _, _, p, s, o in rows), rows
+    assert_full_refresh_agrees(project)
