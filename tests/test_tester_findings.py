@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import THINGS_SYSTEM, batch_counts, log_text, run, sorted_batches, things_model
 from test_faults import append_result_lines
 
