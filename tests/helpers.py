@@ -360,3 +360,13 @@ def billed_cost(emulator, provider: str) -> Decimal:
         tokens_in, tokens_out = usage["input_tokens"], usage["output_tokens"]
     price_in, price_out = PRICE[provider]
     return (tokens_in * price_in + tokens_out * price_out) / Decimal(1_000_000) * Decimal("0.5")
+
+
+def append_result_lines(emulator, batch: dict, lines: list[dict]) -> None:
+    """Make the provider misbehave: extra lines in an ended batch's results."""
+    extra = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    face = {f.name: f for f in emulator.faces}
+    if batch.get("type") == "message_batch":
+        face["anthropic"].jobs[batch["id"]].jsonl += extra
+    else:
+        face["openai"].contents[batch["output_file_id"]] += extra

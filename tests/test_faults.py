@@ -12,6 +12,7 @@ import anthropic
 import openai
 import pytest
 from helpers import (
+    append_result_lines,
     assert_all_succeeded,
     batch_counts,
     end_backoff,
@@ -337,16 +338,6 @@ def test_a_create_refused_with_429_is_resubmitted_next_run(project, emulator, pr
 
 
 # -- odd result files ------------------------------------------------------------------------------
-
-
-def append_result_lines(emulator, batch: dict, lines: list[dict]) -> None:
-    """Make the provider misbehave: extra lines in an ended batch's results."""
-    extra = "".join(json.dumps(x) + "\n" for x in lines).encode()
-    face = {f.name: f for f in emulator.faces}
-    if batch.get("type") == "message_batch":
-        face["anthropic"].jobs[batch["id"]].jsonl += extra
-    else:
-        face["openai"].contents[batch["output_file_id"]] += extra
 
 
 def test_unknown_and_duplicate_result_lines_never_merge_twice_or_wrongly(project, emulator, provider):

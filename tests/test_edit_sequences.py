@@ -1,16 +1,17 @@
-"""Adversarial checks of three changes: winners read without ranking when no key has two row answers
-(pipeline/merge.py), settling without the requests join when nothing failed (pipeline/harvest.py),
-and candidates decided by the desired row's answer_id (pipeline/plan.py). Each edits the model
-between runs the way a user would, and checks the table against invariant 3: an incremental run and
-a full refresh give the same table."""
+"""Sequences of model edits between runs against the run's shortcuts: winners read without ranking
+when no key has two row answers (pipeline/merge.py), settling without the requests join when nothing
+failed (pipeline/harvest.py), and rows left out of the plan by their desired row's answer_id
+(pipeline/plan.py). Each edits the model between runs the way a user would (prompts edited and
+edited back in flight, retries, unknown result lines, unselected keys, variants, a key change), and
+checks what was paid and the table against invariant 3: an incremental run and a full refresh give
+the same table."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from helpers import THINGS_SYSTEM, batch_counts, log_text, run, sorted_batches, things_model
-from test_faults import append_result_lines
+from helpers import THINGS_SYSTEM, append_result_lines, batch_counts, log_text, run, sorted_batches, things_model
 
 from dbt_llm_batch.sandbox import expected_answer
 
