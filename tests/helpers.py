@@ -370,3 +370,18 @@ def append_result_lines(emulator, batch: dict, lines: list[dict]) -> None:
         face["anthropic"].jobs[batch["id"]].jsonl += extra
     else:
         face["openai"].contents[batch["output_file_id"]] += extra
+
+
+def result_lines(emulator, batch: dict) -> list[dict]:
+    """The result lines of an ended batch, as the provider would return them."""
+    face = {f.name: f for f in emulator.faces}
+    if batch.get("type") == "message_batch":
+        return [json.loads(x) for x in face["anthropic"].jobs[batch["id"]].jsonl.splitlines()]
+    return [json.loads(x) for x in face["openai"].contents[batch["output_file_id"]].splitlines()]
+
+
+def line_for_an_unknown_custom_id(line: dict) -> dict:
+    """A copy of a result line naming a custom_id no batch sent."""
+    stranger = json.loads(json.dumps(line))
+    stranger["custom_id"] = "r_not_ours"
+    return stranger

@@ -11,7 +11,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import THINGS_SYSTEM, append_result_lines, batch_counts, log_text, run, sorted_batches, things_model
+from helpers import (
+    THINGS_SYSTEM,
+    append_result_lines,
+    batch_counts,
+    line_for_an_unknown_custom_id,
+    log_text,
+    result_lines,
+    run,
+    sorted_batches,
+    things_model,
+)
 
 from dbt_llm_batch.sandbox import expected_answer
 
@@ -65,7 +75,7 @@ def base(n: int = 6, suffix: str = "") -> dict[int, str]:
 
 
 def test_prompt_edited_back_and_forth_with_batches_in_flight(project, emulator):
-    """Change 1 and 3: a key's prompt changed and changed back while both batches are in flight; once
+    """Against the winners and the plan's answer_id: a key's prompt changed and changed back while both batches are in flight; once
     both end, the table shows the current prompt's answer, incremental and full refresh alike."""
     project.write("models/m.sql", things_model("openai"))
     write_things(project, base())
@@ -87,7 +97,7 @@ def test_prompt_edited_back_and_forth_with_batches_in_flight(project, emulator):
 
 
 def test_dedup_shared_request_failing_once_is_retried_in_the_harvesting_run(project, emulator):
-    """Change 1, 2 and 3: two keys share one request (llm_dedup); it fails once and the harvesting run
+    """Against the winners, settle and the plan's answer_id: two keys share one request (llm_dedup); it fails once and the harvesting run
     plans its retry (seq+1) at once; the retry answers both keys, and a full refresh agrees."""
     emulator.add_fault(prompt_contains="row 1", status_code=500, message="Upstream failure.", times=1)
     project.write("models/m.sql", things_model("openai", "llm_max_attempts = 3,"))
@@ -108,7 +118,7 @@ def test_dedup_shared_request_failing_once_is_retried_in_the_harvesting_run(proj
 
 
 def test_unknown_line_in_a_model_with_a_failed_request(project, emulator):
-    """Change 2: the settle path that joins lines to requests (a model with a failed request) still
+    """Against settle: the settle path that joins lines to requests (a model with a failed request) still
     ignores, and reports, a result line for a custom_id the batch never sent, and a duplicated line."""
     emulator.add_fault(prompt_contains="row 2", status_code=500, message="Upstream failure.", times=1)
     project.write("models/m.sql", things_model("openai", "llm_max_attempts = 3,"))
@@ -118,10 +128,8 @@ def test_unknown_line_in_a_model_with_a_failed_request(project, emulator):
     run(project)  # row 2 failed once: its retry is in flight
     emulator.complete_all()
     batch = sorted_batches(emulator)[1]
-    face = {f.name: f for f in emulator.faces}
-    existing = [json.loads(x) for x in face["openai"].contents[batch["output_file_id"]].splitlines()]
-    stranger = json.loads(json.dumps(existing[0]))
-    stranger["custom_id"] = "r_not_ours"
+    existing = result_lines(emulator, batch)
+    stranger = line_for_an_unknown_custom_id(existing[0])
     append_result_lines(emulator, batch, [existing[0], stranger])
     run(project)
     assert "1 result line(s) for custom_ids their batch never sent were ignored" in log_text(project)
@@ -134,7 +142,7 @@ def test_unknown_line_in_a_model_with_a_failed_request(project, emulator):
 
 
 def test_unknown_line_and_a_lost_line_in_one_batch(project, emulator):
-    """Change 2: a batch whose output lost one request's line and has one unknown line instead: as many
+    """Against settle: a batch whose output lost one request's line and has one unknown line instead: as many
     lines as requests, but one settled fewer: the unknown line is reported, the lost request sent again."""
     project.write("models/m.sql", things_model("openai"))
     write_things(project, base())
@@ -156,7 +164,7 @@ def test_unknown_line_and_a_lost_line_in_one_batch(project, emulator):
 
 
 def test_unselected_rows_deleted_then_selected_again_with_an_edit_in_flight(project, emulator):
-    """Change 1 and 3: llm_on_unselected='delete' removes rows; selecting them again (one with a
+    """Against the winners and the plan's answer_id: llm_on_unselected='delete' removes rows; selecting them again (one with a
     prompt edited meanwhile, in flight) shows their answers again; a full refresh agrees."""
     write_things(project, base())
     model = things_model("openai", "llm_on_unselected = 'delete',")
@@ -185,7 +193,7 @@ def test_unselected_rows_deleted_then_selected_again_with_an_edit_in_flight(proj
 
 
 def test_variant_added_to_an_answered_model_then_removed(project, emulator):
-    """Change 3: a variant added once the model's rows are answered is asked for every row (the
+    """Against the plan's answer_id: a variant added once the model's rows are answered is asked for every row (the
     default variant's row answers decide nothing for it); removed, the table goes back; a full refresh
     agrees each time."""
     project.write("models/m.sql", things_model("openai"))
@@ -217,7 +225,7 @@ def test_variant_added_to_an_answered_model_then_removed(project, emulator):
 
 
 def test_unique_key_changed_with_a_batch_in_flight(project, emulator):
-    """Change 3: the key column is renamed while a batch (with an edited prompt) is in flight: the
+    """Against the plan's answer_id: the key column is renamed while a batch (with an edited prompt) is in flight: the
     re-key keeps the in-flight request, nothing is asked twice, and the table shows every answer."""
     project.write("models/m.sql", things_model("openai"))
     write_things(project, base())
@@ -244,7 +252,7 @@ def test_unique_key_changed_with_a_batch_in_flight(project, emulator):
 
 
 def test_one_waiting_run_retries_a_failure_it_harvested(project, emulator):
-    """Change 3: with llm_wait_seconds the run's desired rows are built once; a request the run's
+    """Against the plan's answer_id: with llm_wait_seconds the run's desired rows are built once; a request the run's
     own wait harvests as failed is planned again in the same run (its row had no answer_id when the
     rows were built), and the table is complete when the run ends."""
     emulator.auto_advance_seconds = 0.2
@@ -258,7 +266,7 @@ def test_one_waiting_run_retries_a_failure_it_harvested(project, emulator):
 
 
 def test_dry_run_after_an_edit_plans_only_the_edited_row(project, emulator):
-    """Change 3: a dry run builds its desired rows outside the lock; with one prompt edited and one
+    """Against the plan's answer_id: a dry run builds its desired rows outside the lock; with one prompt edited and one
     request in flight it reports one request to submit, sends nothing, and leaves the table as is."""
     project.write("models/m.sql", things_model("openai"))
     write_things(project, base())
@@ -277,7 +285,7 @@ def test_dry_run_after_an_edit_plans_only_the_edited_row(project, emulator):
 
 @pytest.mark.parametrize("failed_before", [False, True])
 def test_expired_batch_with_partial_results_and_an_unknown_line(project, emulator, provider, failed_before):
-    """Change 2: an expired batch's partial results plus a line for a custom_id it never sent, with and
+    """Against settle: an expired batch's partial results plus a line for a custom_id it never sent, with and
     without an earlier failed request in the model (the two settle paths): the answered requests
     succeed, the expired ones are sent again without using an attempt, the unknown line is reported."""
     if failed_before:
@@ -293,13 +301,8 @@ def test_expired_batch_with_partial_results_and_an_unknown_line(project, emulato
     batch = sorted_batches(emulator)[-1]
     emulator.advance(batch["id"], "expired", done_fraction=0.5)
     batch = sorted_batches(emulator)[-1]
-    face = {f.name: f for f in emulator.faces}
-    if provider == "openai":
-        existing = [json.loads(x) for x in face["openai"].contents[batch["output_file_id"]].splitlines()]
-    else:
-        existing = [json.loads(x) for x in face["anthropic"].jobs[batch["id"]].jsonl.splitlines()]
-    stranger = json.loads(json.dumps(existing[0]))
-    stranger["custom_id"] = "r_not_ours"
+    existing = result_lines(emulator, batch)
+    stranger = line_for_an_unknown_custom_id(existing[0])
     append_result_lines(emulator, batch, [stranger])
     run(project)
     assert "1 result line(s) for custom_ids their batch never sent were ignored" in log_text(project)
@@ -313,7 +316,7 @@ def test_expired_batch_with_partial_results_and_an_unknown_line(project, emulato
 
 
 def test_ledger_dedup_across_models_with_a_shared_request_failing_once(project, emulator):
-    """Change 3 with llm_dedup='ledger': model n's rows are answered by model m's requests; one fails
+    """Against the plan's answer_id with llm_dedup='ledger': model n's rows are answered by model m's requests; one fails
     once and m plans its retry; n's row (whose answer_id is the failed request) maps to the retry, not
     to a request of its own: each distinct prompt is paid once, and both tables are complete."""
     emulator.add_fault(prompt_contains="row 2", status_code=500, message="Upstream failure.", times=1)
@@ -339,7 +342,7 @@ def test_ledger_dedup_across_models_with_a_shared_request_failing_once(project, 
 
 
 def test_realtime_rows_failing_once_with_a_prompt_edited_back(project, emulator):
-    """Change 2 (the realtime settle, by source) and 3: rows sent in realtime, one failing once, then a
+    """Against settle (the realtime settle, by source) and the plan's answer_id: rows sent in realtime, one failing once, then a
     prompt edited and edited back: each distinct request is answered once and a full refresh agrees."""
     emulator.add_fault(prompt_contains="row 3", status_code=500, message="Upstream failure.", times=1)
     project.write("models/m.sql", things_model("openai", "llm_max_attempts = 3, llm_realtime_when = 'a >= 0',"))
@@ -357,7 +360,7 @@ def test_realtime_rows_failing_once_with_a_prompt_edited_back(project, emulator)
 
 
 def test_final_failure_then_more_attempts_allowed(project, emulator):
-    """Change 1 and 2: a row failed finally (llm_max_attempts = 1) is shown failed; allowing a second
+    """Against the winners and settle: a row failed finally (llm_max_attempts = 1) is shown failed; allowing a second
     attempt asks it again, and its success replaces the failure, incremental and full refresh alike."""
     emulator.add_fault(prompt_contains="row 2", status_code=500, message="Upstream failure.", times=1)
     project.write("models/m.sql", things_model("openai", "llm_max_attempts = 1,"))
@@ -377,7 +380,7 @@ def test_final_failure_then_more_attempts_allowed(project, emulator):
 
 
 def test_identical_variants_share_requests_through_edits(project, emulator):
-    """Change 1 and 3: a variant identical to the model's own config shares its requests (one
+    """Against the winners and the plan's answer_id: a variant identical to the model's own config shares its requests (one
     fingerprint, a row answer per variant); a prompt edited and edited back while in flight leaves
     both variants' rows answered by the same requests, incremental and full refresh alike."""
     model = things_model("openai", f"llm_variants = {{'same': {{'llm_system': {THINGS_SYSTEM!r}}}}},")

@@ -4,7 +4,6 @@ per-run retry budget, cut-off downloads, held Anthropic submissions, and odd res
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -16,7 +15,9 @@ from helpers import (
     assert_all_succeeded,
     batch_counts,
     end_backoff,
+    line_for_an_unknown_custom_id,
     log_text,
+    result_lines,
     run,
     setup,
     sorted_batches,
@@ -345,13 +346,8 @@ def test_unknown_and_duplicate_result_lines_never_merge_twice_or_wrongly(project
     run(project)
     emulator.complete_all()
     batch = sorted_batches(emulator)[0]
-    face = {f.name: f for f in emulator.faces}
-    if provider == "openai":
-        existing = [json.loads(x) for x in face["openai"].contents[batch["output_file_id"]].splitlines()]
-    else:
-        existing = [json.loads(x) for x in face["anthropic"].jobs[batch["id"]].jsonl.splitlines()]
-    stranger = json.loads(json.dumps(existing[0]))
-    stranger["custom_id"] = "r_not_ours"
+    existing = result_lines(emulator, batch)
+    stranger = line_for_an_unknown_custom_id(existing[0])
     append_result_lines(emulator, batch, [existing[1], stranger])
     run(project)
     assert_all_succeeded(project)

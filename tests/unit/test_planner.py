@@ -490,6 +490,19 @@ def plan_of(ledger: Ledger, config, columns) -> set[tuple]:
     return set(ledger.con.execute(f"select key, fingerprint, seq, custom_id, route from {plan.PLAN}").fetchall())
 
 
+def given_answered_rows_desired(memory_con, config):
+    """ANSWERED_ROWS selected, an empty ledger whose statements are recorded, and their desired rows
+    built; returns (the recording connection, the ledger, the selected columns)."""
+    given_input(memory_con, ANSWERED_ROWS)
+    columns = plan.check_input(memory_con, plan.INPUT, config)
+    con = Recording(memory_con)
+    ledger = Ledger(con, "main", "main.m")
+    ledger.migrate()
+    plan.build_desired(con, plan.INPUT, columns, config, ledger)
+    costs.load_prices(memory_con, None)
+    return con, ledger, columns
+
+
 @pytest.mark.parametrize("dedup", [True, False])
 @pytest.mark.parametrize("retries", [False, True])
 def test_rows_decided_by_the_lookups_row_answer_plan_as_the_join_with_every_row_answer(memory_con, dedup, retries):
@@ -500,13 +513,7 @@ def test_rows_decided_by_the_lookups_row_answer_plan_as_the_join_with_every_row_
     that does not match, no stored hash, another variant's row answer, and none; with the row answers
     joined as they are or grouped (a request of the model tried again)."""
     config = parse_config({**BASE, "llm_dedup": dedup})
-    given_input(memory_con, ANSWERED_ROWS)
-    columns = plan.check_input(memory_con, plan.INPUT, config)
-    con = Recording(memory_con)
-    ledger = Ledger(con, "main", "main.m")
-    ledger.migrate()
-    plan.build_desired(con, plan.INPUT, columns, config, ledger)
-    costs.load_prices(memory_con, None)
+    con, ledger, columns = given_answered_rows_desired(memory_con, config)
     requests, answers = ledger.table("llm_batch_requests"), ledger.table("llm_batch_row_answers")
     # id: (request status, the row answer's prompt_hash: the row's, another, none; its variant)
     given = {
@@ -551,13 +558,7 @@ def test_a_run_with_every_row_answered_plans_without_joining_the_row_answers(mem
     """Every selected row's fingerprint came from a row answer whose request succeeded or is in flight:
     nothing to send, decided from the desired rows alone."""
     config = parse_config(BASE)
-    given_input(memory_con, ANSWERED_ROWS)
-    columns = plan.check_input(memory_con, plan.INPUT, config)
-    con = Recording(memory_con)
-    ledger = Ledger(con, "main", "main.m")
-    ledger.migrate()
-    plan.build_desired(con, plan.INPUT, columns, config, ledger)
-    costs.load_prices(memory_con, None)
+    con, ledger, columns = given_answered_rows_desired(memory_con, config)
     for table, values in (
         ("llm_batch_requests", f"'r_' || key, 'main.m', key, fingerprint, 0, {sql(RequestStatus.SUCCEEDED)}"),
         ("llm_batch_row_answers", "'main.m', key, '', fingerprint, 'r_' || key, prompt_hash"),
