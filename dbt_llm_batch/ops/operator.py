@@ -31,6 +31,7 @@ from dbt_llm_batch.ledger.locks import database_path, is_lock_conflict, lock_con
 from dbt_llm_batch.ledger.status import PRE_SUBMISSION, JobStatus, RequestStatus, sql, sql_in
 from dbt_llm_batch.pipeline.submit import HELD_BY_RECONCILIATION
 from dbt_llm_batch.providers import BatchProvider, get_provider
+from dbt_llm_batch.providers.calls import describe
 
 # Job statuses of a submission whose batch id is not known (submit.py).
 INTERRUPTED = PRE_SUBMISSION
@@ -120,7 +121,7 @@ def cancel_model(con, schema: str, model: str) -> list[str]:
         try:
             new_status = providers[key].cancel(batch_id)
         except Exception as exc:  # e.g. it ended meanwhile: the provider refuses to cancel it
-            lines.append(f"{batch_id}: not cancelled ({type(exc).__name__}: {exc}); the next run harvests it")
+            lines.append(f"{batch_id}: not cancelled ({describe(exc)}); the next run harvests it")
             continue
         ledger.record_provider_status(job_id, new_status, cancel_requested_at=_now(con), cancelled_by=who)
         lines.append(f"{batch_id}: cancel requested by {who} (provider status: {new_status})")

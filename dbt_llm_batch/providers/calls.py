@@ -85,7 +85,23 @@ class CallBudget:
                     delay = min(delay * 2, 60.0)
 
 
+def provider_message(exc: BaseException) -> str:
+    """What the provider said, in its own words: the `error.message` of the response body both SDKs parse
+    into `exc.body`, else the exception's first line. The SDKs' own wording around it changes between
+    releases (anthropic 2.17 dropped "Error code:"), so nothing we print or test depends on it."""
+    body = getattr(exc, "body", None)
+    # anthropic keeps the whole body ({"type": "error", "error": {...}}); openai keeps its "error" object.
+    error = body.get("error", body) if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    if isinstance(message, str) and message:
+        return message.splitlines()[0][:200]
+    return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+
+
 def describe(exc: BaseException) -> str:
+    """One line for a log: `HTTP <status>: <the provider's message>`, or the exception's type and text."""
     status = status_of(exc)
+    if status is not None:
+        return f"HTTP {status}: {provider_message(exc)}"
     text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-    return f"HTTP {status}: {text}" if status is not None else f"{type(exc).__name__}: {text}"
+    return f"{type(exc).__name__}: {text}"
