@@ -2,6 +2,8 @@
 
 Validation happens before the ledger or any provider is touched, so a bad config never pays for a
 request. The fingerprint covers exactly what can change an answer; see `answer_defining_fields`.
+Each key (its default, validator, and whether it is in the fingerprint, may differ per variant or
+is kept in the settle snapshot) is declared once, in config_keys.py's table, which drives this module.
 """
 
 from __future__ import annotations
@@ -15,28 +17,11 @@ from typing import Any
 
 from dbt_llm_batch import output_schema, registry
 from dbt_llm_batch.config_keys import BY_NAME, CONFIG_KEYS, KEYS, VARIANT_CONFIG_KEYS, VARIANT_KEYS, Key
-from dbt_llm_batch.config_values import CACHE_TTLS, FALLBACKS, OUTPUT_FORMATS, RESERVED_PARAMS, canonical
+from dbt_llm_batch.config_values import canonical
 from dbt_llm_batch.errors import ConfigError
 
-__all__ = [
-    "CACHE_TTLS",
-    "DEFAULTS",
-    "FALLBACKS",
-    "OUTPUT_FORMATS",
-    "RESERVED_PARAMS",
-    "STATUS_COLUMNS",
-    "VARIANT_CONFIG_KEYS",
-    "VARIANT_KEYS",
-    "ModelConfig",
-    "OutputColumn",
-    "canonical",
-    "legacy_fingerprint_prefix",
-    "parse_config",
-    "settle_snapshot",
-]
-
 # The types a user may write in `llm_output` (compact names, enums, JSON Schema fragments) and the
-# DuckDB types they become are output_schema.py's.
+# DuckDB types they become are output_schema.py's. Each key is declared once, in config_keys.py.
 
 # Columns the plugin appends to every model table, in this order (later issues append after these).
 STATUS_COLUMNS = [

@@ -9,10 +9,11 @@ This table drives every consumer of a key, so adding or changing one is one edit
 - the settle snapshot `poll` reads (config.settle_snapshot): the keys it keeps (`snapshot`);
 - the configuration reference, docs/configuration.md (ops/config_reference.py generates it).
 
-A validator takes (key name, value with its default filled in, errors), appends one message per
-problem to `errors` (all of a model's problems are reported at once) and returns the parsed value.
-A key whose meaning depends on other keys (llm_provider, llm_output) has no validator here:
-config.py parses it with the keys it depends on.
+The validators are config_values.py's. A key whose meaning depends on other keys (llm_provider, whose
+class is loaded; llm_output and the YAML columns, checked by the provider; the variant keys) has none
+here: config.py parses it with the keys it depends on. Tests hold the table to what the code does
+(tests/unit/test_config_keys.py) and the fingerprints of existing configs to their values
+(tests/unit/test_fingerprint_pins.py).
 """
 
 from __future__ import annotations
@@ -203,6 +204,7 @@ OUTPUT: tuple[Key, ...] = (
         None,
         "not a config key: with `llm_output_from_columns`, the materialization (and `dbt-llm-batch check`, "
         "from the manifest) pass each column's name, data_type and description",
+        fingerprint="output_schema",
         source="yaml",
         default_doc="none",
     ),
@@ -213,7 +215,7 @@ RUN: tuple[Key, ...] = (
         "integer >= 1",
         3,
         "attempts per (key, fingerprint) before a row is final `failed`; raising it re-queues failed rows "
-        "(not those that failed in a way no retry changes)",
+        "(not those that failed in a way no retry changes: README *Failures that are not retried*)",
         integer(1),
         field="max_attempts",
     ),
@@ -258,7 +260,8 @@ RUN: tuple[Key, ...] = (
         "`true`, `'ledger'`, `false`",
         None,
         "send each distinct request once and share its answer among the rows that ask it: within the model "
-        "(`true`), also across the models of the ledger schema (`'ledger'`), or one request per row (`false`)",
+        "(`true`), also across the models of the ledger schema (`'ledger'`), or one request per row (`false`). "
+        "README: *Deduplication*",
         v.dedup,
         default_doc="`true` (`false` when `llm_temperature` > 0)",
     ),
@@ -267,8 +270,9 @@ RUN: tuple[Key, ...] = (
         "boolean",
         True,
         "once a batch's results are stored in the ledger, delete its uploaded input file and its output and "
-        "error files (OpenAI), or the ended batch (Anthropic), at the provider; a failed delete is logged and "
-        "retried by the next run, never failing a run",
+        "error files (OpenAI), or the ended batch (Anthropic), at the provider. Recorded in "
+        "`llm_batch_jobs.files_deleted_at`; a failed delete is logged, recorded in `files_delete_error`, retried "
+        "by the next run and never fails a run",
         boolean,
         field="delete_provider_files",
     ),
@@ -285,7 +289,8 @@ RUN: tuple[Key, ...] = (
         "integer >= 1",
         None,
         "most estimated input tokens this model may have in flight (OpenAI fails a batch over the "
-        "enqueued-token limit of your tier; raise it on a higher tier)",
+        "enqueued-token limit of your tier; raise it on a higher tier). Anthropic's queue limit is on requests: "
+        "at most 100,000 in flight per model",
         integer(1),
         field="max_tokens_in_flight",
         default_doc="OpenAI: 2,000,000; Anthropic: none",
@@ -316,7 +321,8 @@ RUN: tuple[Key, ...] = (
         "whose window is not known nothing is checked unless you set it",
         integer(1),
         field="max_context_tokens",
-        default_doc="the model's context window where known",
+        default_doc="the model's context window where known (OpenAI gpt-4o / gpt-4o-mini 128,000, gpt-4.1* "
+        "1,047,576; Anthropic claude-* 200,000)",
     ),
 )
 COST: tuple[Key, ...] = (
@@ -333,7 +339,8 @@ COST: tuple[Key, ...] = (
         "llm_dry_run",
         "boolean",
         False,
-        "plan, estimate and report: no provider call, no request recorded, the model table left as it is",
+        "plan, estimate and report: no provider call, no request recorded, the model table left as it is (the "
+        "ledger tables are created if missing)",
         boolean,
         field="dry_run",
     ),
@@ -411,7 +418,7 @@ VARIANTS: tuple[Key, ...] = (
         None,
         "evaluation variants: every selected row is also asked of each variant (its keys over the model's), "
         "one table row per key and variant (`llm_variant`); each variant's answers are fingerprinted by its "
-        "own keys",
+        "own keys. README: *Evaluation runs*",
     ),
     Key(
         "llm_default_variant",

@@ -72,6 +72,4 @@ def test_check_accepts_and_poll_settles_every_output_form(project, emulator, cap
     assert dict(emulator.stats()["calls"]) == calls  # merged from what the poller stored
     if form == "dict":
         assert_triage_rows_answered(project)
-    assert project.query("select count(*) from main.triage where llm_status = 'succeeded' and summary <> ''") == [
-        (6,)
-    ]
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded' and summary <> ''") == [(6,)]
