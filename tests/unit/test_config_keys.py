@@ -108,7 +108,9 @@ def test_the_fingerprint_is_made_of_the_keys_that_change_the_answer():
 
 
 @pytest.mark.parametrize(
-    "key", [k for k in CONFIG_KEYS if k.name.startswith("llm_") and k.name not in VARIANT_CONFIG_KEYS], ids=str
+    "key",
+    [k for k in CONFIG_KEYS if k.name.startswith("llm_") and k.name not in VARIANT_CONFIG_KEYS],
+    ids=lambda key: key.name,
 )
 def test_a_variant_may_set_exactly_the_keys_the_table_lets_it(key):
     overrides = {key.name: CHANGES[key.name][key.name]}
