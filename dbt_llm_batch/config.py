@@ -250,7 +250,7 @@ def settle_snapshot(raw: dict, dbt_name: str | None = None) -> str:
         return {
             k: v
             for k, v in keys.items()
-            if k in BY_NAME and BY_NAME[k].snapshot or k not in BY_NAME and k.startswith("llm_")
+            if (k in BY_NAME and BY_NAME[k].snapshot) or (k not in BY_NAME and k.startswith("llm_"))
         }
 
     snapshot = kept(raw)
@@ -460,16 +460,16 @@ def _parse_output(output, errors) -> tuple[OutputColumn, ...]:
     return tuple(columns)
 
 
-def _yaml_output(raw: dict, cfg: dict, keys: tuple[str, ...], errors: list[str]) -> dict | None:
+def _yaml_output(raw: dict, values: dict, keys: tuple[str, ...], errors: list[str]) -> dict | None:
     """llm_output_from_columns: the model's YAML columns that have a data_type (the macro passes them
     as `columns`: name, data_type, description), except the unique_key, prompt and status columns, as
     llm_output; a column without a data_type is documentation only. A data_type is a compact type
     ('text', ...) or a DuckDB type (VARCHAR, BIGINT, DATE, STRUCT(...), T[], ...); the description
     is sent to the provider with the field."""
-    if cfg["llm_output"] is not None:
+    if values["llm_output"] is not None:
         errors.append("set either llm_output or llm_output_from_columns, not both")
         return None
-    skip = {k.lower() for k in keys} | {str(cfg["llm_prompt_column"]).lower()} | {n for n, _ in STATUS_COLUMNS}
+    skip = {k.lower() for k in keys} | {str(values["llm_prompt_column"]).lower()} | {n for n, _ in STATUS_COLUMNS}
     output: dict = {}
     for col in raw.get("columns") or []:
         name = col.get("name")
