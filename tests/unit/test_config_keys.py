@@ -11,7 +11,7 @@ import pytest
 from dbt_llm_batch.config import ModelConfig, parse_config, settle_snapshot
 from dbt_llm_batch.config_keys import CONFIG_KEYS, KEYS, VARIANT_CONFIG_KEYS
 from dbt_llm_batch.errors import ConfigError
-from dbt_llm_batch.ops import config_reference
+from dbt_llm_batch.ops import check, config_reference
 
 BASE = {"unique_key": "id", "llm_model": "m", "llm_system": "s", "llm_output": {"a": "text"}}
 SOME_VARIANT = {"llm_variants": {"b": {"llm_model": "n"}}}
@@ -188,3 +188,29 @@ def test_the_reference_page_is_what_the_table_generates():
     for key in KEYS:
         assert f"| `{key.name}` |" in page
     assert "| `llm_base_url` | `openai_compatible` |" in page  # a provider's own keys, declared by the provider
+
+
+def test_check_reads_the_yaml_columns_as_the_materialization_passes_them():
+    def manifest(data_type: str) -> dict:
+        node = {
+            "unique_id": "model.p.m",
+            "name": "m",
+            "resource_type": "model",
+            "original_file_path": "models/m.sql",
+            "config": {
+                "materialized": "llm_batch",
+                "unique_key": "id",
+                "llm_model": "m",
+                "llm_output_from_columns": True,
+            },
+            "columns": {
+                "id": {"name": "id", "data_type": "integer", "description": ""},
+                "label": {"name": "label", "data_type": data_type, "description": "the label"},
+            },
+        }
+        return {"nodes": {node["unique_id"]: node}}
+
+    assert check.problems(manifest("varchar")) == (1, [])
+    checked, found = check.problems(manifest("NOT_A_TYPE"))
+    assert checked == 1 and len(found) == 1
+    assert found[0].startswith("m (models/m.sql): invalid llm_batch config:") and "column 'label'" in found[0]
