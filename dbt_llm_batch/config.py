@@ -2,6 +2,8 @@
 
 Validation happens before the ledger or any provider is touched, so a bad config never pays for a
 request. The fingerprint covers exactly what can change an answer; see `answer_defining_fields`.
+Each key (its default, validator, and whether it is in the fingerprint, may differ per variant or
+is kept in the settle snapshot) is declared once, in config_keys.py's table, which drives this module.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dbt_llm_batch import output_schema, registry
+from dbt_llm_batch.config_keys import BY_NAME, CONFIG_KEYS, KEYS, VARIANT_CONFIG_KEYS, VARIANT_KEYS, Key
+from dbt_llm_batch.config_values import canonical
 from dbt_llm_batch.errors import ConfigError
 
 # The types a user may write in `llm_output` (compact names, enums, JSON Schema fragments) and the
-# DuckDB types they become are output_schema.py's.
+# DuckDB types they become are output_schema.py's. Each key is declared once, in config_keys.py.
 
 # Columns the plugin appends to every model table, in this order (later issues append after these).
 STATUS_COLUMNS = [
@@ -37,92 +41,11 @@ STATUS_COLUMNS = [
     ("llm_route", "VARCHAR"),
 ]
 
-# Every key the plugin understands, with its default; a provider adds its own (Provider.config_keys,
-# e.g. a self-hosted engine's llm_base_url). Keys starting with `llm_` that are in neither are
-# reported as errors (with a did-you-mean), because a typo would otherwise silently change nothing.
-DEFAULTS: dict[str, Any] = {
-    "llm_provider": "openai",  # a name registered in the entry-point group dbt_llm_batch.providers
-    "llm_model": None,  # required
-    "llm_prompt_column": "prompt",
-    "llm_system": None,
-    "llm_examples": [],
-    "llm_cache_prefix": False,
-    "llm_output": None,
-    "llm_max_tokens": None,
-    "llm_temperature": None,
-    "llm_params": {},
-    "llm_max_attempts": 3,
-    "llm_wait_seconds": 0,
-    "llm_ledger_schema": None,
-    "llm_ledger_identity": None,  # the name the ledger records the model under; default schema.name
-    "llm_max_cost_usd": None,
-    "llm_dry_run": False,
-    "llm_price_table": None,
-    "llm_max_batches_in_flight": 20,
-    "llm_max_tokens_in_flight": None,  # provider default (OpenAI: 2,000,000 enqueued tokens)
-    # The realtime path: every row of a provider without a batch API (a self-hosted engine), urgent rows
-    # of a batch provider (llm_realtime_when), and rows whose batch attempts are exhausted (llm_fallback).
-    # Realtime requests in flight at once, or 'auto' (pipeline/concurrency.py): measured on the local engine
-    # (benchmarks/engine_batch.py), a fixed 16 ran at 0.82x the best fixed number; 'auto' finds it.
-    "llm_concurrency": "auto",
-    "llm_max_concurrency": 64,  # with llm_concurrency = 'auto': the most it may try
-    "llm_realtime_when": None,  # SQL boolean expression over the model's columns
-    "llm_fallback": None,  # 'realtime'
-    "llm_realtime_budget_seconds": 600,  # a run stops starting realtime requests after this; the rest wait
-    "llm_retry_budget_seconds": 300,  # per run: how long throttled / failing provider calls are retried
-    "llm_on_unavailable": "warn",  # a provider down for the whole retry budget: 'warn' (dbt warning) or 'error'
-    "llm_max_context_tokens": None,  # the model's context window; default: the provider's context_window(model)
-    "llm_delete_provider_files": True,  # delete input/result files at the provider once results are stored
-    "llm_on_unselected": "keep",  # rows of keys the model no longer selects: 'keep' them or 'delete' them
-    "llm_budget_basis": "ceiling",  # budgets count each answer at llm_max_tokens, or at its 'expected' length
-    # 'columns': one typed column per llm_output field; 'json': the whole answer in one JSON column `llm_output`.
-    "llm_output_format": "columns",
-    # True: the model's YAML `columns:` with a data_type (except the unique_key, prompt and status
-    # columns) are the output columns, instead of llm_output; the macro passes them as `columns`.
-    "llm_output_from_columns": False,
-    # Identical requests are sent once: true (within the model), 'ledger' (also across the models of
-    # the ledger schema) or false; default true, but false when llm_temperature is above 0.
-    "llm_dedup": None,
-    # Evaluation variants (pipeline/variants.py): {name: {llm_* keys that differ}}; the model's own keys
-    # are the variant named llm_default_variant; llm_variant_sample: {name: fraction of keys it answers}.
-    "llm_variants": None,
-    "llm_default_variant": "default",
-    "llm_variant_sample": None,
-}
-OUTPUT_FORMATS = ("columns", "json")
-
-FALLBACKS = ("realtime",)
-
-# The keys a variant may set (everything else is the model's): what is asked and of whom, never the
-# table's shape (llm_output), the keys, or how the run is paced and budgeted.
-VARIANT_KEYS = (
-    "llm_provider",
-    "llm_model",
-    "llm_system",
-    "llm_examples",
-    "llm_temperature",
-    "llm_max_tokens",
-    "llm_params",
-    "llm_cache_prefix",
-    "llm_prompt_column",
-)
-VARIANT_CONFIG_KEYS = ("llm_variants", "llm_default_variant", "llm_variant_sample")
-CACHE_TTLS = ("5m", "1h")
-
-# Request parameters the plugin sets itself: `llm_params` may not override them silently.
-RESERVED_PARAMS = (
-    "model",
-    "messages",
-    "system",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "response_format",
-    "tools",
-    "tool_choice",
-    "prompt_cache_key",
-    "stream",
-)
+# Every key the plugin understands, with its default (config_keys.py declares each key once); a
+# provider adds its own (Provider.config_keys, e.g. a self-hosted engine's llm_base_url). Keys starting
+# with `llm_` that are in neither are reported as errors (with a did-you-mean), because a typo would
+# otherwise silently change nothing.
+DEFAULTS: dict[str, Any] = {key.name: key.default for key in CONFIG_KEYS if key.name.startswith("llm_")}
 
 
 @dataclass(frozen=True)
@@ -209,18 +132,15 @@ class ModelConfig:
             return None
         return output_schema.object_schema({c.name: c.json_schema for c in self.output_columns})
 
+    @property
+    def output_schema(self) -> dict | None:
+        return self.output_json_schema()
+
     def answer_defining_fields(self) -> dict:
-        """Everything except the prompt that can change an answer (the fingerprint's constant part)."""
-        return {
-            "provider": self.provider,
-            "model": self.model,
-            "system": self.system,
-            "examples": [list(e) for e in self.examples],
-            "output_schema": self.output_json_schema(),
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "params": self.params,
-        }
+        """Everything except the prompt that can change an answer (the fingerprint's constant part):
+        the attribute named by each key the table (config_keys.py) says changes the answer. Tuples are
+        JSON lists in the hash, as they were when the fields were listed here."""
+        return {key.fingerprint: getattr(self, key.fingerprint) for key in KEYS if key.fingerprint}
 
     def fingerprint_prefix(self) -> str:
         """Hash of the constant part; a row's fingerprint is md5(prefix || prompt), computed in SQL."""
@@ -230,20 +150,6 @@ class ModelConfig:
 def _prefix_hash(fields: dict) -> str:
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def canonical(value: Any) -> Any:
-    """`value` with every dict's keys sorted, recursively (lists keep their order).
-
-    dbt's static parser returns a config() dict in a different key order on each full parse (every
-    CI checkout does one), so nothing that reaches a request, a fingerprint or the table's shape may
-    follow the order a dict arrives in: where order carries no meaning, it is sorted.
-    """
-    if isinstance(value, dict):
-        return {k: canonical(value[k]) for k in sorted(value, key=str)}
-    if isinstance(value, (list, tuple)):
-        return [canonical(v) for v in value]
-    return value
 
 
 def legacy_fingerprint_prefix(config: ModelConfig, raw_output, raw_examples) -> str | None:
@@ -278,154 +184,81 @@ def parse_config(raw: dict) -> ModelConfig:
 
 
 def _parse_one(raw: dict) -> ModelConfig:
-    """One variant's config (or the model's, without variants)."""
+    """One variant's config (or the model's, without variants): each key validated by its entry in
+    the table (config_keys.py), then what depends on several keys (the provider, the output)."""
     errors: list[str] = []
-    cfg: dict[str, Any] = {k: (raw.get(k) if raw.get(k) is not None else d) for k, d in DEFAULTS.items()}
-    provider = _provider_class(cfg["llm_provider"], errors)
-    own_keys = provider.config_keys if provider is not None else {}
+    given: dict[str, Any] = {
+        key.name: raw.get(key.name) if raw.get(key.name) is not None else key.default for key in CONFIG_KEYS
+    }
+    provider = _provider_class(given["llm_provider"], errors)
     _check_keys(raw, provider, errors)
+    values: dict[str, Any] = {
+        key.name: key.parse(key.name, given[key.name], errors) if key.parse else given[key.name] for key in CONFIG_KEYS
+    }
+    fields: dict[str, Any] = {key.field: values[key.name] for key in CONFIG_KEYS if key.field}
 
-    unique_key = raw.get("unique_key")
-    keys: tuple[str, ...] = ()
-    if isinstance(unique_key, str) and unique_key.strip():
-        keys = (unique_key,)
-    elif isinstance(unique_key, (list, tuple)) and unique_key and all(isinstance(k, str) for k in unique_key):
-        keys = tuple(unique_key)
-    else:
-        errors.append("unique_key is required: a column name or a list of column names")
-
-    if not isinstance(cfg["llm_model"], str) or not cfg["llm_model"]:
-        errors.append("llm_model is required (for example llm_model='gpt-4o-mini')")
-    if not isinstance(cfg["llm_prompt_column"], str) or not cfg["llm_prompt_column"]:
-        errors.append("llm_prompt_column must be a column name")
-    if cfg["llm_system"] is not None and not isinstance(cfg["llm_system"], str):
-        errors.append("llm_system must be a string")
-    _check_number(errors, cfg, "llm_max_tokens", int, minimum=1)
-    _check_number(errors, cfg, "llm_temperature", (int, float), minimum=0, maximum=2)
-    _check_number(errors, cfg, "llm_max_attempts", int, minimum=1)
-    _check_number(errors, cfg, "llm_wait_seconds", (int, float), minimum=0)
-    _check_number(errors, cfg, "llm_max_cost_usd", (int, float), minimum=0)
-    _check_number(errors, cfg, "llm_max_batches_in_flight", int, minimum=1)
-    _check_number(errors, cfg, "llm_max_tokens_in_flight", int, minimum=1)
-    _check_number(errors, cfg, "llm_retry_budget_seconds", (int, float), minimum=0)
-    _check_number(errors, cfg, "llm_max_context_tokens", int, minimum=1)
-    if not isinstance(cfg["llm_delete_provider_files"], bool):
-        errors.append(f"llm_delete_provider_files must be true or false, got {cfg['llm_delete_provider_files']!r}")
-    if not isinstance(cfg["llm_dry_run"], bool):
-        errors.append(f"llm_dry_run must be true or false, got {cfg['llm_dry_run']!r}")
-    if cfg["llm_on_unselected"] not in ("keep", "delete"):
-        errors.append(f"llm_on_unselected must be 'keep' or 'delete', got {cfg['llm_on_unselected']!r}")
-    if cfg["llm_budget_basis"] not in ("ceiling", "expected"):
-        errors.append(f"llm_budget_basis must be 'ceiling' or 'expected', got {cfg['llm_budget_basis']!r}")
-    if cfg["llm_on_unavailable"] not in ("warn", "error"):
-        errors.append(f"llm_on_unavailable must be 'warn' or 'error', got {cfg['llm_on_unavailable']!r}")
-    identity = cfg["llm_ledger_identity"]
-    if identity is not None and (not isinstance(identity, str) or not identity.strip()):
-        errors.append("llm_ledger_identity must be a name, e.g. the model's old 'schema.name' after a rename")
-    if cfg["llm_price_table"] is not None and not isinstance(cfg["llm_price_table"], str):
-        errors.append("llm_price_table must be the name of a relation, e.g. 'main.llm_prices'")
-    params = cfg["llm_params"]
-    if not isinstance(params, dict):
-        errors.append("llm_params must be a dict of extra request parameters")
-        params = {}
-    params = canonical(params)
-    for reserved in RESERVED_PARAMS:
-        if reserved in params:
-            errors.append(f"llm_params may not set '{reserved}': use the llm_* key for it instead")
-    if not isinstance(cfg["llm_output_from_columns"], bool):
-        errors.append(f"llm_output_from_columns must be true or false, got {cfg['llm_output_from_columns']!r}")
-    output = _yaml_output(raw, cfg, keys, errors) if cfg["llm_output_from_columns"] is True else cfg["llm_output"]
+    from_columns = values["llm_output_from_columns"] is True
+    output = _yaml_output(raw, values, fields["unique_key"], errors) if from_columns else values["llm_output"]
     before = len(errors)
     output_columns = _parse_output(output, errors)
-    if cfg["llm_output_format"] not in OUTPUT_FORMATS:
-        errors.append(f"llm_output_format must be one of {list(OUTPUT_FORMATS)}, got {cfg['llm_output_format']!r}")
-    elif cfg["llm_output_format"] == "json" and output is None:
+    if values["llm_output_format"] == "json" and output is None:
         errors.append("llm_output_format='json' keeps a structured answer as one JSON column: it needs llm_output")
     if provider is not None and output is not None and output_columns and len(errors) == before:
         # The provider refuses, before anything is sent, a schema its API would not take (with the rule).
         schema = output_schema.object_schema({c.name: c.json_schema for c in output_columns})
         provider.check_output_schema(schema, errors)
-    examples = _parse_examples(cfg["llm_examples"], errors)
-    cache_prefix = cfg["llm_cache_prefix"]
-    if cache_prefix is True:
-        cache_prefix = "5m"
-    elif cache_prefix is False:
-        cache_prefix = None
-    elif cache_prefix not in CACHE_TTLS:
-        errors.append(f"llm_cache_prefix must be true, false, '5m' or '1h', got {cache_prefix!r}")
-
-    dedup, dedup_defaulted_off = _parse_dedup(cfg, errors)
-    _parse_realtime(cfg, provider, errors)
+    _check_realtime(values, provider, errors)
     options: dict[str, Any] = {}
     if provider is not None:
         # The provider validates its own keys (and their defaults), e.g. an engine's llm_base_url.
-        own = {k: (raw.get(k) if raw.get(k) is not None else d) for k, d in own_keys.items()}
+        own = {k: (raw.get(k) if raw.get(k) is not None else d) for k, d in _provider_defaults(provider).items()}
         options = provider.parse_options(own, errors)
 
     if errors:
         raise ConfigError("invalid llm_batch config:\n  - " + "\n  - ".join(errors))
+    dedup, dedup_defaulted_off = _dedup_scope(values["llm_dedup"], values["llm_temperature"])
+    adaptive = values["llm_concurrency"] == "auto"
     config = ModelConfig(
-        unique_key=keys,
-        provider=cfg["llm_provider"],
-        model=cfg["llm_model"],
-        prompt_column=cfg["llm_prompt_column"],
-        system=cfg["llm_system"],
-        examples=examples,
-        cache_prefix=cache_prefix,
+        **fields,
         output=canonical(output),
         output_columns=output_columns,
-        max_tokens=cfg["llm_max_tokens"],
-        temperature=None if cfg["llm_temperature"] is None else float(cfg["llm_temperature"]),
-        params=params,
-        max_attempts=cfg["llm_max_attempts"],
-        wait_seconds=float(cfg["llm_wait_seconds"]),
-        ledger_schema=cfg["llm_ledger_schema"],
-        ledger_identity=cfg["llm_ledger_identity"],
-        max_cost_usd=None if cfg["llm_max_cost_usd"] is None else float(cfg["llm_max_cost_usd"]),
-        dry_run=cfg["llm_dry_run"],
-        price_table=cfg["llm_price_table"],
-        max_batches_in_flight=cfg["llm_max_batches_in_flight"],
-        max_tokens_in_flight=cfg["llm_max_tokens_in_flight"],
         options=options,
-        concurrency=cfg["llm_max_concurrency"] if cfg["llm_concurrency"] == "auto" else cfg["llm_concurrency"],
-        adaptive_concurrency=cfg["llm_concurrency"] == "auto",
-        realtime_when=cfg["llm_realtime_when"],
-        fallback=cfg["llm_fallback"],
-        realtime_budget_seconds=float(cfg["llm_realtime_budget_seconds"]),
-        retry_budget_seconds=float(cfg["llm_retry_budget_seconds"]),
-        on_unavailable=cfg["llm_on_unavailable"],
-        max_context_tokens=cfg["llm_max_context_tokens"],
-        delete_provider_files=cfg["llm_delete_provider_files"],
-        on_unselected=cfg["llm_on_unselected"],
-        budget_basis=cfg["llm_budget_basis"],
-        output_format=cfg["llm_output_format"],
+        concurrency=values["llm_max_concurrency"] if adaptive else values["llm_concurrency"],
+        adaptive_concurrency=adaptive,
         dedup=dedup,
         dedup_defaulted_off=dedup_defaulted_off,
     )
     legacy = (
-        legacy_fingerprint_prefix(config, cfg["llm_output"], cfg["llm_examples"]) if examples or config.output else None
+        legacy_fingerprint_prefix(config, given["llm_output"], given["llm_examples"])
+        if config.examples or config.output
+        else None
     )
     return dataclasses.replace(config, legacy_prefix=legacy) if legacy else config
 
 
-# Keys a settle_snapshot leaves out: what shapes a request's text (a system prompt and examples are
-# prompts, which are never kept outside a run's request files), not how its answer is settled.
-SNAPSHOT_EXCLUDED = ("llm_system", "llm_examples", "llm_params", "llm_realtime_when")
-
-
 def settle_snapshot(raw: dict, dbt_name: str | None = None) -> str:
-    """What settling a model's results needs of its raw config (output columns, provider and model,
-    prices, attempts, the provider's own keys such as an engine's URL and its key's variable NAME),
-    as canonical JSON, for the poller to rebuild the config with parse_config without the dbt project.
-    No secret is in it: keys are read from environment variables, never from config. `dbt_name` is
-    the model's name in dbt (what a selector names); the ledger knows the model as schema.name."""
-    kept = {k: v for k, v in raw.items() if (k == "unique_key" or k.startswith("llm_")) and k not in SNAPSHOT_EXCLUDED}
-    if isinstance(kept.get("llm_variants"), dict):  # a variant's system prompt and examples are prompts too
-        kept["llm_variants"] = {
-            name: {k: v for k, v in keys.items() if k not in SNAPSHOT_EXCLUDED} if isinstance(keys, dict) else keys
-            for name, keys in kept["llm_variants"].items()
+    """What settling a model's results needs of its raw config (output columns, with the YAML columns
+    llm_output_from_columns reads; provider and model, prices, attempts, the provider's own keys such
+    as an engine's URL and its key's variable NAME), as canonical JSON, for the poller to rebuild the
+    config with parse_config without the dbt project: the keys the table (config_keys.py) marks
+    `snapshot`, and every provider's own llm_* key. A system prompt, examples and request parameters
+    are prompts, never kept outside a run's request files. No secret is in it: keys are read from
+    environment variables, never from config. `dbt_name` is the model's name in dbt (what a selector
+    names); the ledger knows the model as schema.name."""
+
+    def kept(keys: dict) -> dict:
+        return {
+            k: v
+            for k, v in keys.items()
+            if (k in BY_NAME and BY_NAME[k].snapshot) or (k not in BY_NAME and k.startswith("llm_"))
         }
-    return json.dumps({"config": canonical(kept), "dbt_name": dbt_name}, sort_keys=True, separators=(",", ":"))
+
+    snapshot = kept(raw)
+    if isinstance(snapshot.get("llm_variants"), dict):  # a variant's system prompt and examples are prompts too
+        snapshot["llm_variants"] = {
+            name: kept(keys) if isinstance(keys, dict) else keys for name, keys in snapshot["llm_variants"].items()
+        }
+    return json.dumps({"config": canonical(snapshot), "dbt_name": dbt_name}, sort_keys=True, separators=(",", ":"))
 
 
 def _parse_variants(raw: dict) -> ModelConfig:
@@ -518,22 +351,36 @@ def _collect(parse, errors: list[str], prefix: str, known: list[str] | None = No
         return None
 
 
-def _parse_dedup(cfg: dict, errors: list[str]) -> tuple[str | None, bool]:
+def _dedup_scope(value, temperature) -> tuple[str | None, bool]:
     """llm_dedup as (scope or None, whether it is off only because llm_temperature is above 0): at a
     temperature above 0 each row should get its own sample, so sharing is then off unless asked for."""
-    value = cfg["llm_dedup"]
     if value is None:
-        if isinstance(cfg["llm_temperature"], (int, float)) and cfg["llm_temperature"] > 0:
+        if isinstance(temperature, (int, float)) and temperature > 0:
             return None, True
         return "model", False
-    if value is True or value == "model":
-        return "model", False
-    if value is False:
-        return None, False
-    if value == "ledger":
-        return "ledger", False
-    errors.append(f"llm_dedup must be true, false or 'ledger', got {value!r}")
-    return None, False
+    return (None, False) if value is False else (value, False)
+
+
+def _provider_defaults(provider) -> dict[str, Any]:
+    """The provider's own keys with their defaults: Provider.config_keys maps each to a Key of the
+    table's kind (config_keys.Key) or, from a provider written before Keys, to its default."""
+    return {k: d.default if isinstance(d, Key) else d for k, d in provider.config_keys.items()}
+
+
+def _check_realtime(values: dict, provider, errors: list[str]) -> None:
+    """The realtime keys against the provider: routing rows to realtime needs a batch provider with a
+    realtime path (a provider's own keys, e.g. an engine's URLs, are its parse_options')."""
+    when, fallback = values["llm_realtime_when"], values["llm_fallback"]
+    if provider is not None and not provider.has_batch_api and (when is not None or fallback is not None):
+        errors.append(
+            "llm_realtime_when and llm_fallback route rows of a batch provider to its realtime "
+            f"path; with llm_provider {provider.name!r} every row is already realtime"
+        )
+    if provider is not None and not provider.has_realtime and (when is not None or fallback is not None):
+        errors.append(
+            "llm_realtime_when and llm_fallback send rows through the provider's realtime path, which "
+            f"llm_provider {provider.name!r} does not have"
+        )
 
 
 def _provider_class(name, errors: list[str]):
@@ -579,43 +426,6 @@ def _check_keys(raw: dict, provider, errors: list[str]) -> None:
         errors.append(f"unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
 
 
-def _parse_realtime(cfg, provider, errors) -> None:
-    """The realtime keys every provider shares (a provider's own, e.g. an engine's URLs, are its parse_options')."""
-    if cfg["llm_concurrency"] != "auto":
-        _check_number(errors, cfg, "llm_concurrency", int, minimum=1, maximum=1024)
-    _check_number(errors, cfg, "llm_max_concurrency", int, minimum=1, maximum=1024)
-    _check_number(errors, cfg, "llm_realtime_budget_seconds", (int, float), minimum=1)
-    when = cfg["llm_realtime_when"]
-    if when is not None and (not isinstance(when, str) or not when.strip()):
-        errors.append(
-            "llm_realtime_when must be a SQL boolean expression over the model's columns, e.g. \"priority = 'urgent'\""
-        )
-    if provider is not None and not provider.has_batch_api and (when is not None or cfg["llm_fallback"] is not None):
-        errors.append(
-            "llm_realtime_when and llm_fallback route rows of a batch provider to its realtime "
-            f"path; with llm_provider {provider.name!r} every row is already realtime"
-        )
-    if provider is not None and not provider.has_realtime and (when is not None or cfg["llm_fallback"] is not None):
-        errors.append(
-            "llm_realtime_when and llm_fallback send rows through the provider's realtime path, which "
-            f"llm_provider {provider.name!r} does not have"
-        )
-    if cfg["llm_fallback"] is not None and cfg["llm_fallback"] not in FALLBACKS:
-        errors.append(f"llm_fallback must be one of {list(FALLBACKS)}, got {cfg['llm_fallback']!r}")
-
-
-def _check_number(errors, cfg, name, types, minimum=None, maximum=None):
-    value = cfg[name]
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, types):
-        kind = "an integer" if types is int else "a number"
-        errors.append(f"{name} must be {kind}, got {value!r}")
-    elif (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        bounds = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
-        errors.append(f"{name} must be {bounds}, got {value!r}")
-
-
 def _parse_output(output, errors) -> tuple[OutputColumn, ...]:
     """The output columns, in name order, each with its canonical JSON Schema (output_schema.py)."""
     if output is None:
@@ -650,16 +460,16 @@ def _parse_output(output, errors) -> tuple[OutputColumn, ...]:
     return tuple(columns)
 
 
-def _yaml_output(raw: dict, cfg: dict, keys: tuple[str, ...], errors: list[str]) -> dict | None:
+def _yaml_output(raw: dict, values: dict, keys: tuple[str, ...], errors: list[str]) -> dict | None:
     """llm_output_from_columns: the model's YAML columns that have a data_type (the macro passes them
     as `columns`: name, data_type, description), except the unique_key, prompt and status columns, as
     llm_output; a column without a data_type is documentation only. A data_type is a compact type
     ('text', ...) or a DuckDB type (VARCHAR, BIGINT, DATE, STRUCT(...), T[], ...); the description
     is sent to the provider with the field."""
-    if cfg["llm_output"] is not None:
+    if values["llm_output"] is not None:
         errors.append("set either llm_output or llm_output_from_columns, not both")
         return None
-    skip = {k.lower() for k in keys} | {str(cfg["llm_prompt_column"]).lower()} | {n for n, _ in STATUS_COLUMNS}
+    skip = {k.lower() for k in keys} | {str(values["llm_prompt_column"]).lower()} | {n for n, _ in STATUS_COLUMNS}
     output: dict = {}
     for col in raw.get("columns") or []:
         name = col.get("name")
@@ -691,24 +501,3 @@ def _yaml_output(raw: dict, cfg: dict, keys: tuple[str, ...], errors: list[str])
         )
         return None
     return output
-
-
-def _parse_examples(examples, errors) -> tuple[tuple[str, str], ...]:
-    """llm_examples: a list of {'input': str, 'output': str or dict} pairs (a dict is sent as JSON)."""
-    if not isinstance(examples, list):
-        errors.append("llm_examples must be a list of {'input': ..., 'output': ...} pairs")
-        return ()
-    pairs = []
-    for i, example in enumerate(examples):
-        if (
-            not isinstance(example, dict)
-            or set(example) != {"input", "output"}
-            or not isinstance(example["input"], str)
-        ):
-            errors.append(f"llm_examples[{i}] must be a dict with exactly 'input' (a string) and 'output'")
-            continue
-        output = example["output"]
-        if not isinstance(output, str):  # keys sorted, like the output schema's properties (see canonical)
-            output = json.dumps(output, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
-        pairs.append((example["input"], output))
-    return tuple(pairs)

@@ -16,10 +16,18 @@ from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import ConfigError
 
 
-def raw_config(node_config: dict) -> dict:
-    """What the materialization hands to a run: unique_key and every llm_* key of the model's config."""
+def raw_config(node: dict) -> dict:
+    """What the materialization hands to a run (`_llm_config`): unique_key and every llm_* key of the
+    model's config, and with llm_output_from_columns the model's YAML columns (name, data_type,
+    description), the keys the table (config_keys.py) reads from the YAML."""
+    node_config = node.get("config") or {}
     picked = {"unique_key": node_config.get("unique_key")}
     picked.update({k: v for k, v in node_config.items() if k.startswith("llm_")})
+    if picked.get("llm_output_from_columns"):
+        picked["columns"] = [
+            {"name": name, "data_type": column.get("data_type"), "description": column.get("description")}
+            for name, column in (node.get("columns") or {}).items()
+        ]
     return picked
 
 
@@ -35,7 +43,7 @@ def problems(manifest: dict) -> tuple[int, list[str]]:
         checked += 1
         where = f"{node['name']} ({node.get('original_file_path', node['unique_id'])})"
         try:
-            parse_config(raw_config(config))
+            parse_config(raw_config(node))
         except ConfigError as exc:
             found.append(f"{where}: {exc}")
         contract = config.get("contract") or {}

@@ -139,7 +139,9 @@ class Provider(ABC):
     finish_reasons: ClassVar[dict[str, str]] = {}
 
     # --- the provider's own config keys ------------------------------------------------------------
-    # llm_* keys only this provider reads, with their defaults; parse_options validates them.
+    # llm_* keys only this provider reads: each name to its declaration (a config_keys.Key: type,
+    # default, doc, for docs/configuration.md) or, as before Keys existed, to its default alone;
+    # parse_options validates them.
     config_keys: ClassVar[dict[str, Any]] = {}
     # Said when a model of this provider sets another provider's key (where this provider reads it instead).
     environment_hint: ClassVar[str | None] = None

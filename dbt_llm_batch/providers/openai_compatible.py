@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from dbt_llm_batch.config_keys import Key
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.providers.openai_chat import OpenAIChatProvider
 
@@ -21,8 +22,23 @@ class OpenAICompatibleProvider(OpenAIChatProvider):
     key_env_var = ""  # the model's llm_api_key_env, if the engine wants a key at all
     self_hosted = True
     config_keys = {
-        "llm_base_url": None,  # the engine's URL, or a list of replicas
-        "llm_api_key_env": None,  # the environment variable holding the engine's key, if any
+        key.name: key
+        for key in (
+            Key(
+                "llm_base_url",
+                "URL or list of URLs",
+                None,
+                "the engine's OpenAI-compatible base URL (`http://host:8000/v1`); a list spreads requests over "
+                "replicas by fewest outstanding requests",
+                default_doc="required",
+            ),
+            Key(
+                "llm_api_key_env",
+                "environment variable name",
+                None,
+                "the variable holding the engine's key, if it wants one (the name, never the key)",
+            ),
+        )
     }
 
     @classmethod
