@@ -409,22 +409,23 @@ def test_a_failed_then_command_is_recorded_and_run_again_until_it_succeeds(
 ):
     submitted(project, emulator, provider)
     emulator.complete_all()
-    calls, ok = tmp_path / "calls.txt", tmp_path / "ok"
-    then = f"echo {{models}}+ >> {calls} && test -f {ok}"
+    calls, ok, script = tmp_path / "calls.txt", tmp_path / "ok", tmp_path / "rebuild.sh"
+    script.write_text(f'echo "$@" >> {calls}\ntest -f {ok}\n')  # records its arguments; fails until `ok` exists
+    then = f"sh {script} {{models}}+"
 
-    rc, out, err = poll(project, capsys, "--then", then)
-    assert rc == EXIT_THEN_FAILED, out + err
-    assert "--then exited with status 1" in err and "runs it again for triage" in err
-    owed = (
-        "select model, dbt_name, command, exit_code, attempts, succeeded_at is null from main.llm_batch_then_commands"
-    )
-    command = f"echo triage+ >> {calls} && test -f {ok}"
-    assert project.query(owed) == [("main.triage", "triage", command, 1, 1, True)]
+    rc, out, first_err = poll(project, capsys, "--then", then)
+    assert rc == EXIT_THEN_FAILED, out + first_err
+    assert calls.read_text() == "triage+\n"
 
     # Nothing new to harvest: the poll runs it again, as the ledger says it is owed.
     rc, out, err = poll(project, capsys, "--then", then)
-    assert rc == EXIT_THEN_FAILED, out + err
     assert calls.read_text() == "triage+\n" * 2
+    assert rc == EXIT_THEN_FAILED, out + err
+    assert "--then exited with status 1" in first_err and "runs it again for triage" in first_err
+    owed = (
+        "select model, dbt_name, command, exit_code, attempts, succeeded_at is null from main.llm_batch_then_commands"
+    )
+    command = f"sh {script} triage+"
     assert project.query(owed) == [("main.triage", "triage", command, 1, 2, True)]
 
     # A poll without --then runs nothing, and says what is owed.
@@ -450,8 +451,9 @@ def test_then_names_every_model_whose_rows_a_harvest_completes(project, emulator
     project.dbt("run", "-s", "dup_twin")
     assert batch_counts(emulator) == [4]
     emulator.complete_all()
-    out_file = tmp_path / "then.txt"
-    rc, out, err = poll(project, capsys, "--model", "dup", "--then", f"echo {{models}}+ > {out_file}")
+    out_file, script = tmp_path / "then.txt", tmp_path / "rebuild.sh"
+    script.write_text(f'echo "$@" > {out_file}\n')
+    rc, out, err = poll(project, capsys, "--model", "dup", "--then", f"sh {script} {{models}}+")
     assert rc == EXIT_DONE, out + err
     assert out_file.read_text() == "dup+ dup_twin+\n"
     assert "new results for: dup dup_twin" in out
