@@ -445,19 +445,35 @@ def test_a_failed_then_command_is_recorded_and_run_again_until_it_succeeds(
 
 def test_then_names_every_model_whose_rows_a_harvest_completes(project, emulator, capsys, tmp_path):
     """`dup_twin`'s rows point at `dup`'s requests in flight (llm_dedup = 'ledger'): harvesting `dup`'s
-    batch completes both models' rows, so both are named (and both rebuilt by `dbt build -s {models}+`)."""
+    batch completes both models' rows, so both are named (and both rebuilt by `dbt build -s {models}+`);
+    and polling `dup_twin` alone polls the batch its rows wait for, though `dup` sent it."""
     shared_models(project, {i: i % 4 for i in range(8)})
     project.dbt("run", "-s", "dup")
     project.dbt("run", "-s", "dup_twin")
     assert batch_counts(emulator) == [4]
-    emulator.complete_all()
     out_file, script = tmp_path / "then.txt", tmp_path / "rebuild.sh"
     script.write_text(f'echo "$@" > {out_file}\n')
-    rc, out, err = poll(project, capsys, "--model", "dup", "--then", f"sh {script} {{models}}+")
+    then = ["--then", f"sh {script} {{models}}+"]
+
+    rc, out, err = poll(project, capsys, *then)
+    assert rc == EXIT_PENDING and not out_file.exists(), out + err
+    emulator.complete_all()
+    rc, out, err = poll(project, capsys, *then)
     assert rc == EXIT_DONE, out + err
     assert out_file.read_text() == "dup+ dup_twin+\n"
     assert "new results for: dup dup_twin" in out
     assert "main.dup_twin: 8 row(s) answered by shared requests of other models" in out
-
     project.dbt("run", "-s", "dup_twin")
     assert project.query("select count(*) from main.dup_twin where llm_status = 'succeeded'") == [(8,)]
+
+    # Another round: `dup_twin` asked alone waits for, and harvests, `dup`'s batch.
+    write_rows(project, {i: 10 + i % 4 for i in range(8)})
+    project.dbt("run", "-s", "dup")
+    project.dbt("run", "-s", "dup_twin")
+    rc, out, err = poll(project, capsys, "--model", "dup_twin")
+    assert rc == EXIT_PENDING, out + err
+    assert "main.dup: 4 request(s) pending in 1 open batch(es)" in out
+    emulator.complete_all()
+    rc, out, err = poll(project, capsys, "--model", "dup_twin", *then)
+    assert rc == EXIT_DONE, out + err
+    assert out_file.read_text() == "dup+ dup_twin+\n"

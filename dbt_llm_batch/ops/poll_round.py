@@ -141,6 +141,7 @@ def _read(con, database: str, schema: str | None, model: str | None) -> list[_Ta
         if model is not None:
             models = [m for m in models if model in (m, m.rsplit(".", 1)[-1], snapshots.get(m, {}).get("dbt_name"))]
             matched = matched or bool(models)
+            models += _answering_models(con, ledger, models)
         owed = (
             {o["model"]: o for o in ledger.owed_then_commands()}
             if _has_table(con, s, "llm_batch_then_commands")
@@ -190,6 +191,23 @@ def _target(con, ledger: Ledger, name: str, snapshot: dict | None, owed: dict | 
                 f"cannot poll: its stored config does not parse ({_one_line(exc)}); run it once with dbt"
             )
     return target
+
+
+def _answering_models(con, ledger: Ledger, models: list[str]) -> list[str]:
+    """The other models whose requests in flight answer rows of `models` (llm_dedup = 'ledger'): polling
+    a model polls the batches its rows wait for, whoever sent them."""
+    if not models or not _has_table(con, ledger.schema, "llm_batch_row_answers"):
+        return []
+    return [
+        r[0]
+        for r in con.execute(
+            f"""select distinct r.model from {ledger.table("llm_batch_row_answers")} a
+                join {ledger.table("llm_batch_requests")} r using (custom_id)
+                where a.model in (select unnest($models)) and r.model not in (select unnest($models))
+                  and r.status in {IN_FLIGHT_SQL} order by 1""",
+            {"models": models},
+        ).fetchall()
+    ]
 
 
 def _one_line(exc: Exception) -> str:
@@ -252,7 +270,8 @@ def _fetch(target: _Target, directory: str, retry_budget: float) -> str | None:
             client = get_provider(provider_name)(config)
             client.check_credentials()
         except ConfigError as exc:  # its key is not set here: nothing ends until someone sets it
-            target.report.cannot_poll = f"cannot poll its {len(jobs)} batch(es) at {provider_name}: {_one_line(exc)}"
+            why = f"cannot poll its {len(jobs)} batch(es) at {provider_name}: {_one_line(exc)}"
+            target.report.cannot_poll = "; ".join(filter(None, (target.report.cannot_poll, why)))
             continue
         if not isinstance(client, BatchProvider):  # never the case: only a batch API gives batch ids
             continue
