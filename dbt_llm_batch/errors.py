@@ -21,6 +21,10 @@ class BudgetError(LlmBatchError):
     """A submission would exceed a cost budget. Raised before anything is uploaded."""
 
 
+class PollError(LlmBatchError):
+    """`dbt-llm-batch poll` cannot poll (no such file, an unknown model, a --then it cannot expand)."""
+
+
 class VersionMismatchError(LlmBatchError):
     """The dbt package (macros) and the installed Python package are different versions."""
 

@@ -26,6 +26,7 @@ from dbt_llm_batch.ledger.status import (
     RequestStatus,
     sql,
 )
+from dbt_llm_batch.ledger.then_commands import ThenCommandWrites
 from dbt_llm_batch.sql import ident
 
 __all__ = ["IN_FLIGHT", "MIGRATIONS", "SCHEMA_VERSION", "Ledger", "retry_on_conflict", "transaction"]
@@ -196,6 +197,18 @@ MIGRATIONS += [
     # requests): they are recreated on reaching this version.
     (18, ["alter table {s}.llm_batch_jobs add column if not exists output_schema varchar"]),
 ]
+MIGRATIONS += [
+    # `dbt-llm-batch poll --then` commands that failed (then_commands.py): per model, what was run, when,
+    # its exit code and how many times; the next poll with --then runs it again until it succeeds.
+    (
+        19,
+        [
+            """create table if not exists {s}.llm_batch_then_commands (
+               model varchar, dbt_name varchar, command varchar, exit_code integer,
+               first_failed_at timestamptz, failed_at timestamptz, attempts integer, succeeded_at timestamptz)"""
+        ],
+    ),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users
@@ -277,7 +290,7 @@ _MIGRATION_LOCK = threading.Lock()
 VOIDED, DEFERRED, HELD = sql(RequestStatus.VOIDED), sql(RequestStatus.DEFERRED), sql(RequestStatus.HELD)
 
 
-class Ledger(RequestWrites, JobWrites, ResultWrites):
+class Ledger(RequestWrites, JobWrites, ResultWrites, ThenCommandWrites):
     """The state tables of one schema, seen from one dbt model: the only code that writes them."""
 
     def migrate(self, up_to: int = SCHEMA_VERSION) -> None:

@@ -139,9 +139,9 @@ def poll_command(args) -> int:
         result = poller.poll(
             args.database, schema=args.schema, model=args.model, wait=args.wait, then=args.then, on_line=print
         )
-    except LlmBatchError as exc:
+    except LlmBatchError as exc:  # cannot poll at all: no such file, an unknown model, a --then it cannot expand
         print(f"dbt-llm-batch poll: {exc}", file=sys.stderr)
-        return poller.EXIT_ERROR
+        return poller.EXIT_CANNOT_POLL
     finally:
         log.removeHandler(handler)
         if bar is not None:
@@ -151,10 +151,22 @@ def poll_command(args) -> int:
         print("no batch open")
     if result.models_with_new_results:
         print(f"new results for: {result.selector} (the next `dbt run` of each merges them without a provider call)")
+    for line in result.cannot_poll:  # each says how to fix it
+        print(f"dbt-llm-batch poll: {line}", file=sys.stderr)
     if result.unavailable:
-        print(f"the provider stayed unavailable: {result.unavailable}", file=sys.stderr)
+        print(f"dbt-llm-batch poll: the provider stayed unavailable: {result.unavailable}", file=sys.stderr)
     if result.then_returncode:
-        print(f"dbt-llm-batch poll: --then exited with status {result.then_returncode}", file=sys.stderr)
+        print(
+            f"dbt-llm-batch poll: --then exited with status {result.then_returncode} ({result.then_command}); "
+            f"recorded: the next poll with --then runs it again for {' '.join(result.then_models)}",
+            file=sys.stderr,
+        )
+    elif args.then is None and any(m.then_owed for m in result.models):
+        owed = sorted({m.selector_name for m in result.models if m.then_owed})
+        print(
+            f"dbt-llm-batch poll: an earlier --then failed for {' '.join(owed)}; the next poll with --then runs it again",
+            file=sys.stderr,
+        )
     return result.exit_code
 
 
@@ -183,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     po = sub.add_parser(
         "poll",
         help="harvest the batches that ended into the ledger, without a dbt run (the next run merges them)",
-        description="Exit codes: 0 no batch open; 3 batches still open (or --wait ran out); "
-        "4 the provider stayed unavailable; 1 error (also when --then fails).",
+        description="Exit codes: 0 nothing open; 3 still open (batches not ended, or --wait ran out; "
+        "submissions the model's next dbt run reconciles); 2 cannot poll (no such or unreadable file, unknown "
+        "model, a key not set, a config it cannot read: the message says how to fix it); 1 --then failed "
+        "(recorded; the next poll with --then runs it again); 4 the provider stayed unavailable.",
     )
     po.add_argument("--database", required=True, help="path of the DuckDB file")
     po.add_argument("--schema", default=None, help="only the ledger in this schema (default: every schema)")
@@ -196,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         "--then",
         default=None,
         metavar="COMMAND",
-        help="run COMMAND once if new results were stored; {models} becomes their dbt names, "
-        "e.g. --then 'dbt build -s {models}+'",
+        help="run COMMAND with /bin/sh once if new results were stored (or an earlier --then failed); "
+        "{models} becomes their dbt names, one shell-quoted word each, dbt's graph operators around it "
+        "kept: --then 'dbt build -s {models}+ && notify' runs `dbt build -s a+ b+ && notify`",
     )
     args = parser.parse_args(argv)
     if args.command == "poll":
