@@ -22,7 +22,7 @@ from model_based.invariants import after_calm_finish, after_step, shared_table_c
 from model_based.steps import apply, plan
 from model_based.world import World, write_project
 
-CI_SEEDS = (1, 2, 3)
+CI_SEEDS = (44, 24, 93)  # together they draw every kind of step and edit; 44 meets #30 item 1
 CI_STEPS = 10
 
 
@@ -61,7 +61,9 @@ def test_a_seeded_sequence_keeps_every_invariant(project, emulator, seed, steps,
         check(after_step(project, emulator, world, reported))
 
     calm_finish(project, emulator, done)
-    check(after_step(project, emulator, world, reported) + shared_table_costs(project) + after_calm_finish(project, world))
+    check(
+        after_step(project, emulator, world, reported) + shared_table_costs(project) + after_calm_finish(project, world)
+    )
     if found:
         pytest.fail(replay(seed, steps, done, found), pytrace=False)
 
@@ -93,7 +95,9 @@ def pass_a_day(project) -> None:
 def open_work(project) -> int:
     project.release_database()
     requests = project.query("select count(*) from main.llm_batch_requests where status in ('queued', 'deferred')")
-    jobs = project.query("select count(*) from main.llm_batch_jobs where status in ('intent', 'uploading', 'submitting')")
+    jobs = project.query(
+        "select count(*) from main.llm_batch_jobs where status in ('intent', 'uploading', 'submitting')"
+    )
     return requests[0][0] + jobs[0][0]
 
 

@@ -61,7 +61,8 @@ def anthropic_create_message(face, req: Request) -> dict:
     assert usage is not None  # a succeeded request has usage
     usage["service_tier"] = "standard"
     tokens = {
-        k: usage[k] or 0 for k in ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+        k: usage[k] or 0
+        for k in ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
     }
     emu.counters.add_usage(face.name, **tokens)
     try:

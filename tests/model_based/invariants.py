@@ -21,7 +21,9 @@ def billed_cost(billed: list[dict]) -> Decimal:
     total = Decimal(0)
     for line in billed:
         usage = line["usage"]
-        assert not any(usage.get(k) for k in ("cached_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+        assert not any(
+            usage.get(k) for k in ("cached_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        )
         tokens_in, tokens_out = (usage[k] for k in FACE_TOKENS[line["face"]])
         price_in, price_out = PRICE[line["face"]]
         full = (tokens_in * price_in + tokens_out * price_out) / MILLION
@@ -85,9 +87,7 @@ def table_invariants(project, world: World, model: str) -> list[str]:
         return broken
     has_variant = any(c[0] == "llm_variant" for c in project.query(f"describe main.{model}"))
     variant = "llm_variant" if has_variant else "'default'"
-    dup = project.query(
-        f"select {key}, {variant}, count(*) from main.{model} group by all having count(*) > 1 limit 5"
-    )
+    dup = project.query(f"select {key}, {variant}, count(*) from main.{model} group by all having count(*) > 1 limit 5")
     if dup:
         broken.append(f"one row per (key, variant) in {model}: {dup}")
     # A succeeded row shows its request's answer. A column the answer holds must not be NULL; a column
@@ -159,4 +159,3 @@ def after_calm_finish(project, world: World) -> list[str]:
                 f"missing {sorted(missing)[:6]} ({sum(missing.values())}), extra {sorted(extra)[:6]} ({sum(extra.values())})"
             )
     return broken
-

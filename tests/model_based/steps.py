@@ -117,7 +117,8 @@ def _edit(rng: random.Random, world: World) -> str:
     if what == "variant_remove" and triage.variants:
         name = rng.choice(sorted(triage.variants))
         del triage.variants[name]
-        return f"edit: mb_triage variant {name!r} removed"
+        # The last variant gone, the table loses its llm_variant column: a full refresh, as documented.
+        return f"edit: mb_triage variant {name!r} removed" + ("" if triage.variants else ", dbt run --full-refresh")
     if triage.variants:
         old = rng.choice(sorted(triage.variants))
         new = old + "_2" if not old.endswith("_2") else old.removesuffix("_2")
@@ -157,7 +158,13 @@ def apply(step: Step, project, emulator, world: World, tmp: Path) -> tuple[World
         emulator.complete_all()
     elif step.kind == "advance":
         for batch in emulator.batches():
-            if batch.get("status", batch.get("processing_status")) not in ("completed", "ended", "failed", "cancelled", "expired"):
+            if batch.get("status", batch.get("processing_status")) not in (
+                "completed",
+                "ended",
+                "failed",
+                "cancelled",
+                "expired",
+            ):
                 emulator.advance(batch["id"])
     elif step.kind == "fault_run":
         # Twice: the provider stays flaky for both models that may create a batch there in this run
