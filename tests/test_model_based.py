@@ -19,7 +19,7 @@ import os
 
 import pytest
 from model_based.invariants import after_calm_finish, after_step, shared_table_costs
-from model_based.steps import apply, plan
+from model_based.steps import KINDS, apply, plan
 from model_based.world import World, write_project
 
 CI_SEEDS = (44, 24, 93)  # together they draw every kind of step and edit; 44 meets #30 item 1
@@ -32,6 +32,18 @@ def seeds() -> list:
     steps = int(os.environ.get("DBT_LLM_BATCH_SOAK_STEPS", str(CI_STEPS)))
     chosen = [(s, CI_STEPS) for s in CI_SEEDS] + [(s, steps) for s in range(start, start + soak)]
     return [pytest.param(s, n, id=f"seed_{s}") for s, n in chosen]
+
+
+def test_a_seed_draws_the_same_plan_and_the_ci_seeds_draw_every_kind_of_step():
+    """Replaying a seed replays its steps (the plan depends on the seed alone); the CI seeds together
+    draw every kind of step and every kind of edit."""
+    lines = {seed: [s.line for s in plan(seed, CI_STEPS, World.initial())] for seed in CI_SEEDS}
+    assert lines == {seed: [s.line for s in plan(seed, CI_STEPS, World.initial())] for seed in CI_SEEDS}
+    drawn = {s.kind for seed in CI_SEEDS for s in plan(seed, CI_STEPS, World.initial())}
+    assert drawn == set(KINDS)
+    edits = " ".join(line for seed in CI_SEEDS for line in lines[seed] if line.startswith("edit:"))
+    for edit in ("the prompt", "output", "unique_key", "added", "removed", "renamed"):
+        assert edit in edits, edit
 
 
 @pytest.mark.parametrize("seed,steps", seeds())
