@@ -2,10 +2,12 @@
 line that says what it does), and `apply` carries one step out on the project and the sandbox.
 
 The plan is drawn in full before anything runs, from the seed alone: edits change only the modelled
-World, never depend on what dbt did, so a seed always replays the same steps."""
+World, never depend on what dbt did, so a seed always replays the same steps. What dbt's 4 threads do
+within a step (which model creates its batch first, say) may differ between replays."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import random
@@ -131,8 +133,6 @@ def _edit(rng: random.Random, world: World) -> str:
 
 
 def _copy(world: World) -> World:
-    import copy
-
     return copy.deepcopy(world)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 from helpers import PRICES
 
@@ -39,7 +40,7 @@ def system_of(model: str, version: int) -> str:
 @dataclasses.dataclass
 class ModelState:
     version: int = 0  # the prompt's version: an edit makes a new one, never one used before
-    extra_column: bool = False  # mb_triage and mb_twin: a 'summary' output column
+    extra_column: bool = False  # a 'summary' output column (mb_triage and mb_twin only)
     variants: dict[str, dict] = dataclasses.field(default_factory=dict)  # name -> config
     key: str = "id"  # unique_key: 'id' or 'ticket_no' (= id + 1000)
 
@@ -53,7 +54,7 @@ class World:
     def initial(cls, rows: int = 8) -> World:
         world = cls(models={m: ModelState() for m in MODELS})
         world.models["mb_triage"].variants = {"claude": dict(VARIANT_CONFIGS["claude"])}
-        world.models["mb_twin"].version = 0  # same prompt as mb_triage: shared requests from the start
+        # mb_twin starts at mb_triage's prompt version: their requests are shared from the first run.
         for i in range(rows):
             world.rows[i] = "urgent" if i % 5 == 3 else "normal"
         return world
@@ -108,8 +109,6 @@ where id < {{{{ var('mb_below', 1000000) }}}}
 
 def write_project(project, world: World) -> None:
     """The project as `world` says; the integration project's own models are removed (a quicker parse)."""
-    import shutil
-
     for folder in ("batch", "local", "extraction", "evaluation"):
         shutil.rmtree(project.root / "models" / folder, ignore_errors=True)
     project.write("seeds/llm_prices.csv", PRICES)
