@@ -73,6 +73,33 @@ def test_after_fault_on_a_realtime_call_is_billed(emu, client, claude):
     ]
 
 
+def test_a_billed_line_names_its_request_by_digest_whichever_way_it_was_sent(emu, client, claude):
+    """The same request body, asked in realtime and in a batch, is billed twice under one digest (how a
+    test counts a request paid twice); a different body has another digest; each line has its tokens."""
+    answer = client.chat.completions.create(**chat("same question"))
+    client.chat.completions.create(**chat("another question"))
+    batch = submit(client, [{**line("a", "x"), "body": chat("same question")}])
+    emu.complete(batch.id)
+    message = claude.messages.create(model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "q"}])
+    claude_batch = claude.messages.batches.create(
+        requests=[
+            {
+                "custom_id": "b",
+                "params": {"model": MODEL, "max_tokens": 50, "messages": [{"role": "user", "content": "q"}]},
+            }
+        ]
+    )
+    emu.complete(claude_batch.id)
+
+    billed = emu.billed()
+    digests = [b["request"] for b in billed]
+    assert digests[0] == digests[2] != digests[1] and digests[3] == digests[4] != digests[0]
+    assert [b["via"] for b in billed] == ["realtime", "realtime", "batch", "realtime", "batch"]
+    assert billed[0]["usage"]["prompt_tokens"] == answer.usage.prompt_tokens > 0
+    assert billed[0]["usage"]["completion_tokens"] == answer.usage.completion_tokens > 0
+    assert billed[3]["usage"]["output_tokens"] == message.usage.output_tokens > 0
+
+
 def test_when_is_checked(emu):
     with pytest.raises(ValueError, match="'when'"):
         emu.add_fault(endpoint="POST /v1/batches", when="later")

@@ -355,20 +355,19 @@ class Face:
             )
             job.results.append(result)
             if usage is not None:  # only succeeded requests are billed
-                self.emu.counters.add_usage(
-                    self.name,
-                    **{
-                        k: usage[k] or 0
-                        for k in (
-                            "input_tokens",
-                            "output_tokens",
-                            "cache_creation_input_tokens",
-                            "cache_read_input_tokens",
-                        )
-                    },
-                )
+                tokens = {
+                    k: usage[k] or 0
+                    for k in ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+                }
+                self.emu.counters.add_usage(self.name, **tokens)
                 self.emu.counters.bill(
-                    self.name, "batch", read_params(item["params"]).prompt, job.obj["id"], item["custom_id"]
+                    self.name,
+                    "batch",
+                    read_params(item["params"]).prompt,
+                    item["params"],
+                    tokens,
+                    job.obj["id"],
+                    item["custom_id"],
                 )
 
     def _end(self, job: Job, leftover: str | None, at: float) -> None:

@@ -422,13 +422,14 @@ class Face(FilesMixin):
         run.tokens[0] += done.prompt_tokens
         run.tokens[1] += done.completion_tokens
         run.tokens[2] += done.cached_tokens
-        self.emu.counters.add_usage(
-            "openai",
-            prompt_tokens=done.prompt_tokens,
-            completion_tokens=done.completion_tokens,
-            cached_tokens=done.cached_tokens,
-        )
-        self.emu.counters.bill("openai", "batch", chat_inputs(line["body"]).prompt, run.obj["id"], line["custom_id"])
+        tokens = {
+            "prompt_tokens": done.prompt_tokens,
+            "completion_tokens": done.completion_tokens,
+            "cached_tokens": done.cached_tokens,
+        }
+        self.emu.counters.add_usage("openai", **tokens)
+        prompt = chat_inputs(line["body"]).prompt
+        self.emu.counters.bill("openai", "batch", prompt, line["body"], tokens, run.obj["id"], line["custom_id"])
 
     def _line(self, line: dict, response: dict | None, error: dict | None = None) -> dict:
         return {

@@ -32,13 +32,13 @@ def openai_chat_completion(face, req: Request) -> Reply:
         emu.null_usage_details,
     )
     if done is not None:
-        emu.counters.add_usage(
-            "openai",
-            prompt_tokens=done.prompt_tokens,
-            completion_tokens=done.completion_tokens,
-            cached_tokens=done.cached_tokens,
-        )
-        emu.counters.realtime_answered("openai", chat_inputs(body).prompt)
+        tokens = {
+            "prompt_tokens": done.prompt_tokens,
+            "completion_tokens": done.completion_tokens,
+            "cached_tokens": done.cached_tokens,
+        }
+        emu.counters.add_usage("openai", **tokens)
+        emu.counters.realtime_answered("openai", chat_inputs(body).prompt, body, tokens)
     # Providers send retry-after with 429 and 5xx (both SDKs honour it).
     headers = {"retry-after": "1"} if status == 429 or status >= 500 else {}
     return Reply(status, _json_bytes(payload), headers=headers)
@@ -60,15 +60,13 @@ def anthropic_create_message(face, req: Request) -> dict:
         )
     assert usage is not None  # a succeeded request has usage
     usage["service_tier"] = "standard"
-    emu.counters.add_usage(
-        face.name,
-        **{
-            k: usage[k] or 0
-            for k in ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
-        },
-    )
+    tokens = {
+        k: usage[k] or 0
+        for k in ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+    }
+    emu.counters.add_usage(face.name, **tokens)
     try:
-        emu.counters.realtime_answered(face.name, read_params(params).prompt)
+        emu.counters.realtime_answered(face.name, read_params(params).prompt, params, tokens)
     except BadParams:  # cannot happen for a request that succeeded; keeps the count honest if it did
         pass
     return result["message"]

@@ -258,9 +258,10 @@ class Emulator:
 
     def billed(self) -> list[dict]:
         """Every request the sandbox billed, in order: {face, via ("batch" | "realtime"), batch_id,
-        custom_id (batch lines), prompt}. Billed means the provider charges it: a succeeded batch line
-        (also in a batch that later expired or was cancelled) or an answered realtime call, also one
-        whose answer an `after` fault kept from the client."""
+        custom_id (batch lines), prompt, request (a digest of the body asked: the same request sent in a
+        batch or in realtime has the same digest), usage (its billed tokens)}. Billed means the provider
+        charges it: a succeeded batch line (also in a batch that later expired or was cancelled) or an
+        answered realtime call, also one whose answer an `after` fault kept from the client."""
         with self._lock:
             self._tick()
             return [dict(b) for b in self.counters.billed]

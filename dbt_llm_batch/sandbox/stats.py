@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import Counter
+from typing import Any
 
 USAGE_KEYS = {
     "openai": ("prompt_tokens", "completion_tokens", "cached_tokens"),
@@ -38,13 +41,34 @@ class Counters:
         for key, value in tokens.items():
             self.usage[face][key] += value
 
-    def realtime_answered(self, face: str, prompt: str) -> None:
+    def realtime_answered(self, face: str, prompt: str, request: dict, usage: dict[str, int]) -> None:
         self.realtime_requests[face] += 1
         self.realtime_prompts[(face, prompt)] += 1
-        self.bill(face, "realtime", prompt)
+        self.bill(face, "realtime", prompt, request, usage)
 
-    def bill(self, face: str, via: str, prompt: str, batch_id: str | None = None, custom_id: str | None = None) -> None:
-        self.billed.append({"face": face, "via": via, "batch_id": batch_id, "custom_id": custom_id, "prompt": prompt})
+    def bill(
+        self,
+        face: str,
+        via: str,
+        prompt: str,
+        request: dict,
+        usage: dict[str, int],
+        batch_id: str | None = None,
+        custom_id: str | None = None,
+    ) -> None:
+        """`request` is the body (OpenAI) or params (Anthropic) asked: billed records carry its digest, so
+        a test counts how often one request was paid whichever way (batch or realtime) it was sent."""
+        self.billed.append(
+            {
+                "face": face,
+                "via": via,
+                "batch_id": batch_id,
+                "custom_id": custom_id,
+                "prompt": prompt,
+                "request": request_digest(request),
+                "usage": dict(usage),
+            }
+        )
 
     def snapshot(self) -> dict:
         oai = self.usage["openai"]
@@ -62,3 +86,8 @@ class Counters:
             },
             "usage_by_face": {face: dict(usage) for face, usage in self.usage.items()},
         }
+
+
+def request_digest(request: Any) -> str:
+    """A short digest of a request body as asked, its keys in canonical order."""
+    return hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,218 @@
+"""The steps of a model-based sequence: a seeded generator draws a plan (a list of steps, each with a
+line that says what it does), and `apply` carries one step out on the project and the sandbox.
+
+The plan is drawn in full before anything runs, from the seed alone: edits change only the modelled
+World, never depend on what dbt did, so a seed always replays the same steps. What dbt's 4 threads do
+within a step (which model creates its batch first, say) may differ between replays."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from dbt_llm_batch.pipeline.crashpoints import POINTS
+
+from .world import MODELS, VARIANT_CONFIGS, World, write_models, write_seed
+
+SELECT = ("-s", "tag:mb", "--threads", "4")
+# Faults of a provider's submission: before the handler (nothing happened at the
+# provider) or after it (the batch exists, the client sees an error).
+FAULTS = (
+    {"endpoint": "POST /v1/batches", "status_code": 500, "when": "after"},
+    {"endpoint": "POST /v1/messages/batches", "status_code": 500, "when": "after"},
+    {"endpoint": "POST /v1/files", "status_code": 503, "when": "before"},
+    {"endpoint": "POST /v1/messages/batches", "status_code": 529, "when": "before"},
+)
+KINDS = {  # kind -> weight in the draw
+    "run": 4,
+    "narrow_run": 2,
+    "complete": 3,
+    "advance": 1,
+    "fault_run": 3,
+    "crash": 2,
+    "edit": 4,
+    "new_rows": 2,
+    "poll": 1,
+    "reparse_run": 1,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    kind: str
+    line: str  # what the step does, as the failure report prints it
+    args: dict = dataclasses.field(default_factory=dict)
+    world: World | None = None  # the World after an edit or new rows
+
+
+def plan(seed: int, steps: int, world: World) -> list[Step]:
+    """`steps` steps drawn from `seed`; the first is a run, with or without a fault. `world` is copied,
+    not changed."""
+    rng = random.Random(seed)
+    world = _copy(world)
+    out: list[Step] = []
+    kinds, weights = zip(*KINDS.items(), strict=True)
+    while len(out) < steps:
+        kind = rng.choices(kinds, weights)[0] if out else rng.choice(["run", "fault_run"])
+        if kind == "fault_run":
+            fault = rng.choice(FAULTS)
+            out.append(Step(kind, f"fault {_fault_text(fault)} (twice), then dbt run", {"fault": fault}))
+        elif kind == "crash":
+            point = rng.choice(POINTS)
+            out.append(Step(kind, f"dbt run in a subprocess, SIGKILLed at {point}", {"point": point}))
+        elif kind == "advance":
+            out.append(Step(kind, "sandbox: every open batch one stage along"))
+        elif kind == "complete":
+            out.append(Step(kind, "sandbox: complete every batch"))
+        elif kind == "poll":
+            out.append(Step(kind, "dbt-llm-batch poll --then 'dbt run -s {models}'"))
+        elif kind == "narrow_run":
+            below = rng.randrange(2, max(world.rows))
+            out.append(Step(kind, f"dbt run --vars '{{mb_below: {below}}}' (a narrower selection)", {"below": below}))
+        elif kind == "run":
+            out.append(Step(kind, "dbt run (threads 4)"))
+        elif kind == "reparse_run":
+            out.append(Step(kind, "dbt run --no-partial-parse (a full re-parse)"))
+        elif kind == "new_rows":
+            first = max(world.rows) + 1
+            for i in range(first, first + 2):
+                world.rows[i] = "urgent" if rng.random() < 0.3 else "normal"
+            out.append(Step(kind, f"new seed rows {first}, {first + 1}, then dbt seed", world=_copy(world)))
+        else:
+            line = _edit(rng, world)
+            out.append(Step("edit", line, world=_copy(world)))
+    return out
+
+
+def _edit(rng: random.Random, world: World) -> str:
+    """Change `world` by one edit a user makes between runs; returns what it did."""
+    triage = world.models["mb_triage"]
+    choices = ["prompt", "output", "key", "variant_add", "variant_remove", "variant_rename"]
+    what = rng.choice(choices)
+    if what == "prompt":
+        version = 1 + max(s.version for s in world.models.values())
+        models = rng.choice([["mb_triage"], ["mb_twin"], ["mb_extract"], ["mb_triage", "mb_twin"]])
+        for m in models:
+            world.models[m].version = version
+        return f"edit: the prompt of {' and '.join(models)} (v{version})"
+    if what == "output":
+        model = rng.choice(["mb_triage", "mb_twin"])
+        state = world.models[model]
+        state.extra_column = not state.extra_column
+        return f"edit: {model} output {'gains' if state.extra_column else 'loses'} 'summary', dbt run --full-refresh"
+    if what == "key":
+        model = rng.choice(MODELS)
+        state = world.models[model]
+        state.key = "ticket_no" if state.key == "id" else "id"
+        return f"edit: {model} unique_key = {state.key!r}"
+    present = {name.removesuffix("_2") for name in triage.variants}  # a renamed variant is still that variant
+    free = [name for name in VARIANT_CONFIGS if name not in present]
+    if what == "variant_add" and free:
+        name = rng.choice(free)
+        triage.variants[name] = dict(VARIANT_CONFIGS[name])
+        return f"edit: mb_triage variant {name!r} added"
+    if what == "variant_remove" and triage.variants:
+        name = rng.choice(sorted(triage.variants))
+        del triage.variants[name]
+        # The last variant gone, the table loses its llm_variant column: a full refresh, as documented.
+        return f"edit: mb_triage variant {name!r} removed" + ("" if triage.variants else ", dbt run --full-refresh")
+    if triage.variants:
+        old = rng.choice(sorted(triage.variants))
+        new = old + "_2" if not old.endswith("_2") else old.removesuffix("_2")
+        if new not in triage.variants:
+            triage.variants[new] = triage.variants.pop(old)
+            return f"edit: mb_triage variant {old!r} renamed {new!r}"
+    version = 1 + max(s.version for s in world.models.values())
+    world.models["mb_extract"].version = version
+    return f"edit: the prompt of mb_extract (v{version})"
+
+
+def _copy(world: World) -> World:
+    return copy.deepcopy(world)
+
+
+def _fault_text(fault: dict) -> str:
+    return f"{fault['endpoint']} {fault['status_code']} {fault['when']} the handler"
+
+
+# -- carrying a step out -----------------------------------------------------------------------
+
+
+def apply(step: Step, project, emulator, world: World, tmp: Path) -> tuple[World, str]:
+    """Carry `step` out; returns the World after it and a note of what happened (the plan's line plus
+    an outcome a replay wants to see: a dbt run that failed, where a crash died, a poll's exit code)."""
+    if step.world is not None:
+        world = step.world
+    note = ""
+    if step.kind in ("run", "reparse_run"):
+        flags = ("--no-partial-parse",) if step.kind == "reparse_run" else ()
+        note = _run(project, *flags)
+    elif step.kind == "narrow_run":
+        note = _run(project, "--vars", f"{{mb_below: {step.args['below']}}}")
+    elif step.kind == "complete":
+        emulator.complete_all()
+    elif step.kind == "advance":
+        for batch in emulator.batches():
+            if batch.get("status", batch.get("processing_status")) not in (
+                "completed",
+                "ended",
+                "failed",
+                "cancelled",
+                "expired",
+            ):
+                emulator.advance(batch["id"])
+    elif step.kind == "fault_run":
+        # Twice: the provider stays flaky for both models that may create a batch there in this run
+        # (dbt's threads decide which one creates first).
+        emulator.add_fault(kind="http_error", times=2, **step.args["fault"])
+        note = _run(project)
+        emulator.clear_faults()
+    elif step.kind == "crash":
+        note = _crash(project, step.args["point"], tmp)
+    elif step.kind == "new_rows":
+        write_seed(project, world)
+        project.dbt("seed", "-s", "mb_tickets")
+    elif step.kind == "edit":
+        write_models(project, world)
+        if "--full-refresh" in step.line:
+            model = step.line.split()[1]
+            note = _run(project, "--full-refresh", select=model)
+    elif step.kind == "poll":
+        note = _poll(project, tmp)
+    return world, note
+
+
+def _run(project, *flags: str, select: str = "tag:mb") -> str:
+    result = project.dbt("run", "-s", select, "--threads", "4", *flags, expect_ok=False)
+    if result.success:
+        return ""
+    failed = [f"{r.node.name}: {str(r.message)[:200]}" for r in result.result.results if r.status == "error"]
+    return "dbt run failed: " + ("; ".join(failed) or repr(result.exception))
+
+
+def _crash(project, point: str, tmp: Path) -> str:
+    project.release_database()
+    marker = tmp / "crash-marker"
+    marker.unlink(missing_ok=True)
+    dbt = Path(sys.executable).parent / "dbt"
+    argv = [str(dbt), "run", *SELECT, "--project-dir", str(project.root), "--profiles-dir", str(project.root)]
+    env = {**os.environ, "DBT_LLM_BATCH_CRASH_AT": point, "DBT_LLM_BATCH_CRASH_MARKER": str(marker)}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode == -9:
+        return f"killed at {point}"
+    return f"never reached {point} (exit {done.returncode})"
+
+
+def _poll(project, tmp: Path) -> str:
+    from dbt_llm_batch.ops.cli import main as cli
+
+    project.release_database()
+    dbt = Path(sys.executable).parent / "dbt"
+    then = f"{dbt} run -s {{models}} --threads 4 --project-dir {project.root} --profiles-dir {project.root}"
+    rc = cli(["poll", "--database", str(project.db_path), "--then", then])
+    return f"poll exit {rc}"

@@ -1,0 +1,125 @@
+"""The modelled project: what the test believes the dbt project is (rows, each model's config), and the
+files that say it to dbt.
+
+Three llm_batch models over one seed of tickets, every one with `llm_dedup = 'ledger'` at test prices:
+- `mb_triage` (OpenAI) with variants (at first 'claude' on Anthropic), urgent rows sent realtime;
+- `mb_twin` (OpenAI) asking the same requests as mb_triage's default variant while their prompts agree
+  (shared requests across models);
+- `mb_extract` (Anthropic) with a nested output (a STRUCT holding a LIST, and an integer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+from helpers import PRICES
+
+MODELS = ("mb_triage", "mb_twin", "mb_extract")
+TRIAGE_OUTPUT = {"category": ["billing", "bug", "how_to", "other"], "urgent": "boolean"}
+EXTRACT_OUTPUT = {
+    "contact": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "topics": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name", "topics"],
+    },
+    "effort": "integer",
+}
+# A variant's config by the name the generator gives it (the name is what a rename changes).
+VARIANT_CONFIGS = {
+    "claude": {"llm_provider": "anthropic", "llm_model": "claude-test"},
+    "terse": {"llm_system": "Category of the ticket, nothing else."},
+}
+
+
+def system_of(model: str, version: int) -> str:
+    return f"Sort the support ticket into a category (prompt {model.removeprefix('mb_')} v{version})."
+
+
+@dataclasses.dataclass
+class ModelState:
+    version: int = 0  # the prompt's version: an edit makes a new one, never one used before
+    extra_column: bool = False  # a 'summary' output column (mb_triage and mb_twin only)
+    variants: dict[str, dict] = dataclasses.field(default_factory=dict)  # name -> config
+    key: str = "id"  # unique_key: 'id' or 'ticket_no' (= id + 1000)
+
+
+@dataclasses.dataclass
+class World:
+    rows: dict[int, str] = dataclasses.field(default_factory=dict)  # id -> priority ('urgent' or 'normal')
+    models: dict[str, ModelState] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def initial(cls, rows: int = 8) -> World:
+        world = cls(models={m: ModelState() for m in MODELS})
+        world.models["mb_triage"].variants = {"claude": dict(VARIANT_CONFIGS["claude"])}
+        # mb_twin starts at mb_triage's prompt version: their requests are shared from the first run.
+        for i in range(rows):
+            world.rows[i] = "urgent" if i % 5 == 3 else "normal"
+        return world
+
+    def variants_of(self, model: str) -> set[str]:
+        return {"default", *self.models[model].variants}
+
+    def output_columns(self, model: str) -> list[str]:
+        if model == "mb_extract":
+            return sorted(EXTRACT_OUTPUT)
+        return sorted([*TRIAGE_OUTPUT, *(["summary"] if self.models[model].extra_column else [])])
+
+
+def body_of(i: int) -> str:
+    return f"Ticket {i}: the export of report {i % 4} fails with error {i * 13 % 97}."
+
+
+def seed_csv(world: World) -> str:
+    return "id,priority,body\n" + "".join(f'{i},{p},"{body_of(i)}"\n' for i, p in sorted(world.rows.items()))
+
+
+def model_sql(world: World, model: str) -> str:
+    state = world.models[model]
+    if model == "mb_extract":
+        config = {
+            "llm_provider": "anthropic",
+            "llm_model": "claude-test",
+            "llm_output": EXTRACT_OUTPUT,
+            "llm_system": f"Extract the contact and the effort (v{state.version}).",
+        }
+        prompt = "'Extract from: ' || body"
+    else:
+        output = dict(TRIAGE_OUTPUT, **({"summary": "text"} if state.extra_column else {}))
+        config = {"llm_provider": "openai", "llm_model": "gpt-test", "llm_output": output}
+        # The twin's prompt equals mb_triage's while their versions agree: one request for both.
+        config["llm_system"] = system_of("mb_triage", state.version)
+        prompt = "'Ticket: ' || body"
+    config.update(llm_dedup="ledger", llm_max_tokens=60, llm_price_table="main.llm_prices")
+    if model == "mb_triage":
+        config["llm_realtime_when"] = "priority = 'urgent'"
+        if state.variants:
+            config["llm_variants"] = state.variants
+    args = ",\n    ".join(f"{k} = {json.dumps(v)}" for k, v in config.items())
+    return f"""{{{{ config(
+    materialized = 'llm_batch', tags = ['mb'], unique_key = {state.key!r},
+    {args}
+) }}}}
+select id, id + 1000 as ticket_no, priority, {prompt} as prompt from {{{{ ref('mb_tickets') }}}}
+where id < {{{{ var('mb_below', 1000000) }}}}
+"""
+
+
+def write_project(project, world: World) -> None:
+    """The project as `world` says; the integration project's own models are removed (a quicker parse)."""
+    for folder in ("batch", "local", "extraction", "evaluation"):
+        shutil.rmtree(project.root / "models" / folder, ignore_errors=True)
+    project.write("seeds/llm_prices.csv", PRICES)
+    write_models(project, world)
+    write_seed(project, world)
+
+
+def write_models(project, world: World) -> None:
+    for model in MODELS:
+        project.write(f"models/mb/{model}.sql", model_sql(world, model))
+
+
+def write_seed(project, world: World) -> None:
+    project.write("seeds/mb_tickets.csv", seed_csv(world))
