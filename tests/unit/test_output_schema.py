@@ -10,7 +10,7 @@ import pytest
 from dbt_llm_batch import output_schema
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import ConfigError
-from dbt_llm_batch.pipeline.harvest import answer_schema_problem
+from dbt_llm_batch.output_schema import answer_problem as answer_schema_problem
 from dbt_llm_batch.providers.openai_chat import strict_problems, strict_schema
 
 RESUME = {
