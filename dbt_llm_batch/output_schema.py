@@ -340,17 +340,20 @@ def _flat_checks(name: str, schema: dict, answer: str) -> list[tuple[str, str]]:
     or_null = " or null" if nullable else ""
     # A missing field has no json_type: every column is required (a nullable one answers null).
     wrong_type = f"coalesce({jtype}, 'missing') not in {in_list(types)}"
+    column = _type(schema)
     checks = []
+    if kind == "integer":
+        # Written as an integer but past the column's range: JSON gives it as a UBIGINT or, past that, a
+        # DOUBLE (the type check below takes no other DOUBLE); DuckDB's own cast says whether it fits.
+        written = f"{jtype} in ('UBIGINT', 'DOUBLE') and regexp_full_match({text}, '-?[0-9]+')"
+        why = f"field '{name}' is out of the range of its {column} column: "
+        checks.append((f"{written} and try_cast({text} as {column}) is null", f"{literal(why)} || {text}"))
     if "enum" in schema:
         values = [v for v in schema["enum"] if v is not None]
         cond = f"{wrong_type} or ({jtype} = 'VARCHAR' and {text} not in {in_list(values)})"
         checks.append((cond, literal(f"field '{name}' is not one of {values}{or_null}")))
     else:
         checks.append((wrong_type, literal(f"field '{name}' is missing or not of type {kind}{or_null}")))
-    column = _type(schema)
-    if kind == "integer":  # DuckDB's own cast says whether the integer fits (INTEGER_RANGES in Python)
-        why = f"field '{name}' is out of the range of its {column} column: "
-        checks.append((f"{jtype} = 'UBIGINT' and try_cast({text} as {column}) is null", f"{literal(why)} || {text}"))
     fmt = schema.get("format")
     if fmt in FORMAT_PATTERNS:
         holds = f"regexp_full_match({text}, {literal(FORMAT_PATTERNS[fmt])})"
