@@ -398,7 +398,7 @@ def answer_problem(validator, answer: str) -> str | None:
     return f"answer does not match llm_output at ${path}: {error.message} (rule '{error.validator}')"
 
 
-# -- The column values ------------------------------------------------------------------------------
+# -- The column values and their docs ---------------------------------------------------------------
 
 
 def value_sql(name: str, schema: dict, answer: str) -> str:
@@ -414,3 +414,24 @@ def value_sql(name: str, schema: dict, answer: str) -> str:
         return f"try_cast(json_extract({answer}, {path}) as {column})"
     text = f"json_extract_string({answer}, {path})"
     return text if column == "VARCHAR" else f"try_cast({text} as {column})"
+
+
+def describe(name: str, schema: dict) -> str:
+    """What output column `name` holds, in words (its column comment, which `dbt docs` shows): the
+    kind of value, and the schema's own description, which the provider was sent too."""
+    kind, nullable = _kind(schema)
+    if "enum" in schema:
+        what = f"one of {[v for v in schema['enum'] if v is not None]}"
+    elif schema.get("format") in FORMAT_PATTERNS:
+        what = f"a {schema['format']} (RFC 3339, e.g. {FORMAT_EXAMPLES[schema['format']]})"
+    else:
+        what = {
+            "string": "text",
+            "integer": "an integer",
+            "number": "a number",
+            "boolean": "true or false",
+            "object": "an object (STRUCT)",
+            "array": "a list",
+        }[kind]
+    text = f"The answer's '{name}' field (llm_output): {what}{', or NULL' if nullable else ''}"
+    return f"{text}; {schema['description']}" if schema.get("description") else text

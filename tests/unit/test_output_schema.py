@@ -404,3 +404,13 @@ def test_a_nullable_scalar_is_flat_and_takes_null_but_not_a_missing_field():
 )
 def test_a_column_holds_the_answers_value_a_string_as_its_text_and_null_as_null(column, answer, value):
     assert one(f"select {output_schema.value_sql('x', column, '?')}", answer) == value
+
+
+def test_a_column_is_described_by_what_it_holds_and_its_own_description():
+    assert output_schema.describe(
+        "when", {"type": ["string", "null"], "format": "date-time", "description": "start"}
+    ) == ("The answer's 'when' field (llm_output): a date-time (RFC 3339, e.g. 2026-01-31T09:30:00Z), or NULL; start")
+    assert output_schema.describe("n", {"type": "integer"}) == "The answer's 'n' field (llm_output): an integer"
+    assert output_schema.describe("tags", {"type": "array", "items": {"type": "string"}}) == (
+        "The answer's 'tags' field (llm_output): a list"
+    )
