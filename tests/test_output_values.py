@@ -94,3 +94,16 @@ def test_a_nullable_string_holds_its_text_and_null_as_null(project, emulator, pr
         note = rows[prompt]["note"]
         assert note is None or re.fullmatch(r"sandbox-[0-9a-f]{8}", note), (prompt, note)
     assert {rows[p]["note"] is None for p in ("row 2", "row 3", "row 4", "row 5")} == {True, False}
+
+
+def test_a_realtime_answer_the_column_cannot_hold_is_a_failed_attempt_too(project, emulator, provider):
+    # Every row goes realtime, answered within the run: its reply is settled by the same checks.
+    setup(project, provider, extra=f"llm_output={OUTPUT}, llm_max_attempts=2, llm_realtime_when='true',")
+    emulator.add_fault(kind="content", prompt_contains="row 0", content=json.dumps(GOOD | {"when": "next tuesday"}))
+    run(project)
+    assert project.query("select status from main.llm_batch_requests where row_json like '%row 0%'") == [("failed",)]
+    run(project)  # the second attempt
+
+    rows = project.query('select llm_status, ["when"::varchar, n::varchar], ks, ds from main.m')
+    assert len(rows) == 6
+    assert all(status == "succeeded" and _no_null([*values]) for status, *values in rows), rows
