@@ -414,3 +414,14 @@ def test_a_column_is_described_by_what_it_holds_and_its_own_description():
     assert output_schema.describe("tags", {"type": "array", "items": {"type": "string"}}) == (
         "The answer's 'tags' field (llm_output): a list"
     )
+
+
+def test_the_sandbox_answers_each_format_with_a_value_its_column_holds():
+    from dbt_llm_batch.sandbox import expected_answer
+
+    schema = output_schema.object_schema(
+        {fmt: {"type": "string", "format": fmt} for fmt in output_schema.FORMAT_PATTERNS}
+    )
+    for prompt in ("a", "b", "c"):
+        answer = expected_answer(None, prompt, schema)
+        assert sql_problem(schema["properties"], answer) is None, answer
