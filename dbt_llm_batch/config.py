@@ -53,7 +53,6 @@ class OutputColumn:
     name: str
     duckdb_type: str
     json_schema: dict
-    enum: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -455,8 +454,7 @@ def _parse_output(output, errors) -> tuple[OutputColumn, ...]:
             seen[name.lower()] = name
             schema = output_schema.column_schema(spec, f"llm_output['{name}']", errors)
             if schema is not None:
-                flat_enum = tuple(schema["enum"]) if "enum" in schema and output_schema.is_flat(schema) else None
-                columns.append(OutputColumn(name, output_schema.duckdb_type(schema), schema, flat_enum))
+                columns.append(OutputColumn(name, output_schema.duckdb_type(schema), schema))
     return tuple(columns)
 
 

@@ -1,5 +1,8 @@
 """llm_output as one JSON Schema: the user's column specs read into canonical fragments, and the
-DuckDB type each fragment becomes.
+DuckDB type each fragment becomes; what an answer must be for its columns to hold it (the checks), and
+the SQL that reads each column's value out of an answer. One owner of the output's shape: the schema
+asked (config.py records it, providers translate it), the answer checks (pipeline/outcomes.py runs
+them), the column values (pipeline/merge.py writes them).
 
 A column is written in the compact form ('text', 'integer', 'number', 'boolean', or a list of allowed
 strings) or as a JSON Schema fragment (a dict with a 'type'). Fragments nest to any depth: an object
@@ -8,15 +11,23 @@ optional when its object leaves it out of `required` or its type admits 'null'; 
 
 The canonical schema is provider-neutral: every object sets `additionalProperties: false` (a STRUCT
 has exactly its fields), `required` is sorted, and a nullable enum lists null. Providers translate it
-to what their API takes (providers/openai_chat.py for OpenAI's strict mode); every answer is checked
-against it (pipeline/harvest.py).
+to what their API takes (providers/openai_chat.py for OpenAI's strict mode).
+
+An answer is checked against the canonical schema and against what its columns can hold: a date,
+date-time or time the way DuckDB reads it, an integer within its column's range. An answer that fails
+is a failed attempt with the reason (retried under llm_max_attempts), never a succeeded row with NULL
+where the value was. Flat columns (one scalar, maybe nullable) are checked in bulk SQL
+(`answer_problems_sql`), the others value by value with jsonschema (`answer_validator`).
 """
 
 from __future__ import annotations
 
+import calendar
+import json
+import re
 from typing import Any
 
-from dbt_llm_batch.sql import ident
+from dbt_llm_batch.sql import ident, in_list, literal
 
 # Compact type names, and the JSON Schema type each one is.
 COMPACT = {"text": "string", "integer": "integer", "number": "number", "boolean": "boolean"}
@@ -166,6 +177,8 @@ def validation_schema(node: dict, required: bool = True) -> dict:
     if "items" in out:
         out["items"] = validation_schema(out["items"])
     types = out["type"] if isinstance(out["type"], list) else [out["type"]]
+    if "integer" in types:  # checked against its column's range (answer_validator)
+        out["range"] = _type(node)
     if not required and "null" not in types:
         out["type"] = [*types, "null"]
         if "enum" in out:
@@ -247,15 +260,178 @@ def _from_parsed(parsed, data_type: str, where: str, errors: list[str]) -> dict 
 
 
 def is_flat(schema: dict) -> bool:
-    """Whether the column is one of the compact types (a scalar or a string enum, not null, no other
-    keyword but a description): its answers are checked in bulk SQL instead of value by value."""
+    """Whether the column is one scalar (a compact type, a string enum, a date, date-time or time,
+    nullable or not) with no other rule: its answers are checked in bulk SQL (answer_problems_sql)
+    instead of value by value."""
+    kind, _ = _kind(schema)
     return (
-        isinstance(schema.get("type"), str)
-        and schema["type"] in SCALARS
-        and set(schema) <= {"type", "enum", "description"}
+        kind in SCALARS
+        and set(schema) <= {"type", "enum", "description", "title", "format"}
+        and schema.get("format", "date") in FORMAT_PATTERNS
     )
 
 
-def nested(schema: dict) -> bool:
-    """Whether the column's value is read from the answer's JSON as a whole (anything not flat)."""
-    return not is_flat(schema)
+def _kind(schema: dict) -> tuple[str, bool]:
+    """(the fragment's one non-null type, whether it admits null)."""
+    declared = schema.get("type")
+    types = declared if isinstance(declared, list) else [declared]
+    return next((t for t in types if t != "null"), "null"), "null" in types
+
+
+def recorded(schema: dict | None) -> str:
+    """A schema as a job records the one its requests were asked with (canonical JSON; 'null' for free
+    text): an answer is checked against the schema it was asked for."""
+    return json.dumps(schema, sort_keys=True)
+
+
+# -- What a column can hold: the answer checks -----------------------------------------------------
+
+# The formats checked, as RFC 3339 writes them and DuckDB's casts read them. jsonschema checks
+# date-time and time only with rfc3339-validator installed, and that accepts values DuckDB turns into
+# NULL (a leap second 23:59:60, a lower-case 't' or 'z'): so the package checks these three itself,
+# by the same patterns in SQL (flat columns, in bulk) and in Python (nested values, with jsonschema).
+# Whether the day exists (no February 30) is DuckDB's cast in SQL and `calendar` in Python.
+_DATE = "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+_TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+FORMAT_PATTERNS = {"date": _DATE, "date-time": f"{_DATE}T{_TIME}", "time": _TIME}
+FORMAT_EXAMPLES = {"date": "2026-01-31", "date-time": "2026-01-31T09:30:00Z", "time": "09:30:00Z"}
+# The values an integer column holds, by its DuckDB type (an 'integer' fragment is a BIGINT).
+INTEGER_RANGES = {"BIGINT": (-(2**63), 2**63 - 1)}
+# The JSON types (DuckDB's json_type) each scalar type takes.
+JSON_TYPES = {
+    "string": ("VARCHAR",),
+    "integer": ("BIGINT", "UBIGINT"),
+    "number": ("BIGINT", "UBIGINT", "DOUBLE"),
+    "boolean": ("BOOLEAN",),
+}
+
+
+def holds_format(fmt: str, value: str) -> bool:
+    """Whether `value` is a `fmt` (date, date-time or time) its column can hold: the Python side of
+    the formats' SQL check (answer_problems_sql), for nested values."""
+    if not re.fullmatch(FORMAT_PATTERNS[fmt], value):
+        return False
+    if fmt == "time":  # a time column is VARCHAR: the text is kept as answered
+        return True
+    year, month, day = int(value[:4]), int(value[5:7]), int(value[8:10])
+    return day <= calendar.monthrange(year, month)[1]
+
+
+def answer_problems_sql(columns: dict[str, dict], answer: str = "answer") -> list[tuple[str, str]]:
+    """(SQL condition, SQL text of the problem) pairs, in order, that find why a structured answer
+    (the SQL expression `answer`) is unusable: not a JSON object, or a flat column's value missing,
+    of another type, not among its enum, not a date / date-time / time its column holds, or out of its
+    integer column's range. The other columns are checked by answer_validator."""
+    checks = [
+        (f"not coalesce(json_valid({answer}), false)", "'answer is not valid JSON'"),
+        (f"json_type({answer}) <> 'OBJECT'", "'answer is not a JSON object'"),
+    ]
+    for name, schema in columns.items():
+        if is_flat(schema):
+            checks += _flat_checks(name, schema, answer)
+    return checks
+
+
+def _flat_checks(name: str, schema: dict, answer: str) -> list[tuple[str, str]]:
+    path = literal("$." + name)
+    jtype, text = f"json_type({answer}, {path})", f"json_extract_string({answer}, {path})"
+    kind, nullable = _kind(schema)
+    types = JSON_TYPES[kind] + (("NULL",) if nullable else ())
+    or_null = " or null" if nullable else ""
+    # A missing field has no json_type: every column is required (a nullable one answers null).
+    wrong_type = f"coalesce({jtype}, 'missing') not in {in_list(types)}"
+    column = _type(schema)
+    checks = []
+    if kind == "integer":
+        # Written as an integer but past the column's range: JSON gives it as a UBIGINT or, past that, a
+        # DOUBLE (the type check below takes no other DOUBLE); DuckDB's own cast says whether it fits.
+        written = f"{jtype} in ('UBIGINT', 'DOUBLE') and regexp_full_match({text}, '-?[0-9]+')"
+        why = f"field '{name}' is out of the range of its {column} column: "
+        checks.append((f"{written} and try_cast({text} as {column}) is null", f"{literal(why)} || {text}"))
+    if "enum" in schema:
+        values = [v for v in schema["enum"] if v is not None]
+        cond = f"{wrong_type} or ({jtype} = 'VARCHAR' and {text} not in {in_list(values)})"
+        checks.append((cond, literal(f"field '{name}' is not one of {values}{or_null}")))
+    else:
+        checks.append((wrong_type, literal(f"field '{name}' is missing or not of type {kind}{or_null}")))
+    fmt = schema.get("format")
+    if fmt in FORMAT_PATTERNS:
+        holds = f"regexp_full_match({text}, {literal(FORMAT_PATTERNS[fmt])})"
+        if column != "VARCHAR":  # the day exists: DuckDB's own cast says so
+            holds += f" and try_cast({text} as {column}) is not null"
+        why = f"field '{name}' is not a {fmt} its {column} column holds (RFC 3339, e.g. {FORMAT_EXAMPLES[fmt]}): "
+        checks.append((f"{jtype} = 'VARCHAR' and not ({holds})", f"{literal(why)} || left({text}, 60)"))
+    return checks
+
+
+def answer_validator(schema: dict):
+    """A jsonschema validator of whole answers against `schema` (the canonical answer schema): its
+    rules, the formats as answer_problems_sql checks them, and integer ranges by column type."""
+    import jsonschema
+
+    checker = jsonschema.FormatChecker()
+    for fmt in FORMAT_PATTERNS:
+        checker.checks(fmt)(lambda value, fmt=fmt: not isinstance(value, str) or holds_format(fmt, value))
+
+    def in_range(validator, column: str, instance, _schema):
+        low, high = INTEGER_RANGES[column]
+        if validator.is_type(instance, "integer") and not low <= instance <= high:
+            yield jsonschema.ValidationError(f"{instance!r} is out of the range of its {column} column")
+
+    cls = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"range": in_range})
+    return cls(validation_schema(schema), format_checker=checker)
+
+
+def answer_problem(validator, answer: str) -> str | None:
+    """The validator's message for an answer that does not match (None if it does): the field's path
+    and the rule."""
+    import jsonschema
+
+    try:
+        value = json.loads(answer)
+    except ValueError:  # the bulk checks catch this first, except for an earlier schema's answers
+        return "answer is not valid JSON"
+    error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    if error is None:
+        return None
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+    return f"answer does not match llm_output at ${path}: {error.message} (rule '{error.validator}')"
+
+
+# -- The column values and their docs ---------------------------------------------------------------
+
+
+def value_sql(name: str, schema: dict, answer: str) -> str:
+    """SQL: column `name`'s value in the structured answer `answer` (an SQL expression). A scalar is
+    read as its text (a string without its JSON quotes, JSON null as NULL) and cast; an object or a
+    list is cast from its JSON as a whole (DuckDB reads objects into STRUCT fields by name, an absent
+    optional field as NULL, and arrays into LISTs). try_cast, not cast: answers checked by this version
+    cast without loss (the checks above), and one stored by an earlier version that does not must not
+    fail every later run of its model."""
+    path = literal("$." + name)
+    column = _type(schema)
+    if _kind(schema)[0] in ("object", "array"):
+        return f"try_cast(json_extract({answer}, {path}) as {column})"
+    text = f"json_extract_string({answer}, {path})"
+    return text if column == "VARCHAR" else f"try_cast({text} as {column})"
+
+
+def describe(name: str, schema: dict) -> str:
+    """What output column `name` holds, in words (its column comment, which `dbt docs` shows): the
+    kind of value, and the schema's own description, which the provider was sent too."""
+    kind, nullable = _kind(schema)
+    if "enum" in schema:
+        what = f"one of {[v for v in schema['enum'] if v is not None]}"
+    elif schema.get("format") in FORMAT_PATTERNS:
+        what = f"a {schema['format']} (RFC 3339, e.g. {FORMAT_EXAMPLES[schema['format']]})"
+    else:
+        what = {
+            "string": "text",
+            "integer": "an integer",
+            "number": "a number",
+            "boolean": "true or false",
+            "object": "an object (STRUCT)",
+            "array": "a list",
+        }[kind]
+    text = f"The answer's '{name}' field (llm_output): {what}{', or NULL' if nullable else ''}"
+    return f"{text}; {schema['description']}" if schema.get("description") else text

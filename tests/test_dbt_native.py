@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from conftest import failure_messages
-from helpers import triage_model
+from helpers import TRIAGE_OUTPUT, triage_model
 
 MODEL, SELECT = "models/triage.sql", ["-s", "triage"]
 
@@ -163,7 +163,13 @@ def test_docs_show_the_llm_column_descriptions_and_the_ledger_sources(project, e
     columns = catalog["nodes"]["model.integration_project.triage"]["columns"]
     for name in ("llm_status", "llm_error", "llm_finish_reason", "llm_cost_usd", "llm_route"):
         assert columns[name]["comment"] == COLUMN_DESCRIPTIONS[name]
-    assert columns["category"]["comment"] == output_description("category")
+    assert columns["category"]["comment"] == output_description(
+        "category", {"type": "string", "enum": TRIAGE_OUTPUT["category"]}
+    )
+    assert columns["category"]["comment"] == (
+        "The answer's 'category' field (llm_output): one of ['billing', 'bug', 'how_to', 'feature_request', "
+        "'other']. NULL when llm_status is 'failed'."
+    )
     assert columns["subject"]["comment"] is None  # the user's own columns are theirs to describe
 
     for name in (

@@ -40,7 +40,7 @@ class RequestWrites(LedgerBase):
         answers its own key, and the rows of `members` (key, fingerprint, custom_id, row_json, prompt_hash: the other
         rows asking the same request) whose request is among them: their row answers are written in the
         same transaction. `output_schema`: the llm_output schema the requests are asked with
-        (harvest.asked_schema), recorded on each job. `per_row_variant`: the requests (and `members`)
+        (output_schema.recorded), recorded on each job. `per_row_variant`: the requests (and `members`)
         carry their evaluation variant in a `variant` column (a batch holding several variants'
         requests, pipeline/variants.py), instead of all being this ledger's `variant`; the job records
         its variants, comma-separated.
@@ -399,7 +399,7 @@ class RequestWrites(LedgerBase):
     # --- harvest ------------------------------------------------------------------------------
 
     def settle_outcomes(self, outcomes: str, max_attempts: int, cost: str) -> int:
-        """Inside harvest's transaction: each queued request of `outcomes` (harvest.settle's
+        """Inside harvest's transaction: each queued request of `outcomes` (outcomes.settle's
         outcomes table: lines, matched here to their job's request) takes its outcome: succeeded,
         failed, or voided (the provider settled nothing for it). `cost` is SQL assigning the cost
         columns (ending with a comma), or ''. Returns how many requests it settled."""

@@ -192,7 +192,7 @@ MIGRATIONS += [
     (17, ["alter table {s}.llm_batch_row_answers add column if not exists prompt_hash ubigint"]),
     # output_schema: the llm_output schema a job's requests were asked with (canonical JSON; 'null'
     # for free text; NULL for jobs written before): an answer is checked against the schema it was
-    # asked for, not one the model was given while it was in flight (harvest.settle). The views
+    # asked for, not one the model was given while it was in flight (outcomes.settle). The views
     # changed too (llm_batch_progress lists a model whose rows are all answered by other models'
     # requests): they are recreated on reaching this version.
     (18, ["alter table {s}.llm_batch_jobs add column if not exists output_schema varchar"]),

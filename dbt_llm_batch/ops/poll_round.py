@@ -25,7 +25,7 @@ from dbt_llm_batch.ledger.locks import HOLDER, LockHeldError, ModelLock, is_lock
 from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, PRE_SUBMISSION, JobStatus, RequestStatus, sql, sql_in
 from dbt_llm_batch.log import log
 from dbt_llm_batch.ops.poll_report import ModelPoll
-from dbt_llm_batch.pipeline import costs, crashpoints, harvest, tempdirs
+from dbt_llm_batch.pipeline import costs, crashpoints, harvest, outcomes, tempdirs
 from dbt_llm_batch.providers import BatchProvider, get_provider
 
 FILE_WAIT_SECONDS = 60.0  # least wait for a DuckDB file another process holds (longer with a longer --wait)
@@ -309,7 +309,7 @@ def _store(con, target: _Target) -> None:
                 continue
             costs.load_prices(con, client.config.price_table)
             price = costs.price_of(con, client.config.provider, client.config.model)
-            harvest.settle(ledger, client, client.config, ended, price)
+            outcomes.settle(ledger, client, client.config, ended, price)
             report.harvested_batches += len(ended)
             _count_outcomes(con, ledger, target, [job_id for job_id, _ in ended])
             if client.config.delete_provider_files:

@@ -12,7 +12,7 @@
   passing trouble or something about these requests, so they are voided with the same growing
   back-off, and after GIVE_UP_AFTER such failures in a row of the same request they fail, final,
   with what the provider said and what to do (fix, then `dbt-llm-batch requeue`).
-All of it runs inside harvest.settle's transaction, so it is settled exactly once.
+All of it runs inside outcomes.settle's transaction, so it is settled exactly once.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ persist_docs, dbt writes it over ours after the run).
 
 from __future__ import annotations
 
+from dbt_llm_batch import output_schema
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.ledger import retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import RequestStatus
@@ -19,7 +20,7 @@ _SUCCEEDED, _FAILED = RequestStatus.SUCCEEDED, RequestStatus.FAILED
 COLUMN_DESCRIPTIONS = {
     "llm_output": f"The model's answer (free text; llm_output is not set). NULL when llm_status is '{_FAILED}'.",
     "llm_status": f"'{_SUCCEEDED}' or '{_FAILED}': the final outcome of this row's request (rows in flight are not in the table).",
-    "llm_error": "Why the request failed: the provider's error, an answer that does not match llm_output, or one that was cut off.",
+    "llm_error": "Why the request failed: the provider's error, an answer that does not match llm_output or has a value its column cannot hold, or one that was cut off.",
     "llm_finish_reason": "Why the provider stopped generating this answer (its finish reason).",
     "llm_input_tokens": "Input tokens billed for this row, cache reads and writes included.",
     "llm_output_tokens": "Output tokens billed for this row.",
@@ -36,8 +37,9 @@ COLUMN_DESCRIPTIONS = {
 }
 
 
-def output_description(name: str) -> str:
-    return f"The answer's '{name}' field (llm_output). NULL when llm_status is '{_FAILED}'."
+def output_description(name: str, schema: dict) -> str:
+    """An output column's description: what it holds (output_schema.describe), and when it is NULL."""
+    return f"{output_schema.describe(name, schema)}. NULL when llm_status is '{_FAILED}'."
 
 
 def comment_columns(con, target: str, config: ModelConfig) -> None:
@@ -47,6 +49,7 @@ def comment_columns(con, target: str, config: ModelConfig) -> None:
         described["llm_variant"] = COLUMN_DESCRIPTIONS["llm_variant"]
     # The table's output columns: one per field, or the whole answer as one column (llm_output_format).
     whole_answer = not config.structured or config.output_format == "json"
+    schemas = {c.name: c.json_schema for c in config.output_columns}
     for name, _ in config.table_outputs():
         if not config.structured:
             described[name] = COLUMN_DESCRIPTIONS["llm_output"]
@@ -55,7 +58,7 @@ def comment_columns(con, target: str, config: ModelConfig) -> None:
                 f"The whole answer as JSON (llm_output_format = 'json'). NULL when llm_status is '{_FAILED}'."
             )
         else:
-            described[name] = output_description(name)
+            described[name] = output_description(name, schemas[name])
 
     def write():
         with transaction(con):

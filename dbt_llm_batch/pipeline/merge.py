@@ -208,17 +208,7 @@ def _output_values(config: ModelConfig) -> list[tuple[str, str]]:
         return [(config.output_columns[0].name, "w.answer")]
     if config.output_format == "json":
         return [("llm_output", "cast(w.answer as JSON)")]
-    values = []
-    for col in config.output_columns:
-        path = literal(f"$.{col.name}")
-        if output_schema.is_flat(col.json_schema):
-            value = f"try_cast(json_extract_string(w.answer, {path}) as {col.duckdb_type})"
-        else:
-            # A nested value (STRUCT, LIST, DATE, ...) is cast from its JSON as a whole: DuckDB reads
-            # objects into STRUCT fields by name (an absent optional field is NULL) and arrays into LISTs.
-            value = f"try_cast(json_extract(w.answer, {path}) as {col.duckdb_type})"
-        values.append((col.name, value))
-    return values
+    return [(col.name, output_schema.value_sql(col.name, col.json_schema, "w.answer")) for col in config.output_columns]
 
 
 def _share(column: str) -> str:

@@ -31,11 +31,12 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from dbt_llm_batch import output_schema
 from dbt_llm_batch.errors import ProviderError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import JobStatus, RequestStatus, sql
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline import crashpoints, harvest
+from dbt_llm_batch.pipeline import crashpoints, outcomes
 from dbt_llm_batch.pipeline.concurrency import AUTO_START, AdaptiveConcurrency
 from dbt_llm_batch.pipeline.progress import Progress
 from dbt_llm_batch.pipeline.scratch import Scratch
@@ -93,7 +94,7 @@ def run_realtime(
         [0],
         status=JobStatus.REALTIME,
         members=members,
-        output_schema=harvest.asked_schema(config),
+        output_schema=output_schema.recorded(config.output_json_schema()),
         per_row_variant=per_row_variant,
     )[0]  # one job, no request file
     outcome = RealtimeOutcome(
@@ -132,7 +133,7 @@ def run_realtime(
             else None
         )
     # The end of the job: anything unanswered goes back to the queue (no attempt used), job harvested.
-    harvest.settle(
+    outcomes.settle(
         ledger, provider, config, [(job_id, BatchState(status=JobStatus.COMPLETED, ended=True, error=reason))], price
     )
     if fatal:
@@ -167,7 +168,7 @@ def settle_interrupted(ledger: Ledger, provider: Provider, job_id: str, price: d
         error="the run sending it in realtime was interrupted before an answer was stored; it is sent again",
     )
     fail_possibly_billed(ledger, job_id)
-    harvest.settle(ledger, provider, provider.config, [(job_id, state)], price)
+    outcomes.settle(ledger, provider, provider.config, [(job_id, state)], price)
 
 
 async def _send_all(
@@ -366,7 +367,7 @@ class ResultWriter:
         finally:
             con.unregister(Scratch.realtime_lines)
         running = BatchState(status=JobStatus.REALTIME, ended=False)
-        harvest.settle(
+        outcomes.settle(
             self.ledger, self.provider, self.provider.config, [(self.job_id, running)], self.price, source=source
         )
         crashpoints.reach("after_realtime_group")

@@ -36,7 +36,7 @@ class Scratch:
     plan_members = "__llm_plan_members"  # rows answered by a request of another row (plan.build_plan)
     realtime_plan = "__llm_realtime_plan"  # the plan's realtime rows (runner: ModelRun.split_realtime)
     sent = "__llm_sent"  # which plan rows went into which request file, at which line (request_files)
-    outcomes = "__llm_outcomes"  # each harvested request's outcome (harvest.settle)
+    outcomes = "__llm_outcomes"  # each harvested request's outcome (outcomes.settle)
     batch_failed = "__llm_batch_failed"  # unanswered requests of failed batches (batch_failures)
     emit = "__llm_emit"  # the ledger rows the merge writes to the model's table (merge)
     # With evaluation variants, every variant's pass is planned before anything is sent (variants.py):

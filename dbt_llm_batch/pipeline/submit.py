@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import os
 
+from dbt_llm_batch import output_schema
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.locks import database_path
 from dbt_llm_batch.ledger.status import JobStatus
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline import crashpoints, harvest
+from dbt_llm_batch.pipeline import crashpoints
 from dbt_llm_batch.pipeline.progress import Progress
 from dbt_llm_batch.pipeline.request_files import RequestFile
 from dbt_llm_batch.providers.base import UNRESOLVED, BatchProvider
@@ -49,7 +50,7 @@ def submit_chunks(
         sent_rows,
         [f.chunk for f in files],
         members=members,
-        output_schema=harvest.asked_schema(provider.config),
+        output_schema=output_schema.recorded(provider.config.output_json_schema()),
         per_row_variant=per_row_variant,
     )
     crashpoints.reach("after_intents")

@@ -31,9 +31,10 @@ def expected_answer(system: str | None, prompt: str, schema: dict | None) -> str
     Without a schema: "[sandbox] <16 hex>". With a JSON schema: a compact JSON
     object with one value per top-level property, typed after the property.
     Nested properties (objects, arrays, nullable or `anyOf` types, `format`
-    date / date-time) get values derived from the hash and their path: an
-    array has 2 or 3 items, and an optional or nullable field is absent or
-    null in about half of the answers, so tests see lists and NULLs.
+    date / date-time / time, each an RFC 3339 value) get values derived from
+    the hash and their path: an array has 2 or 3 items, and an optional or
+    nullable field is absent or null in about half of the answers, so tests
+    see lists and NULLs.
     """
     h = hashlib.sha256(
         json.dumps([system or "", prompt, schema], sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
@@ -65,7 +66,7 @@ def _nested(prop: dict) -> bool:
         "anyOf" in prop
         or isinstance(kind, list)
         or kind in ("object", "array")
-        or (kind == "string" and "enum" not in prop and prop.get("format") in ("date", "date-time"))
+        or (kind == "string" and "enum" not in prop and prop.get("format") in ("date", "date-time", "time"))
     )
 
 
@@ -113,6 +114,8 @@ def _value(prop: dict, h: str) -> object:
             .isoformat()
             .replace("+00:00", "Z")
         )
+    if prop.get("format") == "time":
+        return f"{n % 24:02d}:{n // 24 % 60:02d}:{n // 1440 % 60:02d}Z"
     return f"sandbox-{h[:8]}"
 
 

@@ -19,7 +19,7 @@ from dbt_llm_batch.ledger import IN_FLIGHT, Ledger
 from dbt_llm_batch.ledger import status as st
 from dbt_llm_batch.ledger.status import JobStatus, RequestStatus
 from dbt_llm_batch.ledger.store import MIGRATIONS
-from dbt_llm_batch.pipeline import harvest
+from dbt_llm_batch.pipeline import outcomes
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.providers.base import BatchState
 
@@ -281,9 +281,9 @@ def test_a_batch_from_intent_to_harvest(ledger):
     rec.check()
     assert job_status(ledger, second) is None
     assert statuses(ledger) == {"c0": "queued", "c1": "deferred", "c2": "queued", "c3": "deferred"}
-    # The batch ends: c0 answered, c2 rejected by the API; settled through the harvest code.
+    # The batch ends: c0 answered, c2 rejected by the API; settled through the harvest code (outcomes.settle).
     store(ledger, first, [("c0", answer_line("c0")), ("c2", answer_line("c2", None, 400))])
-    harvest.settle(ledger, openai(), openai().config, [(first, BatchState(status="completed", ended=True))], None)
+    outcomes.settle(ledger, openai(), openai().config, [(first, BatchState(status="completed", ended=True))], None)
     rec.check()
     assert statuses(ledger) == {"c0": "succeeded", "c1": "deferred", "c2": "failed", "c3": "deferred"}
     assert job_status(ledger, first) == "completed"
@@ -307,7 +307,7 @@ def test_cancel_hold_release(ledger):
     ledger.record_provider_status(job, "cancelling", cancel_requested_at=now, cancelled_by="op@host")
     rec.check()
     store(ledger, job, [("c0", answer_line("c0"))])  # answered before the cancel took effect
-    harvest.settle(ledger, openai(), openai().config, [(job, BatchState(status="cancelled", ended=True))], None)
+    outcomes.settle(ledger, openai(), openai().config, [(job, BatchState(status="cancelled", ended=True))], None)
     rec.check()
     assert statuses(ledger) == {"c0": "succeeded", "c1": "voided", "c2": "voided"}
     assert ledger.hold_cancelled() == 2
@@ -348,7 +348,9 @@ def test_a_realtime_job(ledger):
     job = ledger.write_intents("openai", "gpt-4o-mini", plan(ledger, 2), [0], status=JobStatus.REALTIME)[0]
     rec.check()
     store(ledger, job, [("c0", answer_line("c0"))])
-    harvest.settle(ledger, openai(), openai().config, [(job, BatchState(status=JobStatus.COMPLETED, ended=True))], None)
+    outcomes.settle(
+        ledger, openai(), openai().config, [(job, BatchState(status=JobStatus.COMPLETED, ended=True))], None
+    )
     rec.check()
     assert job_status(ledger, job) == JobStatus.COMPLETED
     assert statuses(ledger) == {"c0": "succeeded", "c1": "voided"}
@@ -404,7 +406,7 @@ def test_a_submitted_request_of_an_older_ledger_is_rewritten_and_still_harvested
     assert con.execute("select rows_pending from main.llm_batch_costs").fetchall() == [(2,)]
     # And harvested: its batch ends with one answer; the other is voided (planned again, no attempt used).
     store(ledger, "job_old", [("c0", answer_line("c0"))])
-    harvest.settle(ledger, openai(), openai().config, [("job_old", BatchState(status="completed", ended=True))], None)
+    outcomes.settle(ledger, openai(), openai().config, [("job_old", BatchState(status="completed", ended=True))], None)
     assert statuses(ledger) == {"c0": "succeeded", "c1": "voided"}
     assert ledger.pending_count() == 0
     con.close()

@@ -4,13 +4,17 @@ the validator's messages."""
 
 from __future__ import annotations
 
+import datetime
+import json
+
+import duckdb
 import jsonschema
 import pytest
 
 from dbt_llm_batch import output_schema
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import ConfigError
-from dbt_llm_batch.pipeline.harvest import answer_schema_problem
+from dbt_llm_batch.output_schema import answer_problem as answer_schema_problem
 from dbt_llm_batch.providers.openai_chat import strict_problems, strict_schema
 
 RESUME = {
@@ -228,8 +232,7 @@ def test_yaml_columns_problems():
 
 
 def test_answers_are_checked_with_the_validators_path_and_rule():
-    schema = output_schema.validation_schema(config(RESUME).output_json_schema())
-    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    validator = output_schema.answer_validator(config(RESUME).output_json_schema())
     good = {
         "candidate": {"name": "A", "email": None},  # an optional field: null (OpenAI) or absent (Anthropic)
         "jobs": [{"title": "t", "years": 2}, {"title": "u", "years": 3}],
@@ -240,8 +243,6 @@ def test_answers_are_checked_with_the_validators_path_and_rule():
         "score": 1.5,
         "remote": True,
     }
-    import json
-
     assert answer_schema_problem(validator, json.dumps(good)) is None
     assert answer_schema_problem(validator, json.dumps({**good, "candidate": {"name": "A"}})) is None
     bad_item = {**good, "jobs": [{"title": "t", "years": 2}, {"title": "u", "years": "three"}]}
@@ -256,3 +257,171 @@ def test_answers_are_checked_with_the_validators_path_and_rule():
     assert answer_schema_problem(validator, json.dumps(bad_date)) == (
         "answer does not match llm_output at $.available_from: '2025-02-30' is not a 'date' (rule 'format')"
     )
+
+
+# -- What a column can hold: the same rules in bulk SQL (flat columns) and with jsonschema (nested) ----
+
+
+def one(sql: str, param: str):
+    """The one value `sql` gives with its one parameter."""
+    with duckdb.connect() as con:
+        return con.execute(sql, [param]).fetchall()[0][0]
+
+
+def sql_problem(columns: dict, answer: str) -> str | None:
+    """The bulk SQL checks' problem with `answer` (output_schema.answer_problems_sql), None if none."""
+    cases = " ".join(f"when {cond} then {why}" for cond, why in output_schema.answer_problems_sql(columns, "a"))
+    return one(f"select case {cases} end from (select ? as a)", answer)
+
+
+def nested_problem(column: dict, value) -> str | None:
+    """jsonschema's problem with `value` as one item of a list column of `column`."""
+    schema = output_schema.object_schema({"x": {"type": "array", "items": column}})
+    return output_schema.answer_problem(output_schema.answer_validator(schema), json.dumps({"x": [value]}))
+
+
+FORMAT_CASES = [
+    ("date", "2026-01-31", True),
+    ("date", "2024-02-29", True),  # a leap year's
+    ("date", "0000-01-01", True),  # RFC 3339's year 0000 is DuckDB's 1 BC
+    ("date", "2026-02-29", False),
+    ("date", "2026-02-30", False),
+    ("date", "2026-13-01", False),
+    ("date", "2026-1-31", False),  # DuckDB would read it; RFC 3339 does not write it
+    ("date", "20260131", False),
+    ("date", "31/01/2026", False),
+    ("date", " 2026-01-31", False),
+    ("date", "next tuesday", False),
+    ("date-time", "2026-01-31T09:30:00Z", True),
+    ("date-time", "2026-01-31T09:30:00.123456789+05:30", True),
+    ("date-time", "2026-01-31T09:30:00-23:59", True),
+    ("date-time", "2026-06-30T23:59:60Z", False),  # a leap second: RFC 3339 has it, DuckDB does not
+    ("date-time", "2026-01-31t09:30:00z", False),  # lower case: RFC 3339 allows it, DuckDB's cast does not
+    ("date-time", "2026-01-31T24:00:00Z", False),
+    ("date-time", "2026-02-30T09:30:00Z", False),
+    ("date-time", "2026-01-31T09:30:00", False),  # no offset: the instant is unknown
+    ("date-time", "2026-01-31 09:30:00Z", False),
+    ("date-time", "2026-01-31", False),
+    ("date-time", "next tuesday", False),
+    ("time", "09:30:00Z", True),
+    ("time", "23:59:59.5+01:00", True),
+    ("time", "09:30:00", False),
+    ("time", "24:00:00Z", False),
+    ("time", "9:30", False),
+]
+
+
+@pytest.mark.parametrize(("fmt", "value", "holds"), FORMAT_CASES)
+def test_a_format_is_checked_as_rfc_3339_writes_it_and_duckdb_casts_it_in_sql_and_with_jsonschema(fmt, value, holds):
+    column = {"type": "string", "format": fmt}
+    assert output_schema.is_flat(column)
+    problem = sql_problem({"x": column}, json.dumps({"x": value}))
+    type_name = output_schema.duckdb_type(column)
+    assert problem == (
+        None
+        if holds
+        else f"field 'x' is not a {fmt} its {type_name} column holds (RFC 3339, e.g. "
+        f"{output_schema.FORMAT_EXAMPLES[fmt]}): {value}"
+    )
+    assert nested_problem(column, value) == (
+        None if holds else f"answer does not match llm_output at $.x[0]: {value!r} is not a {fmt!r} (rule 'format')"
+    )
+    if holds and fmt != "time":  # what passes, the column holds: DuckDB's cast gives a value
+        assert one(f"select try_cast(? as {type_name}) is not null", value)
+
+
+@pytest.mark.parametrize(
+    ("value", "holds"),
+    [
+        ("9223372036854775807", True),
+        ("-9223372036854775808", True),
+        ("0", True),
+        ("9223372036854775808", False),
+        ("18446744073709551616", False),
+        ("-9223372036854775809", False),
+    ],
+)
+def test_an_integer_is_checked_against_its_columns_range(value, holds):
+    assert sql_problem({"n": {"type": "integer"}}, f'{{"n": {value}}}') == (
+        None if holds else f"field 'n' is out of the range of its BIGINT column: {value}"
+    )
+    assert nested_problem({"type": "integer"}, int(value)) == (
+        None
+        if holds
+        else f"answer does not match llm_output at $.x[0]: {value} is out of the range of its BIGINT column (rule 'range')"
+    )
+
+
+def test_an_integer_written_as_a_float_is_in_range_or_not_in_a_nested_value():
+    assert nested_problem({"type": "integer"}, 3.0) is None  # JSON Schema's integer; DuckDB casts it to 3
+    assert nested_problem({"type": "integer"}, 1e20) == (
+        "answer does not match llm_output at $.x[0]: 1e+20 is out of the range of its BIGINT column (rule 'range')"
+    )
+    # A flat column takes integers written as integers only (as it always did).
+    assert sql_problem({"n": {"type": "integer"}}, '{"n": 1e20}') == "field 'n' is missing or not of type integer"
+
+
+def test_a_nullable_scalar_is_flat_and_takes_null_but_not_a_missing_field():
+    note = {"type": ["string", "null"]}
+    assert output_schema.is_flat(note)
+    assert sql_problem({"note": note}, '{"note": null}') is None
+    assert sql_problem({"note": note}, '{"note": "x"}') is None
+    assert sql_problem({"note": note}, "{}") == "field 'note' is missing or not of type string or null"
+    assert sql_problem({"note": note}, '{"note": 1}') == "field 'note' is missing or not of type string or null"
+    assert (
+        sql_problem({"note": {"type": "string"}}, '{"note": null}') == "field 'note' is missing or not of type string"
+    )
+    level = {"type": ["string", "null"], "enum": ["a", "b", None]}
+    assert sql_problem({"level": level}, '{"level": null}') is None
+    assert sql_problem({"level": level}, '{"level": "c"}') == "field 'level' is not one of ['a', 'b'] or null"
+    # Keywords the SQL checks do not know go to jsonschema.
+    for other in (
+        {"type": "string", "pattern": "^a"},
+        {"type": "string", "format": "email"},
+        {"type": "integer", "minimum": 1},
+    ):
+        assert not output_schema.is_flat(other)
+
+
+@pytest.mark.parametrize(
+    ("column", "answer", "value"),
+    [
+        ({"type": ["string", "null"]}, '{"x": "say \\"hi\\""}', 'say "hi"'),
+        ({"type": ["string", "null"]}, '{"x": null}', None),
+        ({"type": ["string", "null"]}, '{"x": "null"}', "null"),
+        ({"type": "string"}, '{"x": "a"}', "a"),
+        ({"type": ["integer", "null"]}, '{"x": null}', None),
+        ({"type": ["integer", "null"]}, '{"x": 7}', 7),
+        ({"type": ["string", "null"], "format": "date"}, '{"x": "2026-01-31"}', datetime.date(2026, 1, 31)),
+        ({"type": ["boolean", "null"]}, '{"x": false}', False),
+        (
+            {"type": "object", "properties": {"a": {"type": ["string", "null"]}}, "required": ["a"]},
+            '{"x": {"a": null}}',
+            {"a": None},
+        ),
+        ({"type": "array", "items": {"type": "string"}}, '{"x": ["a", "b"]}', ["a", "b"]),
+    ],
+)
+def test_a_column_holds_the_answers_value_a_string_as_its_text_and_null_as_null(column, answer, value):
+    assert one(f"select {output_schema.value_sql('x', column, '?')}", answer) == value
+
+
+def test_a_column_is_described_by_what_it_holds_and_its_own_description():
+    assert output_schema.describe(
+        "when", {"type": ["string", "null"], "format": "date-time", "description": "start"}
+    ) == ("The answer's 'when' field (llm_output): a date-time (RFC 3339, e.g. 2026-01-31T09:30:00Z), or NULL; start")
+    assert output_schema.describe("n", {"type": "integer"}) == "The answer's 'n' field (llm_output): an integer"
+    assert output_schema.describe("tags", {"type": "array", "items": {"type": "string"}}) == (
+        "The answer's 'tags' field (llm_output): a list"
+    )
+
+
+def test_the_sandbox_answers_each_format_with_a_value_its_column_holds():
+    from dbt_llm_batch.sandbox import expected_answer
+
+    schema = output_schema.object_schema(
+        {fmt: {"type": "string", "format": fmt} for fmt in output_schema.FORMAT_PATTERNS}
+    )
+    for prompt in ("a", "b", "c"):
+        answer = expected_answer(None, prompt, schema)
+        assert sql_problem(schema["properties"], answer) is None, answer
