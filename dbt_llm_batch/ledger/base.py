@@ -49,6 +49,7 @@ class LedgerBase:
         # The run that holds the model's lock (locks.ModelLock.acquire; None before, and in a dry run):
         # the project-wide claims this object makes are its (claims.py), and end with it.
         self.owner: str | None = None
+        self.claimed = False  # whether it made one: only then has the run's end anything to release
 
     def table(self, name: str) -> str:
         return f"{ident(self.schema)}.{name}"

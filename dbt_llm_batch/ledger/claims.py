@@ -41,6 +41,7 @@ class ClaimWrites(LedgerBase):
         removing the claims of runs that are no longer live."""
 
         assert self.owner is not None, "a claim belongs to a run holding its model's lock"
+        self.claimed = True
 
         def once():
             with transaction(self.con):
@@ -127,6 +128,9 @@ class ClaimWrites(LedgerBase):
 
     def release_claims(self) -> None:
         """The run ends: what it reserved and did not record, and its request claims, stop counting."""
+        if not self.claimed:  # a run without a project budget or shared requests writes nothing here
+            return
+        self.claimed = False
         for table in ("llm_batch_reservations", "llm_batch_request_claims"):
             self.execute(f"delete from {self.table(table)} where owner = ?", [self.owner])
 
