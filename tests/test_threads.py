@@ -20,6 +20,7 @@ import pytest
 from conftest import failure_messages
 from helpers import PRICES, batch_counts, billed_cost, dup_model, write_rows
 
+from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.pipeline import budget, plan
 
 MODELS = ("spend_a", "spend_b", "spend_c")
@@ -131,6 +132,55 @@ def test_two_models_sharing_the_ledger_under_threads_send_each_request_once(proj
     project.dbt("run", "-s", "dup", "dup_twin")  # (answered, if the sender had not harvested when it planned)
 
     assert sum(batch_counts(emulator)) == 40
+    total = Decimal(0)
+    for name in ("dup", "dup_twin"):
+        rows = project.query(f"select llm_status, llm_cost_usd from main.{name}")
+        assert len(rows) == 100 and {r[0] for r in rows} == {"succeeded"}, name
+        total += sum(r[1] for r in rows)
+    assert total == billed_cost(emulator, "openai")
+
+
+def test_a_model_planning_while_another_records_the_shared_requests_points_its_rows_at_them(
+    project, emulator, monkeypatch
+):
+    """The other order: dup_twin planned before dup recorded its requests (so its plan still has them),
+    and claims them after: its rows point at dup's requests in this same run, nothing is sent twice."""
+    project.write("seeds/llm_prices.csv", PRICES)
+    for name in ("dup", "dup_twin"):
+        project.write(f"models/{name}.sql", dup_model("openai", extra="llm_dedup='ledger'"))
+    write_rows(project, {i: i % 40 for i in range(100)})
+    twin_planned, dup_recorded = threading.Event(), threading.Event()
+    claim, record = Ledger.claim_requests, Ledger.write_intents
+
+    def claim_in_order(ledger, *args, **kwargs):
+        if ledger.model == "main.dup_twin":  # its plan is made; it claims once dup has recorded its own
+            twin_planned.set()
+            assert dup_recorded.wait(timeout=120)
+        else:
+            assert twin_planned.wait(timeout=120)
+        return claim(ledger, *args, **kwargs)
+
+    def record_and_say(ledger, *args, **kwargs):
+        try:
+            return record(ledger, *args, **kwargs)
+        finally:
+            if ledger.model == "main.dup":
+                dup_recorded.set()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Ledger, "claim_requests", claim_in_order)
+        patch.setattr(Ledger, "write_intents", record_and_say)
+        project.dbt("run", "-s", "dup", "dup_twin")
+
+    assert batch_counts(emulator) == [40]
+    assert project.query(
+        """select count(*), count(distinct r.custom_id) from main.llm_batch_row_answers a
+           join main.llm_batch_requests r using (custom_id) where a.model = 'main.dup_twin' and r.model = 'main.dup'"""
+    ) == [(100, 40)], "every row of dup_twin points at dup's request for its prompt"
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup")
+    project.dbt("run", "-s", "dup_twin")
+    assert batch_counts(emulator) == [40]
     total = Decimal(0)
     for name in ("dup", "dup_twin"):
         rows = project.query(f"select llm_status, llm_cost_usd from main.{name}")

@@ -26,7 +26,9 @@ def claim_shared(ledger: Ledger) -> int:
     """Claim the plan's requests; take out of the plan (Scratch.plan, Scratch.plan_members) those another
     run sends. Returns how many requests wait for another model's run to record them."""
     con = ledger.con
-    ledger.claim_requests(f"(select fingerprint, custom_id from {PLAN})", TAKEN)
+    # The selected rows' requests. A deferred one (an earlier run's, row_id NULL) is left as the plan has
+    # it: the plan does not share those with other models either, and leaving it out would drop it.
+    ledger.claim_requests(f"(select fingerprint, custom_id from {PLAN} where row_id is not null)", TAKEN)
     if not con.execute(f"select count(*) > 0 from {TAKEN}").fetchall()[0][0]:
         con.execute(f"drop table {TAKEN}")
         return 0
@@ -47,7 +49,7 @@ def claim_shared(ledger: Ledger) -> int:
             where duplicate and fingerprint in (select fingerprint from {TAKEN} where custom_id is null)"""
     )
     waiting = con.execute(f"select count(*) from {TAKEN} where custom_id is null").fetchall()[0][0]
-    con.execute(f"delete from {PLAN} where fingerprint in (select fingerprint from {TAKEN})")
+    con.execute(f"delete from {PLAN} where row_id is not null and fingerprint in (select fingerprint from {TAKEN})")
     con.execute(f"drop table {TAKEN}")
     if waiting:
         log.info(
