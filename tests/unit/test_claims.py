@@ -92,3 +92,49 @@ def test_recording_the_requests_turns_the_reservation_into_committed_cost(memory
     # $0.0006 in flight and $0.0004 still reserved: $0.0005 more fits, $0.0006 does not.
     assert other.reserve_budget(Decimal("0.0006"), LIMIT) == (Decimal("0.0006"), Decimal("0.0004"))
     assert other.reserve_budget(Decimal("0.0005"), LIMIT) is None
+
+
+def plan_of(con, fingerprints: list[str], model: str) -> str:
+    con.execute(
+        "create or replace temp table planned as select unnest(?) as fingerprint, unnest(?) as custom_id",
+        [fingerprints, [f"r_{model}_{f}" for f in fingerprints]],
+    )
+    return "planned"
+
+
+def taken(con) -> list[tuple]:
+    return con.execute("select fingerprint, custom_id, answered from __taken order by 1").fetchall()
+
+
+def test_a_request_claimed_by_a_live_run_is_taken_until_that_run_ends_or_dies(memory_con):
+    first, first_lock = running(memory_con, "main.a")
+    second, _ = running(memory_con, "main.b")
+    first.claim_requests(plan_of(memory_con, ["f1", "f2"], "a"), "__taken")
+    assert taken(memory_con) == []
+
+    second.claim_requests(plan_of(memory_con, ["f2", "f3"], "b"), "__taken")
+    assert taken(memory_con) == [("f2", None, False)], "claimed by a, not recorded yet: no request to point at"
+
+    first_lock.release()
+    second.claim_requests(plan_of(memory_con, ["f1", "f2"], "b"), "__taken")
+    assert taken(memory_con) == [], "a's run ended: its claims with it"
+
+    killed, _ = running(memory_con, "main.c", owner=f"{socket.gethostname()}:{dead_pid()}:deadbeef")
+    killed.claim_requests(plan_of(memory_con, ["f9"], "c"), "__taken")
+    second.claim_requests(plan_of(memory_con, ["f9"], "b"), "__taken")
+    assert taken(memory_con) == [], "a killed run's claim does not count"
+
+
+def test_a_request_another_model_recorded_is_taken_with_its_custom_id(memory_con):
+    first, _ = running(memory_con, "main.a")
+    memory_con.execute(
+        """create temp table recorded as
+           select 'r_a_f1' as custom_id, '["1"]' as key, 'f1' as fingerprint, 0 as seq, '{}' as row_json,
+                  null::decimal(18, 9) as estimated_cost_usd, 10 as estimated_input_tokens, 'batch' as route,
+                  0 as line, 0::bigint as chunk, null::ubigint as prompt_hash"""
+    )
+    first.write_intents("openai", "gpt-test", "recorded", [0])
+
+    second, _ = running(memory_con, "main.b")
+    second.claim_requests(plan_of(memory_con, ["f1", "f2"], "b"), "__taken")
+    assert taken(memory_con) == [("f1", "r_a_f1", False)]
