@@ -18,7 +18,7 @@ from decimal import Decimal
 
 import pytest
 from conftest import failure_messages
-from helpers import PRICES, batch_counts, billed_cost, dup_model, write_rows
+from helpers import PRICES, batch_counts, billed_cost, dup_model, log_text, write_rows
 
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.pipeline import budget, plan
@@ -127,6 +127,7 @@ def test_two_models_sharing_the_ledger_under_threads_send_each_request_once(proj
         project.dbt("run", "-s", "dup", "dup_twin")
     assert sum(batch_counts(emulator)) == 40, "each shared request is sent once in the project run"
     assert project.query("select count(*) from main.llm_batch_request_claims") == [(0,)]
+    assert "40 request(s) are being sent by another model running now" in log_text(project)
     emulator.complete_all()
     project.dbt("run", "-s", "dup", "dup_twin")  # the sender harvests; the other points its rows at its requests
     project.dbt("run", "-s", "dup", "dup_twin")  # (answered, if the sender had not harvested when it planned)
