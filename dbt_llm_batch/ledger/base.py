@@ -46,6 +46,10 @@ class LedgerBase:
         # The evaluation variant whose pass is running ('' the default): the row answers, requests and
         # jobs this object writes carry it, and its deferred requests are its own (pipeline/variants.py).
         self.variant = ""
+        # The run that holds the model's lock (locks.ModelLock.acquire; None before, and in a dry run):
+        # the project-wide claims this object makes are its (claims.py), and end with it.
+        self.owner: str | None = None
+        self.claimed = False  # whether it made one: only then has the run's end anything to release
 
     def table(self, name: str) -> str:
         return f"{ident(self.schema)}.{name}"

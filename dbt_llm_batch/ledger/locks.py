@@ -11,16 +11,14 @@ process that died: the next run takes it over, with a warning.
 
 from __future__ import annotations
 
-import os
 import re
-import socket
 import time
-import uuid
 
 import duckdb
 
 from dbt_llm_batch.errors import LlmBatchError
 from dbt_llm_batch.ledger import Ledger, transaction
+from dbt_llm_batch.ledger.owners import STALE_AFTER_SECONDS, new_owner, process_is_gone
 from dbt_llm_batch.log import log
 
 # Another process holds the DuckDB file itself (DuckDB allows one writing process per file).
@@ -45,34 +43,8 @@ def is_lock_conflict(exc: Exception) -> bool:
     return isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower()
 
 
-# A live run refreshes its heartbeat at least every 30 s while it waits (runner.ModelRun.wait); the
-# other steps of a run take seconds to minutes. Ten minutes without a heartbeat means the owner is gone.
-STALE_AFTER_SECONDS = 600
-
-
 class LockHeldError(LlmBatchError):
     """Another live run owns the model's lock."""
-
-
-def new_owner() -> str:
-    """host:pid:random: which machine and process to look at, and unique per run."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-def process_is_gone(owner: str) -> bool:
-    """True if the owner ran on this host under a PID that no longer exists (a killed run, say), so its
-    lock need not wait for the heartbeat timeout. A reused PID only makes us wait: the safe side."""
-    host, _, rest = owner.partition(":")
-    pid = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
-        return False
-    try:
-        os.kill(int(pid), 0)  # signal 0: existence check only
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # exists, owned by another user
-        return False
-    return False
 
 
 def database_path(con) -> str:
@@ -95,6 +67,7 @@ class ModelLock:
                 if attempt == 19:
                     raise
                 time.sleep(0.05 * (attempt + 1))
+        self.ledger.owner = self.owner  # the run's project-wide claims are this owner's (claims.py)
         if previous:
             owner, acquired_at, age = previous
             why = (
@@ -152,7 +125,10 @@ class ModelLock:
             )
 
     def release(self) -> None:
+        """The run ends: its lock, and the project-wide claims it made (claims.py), go."""
         self.ledger.execute(f"delete from {self.table} where model = ? and owner = ?", [self.ledger.model, self.owner])
+        if self.ledger.owner == self.owner:
+            self.ledger.release_claims()
 
 
 def unlock(con, schema: str, model: str) -> list[tuple]:

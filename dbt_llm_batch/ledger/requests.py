@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 
 from dbt_llm_batch.ledger.base import LedgerBase, retry_on_conflict, transaction
+from dbt_llm_batch.ledger.claims import record_reserved
 from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT_SQL, JobStatus, RequestStatus, sql, sql_in
 from dbt_llm_batch.sql import list_literal, literal
 
@@ -88,6 +89,7 @@ class RequestWrites(LedgerBase):
                         from {written} group by job_id""",
                     [self.model, provider, llm_model, status, *own, output_schema],
                 )
+                record_reserved(self.con, self.table("llm_batch_reservations"), self.owner, written)
                 if deferred:  # a deferred request being sent now becomes a queued one
                     self.con.execute(
                         f"""delete from {requests} where model = ? and status = {DEFERRED} and custom_id in

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 
 from dbt_llm_batch.ledger.base import retry_on_conflict, transaction
+from dbt_llm_batch.ledger.claims import ClaimWrites
 from dbt_llm_batch.ledger.jobs import JobWrites
 from dbt_llm_batch.ledger.requests import RequestWrites
 from dbt_llm_batch.ledger.results import ResultWrites
@@ -208,6 +209,21 @@ MIGRATIONS += [
                first_failed_at timestamptz, failed_at timestamptz, attempts integer, succeeded_at timestamptz)"""
         ],
     ),
+    # Project-wide claims of models running at once (dbt threads; ledger/claims.py): the project
+    # budget each run has reserved and not yet recorded as requests, the shared requests (llm_dedup =
+    # 'ledger') a run is about to send, and the one row every such claim updates first, so that two
+    # claims conflict in DuckDB and one of them is retried after the other (no write skew).
+    (
+        20,
+        [
+            """create table if not exists {s}.llm_batch_reservations (
+               owner varchar, model varchar, reserved_usd decimal(18, 9), reserved_at timestamptz)""",
+            """create table if not exists {s}.llm_batch_request_claims (
+               fingerprint varchar, custom_id varchar, model varchar, owner varchar, claimed_at timestamptz)""",
+            "create table if not exists {s}.llm_batch_claim_turn (turn bigint)",
+            "insert into {s}.llm_batch_claim_turn select 0 where not exists (select 1 from {s}.llm_batch_claim_turn)",
+        ],
+    ),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -290,7 +306,7 @@ _MIGRATION_LOCK = threading.Lock()
 VOIDED, DEFERRED, HELD = sql(RequestStatus.VOIDED), sql(RequestStatus.DEFERRED), sql(RequestStatus.HELD)
 
 
-class Ledger(RequestWrites, JobWrites, ResultWrites, ThenCommandWrites):
+class Ledger(RequestWrites, JobWrites, ResultWrites, ThenCommandWrites, ClaimWrites):
     """The state tables of one schema, seen from one dbt model: the only code that writes them."""
 
     def migrate(self, up_to: int = SCHEMA_VERSION) -> None:

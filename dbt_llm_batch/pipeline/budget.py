@@ -1,6 +1,11 @@
 """The budget gate: before anything is uploaded, a plan whose estimate would take the money committed
 in flight over a limit is refused (llm_max_cost_usd for the model, var llm_batch_max_cost_usd for all
-models of the ledger). A refused run still merges what is already final, then fails saying so."""
+models of the ledger). A refused run still merges what is already final, then fails saying so.
+
+The model's own limit needs nothing more than the model's lock: one run of a model at a time. The
+project's is shared by models that dbt runs in parallel threads: a run reserves its estimate in the
+ledger, granted in one step against what is in flight and what the other running models reserved
+(Ledger.reserve_budget, ledger/claims.py), so two models cannot both pass on the same headroom."""
 
 from __future__ import annotations
 
@@ -40,13 +45,22 @@ def check_budget(
                 f"for {config.provider} model '{config.model}', so the cost of {n} "
                 f"request(s) cannot be estimated; nothing was sent. Add a price with llm_price_table."
             )
-        spent = committed(ledger, all_models)
-        if spent + estimate > Decimal(str(limit)):
-            raise BudgetError(
-                f"{ledger.model}: refusing to submit {n} request(s): estimated {costs.fmt_usd(estimate)} "
-                f"plus {costs.fmt_usd(spent)} already in flight exceeds {name} = {costs.fmt_usd(limit)}; "
-                f"nothing was sent. Raise the limit, or select fewer rows.{_basis_hint(config, output)}"
-            )
+        reserved = Decimal(0)
+        if all_models and ledger.owner is not None:  # a run holding its lock (a dry run reserves nothing)
+            refused = ledger.reserve_budget(Decimal(estimate), Decimal(str(limit)))
+            if refused is None:
+                continue
+            spent, reserved = refused
+        else:
+            spent = committed(ledger, all_models)
+            if spent + estimate <= Decimal(str(limit)):
+                continue
+        others = f" and {costs.fmt_usd(reserved)} reserved by models submitting now" if reserved else ""
+        raise BudgetError(
+            f"{ledger.model}: refusing to submit {n} request(s): estimated {costs.fmt_usd(estimate)} "
+            f"plus {costs.fmt_usd(spent)} already in flight{others} exceeds {name} = {costs.fmt_usd(limit)}; "
+            f"nothing was sent. Raise the limit, or select fewer rows.{_basis_hint(config, output)}"
+        )
 
 
 def _basis_hint(config: ModelConfig, output: costs.OutputEstimate | None) -> str:

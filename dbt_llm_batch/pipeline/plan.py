@@ -14,7 +14,7 @@ from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError, InputError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT, IN_FLIGHT_SQL, RequestStatus, sql, sql_in
-from dbt_llm_batch.pipeline import costs
+from dbt_llm_batch.pipeline import costs, sharing
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.sql import ident, literal
@@ -530,6 +530,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
         con.execute(f"delete from {PLAN} where member")
     con.execute(f"drop table {Scratch.candidates}")
     con.execute(f"drop table {Scratch.history}")
+    if config.dedup == "ledger" and ledger.owner is not None:  # a run that sends (not a dry run)
+        sharing.claim_shared(ledger)
     return con.execute(f"select count(*) from {PLAN}").fetchall()[0][0]
 
 

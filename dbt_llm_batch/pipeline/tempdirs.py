@@ -13,7 +13,7 @@ import shutil
 import socket
 import tempfile
 
-from dbt_llm_batch.ledger.locks import process_is_gone
+from dbt_llm_batch.ledger.owners import process_is_gone
 from dbt_llm_batch.log import log
 
 PREFIX = "dbt_llm_batch_"

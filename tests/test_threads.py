@@ -1,0 +1,190 @@
+"""Project-wide claims under dbt's threads: models that run in parallel (the integration project's
+profile runs 4 threads, as dbt does by default) share one project budget and one request per shared
+prompt, exactly as they do when they run one after another.
+
+The workload: rows `id, prompt` (helpers.write_rows), free-text models at the test prices, OpenAI's face
+of the sandbox. What was sent and billed is read from the sandbox, not from the package's own ledger.
+
+dbt starts the models together, but whether their steps overlap is up to the scheduler. The tests make
+the worst order certain: a barrier after a step (the budget check, the plan) holds each model there
+until every model has done it, so none records or sends anything before all have decided.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from decimal import Decimal
+
+import pytest
+from conftest import failure_messages
+from helpers import PRICES, batch_counts, billed_cost, dup_model, log_text, write_rows
+
+from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.pipeline import budget, plan
+
+MODELS = ("spend_a", "spend_b", "spend_c")
+# One model's plan: 5 requests of about 22 estimated input tokens (prompt and request overhead) and
+# llm_max_tokens = 50 output tokens at $2 / $8 per million, half price in batch:
+# 5 * (22 * 2 + 50 * 8) / 2 / 1e6 = $0.00111.
+ESTIMATE = Decimal("0.00111")
+# Room for one model's plan, not two.
+LIMIT = "0.0016"
+
+
+def all_wait_after(monkeypatch, module, name: str, parties: int) -> None:
+    """Each call of module.name waits, once it returned or raised, until `parties` calls have."""
+    barrier = threading.Barrier(parties)
+    step = getattr(module, name)
+
+    @functools.wraps(step)
+    def together(*args, **kwargs):
+        try:
+            return step(*args, **kwargs)
+        finally:
+            barrier.wait(timeout=120)  # a broken order fails the test, it never hangs it
+
+    monkeypatch.setattr(module, name, together)
+
+
+@pytest.fixture
+def spend(project, emulator):
+    project.write("seeds/llm_prices.csv", PRICES)
+    for name in MODELS:
+        project.write(f"models/{name}.sql", dup_model("openai"))
+    write_rows(project, {i: i for i in range(5)})
+    return project
+
+
+def submitted_models(project) -> list[str]:
+    return [r[0] for r in project.query("select distinct model from main.llm_batch_requests order by 1")]
+
+
+def refusals(result) -> list[str]:
+    return [line for line in failure_messages(result).splitlines() if "refusing to submit" in line]
+
+
+def test_models_running_in_parallel_stay_within_the_project_budget(spend, emulator, monkeypatch):
+    all_wait_after(monkeypatch, budget, "check_budget", parties=3)
+    result = spend.dbt("run", "-s", *MODELS, "--vars", f"{{llm_batch_max_cost_usd: {LIMIT}}}", expect_ok=False)
+
+    assert batch_counts(emulator) == [5], "one model's plan fits the budget, two do not"
+    assert len(submitted_models(spend)) == 1
+    assert len(refusals(result)) == 2
+    committed = spend.query("select sum(estimated_cost_usd) from main.llm_batch_requests where status = 'queued'")
+    assert committed == [(ESTIMATE,)]
+    assert committed[0][0] <= Decimal(LIMIT)
+
+
+def test_a_refusal_under_threads_leaves_the_tables_and_the_ledger_consistent(spend, emulator, monkeypatch):
+    with monkeypatch.context() as patch:
+        all_wait_after(patch, budget, "check_budget", parties=3)
+        spend.dbt("run", "-s", *MODELS, "--vars", f"{{llm_batch_max_cost_usd: {LIMIT}}}", expect_ok=False)
+    (sent,) = (m.removeprefix("main.") for m in submitted_models(spend))
+    refused = [m for m in MODELS if m != sent]
+    # Nothing of the refused models is in the ledger, and no reservation outlives the run.
+    assert spend.query("select count(*) from main.llm_batch_row_answers where model not like ?", [f"%{sent}"]) == [(0,)]
+    assert spend.query("select count(*) from main.llm_batch_reservations") == [(0,)]
+    assert spend.query("select model, status, count(*) from main.llm_batch_requests group by all") == [
+        (f"main.{sent}", "queued", 5)
+    ]
+    for name in MODELS:  # every table made, and no row final yet
+        assert spend.query(f"select count(*) from main.{name}") == [(0,)], name
+
+    # The budget raised: the refused models send their requests once, and every row lands at what was billed.
+    emulator.complete_all()
+    spend.dbt("run", "-s", *MODELS, "--vars", "{llm_batch_max_cost_usd: 1}")
+    emulator.complete_all()
+    spend.dbt("run", "-s", *MODELS)
+    assert sorted(batch_counts(emulator)) == [5, 5, 5]
+    total = Decimal(0)
+    for name in (sent, *refused):
+        rows = spend.query(f"select llm_status, llm_cost_usd from main.{name}")
+        assert [r[0] for r in rows] == ["succeeded"] * 5, name
+        total += sum(r[1] for r in rows)
+    assert total == billed_cost(emulator, "openai")
+
+
+def test_with_one_thread_the_second_and_third_models_are_refused(spend, emulator):
+    result = spend.dbt(
+        "run", "-s", *MODELS, "--threads", "1", "--vars", f"{{llm_batch_max_cost_usd: {LIMIT}}}", expect_ok=False
+    )
+
+    assert batch_counts(emulator) == [5]
+    assert submitted_models(spend) == ["main.spend_a"]  # dbt's order with one thread
+    assert len(refusals(result)) == 2
+    assert "plus $0.001110 already in flight exceeds var llm_batch_max_cost_usd" in failure_messages(result)
+
+
+def test_two_models_sharing_the_ledger_under_threads_send_each_request_once(project, emulator, monkeypatch):
+    project.write("seeds/llm_prices.csv", PRICES)
+    for name in ("dup", "dup_twin"):
+        project.write(f"models/{name}.sql", dup_model("openai", extra="llm_dedup='ledger'"))
+    write_rows(project, {i: i % 40 for i in range(100)})
+
+    with monkeypatch.context() as patch:
+        all_wait_after(patch, plan, "build_plan", parties=2)
+        project.dbt("run", "-s", "dup", "dup_twin")
+    assert sum(batch_counts(emulator)) == 40, "each shared request is sent once in the project run"
+    assert project.query("select count(*) from main.llm_batch_request_claims") == [(0,)]
+    assert "40 request(s) are being sent by another model running now" in log_text(project)
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup", "dup_twin")  # the sender harvests; the other points its rows at its requests
+    project.dbt("run", "-s", "dup", "dup_twin")  # (answered, if the sender had not harvested when it planned)
+
+    assert sum(batch_counts(emulator)) == 40
+    total = Decimal(0)
+    for name in ("dup", "dup_twin"):
+        rows = project.query(f"select llm_status, llm_cost_usd from main.{name}")
+        assert len(rows) == 100 and {r[0] for r in rows} == {"succeeded"}, name
+        total += sum(r[1] for r in rows)
+    assert total == billed_cost(emulator, "openai")
+
+
+def test_a_model_planning_while_another_records_the_shared_requests_points_its_rows_at_them(
+    project, emulator, monkeypatch
+):
+    """The other order: dup_twin planned before dup recorded its requests (so its plan still has them),
+    and claims them after: its rows point at dup's requests in this same run, nothing is sent twice."""
+    project.write("seeds/llm_prices.csv", PRICES)
+    for name in ("dup", "dup_twin"):
+        project.write(f"models/{name}.sql", dup_model("openai", extra="llm_dedup='ledger'"))
+    write_rows(project, {i: i % 40 for i in range(100)})
+    twin_planned, dup_recorded = threading.Event(), threading.Event()
+    claim, record = Ledger.claim_requests, Ledger.write_intents
+
+    def claim_in_order(ledger, *args, **kwargs):
+        if ledger.model == "main.dup_twin":  # its plan is made; it claims once dup has recorded its own
+            twin_planned.set()
+            assert dup_recorded.wait(timeout=120)
+        else:
+            assert twin_planned.wait(timeout=120)
+        return claim(ledger, *args, **kwargs)
+
+    def record_and_say(ledger, *args, **kwargs):
+        try:
+            return record(ledger, *args, **kwargs)
+        finally:
+            if ledger.model == "main.dup":
+                dup_recorded.set()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Ledger, "claim_requests", claim_in_order)
+        patch.setattr(Ledger, "write_intents", record_and_say)
+        project.dbt("run", "-s", "dup", "dup_twin")
+
+    assert batch_counts(emulator) == [40]
+    assert project.query(
+        """select count(*), count(distinct r.custom_id) from main.llm_batch_row_answers a
+           join main.llm_batch_requests r using (custom_id) where a.model = 'main.dup_twin' and r.model = 'main.dup'"""
+    ) == [(100, 40)], "every row of dup_twin points at dup's request for its prompt"
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup")
+    project.dbt("run", "-s", "dup_twin")
+    assert batch_counts(emulator) == [40]
+    total = Decimal(0)
+    for name in ("dup", "dup_twin"):
+        rows = project.query(f"select llm_status, llm_cost_usd from main.{name}")
+        assert len(rows) == 100 and {r[0] for r in rows} == {"succeeded"}, name
+        total += sum(r[1] for r in rows)
+    assert total == billed_cost(emulator, "openai")
