@@ -49,6 +49,7 @@ from dbt_llm_batch.pipeline import (
     reconcile,
     report,
     request_files,
+    shared,
     submit,
     tempdirs,
     validate,
@@ -592,7 +593,10 @@ class ModelRun:
 
     def harvest_open(self) -> None:
         """Reconcile what earlier runs left open, then poll and harvest every submitted batch, each
-        through the provider and model it was submitted with."""
+        through the provider and model it was submitted with; then, with llm_dedup = 'ledger', the
+        other models' batches this model's rows wait on (shared.py)."""
+        if self.default.dedup == "ledger" and not self.provider_unavailable():
+            self.summary.harvested_batches += shared.harvest_shared(self.ledger, self.default)
         jobs = self.ledger.open_jobs()
         if not jobs:
             return
@@ -790,6 +794,8 @@ class ModelRun:
     def finish_summary(self) -> None:
         s = self.summary
         s.pending = self.ledger.pending_count()
+        if self.default.dedup == "ledger":  # rows answered by another model's request in flight
+            s.pending_elsewhere = shared.waiting_elsewhere(self.ledger)
         s.backed_off, s.held = self.ledger.waiting_counts()
         s.deferred = self.ledger.deferred_count()
         # Harvested batches' rows and realtime rows apart: each figure under its own name in the line.
