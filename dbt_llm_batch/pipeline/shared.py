@@ -7,9 +7,10 @@ model's pending rows (the run log, `llm_batch_progress.rows_pending`), and this 
 that job once it ended, as the other model's run would: through the provider and model it was sent
 with, settled with the other model's stored settle snapshot (config.settle_snapshot, as the poller
 reads it; this model's config with the job's provider and model if there is none), under the other
-model's lock. So the rows land without the other model running again, or ever (it may have been
-deleted from the project). A run of the other model holding its lock (another dbt thread, another
-process) is harvesting it itself: the batch is left to it, never waited for.
+model's lock, taken as a brief holder (locks.BRIEF: a run of that model starting meanwhile waits for
+it rather than fails). So the rows land without the other model running again, or ever (it may have
+been deleted from the project). A run of the other model holding its lock (another dbt thread,
+another process) is harvesting it itself: the batch is left to it, never waited for.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.ledger.locks import LockHeldError, ModelLock
+from dbt_llm_batch.ledger.locks import LockHeldError, ModelLock, brief_owner
 from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import costs, harvest, report
@@ -47,10 +48,11 @@ def harvest_shared(ledger: Ledger, config: ModelConfig) -> int:
     harvested = 0
     for other in waiting_elsewhere(ledger):
         theirs = Ledger(ledger.con, ledger.schema, other)
-        lock = ModelLock(theirs)
+        # Brief: a run of that model starting meanwhile (another dbt thread) waits for it, not fails.
+        lock = ModelLock(theirs, owner=brief_owner())
         try:
             lock.acquire()
-        except LockHeldError:  # that model's run is harvesting it now
+        except LockHeldError:  # that model's run (or another harvest of it) holds it: it harvests
             continue
         try:
             harvested += _harvest_model(ledger, theirs, config)
