@@ -14,8 +14,7 @@ import duckdb
 import pytest
 from helpers import batch_counts, file_held_by_another_process, triage_model
 
-from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.ledger import locks
+from dbt_llm_batch.ledger import Ledger, locks
 from dbt_llm_batch.ledger.locks import LockHeldError, ModelLock
 from dbt_llm_batch.ops.cli import main as cli
 
