@@ -70,6 +70,16 @@ def test_rows_waiting_on_another_model_land_in_their_own_run_when_it_is_gone(mod
     assert models.query(PROGRESS) == [("main.dup", 0, 0), ("main.twin", 0, 0)]
 
 
+def test_a_model_that_waits_gets_the_rows_another_model_s_batch_answers_within_its_run(models, emulator, provider):
+    models.dbt("run", "-s", "dup")
+    emulator.auto_advance_seconds = 2  # dup's batch ends a few seconds from now, on its own
+    models.write("models/twin.sql", dup_model(provider, extra="llm_dedup='ledger', llm_wait_seconds=120"))
+    models.dbt("run", "-s", "twin")  # waits for dup's batch, harvests it and merges
+    twin = table(models, "twin")
+    assert sorted(twin) == list(range(N)) and {r[2] for r in twin.values()} == {"succeeded"}
+    assert len(emulator.billed()) == N
+
+
 def test_urgent_rows_go_realtime_instead_of_waiting_for_another_model_s_batch(models, emulator, provider):
     models.dbt("run", "-s", "dup")  # all 10 in a batch
     models.write("models/twin.sql", dup_model(provider, extra="llm_dedup='ledger', llm_realtime_when='id < 3'"))

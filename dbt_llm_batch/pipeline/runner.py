@@ -282,7 +282,7 @@ class ModelRun:
                         self.reject_unsendable()
                     if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing
                         self.plan_and_submit()
-            if self.config.wait_seconds <= 0 or not self.ledger.open_jobs():
+            if self.config.wait_seconds <= 0 or not self.open_work():
                 self.provider_unavailable()  # notes whether a call of this run gave up
                 return
             self.wait(deadline)
@@ -783,13 +783,20 @@ class ModelRun:
             self.after_harvest()
             open_jobs = self.ledger.open_jobs()
             waiting.update(max(0, total - self.ledger.pending_count()))
-            if not open_jobs:
+            if not self.open_work():
                 waiting.finish()
                 return
             seconds_left = max(0, int(deadline - time.monotonic()))
             report.waiting(self.ledger.model, len(open_jobs), self.ledger.pending_count(), seconds_left)
             interrupt.sleep(min(delay, max(0.0, deadline - time.monotonic())))  # Ctrl-C ends it at once
             delay = min(delay * 2, 30.0)
+
+    def open_work(self) -> bool:
+        """Whether batches this run's rows wait on are open: its own, or (llm_dedup = 'ledger') another
+        model's holding requests that answer its rows (shared.py)."""
+        if self.ledger.open_jobs():
+            return True
+        return self.default.dedup == "ledger" and bool(shared.waiting_elsewhere(self.ledger))
 
     def finish_summary(self) -> None:
         s = self.summary
