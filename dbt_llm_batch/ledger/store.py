@@ -197,11 +197,6 @@ MIGRATIONS += [
     # changed too (llm_batch_progress lists a model whose rows are all answered by other models'
     # requests): they are recreated on reaching this version.
     (18, ["alter table {s}.llm_batch_jobs add column if not exists output_schema varchar"]),
-    # The views changed: llm_batch_pending_rows (each row still waiting for its answer, whichever
-    # model's request asks it) and llm_batch_progress.rows_pending over it, so a model whose rows wait
-    # on another model's request shows them pending (llm_dedup = 'ledger'), and the min_accuracy test
-    # tells rows not answered yet from rows measured. No table changes.
-    (19, []),
 ]
 MIGRATIONS += [
     # `dbt-llm-batch poll --then` commands that failed (then_commands.py): per model, what was run, when,
@@ -229,6 +224,11 @@ MIGRATIONS += [
             "insert into {s}.llm_batch_claim_turn select 0 where not exists (select 1 from {s}.llm_batch_claim_turn)",
         ],
     ),
+    # The views changed: llm_batch_pending_rows (each row still waiting for its answer, whichever
+    # model's request asks it) and llm_batch_progress.rows_pending over it, so a model whose rows wait
+    # on another model's request shows them pending (llm_dedup = 'ledger'), and the min_accuracy test
+    # tells rows not answered yet from rows measured. No table changes.
+    (21, []),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
