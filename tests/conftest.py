@@ -11,7 +11,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from helpers import KILLS_A_PROCESS, PROVIDER_MODELS, SANDBOX_KEY, STARTS_A_SANDBOX, uses_any
+from helpers import KILL, KILLS_A_PROCESS, PROVIDER_MODELS, SANDBOX_KEY, STARTS_A_PROCESS, STARTS_A_SANDBOX, uses_any
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
@@ -34,7 +34,7 @@ def tier_of(item) -> str:
     function = getattr(item, "function", None)
     if Path(str(item.path)).name == "test_local_engine.py":
         return "engine"
-    if uses_any(function, KILLS_A_PROCESS):
+    if uses_any(function, KILLS_A_PROCESS) or (uses_any(function, KILL) and uses_any(function, STARTS_A_PROCESS)):
         return "crash"
     if "project" in fixtures:
         return "dbt"

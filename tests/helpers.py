@@ -390,7 +390,9 @@ def line_for_an_unknown_custom_id(line: dict) -> dict:
 # What marks a test's tier beyond its fixtures (conftest.tier_of): names its code reads, itself or
 # through the functions it calls (of its module and of this one, followed by name), and text its
 # string constants hold.
-KILLS_A_PROCESS = ({"kill", "SIGKILL"}, {"DBT_LLM_BATCH_CRASH_AT"})  # os.kill, Popen.kill; a crash point
+KILLS_A_PROCESS = ({"SIGKILL", "SIGINT", "SIGTERM"}, {"DBT_LLM_BATCH_CRASH_AT"})  # a signal sent; a crash point
+# Popen.kill / os.kill count only beside a process the test starts (os.kill(pid, 0) alone only probes a PID).
+KILL, STARTS_A_PROCESS = ({"kill"}, set()), ({"Popen", "subprocess"}, set())
 STARTS_A_SANDBOX = ({"Emulator", "Popen"}, set())  # the emulator in process, or a server process
 
 
