@@ -30,6 +30,38 @@
   {{ return(found[0] if found else none) }}
 {%- endmacro %}
 
+{#- The ledger key of a row of llm_batch model `node` (its unique_key as the JSON list of the key
+    columns' text, as plan.key_sql writes it), over the columns of `alias`. -#}
+{% macro _llm_key_sql(node, alias='') -%}
+  {%- set key = node.config.get('unique_key') -%}
+  {%- set key = [key] if key is string else key -%}
+  cast(to_json([{% for k in key %}cast({{ alias }}{{ adapter.quote(k) }} as varchar){% if not loop.last %}, {% endif %}{% endfor %}]) as varchar)
+{%- endmacro %}
+
+{#- SQL, a relation of the rows of llm_batch model `node` (built into `relation`) still waiting for their
+    answers (variant as the table names it, key, fingerprint: the ledger's llm_batch_pending_rows), or
+    none when `relation` is no llm_batch model or its ledger has no such view yet. -#}
+{% macro _llm_pending_rows(relation, node) -%}
+  {%- set found = none -%}
+  {%- if execute and node and node.config.get('materialized') == 'llm_batch' and node.config.get('unique_key') -%}
+    {%- set schema = node.config.get('llm_ledger_schema') or relation.schema -%}
+    {#- Asked of the database, not dbt's relation cache: the plugin, not dbt, creates the ledger. -#}
+    {%- set exists = run_query("select count(*) from information_schema.tables where table_catalog = "
+          ~ dbt.string_literal(relation.database) ~ " and table_schema = " ~ dbt.string_literal(schema)
+          ~ " and table_name = 'llm_batch_pending_rows'") -%}
+    {%- set view = api.Relation.create(database=relation.database, schema=schema, identifier='llm_batch_pending_rows') -%}
+    {%- if exists.rows[0][0] > 0 -%}
+      {%- set identity = node.config.get('llm_ledger_identity') or (relation.schema ~ '.' ~ relation.identifier) -%}
+      {%- set default_name = (node.config.get('llm_default_variant') or 'default') if node.config.get('llm_variants') else 'default' -%}
+      {%- set found -%}
+        (select case when variant = '' then {{ dbt.string_literal(default_name) }} else variant end as variant, key, fingerprint
+         from {{ view }} where model = {{ dbt.string_literal(identity) }})
+      {%- endset -%}
+    {%- endif -%}
+  {%- endif -%}
+  {{ return(found) }}
+{%- endmacro %}
+
 {#- {column name (lower case): upper-case DuckDB type} of `relation`, once it exists. -#}
 {% macro _llm_column_types(relation) -%}
   {%- set types = {} -%}

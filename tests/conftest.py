@@ -11,12 +11,42 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from helpers import PROVIDER_MODELS, SANDBOX_KEY
+from helpers import KILL, KILLS_A_PROCESS, PROVIDER_MODELS, SANDBOX_KEY, STARTS_A_PROCESS, STARTS_A_SANDBOX, uses_any
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 INTEGRATION = REPO / "integration_project"
+
+
+# --- test tiers (pyproject's markers; README "Testing and contributing") ---------------------------
+# Each test gets exactly one tier, from what it needs, the most demanding first: `engine` (the local
+# engine), `crash` (it kills a process: a dbt subprocess at a crash point, a lock holder, a server),
+# `dbt` (real dbt on a DuckDB file: the `project` fixture), `sandbox` (the provider emulator, in
+# process or as a server), and `unit` (what starts none of these: tests/unit and the plain function
+# tests beside the stories; seconds). `pytest -m unit` is the fast loop; tests/unit/test_tiers.py
+# checks that every test has one tier and that the rules hold.
+TIERS = ("unit", "sandbox", "dbt", "crash", "engine")
+
+
+def tier_of(item) -> str:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    function = getattr(item, "function", None)
+    if Path(str(item.path)).name == "test_local_engine.py":
+        return "engine"
+    if uses_any(function, KILLS_A_PROCESS) or (uses_any(function, KILL) and uses_any(function, STARTS_A_PROCESS)):
+        return "crash"
+    if "project" in fixtures:
+        return "dbt"
+    if fixtures & {"emulator", "emu"} or uses_any(function, STARTS_A_SANDBOX):
+        return "sandbox"
+    return "unit"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in TIERS):  # a test may name its tier itself
+            item.add_marker(getattr(pytest.mark, tier_of(item)))
 
 
 @pytest.fixture(autouse=True)

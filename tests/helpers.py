@@ -385,3 +385,39 @@ def line_for_an_unknown_custom_id(line: dict) -> dict:
     stranger = json.loads(json.dumps(line))
     stranger["custom_id"] = "r_not_ours"
     return stranger
+
+
+# What marks a test's tier beyond its fixtures (conftest.tier_of): names its code reads, itself or
+# through the functions it calls (of its module and of this one, followed by name), and text its
+# string constants hold.
+KILLS_A_PROCESS = ({"SIGKILL", "SIGINT", "SIGTERM"}, {"DBT_LLM_BATCH_CRASH_AT"})  # a signal sent; a crash point
+# Popen.kill / os.kill count only beside a process the test starts (os.kill(pid, 0) alone only probes a PID).
+KILL, STARTS_A_PROCESS = ({"kill"}, set()), ({"Popen", "subprocess"}, set())
+STARTS_A_SANDBOX = ({"Emulator", "Popen"}, set())  # the emulator in process, or a server process
+
+
+def uses_any(fn, signs: tuple[set[str], set[str]], _seen: set | None = None) -> bool:
+    """Does test function `fn` read one of the names of `signs`, or hold one of its texts in a string
+    constant, itself or through the functions it calls?"""
+    names_wanted, texts = signs
+    seen = set() if _seen is None else _seen
+    if fn is None or not hasattr(fn, "__code__") or fn in seen:
+        return False
+    seen.add(fn)
+    codes, names = [fn.__code__], set()
+    while codes:
+        code = codes.pop()
+        names |= set(code.co_names)
+        consts = list(code.co_consts)
+        while consts:
+            const = consts.pop()
+            if hasattr(const, "co_names"):
+                codes.append(const)
+            elif isinstance(const, (tuple, frozenset)):  # a dict's constant keys, a literal set
+                consts.extend(const)
+            elif isinstance(const, str) and any(text in const for text in texts):
+                return True
+    if names & names_wanted:
+        return True
+    module = getattr(fn, "__globals__", {})
+    return any(uses_any(module.get(name), signs, seen) for name in names if callable(module.get(name)))

@@ -14,7 +14,7 @@ import duckdb
 import pytest
 from helpers import batch_counts, file_held_by_another_process, triage_model
 
-from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.ledger import Ledger, locks
 from dbt_llm_batch.ledger.locks import LockHeldError, ModelLock
 from dbt_llm_batch.ops.cli import main as cli
 
@@ -181,3 +181,22 @@ def test_a_lock_whose_process_died_on_this_host_is_taken_over_at_once(ledger, ca
     ModelLock(ledger, owner=f"{socket.gethostname()}:{os.getppid()}:live").acquire()
     with pytest.raises(LockHeldError):
         ModelLock(ledger, owner="next-run").acquire()
+
+
+def test_a_run_waits_for_another_model_s_brief_harvest_holding_its_lock(ledger, monkeypatch):
+    """Another model's run harvesting this model's shared batches (pipeline/shared.py) holds its lock for a
+    moment: a run of this model starting then (another dbt thread) waits for it instead of failing; two
+    brief holders never wait for each other (the second skips), and a run's own lock is never waited for."""
+    harvest = ModelLock(ledger, owner=locks.brief_owner())
+    harvest.acquire()
+    with pytest.raises(LockHeldError):  # another harvest: refused at once (it leaves the batch alone)
+        ModelLock(ledger, owner=locks.brief_owner()).acquire()
+    waits = []
+    monkeypatch.setattr(locks.time, "sleep", lambda seconds: (waits.append(seconds), harvest.release()))
+    run = ModelLock(ledger, owner="this-host:1:run")
+    run.acquire()  # waits once, the harvest ends, the run has the lock
+    assert len(waits) == 1
+    assert ledger.con.execute("select owner from main.llm_batch_locks").fetchall() == [("this-host:1:run",)]
+    with pytest.raises(LockHeldError):  # a run's lock: another run is refused at once, as before
+        ModelLock(ledger, owner="this-host:2:run").acquire()
+    assert len(waits) == 1

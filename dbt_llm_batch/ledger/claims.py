@@ -86,12 +86,18 @@ class ClaimWrites(LedgerBase):
 
         return self._claim(step)
 
-    def claim_requests(self, planned: str, taken: str) -> None:
+    def claim_requests(self, planned: str, taken: str, urgent: str | None = None) -> None:
         """Claim the requests of `planned` (fingerprint, custom_id: the requests this run is about to
         send), except those another run claimed while it is live or another model has in flight or
         answered: those are written to the temp table `taken` (fingerprint, custom_id of the other
-        model's request answering it, or NULL while it is only claimed; answered), and not claimed."""
+        model's request answering it, or NULL while it is only claimed; answered), and not claimed.
+        `urgent` (fingerprints this run sends in realtime): another model's request still in a batch
+        does not answer those (an urgent row follows its own model's llm_realtime_when)."""
         claims, requests = self.table("llm_batch_request_claims"), self.table("llm_batch_requests")
+        recorded = f"model <> $model and status in {sql_in((RequestStatus.SUCCEEDED, *IN_FLIGHT))}"
+        if urgent is not None:
+            recorded += f""" and not (status in {sql_in(IN_FLIGHT)} and coalesce(route, 'batch') <> 'realtime'
+                                      and fingerprint in (select fingerprint from {urgent}))"""
 
         def step():
             self.con.execute(
@@ -101,15 +107,13 @@ class ClaimWrites(LedgerBase):
                           where owner <> $owner and fingerprint in (select fingerprint from {planned})
                           union
                           select fingerprint from {requests}
-                          where model <> $model and status in {sql_in((RequestStatus.SUCCEEDED, *IN_FLIGHT))}
-                            and fingerprint in (select fingerprint from {planned})) c
+                          where {recorded} and fingerprint in (select fingerprint from {planned})) c
                          left join (select fingerprint,
                                            arg_max(custom_id, (status = {sql(RequestStatus.SUCCEEDED)}, queued_at))
                                                as custom_id,
                                            bool_or(status = {sql(RequestStatus.SUCCEEDED)}) as answered
                                     from {requests}
-                                    where model <> $model and status in {sql_in((RequestStatus.SUCCEEDED, *IN_FLIGHT))}
-                                      and fingerprint in (select fingerprint from {planned})
+                                    where {recorded} and fingerprint in (select fingerprint from {planned})
                                     group by fingerprint) r using (fingerprint)""",
                 {"owner": self.owner, "model": self.model},
             )

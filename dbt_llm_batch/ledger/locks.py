@@ -44,7 +44,23 @@ def is_lock_conflict(exc: Exception) -> bool:
 
 
 class LockHeldError(LlmBatchError):
-    """Another live run owns the model's lock."""
+    """Another live run owns the model's lock (`owner`)."""
+
+    def __init__(self, message: str, owner: str = ""):
+        super().__init__(message)
+        self.owner = owner
+
+
+# A lock held for a moment by another model's run, to harvest this model's batches that its rows share
+# (llm_dedup = 'ledger', pipeline/shared.py): a run of this model finding it waits for it (at most
+# BRIEF_WAIT_SECONDS) instead of failing, as it would for a run of its own.
+BRIEF = ":brief"
+BRIEF_WAIT_SECONDS = 120.0
+
+
+def brief_owner() -> str:
+    """An owner that holds a model's lock only for a harvest (see BRIEF)."""
+    return new_owner() + BRIEF
 
 
 def database_path(con) -> str:
@@ -58,15 +74,18 @@ class ModelLock:
         self.table = ledger.table("llm_batch_locks")
 
     def acquire(self) -> None:
-        """Take the model's lock, or take over a stale one; raise LockHeldError if a live run holds it."""
-        for attempt in range(20):
+        """Take the model's lock, or take over a stale one; raise LockHeldError if a live run holds it
+        (after waiting for a brief holder: see BRIEF)."""
+        waited_since = time.monotonic()
+        while True:
             try:
-                previous = self._try_acquire()
+                previous = self._acquire_once()
                 break
-            except duckdb.TransactionException:  # a concurrent taker committed first: look again
-                if attempt == 19:
+            except LockHeldError as held:
+                brief = held.owner.endswith(BRIEF) and not self.owner.endswith(BRIEF)
+                if not brief or time.monotonic() - waited_since > BRIEF_WAIT_SECONDS:
                     raise
-                time.sleep(0.05 * (attempt + 1))
+                time.sleep(0.1)
         self.ledger.owner = self.owner  # the run's project-wide claims are this owner's (claims.py)
         if previous:
             owner, acquired_at, age = previous
@@ -79,6 +98,16 @@ class ModelLock:
                 f"{self.ledger.model}: took over the lock of {owner} (held since {acquired_at}; {why}): "
                 f"that run is presumed dead"
             )
+
+    def _acquire_once(self):
+        for attempt in range(20):
+            try:
+                return self._try_acquire()
+            except duckdb.TransactionException:  # a concurrent taker committed first: look again
+                if attempt == 19:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
+        return None
 
     def _try_acquire(self):
         con, model = self.ledger.con, self.ledger.model
@@ -93,7 +122,7 @@ class ModelLock:
                 return None
             owner, acquired_at, heartbeat_at, age = rows[0]
             if owner != self.owner and age < self.stale_after and not process_is_gone(owner):
-                raise LockHeldError(self.held_message(owner, acquired_at, age))
+                raise LockHeldError(self.held_message(owner, acquired_at, age), owner)
             con.execute(
                 f"""update {self.table} set owner = ?, acquired_at = now(), heartbeat_at = now()
                             where model = ?""",

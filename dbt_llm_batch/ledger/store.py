@@ -224,6 +224,11 @@ MIGRATIONS += [
             "insert into {s}.llm_batch_claim_turn select 0 where not exists (select 1 from {s}.llm_batch_claim_turn)",
         ],
     ),
+    # The views changed: llm_batch_pending_rows (each row still waiting for its answer, whichever
+    # model's request asks it) and llm_batch_progress.rows_pending over it, so a model whose rows wait
+    # on another model's request shows them pending (llm_dedup = 'ledger'), and the min_accuracy test
+    # tells rows not answered yet from rows measured. No table changes.
+    (21, []),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -231,7 +236,19 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 # read): derived from the tables, so defined once, as they are now, and (re)created whenever a ledger
 # reaches this version, rather than restated by each migration that changes them.
 _QUEUED, _SUCCEEDED, _FAILED = sql(RequestStatus.QUEUED), sql(RequestStatus.SUCCEEDED), sql(RequestStatus.FAILED)
+_WAITING = f"{sql(RequestStatus.DEFERRED)}, {sql(RequestStatus.HELD)}"
 VIEWS = [
+    # One row per row of a model (model, variant, key) and the fingerprint it waits for an answer to:
+    # a row answer whose request is in flight or held, of this model or another (llm_dedup = 'ledger':
+    # `asked_by` is that model), and the model's own requests waiting unsent (over a cap, in a
+    # back-off) or held. A key may appear more than once (count distinct keys).
+    f"""create or replace view {{s}}.llm_batch_pending_rows as
+    select a.model, a.variant, a.key, a.fingerprint, r.model as asked_by, r.status
+    from {{s}}.llm_batch_row_answers a join {{s}}.llm_batch_requests r using (custom_id)
+    where r.status in ({_QUEUED}, {sql(RequestStatus.HELD)})
+    union all
+    select model, variant, key, fingerprint, model as asked_by, status from {{s}}.llm_batch_requests
+    where status in ({_WAITING}) or (status = {sql(RequestStatus.VOIDED)} and not_before > now())""",
     f"""create or replace view {{s}}.llm_batch_in_flight as
     select model, provider, llm_model, batch_id, status, request_count, submitted_at,
            date_trunc('second', now() - coalesce(submitted_at, created_at)) as age, variant
@@ -281,7 +298,10 @@ VIEWS = [
            coalesce(max(a.rows_mapped), 0) as rows_mapped,
            coalesce(max(a.rows_reused), 0) as rows_reused,
            coalesce(max(a.dedup_saved_usd), 0) as dedup_saved_usd,
-           variant  -- per evaluation variant ('': the default variant, and models without variants)
+           variant,  -- per evaluation variant ('': the default variant, and models without variants)
+           -- rows (keys) still waiting for an answer, whichever model's request asks it: a model whose
+           -- rows share another model's request in flight (llm_dedup = 'ledger') has them pending too
+           coalesce(max(w.rows_pending), 0) as rows_pending
     -- every model (and variant) with a request or a row answer: under llm_dedup = 'ledger' a model whose
     -- rows all share other models' requests has no request of its own, and still has rows to show
     from (select model, variant from {{s}}.llm_batch_requests
@@ -296,6 +316,8 @@ VIEWS = [
                           from {{s}}.llm_batch_row_answers) a
                          join {{s}}.llm_batch_requests r using (custom_id)
                     group by a.model, a.variant) a using (model, variant)
+         left join (select model, variant, count(distinct key) as rows_pending from {{s}}.llm_batch_pending_rows
+                    group by model, variant) w using (model, variant)
     group by model, variant""",
 ]
 

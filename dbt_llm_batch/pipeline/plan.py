@@ -400,6 +400,11 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
     if dedup:
         # Requests that answer (or are answering) a candidate's prompt: succeeded first, then in flight.
         scope = "" if config.dedup == "ledger" else "and model = $model"
+        # An urgent row (llm_realtime_when) follows its own model's route: another model's request still
+        # in a batch (up to 24 h) does not answer it; it is sent in realtime as its own request.
+        urgent_waits = f"""and not (model <> $model and coalesce(route, 'batch') <> 'realtime'
+                                    and status in {IN_FLIGHT_SQL}
+                                    and fingerprint in (select fingerprint from {Scratch.candidates} where realtime))"""
         con.execute(
             f"""create or replace temp table {Scratch.answered} as
                 select fingerprint,
@@ -408,8 +413,9 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                 from {requests}
                 where status in {sql_in((RequestStatus.SUCCEEDED, *IN_FLIGHT))} {scope}
                   and fingerprint in (select fingerprint from {Scratch.candidates})
+                  {urgent_waits if config.dedup == "ledger" else ""}
                 group by fingerprint""",
-            {"model": ledger.model} if scope else {},
+            {"model": ledger.model} if scope or config.dedup == "ledger" else {},
         )
         # (Each part below is read only when its requests exist: a plan of new rows joins nothing.)
         answered_any = con.execute(f"select count(*) > 0 from {Scratch.answered}").fetchall()[0][0]

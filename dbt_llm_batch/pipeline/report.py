@@ -3,7 +3,7 @@ warnings the run's steps log. Text only: the steps decide, these say it (runner.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 
 from dbt_llm_batch.config import ModelConfig
@@ -34,6 +34,8 @@ class RunSummary:
     realtime: RealtimeOutcome | None = None  # rows sent in realtime this run
     shared: int = 0  # rows planned this run that ask the same request as another row (sent once)
     reused: int = 0  # rows pointed at a request answered or in flight already: no request of their own
+    # llm_dedup = 'ledger': {another model: this model's rows its requests in flight answer}; pending too
+    pending_elsewhere: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> str:
         saved = (
@@ -48,13 +50,21 @@ class RunSummary:
             f"{self.model}: submitted {self.submitted} request(s) in {self.batches} batch(es) "
             f"(estimated {estimated}); harvested {self.harvested_batches} batch(es) "
             f"(cost {costs.fmt_usd(self.cost_usd)}{saved}); merged {self.merged} row(s) ({self.failed} failed); "
-            f"pending {self.pending}"
+            f"pending {self.pending + sum(self.pending_elsewhere.values())}"
+            + self.elsewhere_part()
             + (f"; deferred {self.deferred} (in-flight cap)" if self.deferred else "")
             + (f"; waiting {self.backed_off} (back-off)" if self.backed_off else "")
             + (f"; held {self.held} (release with `dbt-llm-batch release`)" if self.held else "")
             + (self.realtime_part() if self.realtime else "")
             + (self.dedup_part() if self.shared or self.reused else "")
         )
+
+    def elsewhere_part(self) -> str:
+        """' (8 row(s) wait for requests of main.other in flight)': pending rows whose request is another model's."""
+        if not self.pending_elsewhere:
+            return ""
+        models = ", ".join(self.pending_elsewhere)
+        return f" ({sum(self.pending_elsewhere.values())} row(s) wait for requests of {models} in flight)"
 
     def dedup_part(self) -> str:
         return (

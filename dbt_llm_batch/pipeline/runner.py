@@ -49,6 +49,7 @@ from dbt_llm_batch.pipeline import (
     reconcile,
     report,
     request_files,
+    shared,
     submit,
     tempdirs,
     validate,
@@ -281,7 +282,7 @@ class ModelRun:
                         self.reject_unsendable()
                     if not full_refresh:  # a full refresh rebuilds from the ledger and pays for nothing
                         self.plan_and_submit()
-            if self.config.wait_seconds <= 0 or not self.ledger.open_jobs():
+            if self.config.wait_seconds <= 0 or not self.open_work():
                 self.provider_unavailable()  # notes whether a call of this run gave up
                 return
             self.wait(deadline)
@@ -592,7 +593,10 @@ class ModelRun:
 
     def harvest_open(self) -> None:
         """Reconcile what earlier runs left open, then poll and harvest every submitted batch, each
-        through the provider and model it was submitted with."""
+        through the provider and model it was submitted with; then, with llm_dedup = 'ledger', the
+        other models' batches this model's rows wait on (shared.py)."""
+        if self.default.dedup == "ledger" and not self.provider_unavailable():
+            self.summary.harvested_batches += shared.harvest_shared(self.ledger, self.default)
         jobs = self.ledger.open_jobs()
         if not jobs:
             return
@@ -779,7 +783,7 @@ class ModelRun:
             self.after_harvest()
             open_jobs = self.ledger.open_jobs()
             waiting.update(max(0, total - self.ledger.pending_count()))
-            if not open_jobs:
+            if not self.open_work():
                 waiting.finish()
                 return
             seconds_left = max(0, int(deadline - time.monotonic()))
@@ -787,9 +791,18 @@ class ModelRun:
             interrupt.sleep(min(delay, max(0.0, deadline - time.monotonic())))  # Ctrl-C ends it at once
             delay = min(delay * 2, 30.0)
 
+    def open_work(self) -> bool:
+        """Whether batches this run's rows wait on are open: its own, or (llm_dedup = 'ledger') another
+        model's holding requests that answer its rows (shared.py)."""
+        if self.ledger.open_jobs():
+            return True
+        return self.default.dedup == "ledger" and bool(shared.waiting_elsewhere(self.ledger))
+
     def finish_summary(self) -> None:
         s = self.summary
         s.pending = self.ledger.pending_count()
+        if self.default.dedup == "ledger":  # rows answered by another model's request in flight
+            s.pending_elsewhere = shared.waiting_elsewhere(self.ledger)
         s.backed_off, s.held = self.ledger.waiting_counts()
         s.deferred = self.ledger.deferred_count()
         # Harvested batches' rows and realtime rows apart: each figure under its own name in the line.

@@ -28,7 +28,12 @@ def claim_shared(ledger: Ledger) -> int:
     con = ledger.con
     # The selected rows' requests. A deferred one (an earlier run's, row_id NULL) is left as the plan has
     # it: the plan does not share those with other models either, and leaving it out would drop it.
-    ledger.claim_requests(f"(select fingerprint, custom_id from {PLAN} where row_id is not null)", TAKEN)
+    # A request sent in realtime (an urgent row) is not answered by another model's batch in flight.
+    ledger.claim_requests(
+        f"(select fingerprint, custom_id from {PLAN} where row_id is not null)",
+        TAKEN,
+        urgent=f"(select fingerprint from {PLAN} where route = 'realtime')",
+    )
     if not con.execute(f"select count(*) > 0 from {TAKEN}").fetchall()[0][0]:
         con.execute(f"drop table {TAKEN}")
         return 0

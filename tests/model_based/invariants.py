@@ -48,6 +48,25 @@ def after_step(project, emulator, world: World, reported: set[str] | None = None
     return broken
 
 
+def urgent_reask(project, lines: list[dict]) -> bool:
+    """One request body billed once in another model's batch and once in realtime as a model's own
+    request for its urgent rows: urgent rows follow their own model's llm_realtime_when, not another
+    model's batch in flight (#30 item 6; README "Deduplication": the price of their urgency, paid on
+    purpose), so this pair is not a request claimed twice. Two claims of one request in one project run
+    (two models planning at once) are the claims' to prevent (tests/test_threads.py)."""
+    if len(lines) != 2 or sorted(x["via"] == "realtime" for x in lines) != [False, True]:
+        return False
+    batch = next(x for x in lines if x["via"] != "realtime")
+    return bool(
+        project.query(
+            """select 1 from main.llm_batch_requests b join main.llm_batch_requests r
+                 on r.fingerprint = b.fingerprint and r.model <> b.model and r.route = 'realtime'
+               where b.custom_id = ?""",
+            [batch["custom_id"]],
+        )
+    )
+
+
 def billed_twice(project, billed: list[dict], reported: set[str]) -> list[str]:
     """Requests (by the body asked) the sandbox billed more than once, each with the ledger's word on
     the lines that paid it: the model and variant that sent each, and whether one custom_id went twice
@@ -55,7 +74,11 @@ def billed_twice(project, billed: list[dict], reported: set[str]) -> list[str]:
     by_request = collections.defaultdict(list)
     for line in billed:
         by_request[line["request"]].append(line)
-    twice = {r: lines for r, lines in by_request.items() if len(lines) > 1 and r not in reported}
+    twice = {
+        r: lines
+        for r, lines in by_request.items()
+        if len(lines) > 1 and r not in reported and not urgent_reask(project, lines)
+    }
     if not twice:
         return []
     reported.update(twice)

@@ -1,0 +1,92 @@
+"""Rows answered by another model's request (llm_dedup = 'ledger'): they are pending in their own model
+(the run log, `llm_batch_progress`), their own model's run harvests that request once its batch ended
+(even when the other model is gone from the project), and their urgent rows follow their own model's
+llm_realtime_when instead of waiting for the other model's batch."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+from helpers import PRICES, billed_cost, command, dup_model, log_text, prompt_of, write_rows
+
+from dbt_llm_batch.sandbox import expected_answer
+
+N = 10
+
+
+@pytest.fixture
+def models(project, emulator, provider):
+    """`dup` and `twin` ask the same 10 prompts, sharing the ledger's requests; batches end when told."""
+    emulator.auto_advance_seconds = None
+    project.write("seeds/llm_prices.csv", PRICES)
+    for name in ("dup", "twin"):
+        project.write(f"models/{name}.sql", dup_model(provider, extra="llm_dedup='ledger'"))
+    write_rows(project, {i: i for i in range(N)})
+    return project
+
+
+def table(project, name: str) -> dict[int, tuple]:
+    rows = project.query(f"select id, prompt, llm_output, llm_status, llm_cost_usd, llm_route from main.{name}")
+    return {r[0]: r[1:] for r in rows}
+
+
+PROGRESS = "select model, requests_pending, rows_pending from main.llm_batch_progress order by model"
+
+
+def test_rows_waiting_on_another_model_s_request_are_pending_in_their_own_model(models, emulator, capsys):
+    models.dbt("run", "-s", "dup")  # sends the 10 requests
+    models.dbt("run", "-s", "twin")  # its rows wait on dup's batch: nothing of its own to send
+
+    assert len(emulator.billed()) == 0 and table(models, "twin") == {}
+    assert "main.twin: submitted 0 request(s)" in log_text(models)
+    assert "pending 10 (10 row(s) wait for requests of main.dup in flight)" in log_text(models)
+    assert models.query(PROGRESS) == [("main.dup", N, N), ("main.twin", 0, N)]
+    code, out, _ = command(models, capsys, "status")
+    assert code == 0 and "rows_pending" in out
+
+
+def test_rows_waiting_on_another_model_land_in_their_own_run_when_it_is_gone(models, emulator, provider):
+    models.dbt("run", "-s", "dup")
+    models.dbt("run", "-s", "twin")
+    # dup leaves the project; its batch ends. twin's own run harvests it and its rows land.
+    (models.root / "models" / "dup.sql").unlink()
+    emulator.complete_all()
+    models.dbt("run", "-s", "twin")
+    twin = table(models, "twin")
+    assert sorted(twin) == list(range(N))
+    for key, (prompt, answer, status, _cost, route) in twin.items():
+        assert (prompt, answer, status, route) == (
+            prompt_of(key),
+            expected_answer(None, prompt, None),
+            "succeeded",
+            "batch",
+        )
+    # Each request billed once; its cost is split between the two rows it answers, dup's and twin's.
+    assert len(emulator.billed()) == N
+    # (dup's row, first by model, takes the odd billionth of a dollar of a request's cost)
+    half = billed_cost(emulator, provider) / 2
+    assert half - N * Decimal("0.000000001") <= sum(r[3] for r in twin.values()) <= half
+    assert models.query(PROGRESS) == [("main.dup", 0, 0), ("main.twin", 0, 0)]
+
+
+def test_a_model_that_waits_gets_the_rows_another_model_s_batch_answers_within_its_run(models, emulator, provider):
+    models.dbt("run", "-s", "dup")
+    emulator.auto_advance_seconds = 2  # dup's batch ends a few seconds from now, on its own
+    models.write("models/twin.sql", dup_model(provider, extra="llm_dedup='ledger', llm_wait_seconds=120"))
+    models.dbt("run", "-s", "twin")  # waits for dup's batch, harvests it and merges
+    twin = table(models, "twin")
+    assert sorted(twin) == list(range(N)) and {r[2] for r in twin.values()} == {"succeeded"}
+    assert len(emulator.billed()) == N
+
+
+def test_urgent_rows_go_realtime_instead_of_waiting_for_another_model_s_batch(models, emulator, provider):
+    models.dbt("run", "-s", "dup")  # all 10 in a batch
+    models.write("models/twin.sql", dup_model(provider, extra="llm_dedup='ledger', llm_realtime_when='id < 3'"))
+    models.dbt("run", "-s", "twin")
+
+    twin = table(models, "twin")
+    assert sorted(twin) == [0, 1, 2]  # answered in this run, through the realtime path
+    assert {r[4] for r in twin.values()} == {"realtime"} and {r[2] for r in twin.values()} == {"succeeded"}
+    assert all(r[3] > Decimal(0) for r in twin.values())  # their own requests, at list prices
+    assert "pending 7 (7 row(s) wait for requests of main.dup in flight)" in log_text(models)
