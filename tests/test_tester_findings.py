@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from conftest import failure_messages
-from helpers import batch_counts, triage_model
+from helpers import batch_counts, sorted_batches, triage_model
 
 from dbt_llm_batch.ops.cli import main as cli
 
@@ -65,3 +65,37 @@ def test_a_then_command_the_poller_did_not_see_finish_is_run_again(project, emul
     assert project.query("select count(*) from main.llm_batch_then_commands") == [(0,)]
     again = subprocess.run([*poll, rebuild], env=env, capture_output=True, text=True)
     assert again.returncode == 0 and record.read_text() == "triage+\n", again.stdout + again.stderr
+
+
+def test_results_a_waiting_poll_stored_before_it_was_stopped_get_their_then_command(project, emulator, tmp_path):
+    """`poll --wait --then` stores one model's results in its first round and waits for another's batch;
+    stopped while it waits (cron's timeout), it had recorded nothing: the next poll named only the
+    model it harvested itself, and `dbt build -s {models}+` never rebuilt the first."""
+    project.write(MODEL, triage_model())
+    project.write("models/triage_two.sql", triage_model(system="Triage, in two words."))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage", "triage_two")
+    assert batch_counts(emulator) == [6, 6]
+    emulator.complete(sorted_batches(emulator)[0]["id"])  # one model's batch ends, the other's does not
+    project.release_database()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+        "DBT_LLM_BATCH_POLL_FIRST_DELAY": "300",  # it waits after its first round, until it is stopped
+    }
+    record = tmp_path / "then.txt"
+    poll = [*CLI, "poll", "--database", str(project.db_path), "--then", f"echo {{models}}+ >> {record}"]
+    waiting = subprocess.Popen([*poll, "--wait", "600"], env=env, stderr=subprocess.PIPE, text=True)
+    assert waiting.stderr is not None
+    for line in waiting.stderr:
+        if "polling again" in line:  # its first round stored one model's results
+            break
+    waiting.kill()
+    waiting.communicate(timeout=60)
+    assert not record.exists()
+    assert project.query("select count(*) from main.llm_batch_results") == [(6,)]
+
+    emulator.complete_all()
+    again = subprocess.run(poll, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert record.read_text() == "triage+ triage_two+\n"
