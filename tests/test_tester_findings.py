@@ -51,19 +51,21 @@ def test_a_then_command_the_poller_did_not_see_finish_is_run_again(project, emul
     project.release_database()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     poll = [*CLI, "poll", "--database", str(project.db_path), "--then"]
-    killed = subprocess.run([*poll, "kill -9 $PPID; echo {models}"], env=env, capture_output=True, text=True)
+    killed = subprocess.run(
+        [*poll, "kill -9 $PPID; echo {models}"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert killed.returncode == -9, killed.stdout + killed.stderr
     assert project.query("select count(*) from main.llm_batch_results") == [(6,)]  # stored before the kill
 
     record = tmp_path / "then.txt"
     rebuild = f"echo {{models}}+ >> {record}"
-    again = subprocess.run([*poll, rebuild], env=env, capture_output=True, text=True)
+    again = subprocess.run([*poll, rebuild], env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "--then owed for results stored earlier" in again.stdout
     assert record.read_text() == "triage+\n"
     # Done: owed no more, and a successful command leaves no row behind.
     assert project.query("select count(*) from main.llm_batch_then_commands") == [(0,)]
-    again = subprocess.run([*poll, rebuild], env=env, capture_output=True, text=True)
+    again = subprocess.run([*poll, rebuild], env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and record.read_text() == "triage+\n", again.stdout + again.stderr
 
 
@@ -96,6 +98,6 @@ def test_results_a_waiting_poll_stored_before_it_was_stopped_get_their_then_comm
     assert project.query("select count(*) from main.llm_batch_results") == [(6,)]
 
     emulator.complete_all()
-    again = subprocess.run(poll, env=env, capture_output=True, text=True)
+    again = subprocess.run(poll, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert record.read_text() == "triage+ triage_two+\n"
