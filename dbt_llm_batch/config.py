@@ -295,7 +295,11 @@ def _parse_variants(raw: dict) -> ModelConfig:
             errors.append(f"{where} must be a dict of the llm_* keys that differ for it")
             continue
         bad = sorted(k for k in overrides if k not in VARIANT_KEYS)
+        known = {*BY_NAME, *_provider_keys()} if bad else set()  # every key the plugin or a provider reads
         for key in bad:
+            if key not in known:  # a typo: say which key was meant, not the variant rule
+                errors.append(f"{where}: {_unknown_key(key, VARIANT_KEYS)}")
+                continue
             errors.append(
                 f"{where}: '{key}' cannot differ per variant (every variant answers into the same table "
                 f"and run); a variant may set {', '.join(VARIANT_KEYS)}"
@@ -405,14 +409,7 @@ def _check_keys(raw: dict, provider, errors: list[str]) -> None:
     )
     if not strays:
         return
-    owners: dict[str, list[str]] = {}  # every other registered provider's keys: read only on this error path
-    for name in registry.provider_names():
-        try:
-            other = registry.load_provider(name)
-        except ConfigError:
-            continue  # a broken registration is reported when a model names it
-        for key in other.config_keys:
-            owners.setdefault(key, []).append(name)
+    owners = _provider_keys()  # every registered provider's keys: read only on this error path
     for key in strays:
         if key in owners:
             if raw[key] is None or provider is None:
@@ -421,8 +418,27 @@ def _check_keys(raw: dict, provider, errors: list[str]) -> None:
             names = " or ".join(repr(n) for n in owners[key])
             errors.append(f"{key} is only for llm_provider {names}{hint}")
             continue
-        close = difflib.get_close_matches(key, [*DEFAULTS, *own, *owners], n=1)
-        errors.append(f"unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        errors.append(_unknown_key(key, [*DEFAULTS, *own, *owners]))
+
+
+def _provider_keys() -> dict[str, list[str]]:
+    """Each registered provider's own keys, with the providers that read it."""
+    owners: dict[str, list[str]] = {}
+    for name in registry.provider_names():
+        try:
+            provider = registry.load_provider(name)
+        except ConfigError:
+            continue  # a broken registration is reported when a model names it
+        for key in provider.config_keys:
+            owners.setdefault(key, []).append(name)
+    return owners
+
+
+def _unknown_key(key: str, candidates) -> str:
+    """The error for a key nothing reads, with the closest of `candidates` (a typo would otherwise
+    silently change nothing)."""
+    close = difflib.get_close_matches(key, list(candidates), n=1)
+    return f"unknown config key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else "")
 
 
 def _parse_output(output, errors) -> tuple[OutputColumn, ...]:

@@ -199,7 +199,7 @@ MIGRATIONS += [
     (18, ["alter table {s}.llm_batch_jobs add column if not exists output_schema varchar"]),
 ]
 MIGRATIONS += [
-    # `dbt-llm-batch poll --then` commands that failed (then_commands.py): per model, what was run, when,
+    # `dbt-llm-batch poll --then` commands owed (then_commands.py): per model, what was run, when,
     # its exit code and how many times; the next poll with --then runs it again until it succeeds.
     (
         19,

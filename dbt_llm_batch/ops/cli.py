@@ -162,9 +162,11 @@ def poll_command(args) -> int:
             file=sys.stderr,
         )
     elif args.then is None and any(m.then_owed for m in result.models):
-        owed = sorted({m.selector_name for m in result.models if m.then_owed})
+        owed = [m for m in result.models if m.then_owed]
+        how = "failed" if all((m.then_owed or {}).get("attempts") for m in owed) else "failed or did not finish"
         print(
-            f"dbt-llm-batch poll: an earlier --then failed for {' '.join(owed)}; the next poll with --then runs it again",
+            f"dbt-llm-batch poll: an earlier --then {how} for {' '.join(sorted({m.selector_name for m in owed}))}; "
+            "the next poll with --then runs it again",
             file=sys.stderr,
         )
     return result.exit_code

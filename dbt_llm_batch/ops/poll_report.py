@@ -38,7 +38,7 @@ class ModelPoll:
     skipped: str | None = None  # why it was not polled or stored this time, when that passes by itself
     cannot_poll: str | None = None  # why it cannot be polled until someone acts, and how to fix it
     answered_in_open: int = 0  # requests the provider finished in batches that are still running
-    then_owed: dict | None = None  # the --then command that last failed for it (ledger/then_commands.py)
+    then_owed: dict | None = None  # the --then command owed it: failed, or not finished (ledger/then_commands.py)
 
     @property
     def new_results(self) -> int:
@@ -67,9 +67,11 @@ class ModelPoll:
                 f"{self.unreconciled} interrupted submission(s) not reconciled yet (their batch id was never "
                 "recorded): the model's next dbt run matches them to the provider's batches"
             )
-        if self.then_owed:
+        if self.then_owed and self.then_owed["attempts"]:
             owed = self.then_owed
             parts.append(f"--then failed for it {owed['attempts']} time(s), last with exit status {owed['exit_code']}")
+        elif self.then_owed:
+            parts.append("--then owed for results stored earlier (no --then has finished for them)")
         for why in (self.skipped, self.cannot_poll):
             if why:
                 parts.append(why)

@@ -50,9 +50,12 @@ class _Target:
     sharers: list[ModelPoll] = field(default_factory=list)
 
 
-def poll_once(database: str, schema: str | None, model: str | None, file_until: float, retry_budget: float):
+def poll_once(
+    database: str, schema: str | None, model: str | None, file_until: float, retry_budget: float, owe_then: bool
+):
     """One round over every model; returns (model reports, the provider's error if it stayed
-    unavailable, requests pending before this round). Raises PollError when it cannot poll at all."""
+    unavailable, requests pending before this round). With `owe_then` (a poll with --then), each model
+    whose rows it completed is recorded as owed the then-command. Raises PollError when it cannot poll."""
     con = open_shared(database, file_until)
     try:
         targets = _read(con, database, schema, model)
@@ -70,6 +73,8 @@ def poll_once(database: str, schema: str | None, model: str | None, file_until: 
                 for target in targets:
                     if target.fetched:
                         _store(con, target)
+                if owe_then:
+                    _owe_then(con, targets)
                 for target in targets:
                     _describe(con, target.report)
             finally:
@@ -351,6 +356,17 @@ def _count_outcomes(con, ledger: Ledger, target: _Target, job_ids: list[str]) ->
     for name, rows in sharers:
         dbt_name = snapshots.get(name, {}).get("dbt_name")
         target.sharers.append(ModelPoll(model=name, schema=ledger.schema, dbt_name=dbt_name, shared_rows=rows))
+
+
+def _owe_then(con, targets: list[_Target]) -> None:
+    """Record the then-command as owed to each model whose rows this round completed (its own requests
+    or shared ones), as soon as they are stored: a poll stopped before its command exits, however long
+    its --wait, leaves the command owed, and the next poll with --then runs it (ledger/then_commands.py)."""
+    owed: dict[str, dict[str, str]] = {}
+    for report in (r for t in targets for r in (t.report, *t.sharers) if r.new_results):
+        owed.setdefault(report.schema, {})[report.model] = report.selector_name
+    for schema, models in owed.items():
+        Ledger(con, schema, "").record_then_owed(models)
 
 
 def _delete_files(database: str, targets: list[_Target], file_until: float) -> None:

@@ -92,7 +92,9 @@ def poll(
         # A provider that keeps failing is retried (honouring its retry-after) for at most the time
         # --wait has left, and at least RETRY_BUDGET_SECONDS; then the poll says it is unavailable.
         retry_budget = max(RETRY_BUDGET_SECONDS, deadline - time.monotonic())
-        polled, unavailable, pending_before = poll_once(database, schema, model, file_until, retry_budget)
+        polled, unavailable, pending_before = poll_once(
+            database, schema, model, file_until, retry_budget, owe_then=then is not None
+        )
         for m in polled:
             seen = by_model.setdefault((m.schema, m.model), dataclasses.replace(m, **dict.fromkeys(_SUMMED, 0)))
             for name in _SUMMED:
@@ -132,8 +134,9 @@ def poll(
 
 
 def _run_then(database: str, result: PollResult, template: str) -> None:
-    """Run the --then command for result.then_models; record in each model's ledger whether it
-    succeeded (nothing owed) or failed (owed: the next poll with --then runs it again)."""
+    """Run the --then command for result.then_models (owed since their results were stored:
+    poll_round._owe_then); record in each model's ledger whether it succeeded (nothing owed) or failed
+    (still owed: the next poll with --then runs it again)."""
     command = then_command.expand(template, result.then_models)
     log.info(f"poll: running --then for {' '.join(result.then_models)}: {command}")
     result.then_command, result.then_returncode = command, then_command.run(command)
