@@ -507,7 +507,7 @@ class ModelRun:
                 variants.label(self.ledger.model, passes[i]), passes[i], get_provider(passes[i].provider)(passes[i])
             )
         rows = self.sender_rows(passes, indexes)
-        batch_ids = submit.submit_chunks(
+        submitted = submit.submit_chunks(
             self.ledger,
             provider,
             files,
@@ -515,9 +515,12 @@ class ModelRun:
             members=variants.member_rows(self.input_columns),
             per_row_variant=True,
         )
+        batch_ids = submitted.batch_ids
         # A file uploaded for a create that was refused is not left at the provider.
         reconcile.delete_provider_files(self.ledger, self.provider_for, self.config.delete_provider_files)
-        variants.keep_submitted(self.con, sender, len(batch_ids))  # a failed create stops this sender
+        # A failed create or upload stops this sender: its file stays in its job (reconciliation
+        # decides), the files after it wait as deferred.
+        variants.keep_submitted(self.con, sender, submitted.first_unsent)
         sent = sum(f.requests for f in files[: len(batch_ids)])
         self.summary.submitted += sent
         self.summary.batches += len(batch_ids)
@@ -647,13 +650,14 @@ class ModelRun:
             if files:
                 provider = self.provider
                 report.prefix_too_short(self.label, self.config, provider)
-                batch_ids = submit.submit_chunks(
+                submitted = submit.submit_chunks(
                     self.ledger,
                     provider,
                     files,
                     plan.plan_rows(self.config, self.input_columns, sent=Scratch.sent),
                     members=self.duplicates,
                 )
+                batch_ids = submitted.batch_ids
                 # A file uploaded for a create that was refused is not left at the provider.
                 reconcile.delete_provider_files(self.ledger, self.provider_for, self.config.delete_provider_files)
                 sent = files[: len(batch_ids)]  # a failed create stops the run's submissions (submit.py)
@@ -672,8 +676,7 @@ class ModelRun:
                     )
                     self.summary.expected_usd = (self.summary.expected_usd or 0) + expected
                     self.summary.ceiling_usd = (self.summary.ceiling_usd or 0) + ceiling
-                if len(sent) < len(files):  # the failed file is voided or held; the later ones wait
-                    first_unsent = len(sent) + 1
+                first_unsent = submitted.first_unsent  # a failed file is voided or held; the later ones wait
         self.ledger.defer(request_files.unsent_rows(self.rows, first_unsent) if self.unsent(first_unsent) else None)
         waiting = self.ledger.deferred_count()
         self.summary.deferred = waiting

@@ -1,0 +1,66 @@
+"""One run path (#30): a model with variants and one without go through the same steps, so a failed
+create or upload, a removed or renamed variant and a missing key behave the same on both. Real dbt
+against the sandbox."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from helpers import log_text, triage_model
+
+CLAUDE = "llm_variants = {'claude': {'llm_provider': 'anthropic', 'llm_model': 'claude-sonnet-4-5'}}"
+
+
+def billed_twice(emulator) -> dict[str, int]:
+    """custom_ids the sandbox billed more than once (every open batch finished first)."""
+    emulator.complete_all()
+    counts = collections.Counter(b["custom_id"] for b in emulator.billed())
+    return {c: n for c, n in counts.items() if n > 1}
+
+
+def rows_per_key_and_variant(project) -> dict[tuple, int]:
+    counts = project.query("select ticket_id, llm_variant, count(*) from main.triage group by 1, 2")
+    return {(k, v): n for k, v, n in counts}
+
+
+def live_requests_per_custom_id(project) -> list:
+    return project.query(
+        """select custom_id, count(*) from main.llm_batch_requests
+           where status in ('deferred', 'queued', 'submitted', 'in_progress', 'held')
+           group by 1 having count(*) > 1"""
+    )
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        # The batch is created at the provider; the client sees a 500 (create is never retried).
+        dict(endpoint="POST /v1/batches", status_code=500, when="after", times=1),
+        # The upload keeps failing until the run's retry budget (1 s) is spent: no batch.
+        dict(endpoint="POST /v1/files", status_code=503, times=None),
+    ],
+    ids=["create-500-after", "upload-503"],
+)
+def test_a_failed_create_or_upload_with_variants_pays_nothing_twice(project, emulator, fault):
+    """#30 item 1: the failed submission's requests stay in its job only (never also deferred), and
+    the next runs with a changed selection adopt or void it and send the rest: nothing billed twice,
+    one row per (key, variant)."""
+    config = CLAUDE + ", llm_retry_budget_seconds = 1,"
+    project.dbt("seed", "-s", "support_tickets")
+    project.write("models/triage.sql", triage_model(extra_config=config))
+    emulator.add_fault(kind="http_error", **fault)
+    project.dbt("run", "-s", "triage")
+    assert live_requests_per_custom_id(project) == []
+    assert "in-flight caps are reached" not in log_text(project)
+    emulator.clear_faults()
+    # A changed selection: the next runs plan again, adopt (or void) the failed submission, send the rest.
+    project.write("models/triage.sql", triage_model(extra_config=config, where="where ticket_id > 0"))
+    for _ in range(3):
+        project.dbt("run", "-s", "triage")
+        emulator.complete_all()
+    assert billed_twice(emulator) == {}
+    per_row = rows_per_key_and_variant(project)
+    assert sorted(per_row) == sorted((k, v) for k in range(1, 7) for v in ("default", "claude"))
+    assert set(per_row.values()) == {1}
+    assert project.query("select distinct llm_status from main.triage") == [("succeeded",)]
