@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+from conftest import failure_messages
 from helpers import log_text, triage_model
 
 CLAUDE = "llm_variants = {'claude': {'llm_provider': 'anthropic', 'llm_model': 'claude-sonnet-4-5'}}"
@@ -64,3 +65,48 @@ def test_a_failed_create_or_upload_with_variants_pays_nothing_twice(project, emu
     assert sorted(per_row) == sorted((k, v) for k in range(1, 7) for v in ("default", "claude"))
     assert set(per_row.values()) == {1}
     assert project.query("select distinct llm_status from main.triage") == [("succeeded",)]
+
+
+STRICT = ("--warn-error-options", '{"error": ["JinjaLogWarning"]}')
+
+
+def test_a_missing_key_with_a_batch_in_flight_is_a_dbt_warning_never_a_traceback(project, emulator, monkeypatch):
+    """#30 item 9 (the run): the key unset while a batch is in flight. With no new rows the run merges
+    what is final and ends with a dbt warning (--warn-error fails it); with new rows it fails with the
+    package's message naming the variable, never the SDK's traceback; nothing is sent either way."""
+    project.dbt("seed", "-s", "support_tickets")
+    project.write("models/triage.sql", triage_model(where="where ticket_id <= 3"))
+    project.dbt("run", "-s", "triage")
+    key = emulator_key = __import__("os").environ["OPENAI_API_KEY"]
+    monkeypatch.delenv("OPENAI_API_KEY")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    warning = next(line for line in log_text(project).splitlines() if "OPENAI_API_KEY is not set" in line)
+    assert "[warn ]" in warning or "WARNING" in warning.upper()
+    strict = project.dbt("run", "-s", "triage", *STRICT, expect_ok=False)
+    assert "OPENAI_API_KEY is not set" in failure_messages(strict)
+
+    project.write("models/triage.sql", triage_model())  # three new rows
+    result = project.dbt("run", "-s", "triage", expect_ok=False)
+    message = failure_messages(result)
+    assert "OPENAI_API_KEY is not set: export it" in message
+    assert "Traceback" not in message and "Missing credentials" not in message
+    assert emulator.stats()["request_lines"] == 3
+
+    monkeypatch.setenv("OPENAI_API_KEY", key or emulator_key)
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+    assert billed_twice(emulator) == {}
+
+
+def test_every_variant_s_key_is_checked_before_anything_is_sent(project, emulator, monkeypatch):
+    """#30 item 8: a variant's provider key missing fails the run before any variant's batch is sent."""
+    project.dbt("seed", "-s", "support_tickets")
+    project.write("models/triage.sql", triage_model(extra_config=CLAUDE + ","))
+    monkeypatch.delenv("ANTHROPIC_API_KEY")
+    message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
+    assert "ANTHROPIC_API_KEY is not set: export it" in message
+    assert emulator.stats()["batches_created"] == 0 and emulator.stats()["request_lines"] == 0
+    assert project.query("select count(*) from main.llm_batch_requests") == [(0,)]

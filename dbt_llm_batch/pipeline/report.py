@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 from dbt_llm_batch.config import ModelConfig
-from dbt_llm_batch.log import log
+from dbt_llm_batch.log import log, warn_user
 from dbt_llm_batch.pipeline import costs
 from dbt_llm_batch.pipeline.realtime import RealtimeOutcome
 
@@ -141,8 +141,9 @@ def unavailable_message(model: str, config: ModelConfig, error: str, submitted: 
 
 
 def unreachable(model: str, provider_name: str, exc: Exception, count: int = 1) -> None:
-    """A batch sent through a provider this run has no key for (the model switched provider since)."""
-    log.warning(
+    """A batch sent through a provider this run has no key for (its key was unset, or the model switched
+    provider since): a dbt warning, counted in dbt's summary, since nothing is harvested until it is set."""
+    warn_user(
         f"{model}: {count} batch(es) or submission(s) sent through {provider_name} "
         f"are still open and cannot be checked: {exc}. They stay pending; nothing is resent."
     )

@@ -24,7 +24,6 @@ Every temporary table the run makes is dropped when it ends, however it ends (sc
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import time
 from decimal import Decimal
@@ -55,6 +54,7 @@ from dbt_llm_batch.pipeline import (
     validate,
     variants,
 )
+from dbt_llm_batch.pipeline.pool import Pool
 from dbt_llm_batch.pipeline.report import RunSummary
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import BatchProvider, get_provider
@@ -243,13 +243,12 @@ class ModelRun:
         self.project_max_cost = project.get("max_cost_usd")
         self.dry_run = config.dry_run or bool(project.get("dry_run"))
         costs.load_prices(con, config.price_table)
-        self.price = costs.price_of(con, config.provider, config.model)
-        self._provider = provider  # None: created on first use (benchmarks pass one that stays offline)
+        # The run's clients, prices and provider availability (benchmarks pass a client that stays offline).
+        self.pool = Pool(con, config, provider)
+        self.price = self.pool.price_of_config(config)
         # Evaluation variants (pipeline/variants.py): `config` is the variant whose pass is running;
-        # the model's own (the default variant) is `default`. Each variant's provider client, by variant.
+        # the model's own (the default variant) is `default`.
         self.default = config
-        self._variant_providers: dict[str, object] = {}
-        self._job_providers: dict[tuple[str, str], object] = {}  # (provider, model) of older jobs -> client
         # One realtime budget for the whole run, however many rounds llm_wait_seconds makes.
         self.realtime_deadline = time.monotonic() + config.realtime_budget_seconds
         self.unavailable_error: str | None = None  # set once a provider stayed down for the retry budget
@@ -313,11 +312,9 @@ class ModelRun:
             self._switch(self.default)
 
     def _switch(self, variant: ModelConfig, desired: bool = True) -> None:
-        self._variant_providers[self.config.variant] = self._provider
         self.config = variant
         self.ledger.variant = variant.variant
-        self._provider = self._variant_providers.get(variant.variant)
-        self.price = costs.price_of(self.con, variant.provider, variant.model)
+        self.price = self.pool.price_of_config(variant)
         if desired:
             precomputed = self.precomputed and variant is self.default  # computed for the model's own config
             plan.build_desired(self.con, Scratch.input, self.input_columns, variant, self.ledger, precomputed)
@@ -336,11 +333,6 @@ class ModelRun:
             yield
         finally:
             self._switch(previous, desired=False)
-
-    def client_of(self, variant: ModelConfig):
-        """`variant`'s provider client (created on first use, kept for the run)."""
-        with self.acting_as(variant):
-            return self.provider
 
     def plan_and_submit_variants(self, dry: bool = False) -> None:
         """Evaluation variants: every variant's pass is planned first (variants.stash_pass); then the
@@ -390,7 +382,7 @@ class ModelRun:
             estimates: list[Decimal | None] = []
             for i, variant in enumerate(passes):
                 batch_cost = written.get(i, (0, None, 0))[1] if i in written else Decimal(0)
-                priced = costs.price_of(self.con, variant.provider, variant.model) is not None
+                priced = self.pool.price_of_config(variant) is not None
                 estimates.append(None if not priced or batch_cost is None else batch_cost + (realtime_plans[i][1] or 0))
             if dry:
                 self.report_dry_variants(
@@ -398,6 +390,8 @@ class ModelRun:
                 )
                 self.report_senders(senders, files)
                 return
+            # Before anything is sent: every sending pass's provider key, then the budget for them all.
+            self.pool.check([variant for i, variant in enumerate(passes) if planned[i]])
             self.check_run_budget(passes, realtime_plans, estimates, written, outputs)
             for sender, (provider_name, llm_model) in enumerate(senders):
                 if files[sender]:
@@ -501,7 +495,7 @@ class ModelRun:
         """Submit one sender's request files (several variants' requests in each batch), through the
         first of its variants' clients (a client depends only on the provider and model)."""
         first = passes[indexes[0]]
-        provider = self.client_of(first)
+        provider = self.pool.client(first)
         for i in indexes:
             report.prefix_too_short(
                 variants.label(self.ledger.model, passes[i]), passes[i], get_provider(passes[i].provider)(passes[i])
@@ -551,7 +545,7 @@ class ModelRun:
             estimate = estimates[i]
             this = estimate if n else 0
             total = None if total is None or this is None else total + this
-            price = costs.price_of(self.con, variant.provider, variant.model)
+            price = self.pool.price_of_config(variant)
             figures = None
             if estimate is not None and price is not None and outputs[i] is not None and n:
                 figures = (*costs.estimate_range(price, outputs[i], estimate, batch, n_realtime), outputs[i])
@@ -603,7 +597,7 @@ class ModelRun:
         jobs = self.ledger.open_jobs()
         if not jobs:
             return
-        reconcile.reconcile_open(self, jobs)
+        reconcile.reconcile_open(self.ledger, self.pool, jobs, self.started)
         by_sender: dict[tuple[str, str], list[dict]] = {}
         for job in [j for j in self.ledger.open_jobs() if j["batch_id"]]:
             by_sender.setdefault((job["provider"], job["llm_model"] or self.config.model), []).append(job)
@@ -615,7 +609,7 @@ class ModelRun:
             except ConfigError as exc:  # its provider's key is not set: pending, the run goes on to merge
                 self.warn_unreachable(jobs[0], exc, len(jobs))
                 continue
-            price = self.price_for(jobs[0])
+            price = self.pool.price_for_job(jobs[0])
             stats = harvest.poll_and_harvest(self.ledger, provider, provider.config, jobs, price)
             self.summary.harvested_batches += stats["harvested_jobs"]
             if stats["harvested_jobs"] and price is None:
@@ -883,53 +877,26 @@ class ModelRun:
 
     @property
     def provider(self):
-        """Created on first use, so a run with nothing to do needs no key and makes no call."""
-        if self._provider is None:
-            self._provider = get_provider(self.config.provider)(self.config)
-            self._provider.check_credentials()
-        return self._provider
+        """This pass's client: created on first use, so a run with nothing to do needs no key and makes no call."""
+        return self.pool.client(self.config)
 
     def provider_for(self, job: dict):
-        """The provider a job was submitted through, with the model it was submitted for: a batch in
-        flight is polled, harvested, priced and cleaned up there even after the model's llm_provider
-        or llm_model changed (a batch asked of the new provider does not exist there)."""
-        provider_name, llm_model = job["provider"], job.get("llm_model") or self.config.model
-        if (provider_name, llm_model) == (self.config.provider, self.config.model):
-            return self.provider
-        key = (provider_name, llm_model)
-        if key not in self._job_providers:
-            # A variant's batch: that variant's config (its provider's own keys); else the model's, moved.
-            same = [v for v in self.default.all_variants() if (v.provider, v.model) == key]
-            config = same[0] if same else dataclasses.replace(self.config, provider=provider_name, model=llm_model)
-            client = get_provider(provider_name)(config)
-            client.check_credentials()
-            self._job_providers[key] = client
-        return self._job_providers[key]
-
-    def price_for(self, job: dict) -> dict | None:
-        """The price of the provider and model a job was sent with (not the model's current ones)."""
-        provider_name, llm_model = job["provider"], job.get("llm_model") or self.config.model
-        if (provider_name, llm_model) == (self.config.provider, self.config.model):
-            return self.price
-        return costs.price_of(self.con, provider_name, llm_model)
+        """The client a job was submitted through, with the model it was submitted for (Pool.client_for_job)."""
+        return self.pool.client_for_job(job)
 
     def warn_unreachable(self, job: dict, exc: ConfigError, count: int = 1) -> None:
-        """A batch sent through a provider this run has no key for (the model switched provider since):
-        it stays pending, and the run still merges what is final."""
+        """A batch sent through a provider this run has no key for: it stays pending, and the run still
+        merges what is final (a dbt warning: the key must be set again for it to be harvested)."""
         report.unreachable(self.ledger.model, job["provider"], exc, count)
 
     def provider_unavailable(self) -> bool:
         """True once the provider kept failing for llm_retry_budget_seconds: the run then stops asking
         it (open batches stay pending, nothing new is submitted); the run ends with a dbt warning, or
         fails with llm_on_unavailable='error' (report_unavailable)."""
-        spent = [
-            p.calls
-            for p in [self._provider, *self._variant_providers.values(), *self._job_providers.values()]
-            if p is not None and p.calls is not None and p.calls.spent
-        ]
-        if not spent:
+        error = self.pool.unavailable()
+        if error is None:
             return False
-        self.unavailable_error = self.unavailable_error or spent[0].last_error
+        self.unavailable_error = self.unavailable_error or error
         return True
 
     def room(self, provider: str | None = None, taken: tuple[int, int, int] = (0, 0, 0)) -> request_files.Room:
