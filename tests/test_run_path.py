@@ -110,3 +110,28 @@ def test_every_variant_s_key_is_checked_before_anything_is_sent(project, emulato
     assert "ANTHROPIC_API_KEY is not set: export it" in message
     assert emulator.stats()["batches_created"] == 0 and emulator.stats()["request_lines"] == 0
     assert project.query("select count(*) from main.llm_batch_requests") == [(0,)]
+
+
+def test_a_removed_variant_s_deferred_requests_are_voided_and_reported_once(project, emulator):
+    """#30 item 7: requests of a variant that waited for the in-flight caps, the variant then removed:
+    they are dropped (never sent, nothing paid), said once, and nothing waits for them."""
+    terse = "'terse': {'llm_system': 'Category only.'}"
+    claude = "'claude': {'llm_provider': 'anthropic', 'llm_model': 'claude-sonnet-4-5'}"
+    project.dbt("seed", "-s", "support_tickets")
+    capped = "llm_max_batches_in_flight = 1,"
+    project.write("models/triage.sql", triage_model(extra_config=f"llm_variants = {{{terse}, {claude}}}, {capped}"))
+    project.dbt("run", "-s", "triage")  # one batch (default and terse); claude's 6 wait for the cap
+    assert project.query(
+        "select variant, count(*) from main.llm_batch_requests where status = 'deferred' group by 1"
+    ) == [("claude", 6)]
+    emulator.complete_all()
+    project.write("models/triage.sql", triage_model(extra_config=f"llm_variants = {{{terse}}}, {capped}"))
+    project.dbt("run", "-s", "triage")
+    project.dbt("run", "-s", "triage")
+    said = [line for line in log_text(project).splitlines() if "of removed variant" in line]
+    assert len(said) == 1 and "6 request(s) of removed variant(s) claude" in said[0], said
+    assert project.query("select count(*) from main.llm_batch_requests where status = 'deferred'") == [(0,)]
+    assert "request(s) wait in the ledger" not in log_text(project).split("of removed variant")[-1]
+    assert not any(b["face"] == "anthropic" for b in emulator.billed())
+    per_row = rows_per_key_and_variant(project)
+    assert sorted(per_row) == sorted((k, v) for k in range(1, 7) for v in ("default", "terse"))

@@ -12,7 +12,7 @@ from dbt_llm_batch.errors import LedgerInvariantError
 from dbt_llm_batch.ledger.base import LedgerBase, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.claims import record_reserved
 from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT_SQL, LIVE, JobStatus, RequestStatus, sql, sql_in
-from dbt_llm_batch.sql import list_literal, literal
+from dbt_llm_batch.sql import in_list, list_literal, literal
 
 R = RequestStatus
 QUEUED, DEFERRED, FAILED, VOIDED = sql(R.QUEUED), sql(R.DEFERRED), sql(R.FAILED), sql(R.VOIDED)
@@ -220,6 +220,27 @@ class RequestWrites(LedgerBase):
                 self._refuse_second_live_request()
 
         retry_on_conflict(write)
+
+    def drop_deferred_of_removed_variants(self, variants: list[str]) -> dict[str, int]:
+        """Deferred requests of evaluation variants the model no longer has (`variants`: the stored
+        names it has, '' the default): never sent, so dropped (nothing was paid, no row of theirs is
+        shown). Returns how many per removed variant, for the run to say once: once dropped, no run
+        sees them again."""
+
+        def write() -> dict[str, int]:
+            with transaction(self.con):
+                dropped = self.con.execute(
+                    f"""delete from {self.table("llm_batch_requests")}
+                        where model = ? and status = {DEFERRED} and variant not in {in_list(variants)}
+                        returning variant""",
+                    [self.model],
+                ).fetchall()
+            counts: dict[str, int] = {}
+            for (variant,) in dropped:
+                counts[variant] = counts.get(variant, 0) + 1
+            return counts
+
+        return retry_on_conflict(write)
 
     def return_to_deferred(self, job_ids: list[str]) -> None:
         """Jobs whose intents were written but whose upload was never attempted (an earlier chunk's

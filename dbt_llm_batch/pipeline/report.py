@@ -180,6 +180,15 @@ def deferred(model: str, waiting: int, config: ModelConfig, tokens_cap: int | No
     )
 
 
+def dropped_removed_variants(model: str, dropped: dict[str, int]) -> None:
+    """Deferred requests of removed variants, dropped before they were sent (said by the run that drops them)."""
+    if dropped:
+        log.info(
+            f"{model}: {sum(dropped.values())} request(s) of removed variant(s) {', '.join(sorted(dropped))} "
+            "were waiting for the in-flight caps; dropped, never sent (nothing was paid for them)"
+        )
+
+
 def realtime_round(model: str, outcome: RealtimeOutcome, lost: int, config: ModelConfig) -> None:
     """After a realtime round: replies lost after sending (possibly billed), requests left unsent."""
     if lost:

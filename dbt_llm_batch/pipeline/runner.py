@@ -265,6 +265,8 @@ class ModelRun:
         self.harvest_open()  # reconcile, then harvest
         self.after_harvest()
         self.ledger.finalize_exhausted(self.config.max_attempts)
+        stored = [variant.variant for variant in self.default.all_variants()]
+        report.dropped_removed_variants(self.ledger.model, self.ledger.drop_deferred_of_removed_variants(stored))
         several = len(self.default.all_variants()) > 1
         if not several:
             self.reject_unsendable()
