@@ -135,3 +135,25 @@ def test_a_removed_variant_s_deferred_requests_are_voided_and_reported_once(proj
     assert not any(b["face"] == "anthropic" for b in emulator.billed())
     per_row = rows_per_key_and_variant(project)
     assert sorted(per_row) == sorted((k, v) for k in range(1, 7) for v in ("default", "terse"))
+
+
+def test_a_variant_renamed_in_flight_carries_the_whole_cost_of_its_requests(project, emulator):
+    """#30 item 13: 'terse' renamed 'short' while its batch is in flight: the renamed rows point at the
+    requests in flight (nothing asked again), and each carries its request's whole cost: the table's
+    costs add up to what was billed."""
+    project.dbt("seed", "-s", "support_tickets")
+    variant = "{'llm_system': 'Category only.'}"
+    project.write("models/triage.sql", triage_model(extra_config=f"llm_variants = {{'terse': {variant}}},"))
+    project.dbt("run", "-s", "triage")
+    project.write("models/triage.sql", triage_model(extra_config=f"llm_variants = {{'short': {variant}}},"))
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert billed_twice(emulator) == {} and len(emulator.billed()) == 12
+    per_row = rows_per_key_and_variant(project)
+    assert sorted(per_row) == sorted((k, v) for k in range(1, 7) for v in ("default", "short"))
+    costs = dict(project.query("select llm_variant, sum(llm_cost_usd) from main.triage group by 1"))
+    asked = dict(project.query("select variant, sum(cost_usd) from main.llm_batch_requests group by 1"))
+    assert costs == {"default": asked[""], "short": asked["terse"]} and asked["terse"] > 0
+    billed = project.query("select sum(cost_usd) from main.llm_batch_requests where status = 'succeeded'")[0][0]
+    assert project.query("select sum(llm_cost_usd) from main.triage")[0][0] == billed

@@ -577,14 +577,17 @@ class ModelRun:
     def merge(self, target: str, rebuild: bool) -> tuple[int, int]:
         """Each variant's final outcomes into the table (one row per key and variant); returns
         (rows written, of which failed), all variants together."""
+        stored = [variant.variant for variant in self.default.all_variants()]  # the rows shown share costs
         if self.default.variant_name is None:
-            return merge.merge(self.ledger, self.config, target, self.input_columns, rebuild=rebuild)
+            return merge.merge(self.ledger, self.config, target, self.input_columns, rebuild=rebuild, variants=stored)
         if not rebuild:  # rows of removed variants go before the variants' rows are merged
             variants.drop_removed(self.ledger, self.default, target)
         written = failed = 0
         for i, variant in enumerate(self.default.all_variants()):
             with self.using(variant):
-                w, f = merge.merge(self.ledger, variant, target, self.input_columns, rebuild=rebuild, create=i == 0)
+                w, f = merge.merge(
+                    self.ledger, variant, target, self.input_columns, rebuild=rebuild, create=i == 0, variants=stored
+                )
             written, failed = written + w, failed + f
         if rebuild:
             variants.drop_removed(self.ledger, self.default, target)
