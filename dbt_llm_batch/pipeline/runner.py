@@ -24,7 +24,7 @@ import time
 from decimal import Decimal
 
 from dbt_llm_batch.config import ModelConfig, parse_config, settle_snapshot
-from dbt_llm_batch.errors import BudgetError, ConfigError, InputError, ProviderError
+from dbt_llm_batch.errors import BudgetError, ConfigError, ProviderError
 from dbt_llm_batch.ledger import Ledger, locks
 from dbt_llm_batch.log import log, warn_user
 from dbt_llm_batch.pipeline import (
@@ -37,6 +37,7 @@ from dbt_llm_batch.pipeline import (
     identity,
     interrupt,
     merge,
+    model_input,
     passes,
     plan,
     progress,
@@ -53,7 +54,7 @@ from dbt_llm_batch.pipeline.report import RunSummary
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import get_provider
 
-__all__ = ["ModelRun", "RunSummary", "load_input", "run_model"]
+__all__ = ["ModelRun", "RunSummary", "run_model"]
 
 
 def run_model(
@@ -80,84 +81,15 @@ def run_model(
     config = parse_config(raw_config)  # first: a bad config fails before anything is touched
     project["settle_snapshot"] = settle_snapshot(raw_config, name)
     # The input first: a Python model's relation cannot be read once other results are pending here.
-    work_con, rows = input_connection(con, df)
+    work_con, rows = model_input.input_connection(con, df)
     scratch = Scratch(work_con)
     try:
-        precomputed = load_input(work_con, sql, rows, config)
+        precomputed = model_input.load_input(work_con, sql, rows, config)
         return _run(work_con, schema, identifier, target, config, full_refresh, project, contract, precomputed)
     finally:
         scratch.drop_all()  # success, error or interrupt: no scratch table is left on dbt's connection
         if work_con is not con:  # a connection input_connection opened for a Python model's rows
             work_con.close()
-
-
-def input_connection(con, df):
-    """The connection the run works on, and the rows to load.
-
-    A Python model's relation lives on dbt's own connection, which a pre-hook may have left inside
-    a transaction (and with an unfinished result): its rows are streamed as Arrow into a connection
-    of our own, so ledger writes autocommit whatever dbt's transaction does.
-    """
-    import duckdb
-
-    if isinstance(df, duckdb.DuckDBPyRelation):
-        if hasattr(con, "complete"):
-            con.complete()
-        return con.cursor(), df.to_arrow_reader(100_000)
-    return con, df
-
-
-def load_input(con, sql: str | None, df, config: ModelConfig | None = None) -> bool:
-    """Materialise the model's rows once as a temp table: a SQL model's query, or a Python model's
-    rows (an Arrow reader, Arrow table or pandas frame). With a SQL model's `config`, each row's key,
-    prompt hash and prompt length (plan.PRECOMPUTED) are computed in the same pass, so the prompts are
-    read once, not again by plan.build_desired; returns whether they were."""
-    if sql is not None:
-        import duckdb
-
-        facts = _row_facts(con, sql, config) if config is not None else None
-        if facts is not None:
-            try:
-                con.execute(
-                    f"create or replace temp table {Scratch.input} as select *, {facts} from (\n{sql}\n) model_sql"
-                )
-                return True
-            except duckdb.InterruptException:  # Ctrl-C (dbt cancels the query): stop, don't copy again
-                raise
-            except duckdb.Error:
-                pass  # copied as it is below: the user's SQL fails there as it would have, or check_input says why
-        try:
-            con.execute(f"create or replace temp table {Scratch.input} as {sql}")
-        except duckdb.InterruptException:
-            raise
-        except duckdb.Error as exc:  # the user's SQL: DuckDB's message is the one to show, as dbt would
-            raise InputError(f"the model's SQL failed, nothing was sent: {exc}") from None
-        return False
-    con.register(Scratch.input_view, df)
-    con.execute(f"create or replace temp table {Scratch.input} as select * from {Scratch.input_view}")
-    con.unregister(Scratch.input_view)
-    return False
-
-
-def _row_facts(con, sql: str, config: ModelConfig) -> str | None:
-    """plan.PRECOMPUTED as SQL over the model's query, when its columns (bound, not run) have the key
-    and prompt columns, distinct names and none of PRECOMPUTED's; else None (the rows are copied as
-    they are, and plan.check_input says what is wrong, if anything)."""
-    import duckdb
-
-    try:
-        columns = [(r[0], r[1]) for r in con.execute(f"describe (\n{sql}\n)").fetchall()]
-    except duckdb.InterruptException:
-        raise
-    except duckdb.Error:
-        return None
-    names = [c[0].lower() for c in columns]
-    needed = [k.lower() for k in (*config.unique_key, config.prompt_column)]
-    if len(set(names)) < len(names) or not set(needed) <= set(names) or set(names) & set(plan.PRECOMPUTED):
-        return None
-    return ", ".join(
-        f"{value} as {name}" for value, name in zip(plan.row_facts_sql(config, columns), plan.PRECOMPUTED, strict=True)
-    )
 
 
 def _run(
