@@ -45,7 +45,7 @@ import duckdb
 
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.pipeline import merge, plan, runner
+from dbt_llm_batch.pipeline import merge, plan, runner, send
 from dbt_llm_batch.providers.base import BatchState, Submission
 from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
 
@@ -105,9 +105,9 @@ def model_run(con, config, directory) -> runner.ModelRun:
 
 def plan_and_write(con, config, directory) -> int:
     """(a) with the real code: validate, plan, estimate, write the request files, write the ledger
-    intents, "submit" (runner.ModelRun.plan_and_submit with an offline provider)."""
+    intents, "submit" (send.send, the one path of every run, with an offline provider)."""
     run = model_run(con, config, directory)
-    run.plan_and_submit()
+    send.send(run.state, run.passes)
     return run.summary.submitted
 
 
@@ -338,7 +338,9 @@ def dedup_once(n: int, dedup: bool) -> dict:
         run.input_columns = plan.check_input(con, plan.INPUT, config)  # validation (step 1): not planning
         cpu = time.process_time()
         desired_s, _ = timed(lambda: plan.build_desired(con, plan.INPUT, run.input_columns, config, run.ledger))
-        plan_s, planned = timed(run.plan)
+        plan_s, planned = timed(
+            lambda: plan.build_plan(run.ledger, config, plan.INPUT, run.input_columns, run.passes[0].price)
+        )
         planning_cpu = time.process_time() - cpu
         full_s, _ = timed(lambda: plan_and_write(con, config, directory))
         submitted = con.execute("select count(*) from main.llm_batch_requests").fetchall()[0][0]

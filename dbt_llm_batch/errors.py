@@ -25,6 +25,11 @@ class PollError(LlmBatchError):
     """`dbt-llm-batch poll` cannot poll (no such file, an unknown model, a --then it cannot expand)."""
 
 
+class LedgerInvariantError(LlmBatchError):
+    """A ledger write refused because it would break an invariant of the ledger (ARCHITECTURE.md,
+    "Invariants"): nothing was written. A bug of dbt-llm-batch, never of the model."""
+
+
 class VersionMismatchError(LlmBatchError):
     """The dbt package (macros) and the installed Python package are different versions."""
 

@@ -283,14 +283,14 @@ def test_a_row_mapped_while_another_model_harvests_the_request_is_reused_at_no_c
     then dup harvests and merges before dup_twin writes its rows' mapping. The order is forced with
     two events (no timing): dup_twin's rows are answered from the stored answer (reused, $0), and
     the two tables' costs add up to exactly what was billed."""
-    from dbt_llm_batch.pipeline import merge, runner
+    from dbt_llm_batch.pipeline import merge, runner, send
 
     shared_models(project, {i: i % 8 for i in range(20)})
     project.dbt("run", "-s", "dup")
     emulator.complete_all()
 
     twin_planned, dup_merged = threading.Event(), threading.Event()
-    harvest_open, map_answered, merge_fn = runner.ModelRun.harvest_open, runner.ModelRun.map_answered, merge.merge
+    harvest_open, map_answered, merge_fn = runner.ModelRun.harvest_open, send.map_answered, merge.merge
 
     def waited(event: threading.Event, what: str) -> None:
         if not event.wait(120):
@@ -301,11 +301,11 @@ def test_a_row_mapped_while_another_model_harvests_the_request_is_reused_at_no_c
             waited(twin_planned, "dup_twin's plan")
         return harvest_open(self)
 
-    def map_after_dup_merged(self):
-        if self.ledger.model == "main.dup_twin":
+    def map_after_dup_merged(state, dedup):
+        if state.ledger.model == "main.dup_twin":
             twin_planned.set()
             waited(dup_merged, "dup's merge")
-        return map_answered(self)
+        return map_answered(state, dedup)
 
     def merge_then_say_so(ledger, *args, **kwargs):
         try:
@@ -316,7 +316,7 @@ def test_a_row_mapped_while_another_model_harvests_the_request_is_reused_at_no_c
 
     with pytest.MonkeyPatch.context() as patched:  # undone at the block's end (the fixtures' own patches stay)
         patched.setattr(runner.ModelRun, "harvest_open", harvest_after_twin_planned)
-        patched.setattr(runner.ModelRun, "map_answered", map_after_dup_merged)
+        patched.setattr(send, "map_answered", map_after_dup_merged)
         patched.setattr(merge, "merge", merge_then_say_so)
         project.dbt("run", "-s", "dup", "dup_twin", "--threads", "2")
     assert twin_planned.is_set() and dup_merged.is_set()

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import uuid
 
+from dbt_llm_batch.errors import LedgerInvariantError
 from dbt_llm_batch.ledger.base import LedgerBase, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.claims import record_reserved
-from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT_SQL, JobStatus, RequestStatus, sql, sql_in
-from dbt_llm_batch.sql import list_literal, literal
+from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT_SQL, LIVE, JobStatus, RequestStatus, sql, sql_in
+from dbt_llm_batch.sql import in_list, list_literal, literal
 
 R = RequestStatus
 QUEUED, DEFERRED, FAILED, VOIDED = sql(R.QUEUED), sql(R.DEFERRED), sql(R.FAILED), sql(R.VOIDED)
@@ -20,6 +21,23 @@ _RELEASED_NOTE = "'; released by ' || ? || ' at ' || strftime(now(), '%Y-%m-%d %
 
 
 class RequestWrites(LedgerBase):
+    def _refuse_second_live_request(self) -> None:
+        """Inside a transaction that wrote requests: raise (so it rolls back) if a custom_id of this
+        model now has two live requests (status.LIVE): deferred and in a job, or in two jobs. Either
+        would be sent, and billed, twice."""
+        twice = self.con.execute(
+            f"""select custom_id from {self.table("llm_batch_requests")}
+                where model = ? and status in {sql_in(LIVE)}
+                group by custom_id having count(*) > 1 order by custom_id limit 3""",
+            [self.model],
+        ).fetchall()
+        if twice:
+            raise LedgerInvariantError(
+                f"{self.model}: refused to record a second live request for {', '.join(r[0] for r in twice)} "
+                "(it would be sent twice); nothing was written. This is a bug of dbt-llm-batch: please report it "
+                "with the run's log"
+            )
+
     # --- planning ---------------------------------------------------------------------------
 
     def write_intents(
@@ -112,6 +130,7 @@ class RequestWrites(LedgerBase):
                             from {members} x semi join (select custom_id from {written}) p using (custom_id)""",
                         [self.model, *own],
                     )
+                self._refuse_second_live_request()
 
         retry_on_conflict(write)
         return job_ids
@@ -198,8 +217,30 @@ class RequestWrites(LedgerBase):
                         from {plan_rows}""",
                     [self.model, self.variant],
                 )
+                self._refuse_second_live_request()
 
         retry_on_conflict(write)
+
+    def drop_deferred_of_removed_variants(self, variants: list[str]) -> dict[str, int]:
+        """Deferred requests of evaluation variants the model no longer has (`variants`: the stored
+        names it has, '' the default): never sent, so dropped (nothing was paid, no row of theirs is
+        shown). Returns how many per removed variant, for the run to say once: once dropped, no run
+        sees them again."""
+
+        def write() -> dict[str, int]:
+            with transaction(self.con):
+                dropped = self.con.execute(
+                    f"""delete from {self.table("llm_batch_requests")}
+                        where model = ? and status = {DEFERRED} and variant not in {in_list(variants)}
+                        returning variant""",
+                    [self.model],
+                ).fetchall()
+            counts: dict[str, int] = {}
+            for (variant,) in dropped:
+                counts[variant] = counts.get(variant, 0) + 1
+            return counts
+
+        return retry_on_conflict(write)
 
     def return_to_deferred(self, job_ids: list[str]) -> None:
         """Jobs whose intents were written but whose upload was never attempted (an earlier chunk's

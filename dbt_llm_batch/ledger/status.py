@@ -116,6 +116,10 @@ IN_FLIGHT: Final = (R.QUEUED,)
 # Statuses that keep a key's (key, fingerprint) from being planned again: an answer, a request in
 # flight, an operator's hold.
 BLOCKS_REPLANNING: Final = (R.QUEUED, R.SUCCEEDED, R.HELD)
+# Live: a request that is, or may still become, billed: waiting to be sent, in a job, or held by an
+# operator. The ledger refuses a second live request for one custom_id (requests.py): a request is
+# deferred or in a job, never both, and never in two jobs.
+LIVE: Final = (R.DEFERRED, R.QUEUED, R.HELD)
 # An outcome: an attempt was used.
 OUTCOMES: Final = (R.SUCCEEDED, R.FAILED)
 

@@ -23,7 +23,7 @@ from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline.plan import describe, key_sql
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import get_provider
-from dbt_llm_batch.sql import ident, literal
+from dbt_llm_batch.sql import ident, in_list, literal
 
 DESIRED, INPUT, EMIT = Scratch.desired, Scratch.input, Scratch.emit
 
@@ -224,13 +224,17 @@ def _share(column: str) -> str:
     )
 
 
-def _winners(ledger: Ledger, keys_sql: str, variant: str = "", own_answer: str | None = None) -> str:
+def _winners(
+    ledger: Ledger, keys_sql: str, variant: str = "", own_answer: str | None = None, variants: list[str] | None = None
+) -> str:
     """Per key in `keys_sql`, the row answer whose request's row belongs in the table: among the key's
     answers by a final request, one for the fingerprint the model selects now if there is one, else
     the one queued last. With how many rows share the request's cost, and this row's rank among them.
     Only the row answers of `variant` (an evaluation variant; '' the default, and a model without).
     `own_answer`: an SQL condition on a row answer that, when each key has one row answer, holds
-    for exactly the answers of the keys of `keys_sql` (read in place of the keys)."""
+    for exactly the answers of the keys of `keys_sql` (read in place of the keys). `variants`: the
+    stored names of the variants the model has now; a request's cost is split among the rows the
+    tables show, so the row answers of a removed (or renamed) variant of this model take no part."""
     # Narrow columns only: the wide ones (row_json, answer) are read once, by the insert (_row_select),
     # so a million-row merge neither sorts nor copies a million stored rows. Aggregates, not windows:
     # the winner is each key's arg_max (NULLs ranked lowest, as `desc nulls last` did), and only the
@@ -264,16 +268,19 @@ def _winners(ledger: Ledger, keys_sql: str, variant: str = "", own_answer: str |
                         where a.model = {model} and a.variant = {literal(variant)} and r.is_final and a.key in ({keys_sql})
                         group by a.key) k
                        join {answers} x on x.rowid = k.won"""
+    sharing = "not reused"
+    if variants is not None:
+        sharing += f" and (model <> {model} or variant in {in_list(variants)})"
     return f"""
         with w as ({won}),
         shared as (
             select custom_id, count(*) as sharing from {answers}
-            where not reused and custom_id in (select custom_id from w)
+            where {sharing} and custom_id in (select custom_id from w)
             group by custom_id having count(*) > 1),
         ranked as (
             select x.custom_id, x.model, x.key, x.variant, s.sharing,
                    row_number() over (partition by x.custom_id order by x.model, x.key, x.variant) as share_rank
-            from {answers} x join shared s using (custom_id) where not x.reused)
+            from (select * from {answers} where {sharing}) x join shared s using (custom_id))
         select w.custom_id, w.key, w.variant, w.emitted, w.reused, w.row_json,
                coalesce(k.sharing, 1) as sharing, coalesce(k.share_rank, 1) as share_rank
         from w left join ranked k on k.custom_id = w.custom_id and k.model = {model} and k.key = w.key
@@ -291,7 +298,13 @@ def _compression(name: str, typ: str, config: ModelConfig) -> str:
 
 
 def merge(
-    ledger: Ledger, config: ModelConfig, target: str, input_columns, rebuild: bool, create: bool = True
+    ledger: Ledger,
+    config: ModelConfig,
+    target: str,
+    input_columns,
+    rebuild: bool,
+    create: bool = True,
+    variants: list[str] | None = None,
 ) -> tuple[int, int]:
     """Bring the model table up to date with the ledger; returns (rows written, of which failed).
 
@@ -302,7 +315,8 @@ def merge(
 
     A model with evaluation variants is merged once per variant (`config` is the variant's): only
     that variant's row answers and table rows (llm_variant) are read and written; a rebuild creates
-    the table for the first variant only (`create`), the others add their rows to it.
+    the table for the first variant only (`create`), the others add their rows to it. `variants`:
+    the stored names of the model's variants now (_winners: a request's cost is split among them).
     """
     con = ledger.con
     variant = literal(config.variant)
@@ -312,7 +326,7 @@ def merge(
     model = literal(ledger.model)
     if rebuild:
         con.execute(
-            f"create or replace temp table {EMIT} as {_winners(ledger, f'select key from {DESIRED}', config.variant)}"
+            f"create or replace temp table {EMIT} as {_winners(ledger, f'select key from {DESIRED}', config.variant, variants=variants)}"
         )
     else:
         # Keys whose winner may have changed: a request became final since the last merge, or the key
@@ -339,7 +353,7 @@ def merge(
         candidates = " union ".join(parts) or "select null::varchar as key"
         own_answer = " or ".join(own) or "false"
         con.execute(f"""create or replace temp table {EMIT} as
-                        select * from ({_winners(ledger, candidates, config.variant, own_answer)})
+                        select * from ({_winners(ledger, candidates, config.variant, own_answer, variants)})
                         where emitted is distinct from 'merged' {"" if parts else "and false"}""")
     ddl = ", ".join(f"{ident(n)} {t}{_compression(n, t, config)}" for n, t in columns)
     target_key = key_sql(config)

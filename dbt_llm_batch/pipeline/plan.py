@@ -19,7 +19,7 @@ from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.sql import ident, literal
 
-# Temp tables (connection-local): the model's rows as selected this run (runner.load_input), and
+# Temp tables (connection-local): the model's rows as selected this run (model_input.load_input), and
 # the two this module creates.
 INPUT, DESIRED, PLAN = Scratch.input, Scratch.desired, Scratch.plan
 
@@ -132,7 +132,7 @@ def row_json_sql(columns, alias: str = "") -> str:
     return "to_json(struct_pack(" + ", ".join(f"{ident(c)} := {alias}{ident(c)}" for c, _ in columns) + "))"
 
 
-# Columns runner.load_input adds to the model's rows as it copies them, for the model's own config
+# Columns model_input.load_input adds to the model's rows as it copies them, for the model's own config
 # (row_facts_sql): the prompts are read once, not once more by build_desired. check_input leaves them
 # out of the selected columns. (Columns, not scratch tables: named here; a selected column of one of
 # these names gets none of them, runner._row_facts.)
@@ -162,7 +162,7 @@ def build_desired(
     """One row per selected key: its input row id, key, fingerprint, whether it has a prompt, its
     length and whether it goes to the realtime path. No copy of the prompt or the row: those are read from the
     input when a row is actually sent. `precomputed`: the input carries PRECOMPUTED for `config`
-    (runner.load_input), read instead of computed.
+    (model_input.load_input), read instead of computed.
 
     The fingerprint is md5 over the prompt (stable across versions of everything). With a `ledger`, a
     fast hash of the same text (`prompt_hash`, DuckDB's hash()) is looked up first among the model's

@@ -10,50 +10,39 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.locks import database_path
 from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, PRE_SUBMISSION, JobStatus, sql
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import realtime, report, submit
+from dbt_llm_batch.pipeline.pool import Pool
 from dbt_llm_batch.providers import BatchProvider, get_provider
 from dbt_llm_batch.providers.calls import ProviderUnavailable
-
-if TYPE_CHECKING:
-    from dbt_llm_batch.pipeline.runner import ModelRun
 
 # Job statuses of a submission whose batch id is not known (submit.py).
 INTERRUPTED = PRE_SUBMISSION
 
 
-def reconcile_open(run: ModelRun, jobs: list[dict]) -> None:
-    """Settle the interrupted realtime jobs and submissions among the model's open jobs."""
+def reconcile_open(ledger: Ledger, pool: Pool, jobs: list[dict], run_started) -> None:
+    """Settle the interrupted realtime jobs and submissions among the model's open jobs, each through
+    the provider and model it was sent with (the pool's clients and prices)."""
     for job in [j for j in jobs if j["status"] == JobStatus.REALTIME]:
-        # Its lines are in the format of the provider that ran it, which the model may have changed since.
-        job_config = dataclasses.replace(
-            run.config, provider=job["provider"], model=job["llm_model"] or run.config.model
-        )
+        # Its lines are in the format of the provider that ran it, which the model may have changed
+        # since: parsing them needs no key, so a client without a credentials check reads them.
+        job_config = pool.config_for_job(job)
         realtime.settle_interrupted(
-            run.ledger, get_provider(job["provider"])(job_config), job["job_id"], run.price_for(job)
+            ledger, get_provider(job_config.provider)(job_config), job["job_id"], pool.price_for_job(job)
         )
-        report.interrupted_realtime(run.ledger.model)
+        report.interrupted_realtime(ledger.model)
     for job in [j for j in jobs if j["status"] in INTERRUPTED]:
         try:
-            reconcile_submission(run, job)
+            # Adopt the batch, void the intent if no batch can be it, or hold it while one that could be it has not ended.
+            submit.reconcile(ledger, lambda job=job: pool.client_for_job(job), job, run_started)
         except ProviderUnavailable:
             break  # left as it is; the run's provider_unavailable() reports it
         except ConfigError as exc:  # its provider's key is not set: left as it is, the run goes on
-            run.warn_unreachable(job, exc)
-
-
-def reconcile_submission(run: ModelRun, job: dict) -> None:
-    """An intent without a batch id: the run died around `create` (or it failed). Adopt the batch,
-    void the intent if no batch can be it, or hold it while one that could be it has not ended.
-    Asked of the provider the job was submitted through (the model may have switched since)."""
-    submit.reconcile(run.ledger, lambda: run.provider_for(job), job, run.started)
+            report.unreachable(ledger.model, job["provider"], exc)
 
 
 def after_harvest(ledger: Ledger, client_for, delete_files: bool) -> None:

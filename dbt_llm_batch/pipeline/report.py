@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 from dbt_llm_batch.config import ModelConfig
-from dbt_llm_batch.log import log
+from dbt_llm_batch.log import log, warn_user
 from dbt_llm_batch.pipeline import costs
 from dbt_llm_batch.pipeline.realtime import RealtimeOutcome
 
@@ -141,8 +141,9 @@ def unavailable_message(model: str, config: ModelConfig, error: str, submitted: 
 
 
 def unreachable(model: str, provider_name: str, exc: Exception, count: int = 1) -> None:
-    """A batch sent through a provider this run has no key for (the model switched provider since)."""
-    log.warning(
+    """A batch sent through a provider this run has no key for (its key was unset, or the model switched
+    provider since): a dbt warning, counted in dbt's summary, since nothing is harvested until it is set."""
+    warn_user(
         f"{model}: {count} batch(es) or submission(s) sent through {provider_name} "
         f"are still open and cannot be checked: {exc}. They stay pending; nothing is resent."
     )
@@ -177,6 +178,15 @@ def deferred(model: str, waiting: int, config: ModelConfig, tokens_cap: int | No
         f"in-flight caps are reached (llm_max_batches_in_flight={config.max_batches_in_flight}, "
         f"llm_max_tokens_in_flight={tokens_cap}){f' ({shares})' if shares else ''}"
     )
+
+
+def dropped_removed_variants(model: str, dropped: dict[str, int]) -> None:
+    """Deferred requests of removed variants, dropped before they were sent (said by the run that drops them)."""
+    if dropped:
+        log.info(
+            f"{model}: {sum(dropped.values())} request(s) of removed variant(s) {', '.join(sorted(dropped))} "
+            "were waiting for the in-flight caps; dropped, never sent (nothing was paid for them)"
+        )
 
 
 def realtime_round(model: str, outcome: RealtimeOutcome, lost: int, config: ModelConfig) -> None:

@@ -22,7 +22,7 @@ class Scratch:
     """The scratch tables of one run on one connection; `drop_all` removes every one of them."""
 
     # Temp tables, by the step that creates them.
-    input = "__llm_input"  # the model's rows as selected this run (runner.load_input)
+    input = "__llm_input"  # the model's rows as selected this run (model_input.load_input)
     prices = "__llm_prices"  # the price list: shipped prices plus llm_price_table (costs.load_prices)
     rekey = "__llm_rekey"  # ledger rows whose key changed with the model's unique_key (identity)
     rekey_rows = "__llm_rekey_rows"  # row answers with a row of their own, re-keyed likewise (identity)
@@ -53,7 +53,7 @@ class Scratch:
     )  # fmt: skip
 
     # Python objects (Arrow tables, readers, pandas frames) registered on the connection as views.
-    input_view = "__llm_input_view"  # a Python model's rows, while they are copied (runner.load_input)
+    input_view = "__llm_input_view"  # a Python model's rows, while they are copied (model_input.load_input)
     sent_arrow = "__llm_sent_arrow"  # the rows written to request files, while they are stored (request_files)
     downloads = "__llm_downloads"  # the batch result files downloaded for a harvest (harvest)
     ended = "__llm_ended"  # the jobs a harvest settles (harvest, batch_failures)

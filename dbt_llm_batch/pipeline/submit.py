@@ -15,6 +15,7 @@ anything is resent).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from dbt_llm_batch import output_schema
@@ -31,6 +32,18 @@ from dbt_llm_batch.providers.calls import ProviderUnavailable, describe, is_tran
 NEVER_SENT = "submission interrupted before reaching the provider"
 
 
+@dataclasses.dataclass(frozen=True)
+class Submitted:
+    """What submit_chunks did with a run's request files. The files before `first_unsent` are the
+    ledger's, each in a job: created (`batch_ids`, one per file, in order), or, the last of them,
+    failed and left to reconciliation (it may have reached the provider) or voided. The files from
+    `first_unsent` on were never attempted: their requests wait as deferred. This is the one answer to
+    "which requests are in a job", so a request is never deferred while its job may be billed."""
+
+    batch_ids: list[str]
+    first_unsent: int
+
+
 def submit_chunks(
     ledger: Ledger,
     provider: BatchProvider,
@@ -38,8 +51,8 @@ def submit_chunks(
     sent_rows: str,
     members: str | None = None,
     per_row_variant: bool = False,
-) -> list[str]:
-    """Submit each written request file as one batch; returns the provider batch ids. `sent_rows` is
+) -> Submitted:
+    """Submit each written request file as one batch (Submitted says which files a job holds). `sent_rows` is
     the plan's rows with the file (`chunk`) and `line` each was written to (plan.plan_rows with `sent`);
     `members` the other rows each request answers (plan.build_plan), recorded with the intents;
     `per_row_variant`: the rows carry their evaluation variant (Ledger.write_intents)."""
@@ -98,7 +111,7 @@ def submit_chunks(
     if attempted < len(job_ids):  # stopped after a failed create: the rest wait for the next run
         ledger.return_to_deferred(list(job_ids.values())[attempted:])
     submitting.finish()
-    return batch_ids
+    return Submitted(batch_ids, attempted)
 
 
 def never_sent(exc: BaseException) -> bool:

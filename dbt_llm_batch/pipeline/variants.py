@@ -163,7 +163,8 @@ def sent_rows(rows: str, sender: int) -> str:
 
 
 def keep_submitted(con, sender: int, first_unsent: int) -> None:
-    """Forget `sender`'s files from `first_unsent` on (not submitted): RUN_SENT then holds what was sent."""
+    """Forget `sender`'s files from `first_unsent` on (never attempted, submit.Submitted): RUN_SENT then
+    holds what a job holds, sent or left to reconciliation; the rest of the plan waits as deferred."""
     con.execute(f"delete from {RUN_SENT} where sender = {int(sender)} and chunk >= {int(first_unsent)}")
 
 

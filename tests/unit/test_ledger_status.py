@@ -443,3 +443,22 @@ def test_one_job_holds_several_variants_requests_each_with_its_own_variant(ledge
                        ("k9", "claude", "c3")]  # fmt: skip
     jobs = ledger.con.execute(f"select job_id, variant, request_count from {ledger.table('llm_batch_jobs')}").fetchall()
     assert jobs == [(job, ",terse", 4)]
+
+
+def test_the_ledger_refuses_a_second_live_request_for_one_custom_id(ledger):
+    """A request is deferred or in a job, never both, and never in two jobs: a write that would make a
+    second live request of one custom_id is refused whole (#30 item 1's double billing)."""
+    from dbt_llm_batch.errors import LedgerInvariantError
+
+    job = ledger.write_intents("openai", "gpt-4o-mini", plan(ledger, 2), [0])[0]
+    before = statuses(ledger)
+    with pytest.raises(LedgerInvariantError, match="second live request for c0, c1"):
+        ledger.defer(plan(ledger, 2))  # the same requests, also waiting: sent twice
+    with pytest.raises(LedgerInvariantError, match="second live request for c0"):
+        ledger.write_intents("openai", "gpt-4o-mini", plan(ledger, 1), [0])  # in a second job
+    assert statuses(ledger) == before  # nothing written
+    # Once the job is voided (never reached the provider), the same requests may wait or be sent again.
+    ledger.void_job(job, "never sent")
+    ledger.defer(plan(ledger, 2))
+    rows = ledger.con.execute(f"select custom_id, status from {ledger.table('llm_batch_requests')} order by all")
+    assert rows.fetchall() == [("c0", "deferred"), ("c0", "voided"), ("c1", "deferred"), ("c1", "voided")]

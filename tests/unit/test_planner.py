@@ -12,7 +12,7 @@ from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import ConfigError, InputError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import RequestStatus, sql
-from dbt_llm_batch.pipeline import costs, plan, runner
+from dbt_llm_batch.pipeline import costs, model_input, plan
 from dbt_llm_batch.pipeline.scratch import Scratch
 
 BASE = {"unique_key": ["shop", "id"], "llm_model": "gpt-4o-mini", "llm_system": "Be brief."}
@@ -393,7 +393,7 @@ def desired_table(con) -> list[tuple]:
     ],
 )
 def test_facts_computed_while_the_rows_are_copied_give_the_same_desired_rows(memory_con, unique_key, columns, prompt):
-    """runner.load_input computes each row's key, prompt hash and prompt length as it copies the
+    """model_input.load_input computes each row's key, prompt hash and prompt length as it copies the
     model's rows (plan.PRECOMPUTED): the desired rows are the ones computed from the plain copy, with
     no stored hash (md5 for all), with stored hashes (found: the stored fingerprint; not found: md5),
     and the selected columns are the model's own."""
@@ -411,11 +411,11 @@ def test_facts_computed_while_the_rows_are_copied_give_the_same_desired_rows(mem
     ledger.migrate()
 
     def both() -> tuple[list, list]:
-        runner.load_input(memory_con, "select * from source -- a comment", None)
+        model_input.load_input(memory_con, "select * from source -- a comment", None)
         plain = plan.check_input(memory_con, plan.INPUT, config)
         plan.build_desired(memory_con, plan.INPUT, plain, config, ledger)
         expected = desired_table(memory_con)
-        assert runner.load_input(memory_con, "select * from source -- a comment", None, config)
+        assert model_input.load_input(memory_con, "select * from source -- a comment", None, config)
         assert plan.check_input(memory_con, plan.INPUT, config, precomputed=True) == plain
         plan.build_desired(memory_con, plan.INPUT, plain, config, ledger, precomputed=True)
         return expected, desired_table(memory_con)
@@ -465,7 +465,7 @@ def test_an_interrupted_copy_of_the_rows_stops_at_once_and_is_not_run_again(memo
 
     def copy():
         try:
-            runner.load_input(memory_con, slow, None, config)
+            model_input.load_input(memory_con, slow, None, config)
         except BaseException as exc:  # noqa: BLE001 - the test looks at which one
             outcome.append(exc)
 

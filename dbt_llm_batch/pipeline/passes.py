@@ -1,0 +1,55 @@
+"""A run's passes: the configs it asks each selected row with (ARCHITECTURE.md, "The run").
+
+A model without evaluation variants is a run with one pass, its own config; a model with
+`llm_variants` has one pass per variant, the model's own first (pipeline/variants.py). A pass is
+immutable: its variant, config, price and the pool its provider client comes from. Entering a pass
+is the one place the run's selected rows (Scratch.desired) and the ledger's variant change to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.pipeline import plan, variants
+from dbt_llm_batch.pipeline.pool import Pool
+from dbt_llm_batch.pipeline.scratch import Scratch
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One config the run asks with: its place among the passes, config, price and client."""
+
+    index: int
+    config: ModelConfig
+    price: dict | None
+    pool: Pool = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def variant(self) -> str:
+        """The variant as the ledger stores it ('' the default variant, and a model without)."""
+        return self.config.variant
+
+    @property
+    def client(self):
+        """Its provider client, created on first use (Pool.client: a missing key is a ConfigError)."""
+        return self.pool.client(self.config)
+
+    def label(self, model: str) -> str:
+        """The model, and the variant if the model has variants, as the run log names them."""
+        return variants.label(model, self.config)
+
+
+def passes_of(default: ModelConfig, pool: Pool) -> tuple[Pass, ...]:
+    """The model's passes: its own config, then each variant's."""
+    return tuple(Pass(i, config, pool.price_of_config(config), pool) for i, config in enumerate(default.all_variants()))
+
+
+def enter(con, ledger: Ledger, current: Pass, input_columns, precomputed: bool) -> None:
+    """Make `current` the pass the ledger writes for and whose selected rows (with its fingerprints
+    and sample) are in Scratch.desired. `precomputed`: the input carries plan.PRECOMPUTED for the
+    model's own config (runner.load_input), which only the first pass asks with."""
+    ledger.variant = current.variant
+    plan.build_desired(con, Scratch.input, input_columns, current.config, ledger, precomputed and current.index == 0)
+    variants.sample_desired(con, current.config)

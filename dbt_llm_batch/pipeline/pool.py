@@ -1,0 +1,92 @@
+"""The provider clients, prices and provider availability of one run (ARCHITECTURE.md, "The run").
+
+A run asks through one client per config it sends with (the model's own, each evaluation variant's)
+and polls, harvests and reconciles each older job through the provider and model it was sent with.
+The pool owns those clients, so every step (reconcile, harvest, submit, realtime) reaches a provider
+the same way, and no step needs the run that holds it: reconciliation takes (ledger, pool).
+
+A client is created on first use, so a run with nothing to do needs no key and makes no call; it is
+kept only once its key is found, so a missing key is a ConfigError every time it is asked for, never
+a client that fails later inside the SDK.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.pipeline import costs
+from dbt_llm_batch.providers import get_provider
+
+
+class Pool:
+    """Clients by config (variant) and by (provider, model), prices by (provider, model), and whether a
+    provider stayed down for the run's retry budget."""
+
+    def __init__(self, con, default: ModelConfig, client=None):
+        self.con, self.default = con, default
+        self._clients: dict[tuple, object] = {}
+        self._prices: dict[tuple[str, str], dict | None] = {}
+        if client is not None:  # a client the caller made (benchmarks pass one that stays offline)
+            self._clients[self._config_key(default)] = client
+
+    @staticmethod
+    def _config_key(config: ModelConfig) -> tuple:
+        return ("config", config.variant)
+
+    def client(self, config: ModelConfig):
+        """`config`'s client (the model's own or a variant's): its provider with its provider keys."""
+        return self._get(self._config_key(config), config)
+
+    def client_for_job(self, job: dict):
+        """The client a job was sent through: its provider and model (a batch in flight is polled,
+        harvested and cleaned up there even after the model switched provider or model); a variant's
+        config when one sends there (its provider keys), else the model's own, moved."""
+        config = self.config_for_job(job)
+        same = [v for v in self.default.all_variants() if (v.provider, v.model) == (config.provider, config.model)]
+        if same:
+            return self.client(same[0])
+        return self._get(("job", config.provider, config.model), config)
+
+    def config_for_job(self, job: dict) -> ModelConfig:
+        """The model's config as the job was sent: its provider and model (the model may have switched)."""
+        provider, llm_model = job["provider"], job.get("llm_model") or self.default.model
+        for variant in self.default.all_variants():
+            if (variant.provider, variant.model) == (provider, llm_model):
+                return variant
+        return dataclasses.replace(self.default, provider=provider, model=llm_model)
+
+    def _get(self, key: tuple, config: ModelConfig):
+        if key not in self._clients:
+            client = get_provider(config.provider)(config)
+            client.check_credentials()  # raises ConfigError: the client is not kept, asked again next time
+            self._clients[key] = client
+        return self._clients[key]
+
+    def check(self, configs: list[ModelConfig]) -> None:
+        """Every config's provider key, before anything is sent (a ConfigError names the first missing)."""
+        for config in configs:
+            self.client(config)
+
+    def price(self, provider: str, llm_model: str) -> dict | None:
+        """The price row of a provider's model (costs.price_of), read once per run."""
+        if (provider, llm_model) not in self._prices:
+            self._prices[(provider, llm_model)] = costs.price_of(self.con, provider, llm_model)
+        return self._prices[(provider, llm_model)]
+
+    def price_of_config(self, config: ModelConfig) -> dict | None:
+        return self.price(config.provider, config.model)
+
+    def price_for_job(self, job: dict) -> dict | None:
+        """The price of the provider and model a job was sent with (not the model's current ones)."""
+        config = self.config_for_job(job)
+        return self.price(config.provider, config.model)
+
+    def unavailable(self) -> str | None:
+        """The last error of a provider that kept failing for llm_retry_budget_seconds, else None: the
+        run then stops asking (open batches stay pending, nothing new is submitted)."""
+        for client in self._clients.values():
+            calls = getattr(client, "calls", None)
+            if calls is not None and calls.spent:
+                return calls.last_error or "the provider kept failing"
+        return None
