@@ -133,12 +133,7 @@ def test_two_models_sharing_the_ledger_under_threads_send_each_request_once(proj
     project.dbt("run", "-s", "dup", "dup_twin")  # (answered, if the sender had not harvested when it planned)
 
     assert sum(batch_counts(emulator)) == 40
-    total = Decimal(0)
-    for name in ("dup", "dup_twin"):
-        rows = project.query(f"select llm_status, llm_cost_usd from main.{name}")
-        assert len(rows) == 100 and {r[0] for r in rows} == {"succeeded"}, name
-        total += sum(r[1] for r in rows)
-    assert total == billed_cost(emulator, "openai")
+    assert_both_tables_answered_at_the_billed_cost(project, emulator)
 
 
 def test_a_model_planning_while_another_records_the_shared_requests_points_its_rows_at_them(
@@ -182,6 +177,11 @@ def test_a_model_planning_while_another_records_the_shared_requests_points_its_r
     project.dbt("run", "-s", "dup")
     project.dbt("run", "-s", "dup_twin")
     assert batch_counts(emulator) == [40]
+    assert_both_tables_answered_at_the_billed_cost(project, emulator)
+
+
+def assert_both_tables_answered_at_the_billed_cost(project, emulator) -> None:
+    """Every row of dup and dup_twin succeeded, and their tables' costs add up to what the sandbox billed."""
     total = Decimal(0)
     for name in ("dup", "dup_twin"):
         rows = project.query(f"select llm_status, llm_cost_usd from main.{name}")
