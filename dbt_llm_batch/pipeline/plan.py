@@ -289,7 +289,9 @@ def reject_empty_prompts(ledger: Ledger, input_rel: str, columns) -> int:
     )
 
 
-def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, price: dict | None = None) -> int:
+def build_plan(
+    ledger: Ledger, config: ModelConfig, input_rel: str, columns, price: dict | None = None, pass_index: int = 0
+) -> int:
     """Requests to send now: desired rows minus those succeeded or in flight for the same key and
     fingerprint, and minus those whose failures reached llm_max_attempts; plus requests deferred by an
     earlier run (in-flight caps) for keys this run does not select. Returns the count.
@@ -302,7 +304,8 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
     is answered). Attempts, back-offs and holds are then counted per request, not per key.
 
     Each request carries its estimated input tokens and, with a `price`, its estimated cost, computed
-    here from the prompt's length in the same statement (no second pass over the prompts)."""
+    here from the prompt's length in the same statement (no second pass over the prompts), and its
+    pass (`pass_index`) and stored variant, so that the run keeps the plan as it is (variants.stash_pass)."""
     con = ledger.con
     requests = ledger.table("llm_batch_requests")
     answers = ledger.table("llm_batch_row_answers")
@@ -472,7 +475,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                   and coalesce(h.not_before <= now(), true)
                   {not_answered})
             select *, {costs.estimated_input_tokens_sql(config, chars_sql="prompt_chars")} as estimated_input_tokens,
-                   {estimated_cost} as estimated_cost_usd
+                   {estimated_cost} as estimated_cost_usd, {int(pass_index)} as pass_index, $variant as variant
             from (select row_id, key, fingerprint, seq, {custom_id} as custom_id,
                          null::varchar as deferred_prompt, null::varchar as deferred_row_json, route, prompt_chars,
                          {member} as member, {urgent} as urgent, prompt_hash{rows}
@@ -483,6 +486,7 @@ def build_plan(ledger: Ledger, config: ModelConfig, input_rel: str, columns, pri
                   from {Scratch.deferred})""",
         {
             "model": ledger.model,
+            "variant": ledger.variant,
             "max_attempts": config.max_attempts,
             "fallback_realtime": config.fallback == "realtime",
             # deferred requests are sent the way the provider can take them

@@ -95,7 +95,7 @@ def send(state: RunState, passes: tuple[Pass, ...], dry: bool = False) -> None:
     with contextlib.ExitStack() as stack:
         directory = None if dry else stack.enter_context(tempdirs.private_dir())
         files = write_sender_files(state, passes, senders, directory)
-        written = variants.written(state.con)
+        written = in_files(state, passes, files)
         estimates = [_estimate(p, written, pl) for p, pl in zip(passes, planned, strict=True)]
         if dry:
             report_dry(state, passes, planned, estimates, written, senders, files)
@@ -105,8 +105,8 @@ def send(state: RunState, passes: tuple[Pass, ...], dry: bool = False) -> None:
         check_budget(state, passes, planned, estimates, written)
         for sender, indexes in enumerate(senders.values()):
             if files[sender]:
-                submit_sender(state, sender, [passes[i] for i in indexes], files[sender])
-    defer_unsent(state, passes, planned)
+                files[sender] = submit_sender(state, sender, [passes[i] for i in indexes], files[sender])
+    defer_unsent(state, passes, planned, in_files(state, passes, files))
     for p, pl in zip(passes, planned, strict=True):
         if pl.realtime[0]:
             state.ledger.variant = p.variant
@@ -139,7 +139,7 @@ def plan_pass(state: RunState, p: Pass, dry: bool) -> Planned:
             f"{state.model}: llm_temperature is above 0, so identical requests are sent once per row "
             "(llm_dedup is off by default for sampling); set llm_dedup = true to send each distinct request once"
         )
-    n = plan.build_plan(ledger, p.config, Scratch.input, state.input_columns, p.price)
+    n = plan.build_plan(ledger, p.config, Scratch.input, state.input_columns, p.price, p.index)
     if n and p.index and p.config.dedup is not None:  # asked by an earlier pass already
         n -= variants.share_planned(con)
     dedup = plan.dedup_counts(con)
@@ -176,6 +176,22 @@ def _estimate(p: Pass, written, planned: Planned) -> Decimal | None:
     if p.price is None or batch_cost is None:
         return None
     return batch_cost + (planned.realtime[1] or 0)
+
+
+def in_files(
+    state: RunState, passes: tuple[Pass, ...], files: list[list[request_files.RequestFile]]
+) -> dict[int, tuple[int, Decimal | None, int]]:
+    """Per pass: (requests in `files`, their estimated cost or None, files they are in). One pass
+    (a model without variants) has every file to itself: its figures are the files' own, with no
+    query over the plan."""
+    if len(passes) > 1:
+        return variants.written(state.con)
+    every = [f for sender in files for f in sender if f.requests]
+    if not every:
+        return {}
+    priced = [f.cost for f in every if f.cost is not None]
+    cost = sum(priced, Decimal(0)) if len(priced) == len(every) else None
+    return {passes[0].index: (sum(f.requests for f in every), cost, len(every))}
 
 
 def write_sender_files(
@@ -269,9 +285,10 @@ def check_budget(state: RunState, passes: tuple[Pass, ...], planned: list[Planne
         state.ledger.variant = passes[0].variant
 
 
-def submit_sender(state: RunState, sender: int, passes: list[Pass], files) -> None:
+def submit_sender(state: RunState, sender: int, passes: list[Pass], files) -> list[request_files.RequestFile]:
     """Submit one sender's request files (several passes' requests in each batch), through the first
-    of its passes' clients (a client depends only on the provider and model)."""
+    of its passes' clients (a client depends only on the provider and model); returns the files a job
+    holds (sent, or left to reconciliation)."""
     first = passes[0]
     client = first.client
     for p in passes:
@@ -298,20 +315,27 @@ def submit_sender(state: RunState, sender: int, passes: list[Pass], files) -> No
             f"{first.config.provider} ({first.config.model}): "
             f"{variants.labels(state.default, variants.shares(state.con, sender))}"
         )
+    return files[: submitted.first_unsent]
 
 
-def defer_unsent(state: RunState, passes: tuple[Pass, ...], planned: list[Planned]) -> None:
+def defer_unsent(
+    state: RunState,
+    passes: tuple[Pass, ...],
+    planned: list[Planned],
+    submitted: dict[int, tuple[int, Decimal | None, int]],
+) -> None:
     """Each pass's planned requests not in a job wait as deferred (replacing what waited before); the
-    estimates of what a job holds go into the run's summary."""
-    submitted = variants.written(state.con)  # what a job holds, per pass
+    estimates of what a job holds go into the run's summary. `submitted`: what a job holds, per pass
+    (in_files of the files submitted)."""
     summary = state.summary
     for p, pl in zip(passes, planned, strict=True):
         state.ledger.variant = p.variant
-        if pl.requests or state.ledger.has_deferred():
-            unsent = variants.unsent_rows(variants.pass_rows(p.config, state.input_columns, p.index))
-            n_unsent = state.con.execute(f"select count(*) from {unsent}").fetchall()[0][0]
-            state.ledger.defer(unsent if n_unsent else None)
         n_sent, sent_cost, _ = submitted.get(p.index, (0, None, 0))
+        if pl.requests or state.ledger.has_deferred():
+            # The pass's batch requests (its plan less its realtime part) that no job holds.
+            n_unsent = pl.requests - pl.realtime[0] - n_sent
+            unsent = variants.unsent_rows(variants.pass_rows(p.config, state.input_columns, p.index))
+            state.ledger.defer(unsent if n_unsent else None)
         if n_sent and sent_cost is not None and p.price is not None and pl.output is not None:
             summary.estimated_usd = (summary.estimated_usd or 0) + sent_cost
             expected, ceiling = costs.estimate_range(p.price, pl.output, sent_cost, n_sent)

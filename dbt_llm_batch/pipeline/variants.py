@@ -93,17 +93,28 @@ def drop_removed(ledger: Ledger, config: ModelConfig, target: str) -> int:
 def stash_pass(con, index: int, variant: str) -> None:
     """Keep pass `index`'s plan for the run's senders: its batch requests (Scratch.plan), its realtime
     requests (Scratch.realtime_plan) and the rows that requests planned this run answer besides their
-    own (Scratch.plan_members), each with the pass and its variant."""
-    for source, target, where in (
-        (Scratch.plan, RUN_PLAN, ""),
-        (Scratch.realtime_plan, RUN_REALTIME, ""),
-        (Scratch.plan_members, RUN_MEMBERS, "where duplicate"),
+    own (Scratch.plan_members), each with the pass and its variant (the plans carry theirs from
+    plan.build_plan). The first pass's batch plan becomes the run's by a rename, not a copy: a model
+    without variants (one pass) pays nothing for keeping its plan of up to millions of requests."""
+    if index == 0:
+        con.execute(f"drop table if exists {RUN_PLAN}")
+        con.execute(f"alter table {Scratch.plan} rename to {RUN_PLAN}")
+    else:
+        con.execute(f"insert into {RUN_PLAN} by name select * from {Scratch.plan}")
+    for source, target, where, columns in (
+        (Scratch.realtime_plan, RUN_REALTIME, "", ""),
+        (
+            Scratch.plan_members,
+            RUN_MEMBERS,
+            "where duplicate",
+            f", {int(index)} as pass_index, {literal(variant)} as variant",
+        ),
     ):
-        rows = f"select *, {int(index)} as pass_index, {literal(variant)} as variant from {source} {where}"
+        rows = f"select *{columns} from {source} {where}"
         if index == 0:
             con.execute(f"create or replace temp table {target} as {rows}")
         else:
-            con.execute(f"insert into {target} {rows}")
+            con.execute(f"insert into {target} by name {rows}")
 
 
 def share_planned(con) -> int:
