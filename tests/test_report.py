@@ -133,13 +133,13 @@ def test_focus_export_has_the_focus_1_2_columns_and_the_ledger_costs(reported):
         acc[1] += Decimal(row["ListCost"])
     assert exported == {(p, m, dm, v): [c, r] for p, m, dm, v, c, r in costs}
     assert {k[0] for k in exported} == {"openai", "anthropic"}  # the evaluation's 'claude' variant
-    assert {k[3] for k in exported if k[2] == "main.ticket_triage_eval"} == {"baseline", "concise", "claude"} - {
-        "baseline"
-    } | {"default"}
+    # The model's own variant (llm_default_variant 'baseline') is 'default' in the ledger, as in its views.
+    assert {k[3] for k in exported if k[2] == "main.ticket_triage_eval"} == {"default", "concise", "claude"}
 
 
 def test_report_in_a_real_browser_shows_the_ledger_figures(reported):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the dev extra installs playwright")
+    from playwright import sync_api  # the dev extra installs it
+
     assert CHROMIUM.exists(), "scripts/setup.sh installs Debian's chromium (apt-get install -y chromium)"
     project, html_path, _ = reported
     url = html_path.as_uri()
@@ -156,6 +156,7 @@ def test_report_in_a_real_browser_shows_the_ledger_figures(reported):
             page.wait_for_function("ids => ids.every(id => document.getElementById(id)._fullLayout)", arg=charts)
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "report-integration.png"), full_page=True)
+            page.locator("#evaluation-0").screenshot(path=str(ARTIFACTS / "report-evaluation.png"))
 
             def chart(div_id: str) -> dict:
                 """What the browser drew: the title, the SVG's data points, and the traces' data."""
@@ -231,7 +232,9 @@ def test_report_in_a_real_browser_shows_the_ledger_figures(reported):
                   sum(coalesce(realtime_cost_usd, cost_usd))
            from main.llm_batch_costs where cost_usd is not null group by all order by model, v""",
     )
-    assert drawn["chart-spend-by-model"]["traces"][0]["x"] == [m if v == "default" else f"{m} / {v}" for m, v, *_ in by_model]
+    assert drawn["chart-spend-by-model"]["traces"][0]["x"] == [
+        m if v == "default" else f"{m} / {v}" for m, v, *_ in by_model
+    ]
     assert close(ys("chart-spend-by-model")[0], [c for *_, c, _ in by_model])
     assert close(ys("chart-spend-by-model")[1], [r for *_, r in by_model])
 

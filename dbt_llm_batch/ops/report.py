@@ -123,7 +123,10 @@ def _figures(data: ReportData) -> list[tuple[str, str, object]]:
     if data.by_model:
         title = "Spend against realtime, by model and variant"
         names = [m if v == "default" else f"{m} / {v}" for m, v, _, _ in data.by_model]
-        series = {"cost": [_f(c) for *_, c, _ in data.by_model], "at realtime prices": [_f(r) for *_, r in data.by_model]}
+        series = {
+            "cost": [_f(c) for *_, c, _ in data.by_model],
+            "at realtime prices": [_f(r) for *_, r in data.by_model],
+        }
         charts.append(("chart-spend-by-model", title, bars(title, names, series)))
     title = "Saving by lever"
     levers = {
@@ -204,19 +207,21 @@ def render(data: ReportData) -> str:
     )
     sections = []
     config = {"displaylogo": False, "responsive": True}
-    for div_id, title, fig in _figures(data):
+    for div_id, _title, fig in _figures(data):
         chart = pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=div_id, config=config)
-        sections.append(f'<section class="chart"><h2>{html.escape(title)}</h2>{chart}</section>')
+        if div_id.startswith("chart-evaluation-"):  # the chart and the variant it names, together
+            i = int(div_id.rsplit("-", 1)[1])
+            ev = data.evaluations[i]
+            best, pick = ev.best, ev.cheapest_near_best
+            chart = f'<div id="evaluation-{i}">{chart}' + (
+                f'<p class="pick" id="pick-{i}" data-variant="{html.escape(pick[0])}">'
+                f"The cheapest variant within {ev.within:g} of the best {html.escape(ev.accuracy_column)} "
+                f"({html.escape(best[0])}, {best[1]:.3f}) is <b>{html.escape(pick[0])}</b> "
+                f"({pick[1]:.3f} at {fmt_usd(pick[2])}).</p></div>"
+            )
+        sections.append(f'<section class="chart">{chart}</section>')
     if not data.open_batches:
         sections.append('<section><h2>Open batches</h2><p id="no-open-batches">No batch is open.</p></section>')
-    for i, ev in enumerate(data.evaluations):
-        best, pick = ev.best, ev.cheapest_near_best
-        sections.append(
-            f'<p class="pick" id="pick-{i}" data-variant="{html.escape(pick[0])}">{html.escape(ev.relation)}: '
-            f"the cheapest variant within {ev.within:g} of the best {html.escape(ev.accuracy_column)} "
-            f"({html.escape(best[0])}, {best[1]:.3f}) is <b>{html.escape(pick[0])}</b> "
-            f"({pick[1]:.3f} at {fmt_usd(pick[2])}).</p>"
-        )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="{CSP}">
@@ -247,9 +252,6 @@ def write_focus(ledger: LedgerReads, out: Path) -> int:
         )
     dates = ["BillingPeriodEnd", "BillingPeriodStart", "ChargePeriodEnd", "ChargePeriodStart"]
     rel = ledger.focus()
-    columns = ", ".join(
-        f"strftime({c}, '%Y-%m-%dT%H:%M:%SZ') as {c}" if c in dates else c for c in rel.columns
-    )
+    columns = ", ".join(f"strftime({c}, '%Y-%m-%dT%H:%M:%SZ') as {c}" if c in dates else c for c in rel.columns)
     rel.select(columns).write_csv(str(out))
     return len(rel.fetchall())
-
