@@ -21,7 +21,7 @@ from conftest import INTEGRATION, REPO, Project
 from dbt_llm_batch.ops import cli
 from dbt_llm_batch.pipeline.costs import fmt_usd
 
-pytestmark = pytest.mark.dbt  # the module's fixture runs real dbt (not the `project` fixture)
+pytestmark = pytest.mark.dbt  # real dbt, on a project of its own (not the `project` fixture)
 
 ARTIFACTS = REPO / "tests" / "artifacts"  # gitignored: the browser's screenshots
 CHROMIUM = Path("/usr/bin/chromium")
@@ -47,12 +47,11 @@ FOCUS_DATETIME = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")
 FAILING_TICKET = "charged twice"  # ticket 1's body: its triage request answers an error line
 
 
-@pytest.fixture(scope="module")
-def reported(tmp_path_factory):
-    """The integration project after a sandbox run, its report and its FOCUS export."""
+def test_report_and_focus_export_of_a_sandbox_run(tmp_path):
+    """One story (one dbt run for the three checks; xdist would run a module fixture once per worker)."""
     from dbt_llm_batch.sandbox import Emulator
 
-    tmp = tmp_path_factory.mktemp("report")
+    tmp = tmp_path
     root = tmp / "project"
     shutil.copytree(INTEGRATION, root, ignore=shutil.ignore_patterns("target", "logs", "dbt_packages", "*.duckdb*"))
     (root / "packages.yml").write_text(f"packages:\n  - local: {REPO}\n")
@@ -79,7 +78,9 @@ def reported(tmp_path_factory):
         argv = ["report", "--database", str(project.db_path), "--out", str(html_path), "--focus", str(focus_path)]
         assert cli.main(argv) == 0
         emu.raise_internal_errors()
-    yield project, html_path, focus_path
+    check_focus_export(project, html_path.with_name("focus.csv"))
+    check_report_in_browser(project, html_path)
+    check_served_report(project, focus_path)
 
 
 def views(project: Project, sql: str) -> list[tuple]:
@@ -87,8 +88,8 @@ def views(project: Project, sql: str) -> list[tuple]:
         return con.execute(sql).fetchall()
 
 
-def test_focus_export_has_the_focus_1_2_columns_and_the_ledger_costs(reported):
-    project, _, focus_path = reported
+def check_focus_export(project: Project, focus_path: Path) -> None:
+    """The FOCUS export against the FOCUS 1.2 column list and the ledger's costs."""
     lines = FOCUS_COLUMNS.read_text().splitlines()
     spec = {r["column"]: r for r in csv.DictReader(line for line in lines if not line.startswith("#"))}
     assert len(spec) == 57  # FOCUS 1.2 defines 57 columns
@@ -137,11 +138,11 @@ def test_focus_export_has_the_focus_1_2_columns_and_the_ledger_costs(reported):
     assert {k[3] for k in exported if k[2] == "main.ticket_triage_eval"} == {"default", "concise", "claude"}
 
 
-def test_report_in_a_real_browser_shows_the_ledger_figures(reported):
+def check_report_in_browser(project: Project, html_path: Path) -> None:
+    """The page in Chromium: no console error, no request, each chart drawn with the ledger's figures."""
     from playwright import sync_api  # the dev extra installs it
 
     assert CHROMIUM.exists(), "scripts/setup.sh installs Debian's chromium (apt-get install -y chromium)"
-    project, html_path, _ = reported
     url = html_path.as_uri()
     console, errors, requests = [], [], []
     with sync_api.sync_playwright() as pw:
@@ -268,3 +269,67 @@ def test_report_in_a_real_browser_shows_the_ledger_figures(reported):
     best = max(a for _, a, _ in variants)
     cheapest = min((c, v) for v, a, c in variants if a >= best - 0.02)[1]
     assert pick[0] == cheapest and f"is {cheapest} (" in pick[1]
+
+
+def check_served_report(project: Project, focus_path: Path) -> None:
+    """`report --serve`: read again at each request; a 503 page, not a hang, while another process
+    holds the file."""
+    import subprocess
+    import sys
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from dbt_llm_batch.ops.report_server import make_server
+
+    server = make_server(str(project.db_path), "main", 0.02, port=0, refresh=5)
+    assert server.server_address[0] == "127.0.0.1"
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def total_shown(page: str, cost) -> bool:
+        return f'id="total-cost" data-value="{float(cost)!r}">{fmt_usd(cost)}<' in page
+
+    try:
+        page = urllib.request.urlopen(f"{base}/").read().decode()
+        assert '<meta http-equiv="refresh" content="5">' in page
+        ((cost,),) = views(project, "select sum(cost_usd) from main.llm_batch_costs")
+        assert total_shown(page, cost)
+        assert urllib.request.urlopen(f"{base}/focus.csv").read() == focus_path.read_bytes()
+        # Another process writes the ledger (holding the file): the page says so and reloads later.
+        writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(project.db_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert writer.stdout is not None and writer.stdout.readline().strip() == "holding"
+            try:
+                urllib.request.urlopen(f"{base}/")
+                raise AssertionError("served a page while another process held the file")
+            except urllib.error.HTTPError as exc:
+                busy = exc.read().decode()
+                assert exc.code == 503 and "cannot read it" in busy and 'content="5"' in busy, busy
+        finally:
+            writer.communicate("", timeout=60)
+        assert writer.returncode == 0
+        # What it wrote shows at the next reload: the server keeps no copy of the page.
+        page = urllib.request.urlopen(f"{base}/").read().decode()
+        assert total_shown(page, cost * 2)
+    finally:
+        server.shutdown()
+        server.server_close()
+        with duckdb.connect(str(project.db_path)) as con:
+            con.execute("update main.llm_batch_requests set cost_usd = cost_usd / 2 where cost_usd is not null")
+
+
+# A process that holds the DuckDB file read-write, doubling every cost, until its stdin closes.
+WRITER = """
+import sys, duckdb
+con = duckdb.connect(sys.argv[1])
+con.execute("update main.llm_batch_requests set cost_usd = cost_usd * 2 where cost_usd is not null")
+print("holding", flush=True)
+sys.stdin.read()
+con.close()
+"""

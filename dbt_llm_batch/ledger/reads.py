@@ -145,7 +145,9 @@ class LedgerReads:
 
     def focus(self) -> duckdb.DuckDBPyRelation:
         """The FOCUS cost dataset (ledger/focus.py), one row per charge."""
-        return self.con.sql(f"select * from {self.s}.llm_batch_focus order by ChargePeriodStart, ResourceId, SkuId")
+        return self.con.sql(
+            f"select * from {self.s}.llm_batch_focus order by ChargePeriodStart, ResourceId, SkuId, ChargeDescription"
+        )
 
     # --- evaluation runs ---------------------------------------------------------------------------
 

@@ -70,6 +70,19 @@ def report_command(args) -> int:
     from dbt_llm_batch.ledger.reads import LedgerNotReadable, LedgerReads, open_ledger
     from dbt_llm_batch.ops.report import ReportError, write_focus, write_report
 
+    if args.serve:
+        from dbt_llm_batch.ops.report_server import make_server
+
+        server = make_server(args.database, args.schema, args.within, args.port, args.refresh)
+        port = server.server_address[1]
+        print(f"serving the report of {args.database} on http://127.0.0.1:{port}/ (FOCUS: /focus.csv); Ctrl-C stops")
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+        return 0
     try:
         ledger = LedgerReads(open_ledger(args.database, "dbt-llm-batch report"), args.schema)
         if args.focus:
@@ -196,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0.02,
         help="evaluation runs: name the cheapest variant whose accuracy is within this of the best (default 0.02)",
     )
+    rp.add_argument(
+        "--serve", action="store_true", help="serve the report on 127.0.0.1 instead, read again at each reload"
+    )
+    rp.add_argument("--port", type=int, default=8765, help="--serve: the port (default 8765; 0: any free port)")
+    rp.add_argument("--refresh", type=int, default=30, help="--serve: reload the page every this many seconds")
     for name, text in OPERATOR_COMMANDS.items():
         op = sub.add_parser(name, help=text)
         op.add_argument("--database", required=True, help="path of the DuckDB file")

@@ -185,8 +185,9 @@ def _money(label: str, key: str, value) -> str:
     return f'<div class="kpi"><dt>{html.escape(label)}</dt><dd id="{key}" data-value="{_f(value)!r}">{fmt_usd(value)}</dd></div>'
 
 
-def render(data: ReportData) -> str:
-    """The page, with plotly.js embedded (ReportError when plotly is not installed)."""
+def render(data: ReportData, refresh_seconds: int | None = None) -> str:
+    """The page, with plotly.js embedded (ReportError when plotly is not installed); it reloads itself
+    every `refresh_seconds` when given (report_server.py)."""
     try:
         import plotly.io as pio
         from plotly.offline import get_plotlyjs
@@ -205,6 +206,7 @@ def render(data: ReportData) -> str:
             _money("Committed, not billed yet", "committed", t["committed_not_billed_usd"]),
         ]
     )
+    refresh = f'\n<meta http-equiv="refresh" content="{refresh_seconds}">' if refresh_seconds else ""
     sections = []
     config = {"displaylogo": False, "responsive": True}
     for div_id, _title, fig in _figures(data):
@@ -224,7 +226,7 @@ def render(data: ReportData) -> str:
         sections.append('<section><h2>Open batches</h2><p id="no-open-batches">No batch is open.</p></section>')
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
-<meta http-equiv="Content-Security-Policy" content="{CSP}">
+<meta http-equiv="Content-Security-Policy" content="{CSP}">{refresh}
 <title>dbt-llm-batch report</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1100px}}
 dl{{display:flex;flex-wrap:wrap;gap:1em}}.kpi{{border:1px solid #ddd;padding:.5em 1em}}
