@@ -69,6 +69,7 @@ def report_command(args) -> int:
 
     from dbt_llm_batch.ledger.reads import LedgerNotReadable, LedgerReads, open_ledger
     from dbt_llm_batch.ops.report import ReportError, write_focus, write_report
+    from dbt_llm_batch.pipeline.costs import fmt_usd
 
     if args.serve:
         from dbt_llm_batch.ops.report_server import make_server
@@ -91,7 +92,8 @@ def report_command(args) -> int:
         if args.out or not args.focus:
             out = Path(args.out or "llm_batch_report.html")
             data = write_report(ledger, out, args.within)
-            print(f"wrote {out} (spent {data.totals['cost_usd']} USD; {len(data.open_batches)} batch(es) open)")
+            spent = fmt_usd(data.totals["cost_usd"])
+            print(f"wrote {out} (spent {spent}; {len(data.open_batches)} batch(es) open)")
     except (LedgerNotReadable, ReportError) as exc:
         print(f"dbt-llm-batch report: {exc}", file=sys.stderr)
         return 2
