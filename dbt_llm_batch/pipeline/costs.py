@@ -186,9 +186,9 @@ def cost_columns_sql(price: dict, self_hosted: bool, route_sql: str, alias: str 
     prices; the realtime counterfactual is list price, and none for a self-hosted engine."""
     realtime = realtime_cost_sql(price, alias)
     cost = f"case when {route_sql} = 'realtime' then {realtime} else {batch_cost_sql(price, alias)} end"
+    uncached = uncached_cost_sql(price, route_sql, alias)
     return (
-        f"cost_usd = {cost}, realtime_cost_usd = {'null' if self_hosted else realtime}, "
-        f"uncached_cost_usd = {uncached_cost_sql(price, route_sql, alias)},"
+        f"cost_usd = {cost}, uncached_cost_usd = {uncached}, realtime_cost_usd = {'null' if self_hosted else realtime},"
     )
 
 
