@@ -50,6 +50,10 @@ EXPECTED_TOTALS = {
     "openai": (Decimal("0.000370"), Decimal("0.000740"), Decimal("0.000370")),
     "anthropic": (Decimal("0.0004809"), Decimal("0.0009618"), Decimal("0.0004809")),
 }
+# What prompt caching saved (the report's caching lever): the same tokens with every input token at the
+# input rate, at batch prices, minus the cost. OpenAI: (322 + 332 + 342) / 2 = $498 per million - $370.
+# Anthropic: (504 + 519 + 534) / 2 = $778.5 - $480.9 (row 1's cache write cost more than input: counted).
+EXPECTED_CACHE_SAVED = {"openai": Decimal("0.000128"), "anthropic": Decimal("0.0002976")}
 
 
 def costed_model(provider: str, extra: str = "") -> str:
@@ -93,10 +97,10 @@ def test_costs_per_row_and_aggregated_equal_hand_computed_figures(costed, emulat
 
     view = project.query("""select sum(rows_succeeded), sum(input_tokens), sum(output_tokens), sum(cache_read_tokens),
                                    sum(cost_usd), sum(realtime_cost_usd), sum(savings_usd),
-                                   sum(committed_not_billed_usd), sum(rows_without_price)
+                                   sum(committed_not_billed_usd), sum(rows_without_price), sum(cache_saved_usd)
                             from main.llm_batch_costs where model = 'main.costed'""")[0]
     cost, realtime, savings = EXPECTED_TOTALS[provider]
-    assert view == (3, 414, 21, 256, cost, realtime, savings, 0, 0)
+    assert view == (3, 414, 21, 256, cost, realtime, savings, 0, 0, EXPECTED_CACHE_SAVED[provider])
 
     # The provider's own usage totals equal the ledger's.
     usage = emulator.stats()["usage_by_face"][provider]

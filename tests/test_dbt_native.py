@@ -179,6 +179,8 @@ def test_docs_show_the_llm_column_descriptions_and_the_ledger_sources(project, e
         "llm_batch_in_flight",
         "llm_batch_costs",
         "llm_batch_progress",
+        "llm_batch_failures",
+        "llm_batch_focus",
     ):
         unique_id = f"source.dbt_llm_batch.llm_batch_ledger.{name}"
         assert manifest["sources"][unique_id]["schema"] == "main"

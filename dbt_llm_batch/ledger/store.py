@@ -16,6 +16,7 @@ import threading
 
 from dbt_llm_batch.ledger.base import retry_on_conflict, transaction
 from dbt_llm_batch.ledger.claims import ClaimWrites
+from dbt_llm_batch.ledger.focus import FOCUS_VIEW
 from dbt_llm_batch.ledger.jobs import JobWrites
 from dbt_llm_batch.ledger.requests import RequestWrites
 from dbt_llm_batch.ledger.results import ResultWrites
@@ -230,6 +231,14 @@ MIGRATIONS += [
     # tells rows not answered yet from rows measured. No table changes.
     (21, []),
 ]
+MIGRATIONS += [
+    # The report (ops/report.py) splits the saving by lever: `uncached_cost_usd` is what a request would
+    # have cost without prompt caching, at its route's prices (costs.uncached_cost_sql; NULL for requests
+    # settled before: no caching saving is claimed for them). The views changed: llm_batch_costs has
+    # cache_saved_usd, llm_batch_failures counts failed requests by kind, and llm_batch_focus is the
+    # FOCUS cost dataset (ledger/focus.py).
+    (22, ["alter table {s}.llm_batch_requests add column if not exists uncached_cost_usd decimal(18, 9)"]),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users
@@ -274,7 +283,9 @@ VIEWS = [
            -- each row beyond a request's first would have been a request of its own
            coalesce(sum(a.row_answers), 0) as rows_answered, coalesce(sum(a.reused), 0) as rows_reused,
            coalesce(sum(r.cost_usd * (a.row_answers - 1)) filter (where a.row_answers > 1), 0) as dedup_saved_usd,
-           r.variant  -- the evaluation variant that asked it ('': the default variant)
+           r.variant,  -- the evaluation variant that asked it ('': the default variant)
+           -- what prompt caching saved: the same requests with every input token at the input rate
+           coalesce(sum(coalesce(r.uncached_cost_usd, r.cost_usd)) - sum(r.cost_usd), 0) as cache_saved_usd
     from {{s}}.llm_batch_requests r left join {{s}}.llm_batch_jobs j using (job_id)
          left join (select custom_id, count(*) as row_answers, count(*) filter (where reused) as reused
                     from {{s}}.llm_batch_row_answers group by custom_id) a using (custom_id)
@@ -319,6 +330,14 @@ VIEWS = [
          left join (select model, variant, count(distinct key) as rows_pending from {{s}}.llm_batch_pending_rows
                     group by model, variant) w using (model, variant)
     group by model, variant""",
+    # Failed requests by why they failed (failure_kind: batch_failures.py; NULL: the answer or its error
+    # line failed, and it is retried up to llm_max_attempts), final or to be retried.
+    f"""create or replace view {{s}}.llm_batch_failures as
+    select model, variant, coalesce(failure_kind, 'answer') as failure_kind,
+           count(*) filter (where is_final) as requests_final, count(*) filter (where not is_final) as requests_retried
+    from {{s}}.llm_batch_requests where status = {_FAILED}
+    group by all""",
+    FOCUS_VIEW,
 ]
 
 # dbt runs models in threads of one process; DuckDB rejects concurrent DDL on one catalog

@@ -1,68 +1,40 @@
-"""`dbt-llm-batch` command line: the local sandbox, a config check, the ledger's status, the poller, and operator actions."""
+"""`dbt-llm-batch` command line: the local sandbox, a config check, the ledger's status and report, the poller, and operator actions."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-import duckdb
-
 
 def status(database: str, schema: str) -> int:
-    """Print in-flight batches (with age) and, per model, requests by status."""
-    import os
+    """Print in-flight batches (with age) and, per model, requests by status (ledger/reads.py)."""
+    from dbt_llm_batch.ledger.reads import LedgerNotReadable, LedgerReads, open_ledger
 
-    if os.path.isdir(database):
-        print(f"{database} is a directory: pass the DuckDB file your dbt profile writes (its `path`)", file=sys.stderr)
-        return 2
-    if not os.path.exists(database):
-        print(f"no DuckDB file at {database}: pass the file your dbt profile writes (its `path`)", file=sys.stderr)
-        return 2
     try:
-        con = duckdb.connect(database, read_only=True)
-    except duckdb.ConnectionException:
-        # This process already has the file open read-write (a notebook, or dbt in-process): share it.
-        con = duckdb.connect(database)
-    except duckdb.IOException as exc:
-        from dbt_llm_batch.ledger.locks import is_lock_conflict, lock_conflict_message
-
-        blocked = "`dbt-llm-batch status` cannot read it"
-        why = lock_conflict_message(database, str(exc), blocked) if is_lock_conflict(exc) else str(exc)
-        print(f"cannot open {database}: {why}", file=sys.stderr)
+        con = open_ledger(database, "dbt-llm-batch status")
+    except LedgerNotReadable as exc:
+        print(exc, file=sys.stderr)
         return 2
-    from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, PRE_SUBMISSION, RequestStatus, sql, sql_in
-
-    s = f'"{schema}"'
-    exists = con.execute(
-        "select count(*) from information_schema.tables where table_schema = ? and table_name = 'llm_batch_progress'",
-        [schema],
-    ).fetchall()[0][0]
-    if not exists:
+    ledger = LedgerReads(con, schema)
+    if not ledger.exists():
         print(f"no dbt-llm-batch ledger in schema {schema} of {database}")
         return 1
     print("In-flight batches:")
-    con.sql(f"select * exclude (submitted_at) from {s}.llm_batch_in_flight order by submitted_at").show(max_width=200)
+    ledger.in_flight().select("* exclude (submitted_at)").show(max_width=200)
     print("Progress per model:")
-    con.sql(f"select * from {s}.llm_batch_progress order by model").show(max_width=200)
-    held = con.sql(f"""select model, count(*) as requests_held from {s}.llm_batch_requests where status = {sql(RequestStatus.HELD)}
-                       group by model order by model""")
+    ledger.progress().show(max_width=200)
+    held = ledger.held()
     if held.fetchall():
         print("Held after `dbt-llm-batch cancel` (sent again after `dbt-llm-batch release`):")
         held.show(max_width=200)
-    interrupted = con.sql(f"""select model, job_id, status, request_count as requests,
-                                     date_trunc('second', now() - created_at) as age, error
-                              from {s}.llm_batch_jobs where batch_id is null and harvested_at is null
-                                and status in {sql_in(PRE_SUBMISSION)} order by created_at""")
+    interrupted = ledger.interrupted()
     if interrupted.fetchall():
         print(
             "Interrupted submissions held by reconciliation (not resent while a provider batch may be theirs; "
             "`dbt-llm-batch release` sends them again, paid twice if such a batch was theirs):"
         )
         interrupted.show(max_width=200)
-    orphans = con.sql(f"""select model, count(*) as requests from {s}.llm_batch_requests
-                          where status in {IN_FLIGHT_SQL}
-                            and job_id not in (select job_id from {s}.llm_batch_jobs)
-                          group by model order by model""")
+    orphans = ledger.orphans()
     if orphans.fetchall():
         print(
             "In-flight requests whose job is missing from llm_batch_jobs (never polled nor resent; "
@@ -71,11 +43,7 @@ def status(database: str, schema: str) -> int:
         orphans.show(max_width=200)
     # Ledgers from schema version 14 count rows apart from requests (llm_dedup): rows each request
     # answered, rows answered from the ledger without a request, and what sharing saved.
-    dedup = con.execute(
-        """select count(*) from information_schema.columns
-           where table_schema = ? and table_name = 'llm_batch_costs' and column_name = 'dedup_saved_usd'""",
-        [schema],
-    ).fetchall()[0][0]
+    dedup = ledger.has_dedup()
     rows = ", rows_answered, rows_reused, dedup_saved_usd" if dedup else ""
     print(
         "Cost per model, day and route (batch or realtime; savings = realtime cost - cost; rows_succeeded and "
@@ -88,9 +56,47 @@ def status(database: str, schema: str) -> int:
         )
         + "):"
     )
-    con.sql(f"""select model, provider, day, route, rows_succeeded, rows_failed, cost_usd, realtime_cost_usd,
-                       savings_usd, committed_not_billed_usd{rows}
-                from {s}.llm_batch_costs order by model, day, route""").show(max_width=200)
+    ledger.costs().select(
+        f"""model, provider, day, route, rows_succeeded, rows_failed, cost_usd, realtime_cost_usd,
+            savings_usd, committed_not_billed_usd{rows}"""
+    ).show(max_width=200)
+    return 0
+
+
+def report_command(args) -> int:
+    """`dbt-llm-batch report`: the HTML report and/or the FOCUS CSV (ops/report.py)."""
+    from pathlib import Path
+
+    from dbt_llm_batch.ledger.reads import LedgerNotReadable, LedgerReads, open_ledger
+    from dbt_llm_batch.ops.report import ReportError, write_focus, write_report
+    from dbt_llm_batch.pipeline.costs import fmt_usd
+
+    if args.serve:
+        from dbt_llm_batch.ops.report_server import make_server
+
+        server = make_server(args.database, args.schema, args.within, args.port, args.refresh)
+        port = server.server_address[1]
+        print(f"serving the report of {args.database} on http://127.0.0.1:{port}/ (FOCUS: /focus.csv); Ctrl-C stops")
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+        return 0
+    try:
+        ledger = LedgerReads(open_ledger(args.database, "dbt-llm-batch report"), args.schema)
+        if args.focus:
+            rows = write_focus(ledger, Path(args.focus))
+            print(f"wrote {args.focus}: {rows} FOCUS row(s)")
+        if args.out or not args.focus:
+            out = Path(args.out or "llm_batch_report.html")
+            data = write_report(ledger, out, args.within)
+            spent = fmt_usd(data.totals["cost_usd"])
+            print(f"wrote {out} (spent {spent}; {len(data.open_batches)} batch(es) open)")
+    except (LedgerNotReadable, ReportError) as exc:
+        print(f"dbt-llm-batch report: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -189,6 +195,27 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="show in-flight batches, per-model progress and cost from the ledger")
     st.add_argument("--database", required=True, help="path of the DuckDB file")
     st.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
+    rp = sub.add_parser(
+        "report",
+        help="write the ledger's cost, progress and evaluation report as one HTML file (no network needed to view)",
+    )
+    rp.add_argument("--database", required=True, help="path of the DuckDB file")
+    rp.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
+    rp.add_argument("--out", default=None, help="the HTML file to write (default: llm_batch_report.html)")
+    rp.add_argument(
+        "--focus", default=None, metavar="FILE.csv", help="also (or, without --out, only) write costs as FOCUS CSV"
+    )
+    rp.add_argument(
+        "--within",
+        type=float,
+        default=0.02,
+        help="evaluation runs: name the cheapest variant whose accuracy is within this of the best (default 0.02)",
+    )
+    rp.add_argument(
+        "--serve", action="store_true", help="serve the report on 127.0.0.1 instead, read again at each reload"
+    )
+    rp.add_argument("--port", type=int, default=8765, help="--serve: the port (default 8765; 0: any free port)")
+    rp.add_argument("--refresh", type=int, default=30, help="--serve: reload the page every this many seconds")
     for name, text in OPERATOR_COMMANDS.items():
         op = sub.add_parser(name, help=text)
         op.add_argument("--database", required=True, help="path of the DuckDB file")
@@ -219,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "poll":
         return poll_command(args)
+    if args.command == "report":
+        return report_command(args)
     if args.command == "check":
         from dbt_llm_batch.ops.check import check
 

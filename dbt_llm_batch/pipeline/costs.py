@@ -144,6 +144,15 @@ def batch_cost_sql(price: dict, alias: str = "") -> str:
     return f"cast({realtime_cost_sql(price, alias)} * (1 - {price['batch_discount']}) as {MONEY})"
 
 
+def uncached_cost_sql(price: dict, route_sql: str, alias: str = "") -> str:
+    """SQL: what a request would have cost without prompt caching (every input token at the input
+    rate), at its route's prices: the caching lever of the report is this minus its cost."""
+    t = lambda c: f"coalesce({alias}{c}, 0)"  # noqa: E731
+    total = f"({t('input_tokens')} * {price['input']} + {t('output_tokens')} * {price['output']}) / 1000000"
+    discount = f"case when {route_sql} = 'realtime' then 0 else {price['batch_discount']} end"
+    return f"cast({total} * (1 - {discount}) as {MONEY})"
+
+
 def estimated_input_tokens_sql(config: ModelConfig, prompt_sql: str = "prompt", chars_sql: str | None = None) -> str:
     """Approximate input tokens of a request: 4 characters a token over system, examples and prompt,
     plus a small per-message overhead. (No tokenizer download is needed; documented in the README.)
@@ -177,7 +186,10 @@ def cost_columns_sql(price: dict, self_hosted: bool, route_sql: str, alias: str 
     prices; the realtime counterfactual is list price, and none for a self-hosted engine."""
     realtime = realtime_cost_sql(price, alias)
     cost = f"case when {route_sql} = 'realtime' then {realtime} else {batch_cost_sql(price, alias)} end"
-    return f"cost_usd = {cost}, realtime_cost_usd = {'null' if self_hosted else realtime},"
+    uncached = uncached_cost_sql(price, route_sql, alias)
+    return (
+        f"cost_usd = {cost}, uncached_cost_usd = {uncached}, realtime_cost_usd = {'null' if self_hosted else realtime},"
+    )
 
 
 def fmt_usd(value) -> str:

@@ -117,3 +117,15 @@ def test_amounts_are_shown_to_the_millionth_and_no_price_is_never_zero():
     assert costs.fmt_usd(Decimal("1234.5678915")) == "$1,234.567892"
     assert costs.fmt_usd(Decimal("0.0000004")) == "$0.000000"
     assert costs.fmt_usd(None) == "unknown (no price)"
+
+
+@pytest.mark.parametrize(("route", "expected"), [("batch", Decimal("0.000174")), ("realtime", Decimal("0.000348"))])
+def test_the_uncached_cost_prices_every_input_token_at_the_input_rate(memory_con, route, expected):
+    """The caching lever's counterfactual: 100 input tokens (60 of them cache reads, 20 cache writes)
+    and 10 output tokens as if nothing were cached: (100 * $3 + 10 * $4.8) per million."""
+    price = {"input": Decimal(3), "output": Decimal("4.8"), "batch_discount": Decimal("0.5")}
+    (cost,) = memory_con.execute(
+        f"""select {costs.uncached_cost_sql(price, literal(route))}
+            from (select 100 as input_tokens, 60 as cached_tokens, 20 as cache_write_tokens, 10 as output_tokens)"""
+    ).fetchone()
+    assert cost == expected
