@@ -61,3 +61,12 @@ def test_the_quickstart_and_every_guide_run_on_the_sandbox(tmp_path, monkeypatch
         session.close()
     # The quickstart ends by querying its table; each guide by querying its own (checked by their output blocks).
     assert any(command.startswith("dbt show") for command in session.ran)
+
+
+def test_an_output_block_fails_when_the_command_printed_otherwise(tmp_path, monkeypatch):
+    session = Session(tmp_path, free_port(), monkeypatch)
+    session.last_output = "| ticket_id | category |\n|         1 | billing  |\n"
+    shown = "```text\n# the output includes:\n| 1 | billing |\n```\n"
+    session.follow(blocks("p.md", shown)[0])  # spaces collapsed: the same row
+    with pytest.raises(AssertionError, match=r"p.md:1: the output lacks \['\| 2 \| bug \|'\]"):
+        session.follow(blocks("p.md", shown.replace("| 1 | billing |", "| 2 | bug |"))[0])
