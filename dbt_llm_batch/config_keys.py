@@ -173,7 +173,7 @@ OUTPUT: tuple[Key, ...] = (
         None,
         "output columns (names may not be those of the status columns, in any case): `'text'`->VARCHAR, "
         "`'integer'`->BIGINT, `'number'`->DOUBLE, `'boolean'`->BOOLEAN, a list of allowed strings (enum, "
-        "VARCHAR), or a JSON Schema fragment for nested and typed values (README: *Structured extraction*); "
+        "VARCHAR), or a JSON Schema fragment for nested and typed values ([extract nested fields](guides/extract.md#reference)); "
         "OpenAI: a strict JSON-schema `response_format`; Anthropic: a forced tool call whose `input_schema` "
         "is that schema",
         fingerprint="output_schema",
@@ -215,7 +215,7 @@ RUN: tuple[Key, ...] = (
         "integer >= 1",
         3,
         "attempts per (key, fingerprint) before a row is final `failed`; raising it re-queues failed rows "
-        "(not those that failed in a way no retry changes: README *Failures that are not retried*)",
+        "(not those that failed in a way no retry changes: [guarantees](guarantees.md#failures-that-are-not-retried))",
         integer(1),
         field="max_attempts",
     ),
@@ -261,7 +261,7 @@ RUN: tuple[Key, ...] = (
         None,
         "send each distinct request once and share its answer among the rows that ask it: within the model "
         "(`true`), also across the models of the ledger schema (`'ledger'`), or one request per row (`false`). "
-        "README: *Deduplication*",
+        "See [costs](costs.md#deduplication)",
         v.dedup,
         default_doc="`true` (`false` when `llm_temperature` > 0)",
     ),
@@ -418,7 +418,7 @@ VARIANTS: tuple[Key, ...] = (
         None,
         "evaluation variants: every selected row is also asked of each variant (its keys over the model's), "
         "one table row per key and variant (`llm_variant`); each variant's answers are fingerprinted by its "
-        "own keys. README: *Evaluation runs*",
+        "own keys. See [evaluate](guides/evaluate.md)",
     ),
     Key(
         "llm_default_variant",

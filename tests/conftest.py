@@ -24,9 +24,10 @@ INTEGRATION = REPO / "integration_project"
 # engine), `crash` (it kills a process: a dbt subprocess at a crash point, a lock holder, a server),
 # `dbt` (real dbt on a DuckDB file: the `project` fixture), `sandbox` (the provider emulator, in
 # process or as a server), and `unit` (what starts none of these: tests/unit and the plain function
-# tests beside the stories; seconds). `pytest -m unit` is the fast loop; tests/unit/test_tiers.py
+# tests beside the stories; seconds). `slow` is named by a test itself (a fresh virtual environment:
+# tests/test_readme_quickstart.py). `pytest -m unit` is the fast loop; tests/unit/test_tiers.py
 # checks that every test has one tier and that the rules hold.
-TIERS = ("unit", "sandbox", "dbt", "crash", "engine")
+TIERS = ("unit", "sandbox", "dbt", "crash", "engine", "slow")
 
 
 def tier_of(item) -> str:

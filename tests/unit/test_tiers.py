@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent.parent
-TIERS = ("unit", "sandbox", "dbt", "crash", "engine")
+TIERS = ("unit", "sandbox", "dbt", "crash", "engine", "slow")
 
 # Collects the suite in a process of its own and prints {node id: the tiers it is marked with}.
 COLLECT = f"""
@@ -43,3 +43,4 @@ def test_every_collected_test_has_exactly_one_tier():
     assert tier("tests/test_emulator.py::test_429_fault") == {"sandbox"}  # the emu fixture
     assert tier("tests/test_emulator.py::test_file_too_large") == {"sandbox"}  # an Emulator of its own
     assert tier("tests/test_finish_reasons.py::test_the_mapping_table") == {"unit"}  # starts nothing
+    assert tier("tests/test_readme_quickstart.py::") == {"slow"}  # a fresh venv: named by the test itself
