@@ -42,7 +42,11 @@ from .stats import Counters
 # helpers below, so a top-level import here would be circular.
 REALTIME_PATHS = ("/v1/chat/completions", "/v1/messages")
 PROXY_PAGES = {413: "413 Request Entity Too Large", 502: "502 Bad Gateway", 504: "504 Gateway Time-out"}
-FACE_MODULES = ("dbt_llm_batch.sandbox.openai_batch", "dbt_llm_batch.sandbox.anthropic_batch")
+FACE_MODULES = (
+    "dbt_llm_batch.sandbox.openai_batch",
+    "dbt_llm_batch.sandbox.anthropic_batch",
+    "dbt_llm_batch.sandbox.bedrock_batch",
+)
 
 
 class ApiError(Exception):
@@ -110,6 +114,7 @@ class Emulator:
         anthropic_max_queued_requests: int | None = None,
         openai_cache_ttl_seconds: float = 300,
         null_usage_details: bool = False,
+        s3_endpoint_url: str | None = None,
     ):
         """One key serves both faces.
 
@@ -121,7 +126,8 @@ class Emulator:
         Sizes are decimal megabytes, as the providers' docs state them (200 MB = 200,000,000 bytes).
         Both: `min_cache_tokens` (the shortest prefix, in sandbox tokens, the prompt cache stores; None:
         each provider's per-model minimum, see caching.min_cache_tokens); `null_usage_details`: usage
-        details and Anthropic `cache_*` fields are null, as a vLLM server sends them by default."""
+        details and Anthropic `cache_*` fields are null, as a vLLM server sends them by default.
+        Bedrock: `s3_endpoint_url`, the S3 emulator (moto's server mode) its jobs read and write."""
         if not api_key:
             raise ValueError("api_key must be a non-empty string")
         self._api_key = api_key
@@ -134,6 +140,7 @@ class Emulator:
         self.anthropic_max_queued_requests = anthropic_max_queued_requests
         self.openai_cache_ttl_seconds = openai_cache_ttl_seconds
         self.null_usage_details = null_usage_details
+        self.s3_endpoint_url = s3_endpoint_url
         # What the Anthropic results endpoint answers for an archived batch (`archived_at` set): the
         # provider's docs do not say; 404 by default, settable so clients are shown to rely on archived_at.
         self.archived_results_status = 404
