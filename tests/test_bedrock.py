@@ -57,7 +57,12 @@ def assert_all_answered(project, rows: int) -> None:
     assert len(got) == rows
     for prompt, category, urgent, summary, status in got:
         answer = json.loads(expected_answer(SYSTEM, prompt, TRIAGE_SCHEMA))
-        assert (status, category, urgent, summary) == ("succeeded", answer["category"], answer["urgent"], answer["summary"])
+        assert (status, category, urgent, summary) == (
+            "succeeded",
+            answer["category"],
+            answer["urgent"],
+            answer["summary"],
+        )
 
 
 def assert_billed_once_each(emulator, rows: int) -> None:
@@ -78,7 +83,7 @@ def test_a_run_submits_a_later_run_merges_every_row_at_the_billed_batch_cost(pro
 
     usage = emulator.stats()["usage_by_face"]["bedrock"]
     billed = (usage["input_tokens"] * PRICE[0] + usage["output_tokens"] * PRICE[1]) / Decimal(1_000_000) / 2
-    (cost, tokens_in, tokens_out), = project.query(
+    ((cost, tokens_in, tokens_out),) = project.query(
         "select sum(llm_cost_usd), sum(llm_input_tokens), sum(llm_output_tokens) from main.triage"
     )
     assert (tokens_in, tokens_out) == (usage["input_tokens"], usage["output_tokens"])

@@ -160,7 +160,9 @@ def test_requests_are_checked_as_the_service_model_says(emulator, bedrock):
     with pytest.raises(client.exceptions.ValidationException):
         create(client, bedrock, f"s3://{bedrock}/in/missing.jsonl")
     with pytest.raises(client.exceptions.ResourceNotFoundException):
-        client.get_model_invocation_job(jobIdentifier="arn:aws:bedrock:us-east-1:123456789012:model-invocation-job/abcdefabcdef")
+        client.get_model_invocation_job(
+            jobIdentifier="arn:aws:bedrock:us-east-1:123456789012:model-invocation-job/abcdefabcdef"
+        )
     # A record with a bad body is an error line; the others run (PartiallyCompleted).
     lines = records(100)
     lines[3]["modelInput"]["anthropic_version"] = "2023-06-01"

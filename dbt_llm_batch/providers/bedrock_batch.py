@@ -224,9 +224,7 @@ class BedrockBatchProvider(BatchProvider):
         )
         head, rest = text.split(json.dumps(CUSTOM_ID_MARK))
         middle, tail = rest.split(json.dumps(PROMPT_MARK))
-        return (
-            f"{literal(head)} || to_json({RECORD_ID_SQL}) || {literal(middle)} || to_json(prompt) || {literal(tail)}"
-        )
+        return f"{literal(head)} || to_json({RECORD_ID_SQL}) || {literal(middle)} || to_json(prompt) || {literal(tail)}"
 
     # --- submitting --------------------------------------------------------------------------------
     def _input_uri(self, token: str) -> str:
@@ -235,13 +233,17 @@ class BedrockBatchProvider(BatchProvider):
     def upload(self, jsonl_path, token):
         bucket, key = _split(self._input_uri(token))
         # Safe to repeat: the same key is overwritten, and a file no job reads bills nothing.
-        self.calls.call("upload the request file to S3", lambda: self._client("s3").upload_file(jsonl_path, bucket, key))
+        self.calls.call(
+            "upload the request file to S3", lambda: self._client("s3").upload_file(jsonl_path, bucket, key)
+        )
         return self._input_uri(token)
 
     def find_upload(self, token, since_epoch):
         bucket, key = _split(self._input_uri(token))
         try:
-            self.calls.call("look for an uploaded request file", lambda: self._client("s3").head_object(Bucket=bucket, Key=key))
+            self.calls.call(
+                "look for an uploaded request file", lambda: self._client("s3").head_object(Bucket=bucket, Key=key)
+            )
         except Exception as exc:
             if status_of(exc) == 404:
                 return None
@@ -378,7 +380,14 @@ class BedrockBatchProvider(BatchProvider):
                     blocks.append({"type": "text", "text": block["text"]})
                 elif "toolUse" in block:
                     use = block["toolUse"]
-                    blocks.append({"type": "tool_use", "id": use.get("toolUseId"), "name": use.get("name"), "input": use.get("input")})
+                    blocks.append(
+                        {
+                            "type": "tool_use",
+                            "id": use.get("toolUseId"),
+                            "name": use.get("name"),
+                            "input": use.get("input"),
+                        }
+                    )
             usage = reply.get("usage", {})
             line["modelOutput"] = {
                 "type": "message",
@@ -457,4 +466,3 @@ def _split(uri: str) -> tuple[str, str]:
     """s3://bucket/key -> (bucket, key)."""
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     return bucket, key
-

@@ -48,7 +48,9 @@ JOB_NAME = re.compile(r"^[a-zA-Z0-9]{1,63}(-*[a-zA-Z0-9\+\-\.]){0,63}$")
 TOKEN = re.compile(r"^[a-zA-Z0-9]{1,256}(-*[a-zA-Z0-9]){0,256}$")
 ROLE_ARN = re.compile(r"^arn:aws(-[^:]+)?:iam::([0-9]{12})?:role/.+$")
 S3_URI = re.compile(r"^s3://[a-z0-9][-.a-z0-9]{1,61}[a-z0-9](?:/[-!_*'().a-z0-9A-Z]+(?:/[-!_*'().a-z0-9A-Z]+)*)?/?$")
-MODEL_ID = re.compile(r"^([a-z]{2,4}\.)?[a-z0-9-]{1,63}\.[a-z0-9-]{1,63}([.]?[a-z0-9-]{1,63})([:][a-z0-9-]{1,63}){0,2}$")
+MODEL_ID = re.compile(
+    r"^([a-z]{2,4}\.)?[a-z0-9-]{1,63}\.[a-z0-9-]{1,63}([.]?[a-z0-9-]{1,63})([:][a-z0-9-]{1,63}){0,2}$"
+)
 RECORD_ID = re.compile(r"^[A-Za-z0-9]+$")
 ACCOUNT = "123456789012"
 EXCEPTIONS = {400: "ValidationException", 403: "AccessDeniedException", 404: "ResourceNotFoundException"}
@@ -125,7 +127,10 @@ class Face:
         p = req.json()
         _require(isinstance(p, dict), "Request body must be a JSON object")
         for name in ("jobName", "roleArn", "modelId", "inputDataConfig", "outputDataConfig"):
-            _require(name in p, f"1 validation error detected: Value null at '{name}' failed to satisfy constraint: Member must not be null")
+            _require(
+                name in p,
+                f"1 validation error detected: Value null at '{name}' failed to satisfy constraint: Member must not be null",
+            )
         _check(p["jobName"], JOB_NAME, "jobName")
         _check(p["roleArn"], ROLE_ARN, "roleArn")
         _check(p["modelId"], MODEL_ID, "modelId")
@@ -208,7 +213,9 @@ class Face:
         )
         if result["type"] != "succeeded":
             e = result["error"]["error"]
-            raise error(400 if e["type"] == "invalid_request_error" else 500 if e["type"] == "api_error" else 429, e["message"])
+            raise error(
+                400 if e["type"] == "invalid_request_error" else 500 if e["type"] == "api_error" else 429, e["message"]
+            )
         message = result["message"]
         content = []
         for block in message["content"]:
@@ -216,6 +223,7 @@ class Face:
                 content.append({"toolUse": {"toolUseId": block["id"], "name": block["name"], "input": block["input"]}})
             else:
                 content.append({"text": block["text"]})
+        assert usage is not None  # a succeeded request is billed
         tokens = {"input_tokens": usage["input_tokens"], "output_tokens": usage["output_tokens"]}
         self.emu.counters.add_usage(self.name, **tokens)
         self.emu.counters.realtime_answered(self.name, read_params(params).prompt, body, tokens)
@@ -299,7 +307,9 @@ class Face:
             if now >= expires:
                 self._end(job, "Expired", expires)
             elif stage is not None and now >= job.stage_started + stage:
-                self.advance(job.obj["jobArn"], self.next_stage(job.obj["jobArn"]), 1.0 if status == "InProgress" else 0.0)
+                self.advance(
+                    job.obj["jobArn"], self.next_stage(job.obj["jobArn"]), 1.0 if status == "InProgress" else 0.0
+                )
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _set(self, job: Job, status: str, at: float) -> None:
@@ -328,6 +338,7 @@ class Face:
             code = 400 if e["type"] == "invalid_request_error" else 500
             line["error"] = {"errorCode": code, "errorMessage": e["message"]}
             return line
+        assert usage is not None  # a succeeded request is billed
         message = {k: v for k, v in result["message"].items() if k != "id"}
         message["usage"] = {"input_tokens": usage["input_tokens"], "output_tokens": usage["output_tokens"]}
         line["modelOutput"] = message
@@ -377,7 +388,11 @@ class Face:
             raise error(400, "the sandbox has no S3 (set Emulator.s3_endpoint_url to an S3 emulator)")
         if url not in self._s3_clients:  # a client loads its service model once: kept per endpoint
             self._s3_clients[url] = boto3.session.Session().client(
-                "s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="sandbox", aws_secret_access_key="sandbox"
+                "s3",
+                endpoint_url=url,
+                region_name="us-east-1",
+                aws_access_key_id="sandbox",
+                aws_secret_access_key="sandbox",
             )
         return self._s3_clients[url]
 
@@ -390,7 +405,9 @@ class Face:
             objects = s3.list_objects_v2(Bucket=bucket, Prefix=key).get("Contents", [])
             keys = sorted(o["Key"] for o in objects if o["Key"].endswith(".jsonl"))
             if keys:
-                return keys[0].rsplit("/", 1)[-1], b"".join(s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys)
+                return keys[0].rsplit("/", 1)[-1], b"".join(
+                    s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys
+                )
         except Exception as exc:  # NoSuchKey, NoSuchBucket: as Bedrock says it
             if getattr(exc, "response", None) is None:
                 raise
@@ -453,10 +470,12 @@ def _records(data: bytes) -> tuple[list[dict], str | None]:
 
 def _converse_params(model: str, body: dict) -> dict:
     """A Converse request as the Anthropic params run_request answers (Claude behind Converse)."""
+
     def text_blocks(blocks: object, where: str) -> list[dict]:
-        _require(isinstance(blocks, list), f"{where} must be a list")
+        if not isinstance(blocks, list):
+            raise error(400, f"{where} must be a list")
         out = []
-        for b in blocks:  # type: ignore[union-attr]
+        for b in blocks:
             _require(isinstance(b, dict) and isinstance(b.get("text"), str), f"{where}: only text blocks are supported")
             out.append({"type": "text", "text": b["text"]})
         return out
