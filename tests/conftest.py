@@ -126,7 +126,7 @@ def bedrock(emulator, s3_server, monkeypatch, api_key):
     }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_BEARER_TOKEN_BEDROCK"):
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_BEARER_TOKEN_BEDROCK", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
         monkeypatch.delenv(name, raising=False)
     bucket = "llm-" + uuid.uuid4().hex[:16]
     boto3.session.Session().client("s3").create_bucket(Bucket=bucket)

@@ -201,10 +201,14 @@ class BedrockBatchProvider(BatchProvider):
         import boto3
 
         session = boto3.session.Session(region_name=self.config.options["region"])
-        if session.get_credentials() is None:
+        try:
+            credentials, problem = session.get_credentials(), ""
+        except Exception as exc:  # a source of the chain that is set up but failing (a profile, a role)
+            credentials, problem = None, f" ({type(exc).__name__}: {exc})"
+        if credentials is None:
             raise ConfigError(
-                f"no AWS credentials found for llm_provider 'bedrock': configure {CREDENTIALS_HINT} in the "
-                "shell that runs dbt (never in dbt config; dbt writes config into target/)"
+                f"no AWS credentials found for llm_provider 'bedrock'{problem}: configure {CREDENTIALS_HINT} in "
+                "the shell that runs dbt (never in dbt config; dbt writes config into target/)"
             )
         if session.region_name is None:
             raise ConfigError("no AWS region for llm_provider 'bedrock': set llm_bedrock_region or AWS_REGION")
@@ -337,6 +341,8 @@ class BedrockBatchProvider(BatchProvider):
             bucket, key = _split(uri)
             s3.delete_object(Bucket=bucket, Key=key)  # S3 answers 204 for a key already gone
             deleted.append(uri)
+        if not batch_id:  # a submission that never made a job: only its upload is left
+            return deleted
         state = self.poll(batch_id)
         if state.output_file_id:
             bucket, prefix = _split(state.output_file_id)
