@@ -132,7 +132,7 @@ class BedrockBatchProvider(BatchProvider):
             "string",
             None,
             "Bedrock: the AWS region of the jobs and the S3 calls",
-            "the AWS chain's (AWS_REGION, the profile)",
+            "the AWS chain's (AWS_DEFAULT_REGION, the profile)",
         ),
         "llm_bedrock_under_minimum": _key(
             "llm_bedrock_under_minimum",
@@ -211,7 +211,7 @@ class BedrockBatchProvider(BatchProvider):
                 "the shell that runs dbt (never in dbt config; dbt writes config into target/)"
             )
         if session.region_name is None:
-            raise ConfigError("no AWS region for llm_provider 'bedrock': set llm_bedrock_region or AWS_REGION")
+            raise ConfigError("no AWS region for llm_provider 'bedrock': set llm_bedrock_region or AWS_DEFAULT_REGION")
 
     # --- requests --------------------------------------------------------------------------------
     def model_input(self) -> dict:

@@ -22,6 +22,13 @@ from typing import Any
 from .server import Emulator
 
 DEFAULT_KEY = "sk-sandbox"
+BEDROCK_BANNER = """\
+ Amazon Bedrock (batch inference and Converse, S3 at {s3}): the key is the
+ access key id boto3 signs with:
+   export AWS_ACCESS_KEY_ID=<the key above> AWS_SECRET_ACCESS_KEY=sandbox AWS_DEFAULT_REGION=us-east-1
+   export AWS_ENDPOINT_URL_BEDROCK={base} AWS_ENDPOINT_URL_BEDROCK_RUNTIME={base}
+   export AWS_ENDPOINT_URL_S3={s3}
+====================================================================="""
 BANNER = """\
 =====================================================================
  SANDBOX emulator of the OpenAI Batch API (Files + Batches) and the
@@ -219,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="usage details and cache_* fields are null, as a vLLM server sends them by default",
     )
+    parser.add_argument(
+        "--s3-endpoint-url",
+        default=None,
+        metavar="URL",
+        help="Bedrock: the S3 emulator its jobs read and write (moto's server: `moto_server -p 5000`, "
+        "then http://127.0.0.1:5000); without it the Bedrock face refuses to create jobs",
+    )
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--quiet", action="store_true", help="do not log requests")
     args = parser.parse_args(argv)
@@ -237,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         openai_enqueued_token_limit=args.enqueued_token_limit,
         anthropic_max_queued_requests=args.max_queued_requests,
         null_usage_details=args.null_usage_details,
+        s3_endpoint_url=args.s3_endpoint_url,
     )
     emu.log_requests = not args.quiet
     emu.start()
@@ -250,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         "<the --api-key value>" if args.api_key else f'"${env_name}"  # as in this shell' if env_name else DEFAULT_KEY
     )
     print(BANNER.format(base=emu.base_url, mode=mode, key=shown_key), flush=True)
+    if args.s3_endpoint_url:
+        print(BEDROCK_BANNER.format(base=emu.base_url, s3=args.s3_endpoint_url), flush=True)
     # Stop cleanly on Ctrl-C and on kill, also when started as a background job (which inherits
     # SIGINT ignored, so Python would install no KeyboardInterrupt handler of its own).
     signal.signal(signal.SIGINT, _interrupt)
