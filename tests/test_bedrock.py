@@ -10,6 +10,7 @@ import json
 from collections import Counter
 from decimal import Decimal
 
+import boto3
 import pytest
 from helpers import TRIAGE_OUTPUT, TRIAGE_SCHEMA, kill_then_run_on, log_text
 
@@ -88,6 +89,8 @@ def test_a_run_submits_a_later_run_merges_every_row_at_the_billed_batch_cost(pro
     )
     assert (tokens_in, tokens_out) == (usage["input_tokens"], usage["output_tokens"])
     assert cost == billed.quantize(Decimal("1e-9"))
+    # llm_delete_provider_files (on by default): the request file and the job's output are gone from S3.
+    assert boto3.session.Session().client("s3").list_objects_v2(Bucket=bedrock).get("Contents", []) == []
     run(project)  # nothing new: nothing asked again
     assert len(jobs(emulator)) == 1
 
@@ -142,3 +145,16 @@ def test_fewer_than_100_requests_go_realtime_through_converse_when_asked(project
     usage = emulator.stats()["usage_by_face"]["bedrock"]
     listed = (usage["input_tokens"] * PRICE[0] + usage["output_tokens"] * PRICE[1]) / Decimal(1_000_000)
     assert project.query("select sum(llm_cost_usd) from main.triage") == [(listed.quantize(Decimal("1e-9")),)]
+
+
+def test_a_create_answered_with_a_5xx_after_the_job_was_made_is_retried_into_the_same_job(project, emulator, bedrock):
+    write(project, bedrock, rows=100)
+    emulator.add_fault(endpoint="POST /model-invocation-job", when="after", status_code=500)
+    run(project)
+    (job,) = jobs(emulator)  # the retry carried the same clientRequestToken: the same job
+    assert emulator.stats()["calls"]["POST /model-invocation-job"] == 2
+    assert project.query("select count(*) from main.llm_batch_jobs where batch_id = ?", [job["jobArn"]]) == [(1,)]
+    emulator.complete(job["jobArn"])
+    run(project)
+    assert_all_answered(project, 100)
+    assert_billed_once_each(emulator, 100)
