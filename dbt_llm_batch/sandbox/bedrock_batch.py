@@ -42,6 +42,9 @@ HOUR = 3600
 MIN_RECORDS = 100
 ANTHROPIC_VERSION = "bedrock-2023-05-31"
 ENDED = ("Completed", "PartiallyCompleted", "Failed", "Stopped", "Expired")
+# The other faces' words for an end, as the sandbox CLI sends them (`expire` asks for "expired").
+ALIASES = {"expired": "Expired", "cancelled": "Stopped", "canceled": "Stopped", "failed": "Failed"}
+ALIASES.update({"completed": "Completed", "in_progress": "InProgress"})
 STAGES = ("Submitted", "Validating", "Scheduled", "InProgress")
 # botocore's patterns (bedrock service-2.json)
 JOB_NAME = re.compile(r"^[a-zA-Z0-9]{1,63}(-*[a-zA-Z0-9\+\-\.]){0,63}$")
@@ -243,7 +246,7 @@ class Face:
         return batch_id.rsplit("/", 1)[-1] in self.jobs
 
     def batch_list(self) -> list[dict]:
-        return [self._render(j) | {"id": j.obj["jobArn"]} for j in reversed(self.jobs.values())]
+        return [self._control_view(j) for j in reversed(self.jobs.values())]
 
     def complete_all(self) -> list[dict]:
         open_jobs = [j for j in self.jobs.values() if j.obj["status"] not in ENDED]
@@ -264,6 +267,7 @@ class Face:
         """Move a job along Bedrock's path (tests drive this): a stage of STAGES (InProgress runs
         `done_fraction` of the records), "Completed" (every record runs; PartiallyCompleted when one
         errored), or an end keeping what ran ("Stopped", "Expired", "Failed")."""
+        to = ALIASES.get(to, to)
         job, now = self._job(batch_id), self.emu.now()
         status = job.obj["status"]
         if status in ENDED or to not in (*STAGES, "Stopping", "Completed", "Stopped", "Expired", "Failed"):
@@ -272,7 +276,7 @@ class Face:
             raise ValueError(f"cannot move job {batch_id} back from {status} to {to}")
         if job.problem and to not in ("Submitted", "Validating"):
             self._end(job, "Failed", now, job.problem)  # validation fails it before any record runs
-            return self._render(job)
+            return self._control_view(job)
         if to == "InProgress":
             self._set(job, "InProgress", now)
             self._run_until(job, done_fraction, now)
@@ -286,7 +290,7 @@ class Face:
             self._end(job, to, now, "sandbox: the job failed" if to == "Failed" else None)
         else:
             self._set(job, to, now)
-        return self._render(job)
+        return self._control_view(job)
 
     def expire_results(self, batch_id: str) -> dict:
         """The job's output objects are deleted from S3 (a lifecycle rule, say)."""
@@ -295,7 +299,7 @@ class Face:
         s3 = self._s3()
         for obj in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []):
             s3.delete_object(Bucket=bucket, Key=obj["Key"])
-        return self._render(job)
+        return self._control_view(job)
 
     def tick(self, now: float) -> None:
         stage = self.emu.auto_advance_seconds
@@ -428,6 +432,10 @@ class Face:
 
     def _render(self, job: Job) -> dict:
         return {k: v for k, v in json.loads(json.dumps(job.obj)).items() if v is not None}
+
+    def _control_view(self, job: Job) -> dict:
+        """The job as the control API shows it: as served, with the `id` every face's batches have."""
+        return self._render(job) | {"id": job.obj["jobArn"]}
 
     def _region(self, req: Request) -> str:
         m = re.search(r"Credential=[^/]+/\d{8}/([a-z0-9-]+)/", req.headers.get("authorization", ""))

@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
+from urllib.parse import quote
 
 from .server import Emulator
 
@@ -137,11 +138,11 @@ def control(argv: list[str]) -> int:
     url = args.url
     if args.control == "advance":
         body: dict = {"done_fraction": args.done_fraction} | ({"to": args.to} if args.to else {})
-        batch = _call(url, "POST", f"/_emulator/batches/{args.batch_id}/advance", body)
+        batch = _call(url, "POST", f"/_emulator/batches/{quote(args.batch_id, safe='')}/advance", body)
         print(f"{args.batch_id}: {_status(batch)}")
     elif args.control == "complete":
         if args.batch_id:
-            batches = [_call(url, "POST", f"/_emulator/batches/{args.batch_id}/complete")]
+            batches = [_call(url, "POST", f"/_emulator/batches/{quote(args.batch_id, safe='')}/complete")]
         else:
             batches = _call(url, "POST", "/_emulator/complete_all")["batches"]
         for batch in batches:
@@ -150,11 +151,11 @@ def control(argv: list[str]) -> int:
             print("no open batch")
     elif args.control == "expire":
         if args.results:
-            batch = _call(url, "POST", f"/_emulator/batches/{args.batch_id}/expire_results")
+            batch = _call(url, "POST", f"/_emulator/batches/{quote(args.batch_id, safe='')}/expire_results")
             print(f"{args.batch_id}: results expired")
         else:
             body = {"to": "expired", "done_fraction": args.done_fraction}
-            batch = _call(url, "POST", f"/_emulator/batches/{args.batch_id}/advance", body)
+            batch = _call(url, "POST", f"/_emulator/batches/{quote(args.batch_id, safe='')}/advance", body)
             print(f"{args.batch_id}: {_status(batch)}")
     elif args.control == "fault":
         if args.clear:

@@ -1,7 +1,8 @@
 """Loopback HTTP server for the sandbox: routing, auth, faults, stats, control.
 
 Provider behaviour lives in "face" modules listed in FACE_MODULES (OpenAI
-Files+Batches at `<base>/v1`, Anthropic Message Batches at `<base>`). A face is
+Files+Batches at `<base>/v1`, Anthropic Message Batches at `<base>`, Amazon Bedrock's
+batch inference control plane and Converse at `<base>`). A face is
 built as `Face(emulator)` and provides: `name` (its key in stats), `routes`
 (list of METHOD, "/v1/path/{id}", handler), `prefixes`, `request_id_header`,
 `api_key_from(headers)`, `auth_error(presented_key)`, `route_not_found(method, path)`,
@@ -32,7 +33,7 @@ import traceback
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .answers import Faults
 from .caching import PromptCache
@@ -446,12 +447,13 @@ class Emulator:
                 "GET /_emulator/batches": lambda: {"batches": self.batches()},
                 "POST /_emulator/reset": reset,
             }
+            # A batch id is percent-encoded in the path when it has a slash (a Bedrock job ARN).
             if m:
-                result = self.advance(m.group(1), data.get("to"), data.get("done_fraction") or 0.0)
+                result = self.advance(unquote(m.group(1)), data.get("to"), data.get("done_fraction") or 0.0)
             elif complete:
-                result = self.complete(complete.group(1))
+                result = self.complete(unquote(complete.group(1)))
             elif expire:
-                result = self.expire_results(expire.group(1))
+                result = self.expire_results(unquote(expire.group(1)))
             elif route in simple:
                 result = simple[route]()
             else:
