@@ -188,7 +188,7 @@ class BedrockBatchProvider(BatchProvider):
     # --- AWS clients (the standard credential chain; endpoints from AWS_ENDPOINT_URL_<SERVICE>) -----
     def _client(self, service: str):
         if service not in self._clients:
-            import boto3
+            boto3 = _boto3()
             from botocore.config import Config
 
             # One attempt each: self.calls retries within the run's budget (calls.py).
@@ -198,8 +198,7 @@ class BedrockBatchProvider(BatchProvider):
         return self._clients[service]
 
     def check_credentials(self) -> None:
-        import boto3
-
+        boto3 = _boto3()
         session = boto3.session.Session(region_name=self.config.options["region"])
         try:
             credentials, problem = session.get_credentials(), ""
@@ -450,6 +449,17 @@ class BedrockBatchProvider(BatchProvider):
             case when {refused} then {literal(REFUSED)}
                  when {error}.errorCode in ('400', '404', '413', '422') then {literal(REJECTED)} end as not_retried,
             case when {usage} is not null then 0 end as cache_write_1h_tokens"""
+
+
+def _boto3():
+    """boto3, which only this provider needs (the `bedrock` extra)."""
+    try:
+        import boto3
+    except ImportError:
+        raise ConfigError(
+            "llm_provider 'bedrock' needs boto3: pip install 'dbt-llm-batch[bedrock]' in dbt's environment"
+        ) from None
+    return boto3
 
 
 def _is_claude(model: str) -> bool:

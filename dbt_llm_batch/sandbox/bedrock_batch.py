@@ -31,15 +31,14 @@ import math
 import re
 import string
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import unquote
 
 from .anthropic_messages import read_params, run_request
+from .bedrock_requests import check, converse_params, error, iso, records_of, require
 from .server import ApiError, Request
 
 HOUR = 3600
-MIN_RECORDS = 100
 ANTHROPIC_VERSION = "bedrock-2023-05-31"
 ENDED = ("Completed", "PartiallyCompleted", "Failed", "Stopped", "Expired")
 # The other faces' words for an end, as the sandbox CLI sends them (`expire` asks for "expired").
@@ -54,19 +53,7 @@ S3_URI = re.compile(r"^s3://[a-z0-9][-.a-z0-9]{1,61}[a-z0-9](?:/[-!_*'().a-z0-9A
 MODEL_ID = re.compile(
     r"^([a-z]{2,4}\.)?[a-z0-9-]{1,63}\.[a-z0-9-]{1,63}([.]?[a-z0-9-]{1,63})([:][a-z0-9-]{1,63}){0,2}$"
 )
-RECORD_ID = re.compile(r"^[A-Za-z0-9]+$")
 ACCOUNT = "123456789012"
-EXCEPTIONS = {400: "ValidationException", 403: "AccessDeniedException", 404: "ResourceNotFoundException"}
-EXCEPTIONS.update({429: "ThrottlingException", 500: "InternalServerException", 503: "ServiceUnavailableException"})
-
-
-def iso(at: float | None) -> str | None:
-    return None if at is None else datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def error(status: int, message: str, type_: str | None = None) -> ApiError:
-    type_ = type_ or EXCEPTIONS.get(status, "ValidationException")
-    return ApiError(status, message, type_, headers={"x-amzn-errortype": type_})
 
 
 @dataclass
@@ -128,33 +115,33 @@ class Face:
     # -- the control plane ----------------------------------------------------------------------
     def create_job(self, req: Request) -> dict:
         p = req.json()
-        _require(isinstance(p, dict), "Request body must be a JSON object")
+        require(isinstance(p, dict), "Request body must be a JSON object")
         for name in ("jobName", "roleArn", "modelId", "inputDataConfig", "outputDataConfig"):
-            _require(
+            require(
                 name in p,
                 f"1 validation error detected: Value null at '{name}' failed to satisfy constraint: Member must not be null",
             )
-        _check(p["jobName"], JOB_NAME, "jobName")
-        _check(p["roleArn"], ROLE_ARN, "roleArn")
-        _check(p["modelId"], MODEL_ID, "modelId")
+        check(p["jobName"], JOB_NAME, "jobName")
+        check(p["roleArn"], ROLE_ARN, "roleArn")
+        check(p["modelId"], MODEL_ID, "modelId")
         token = p.get("clientRequestToken")
         if token is not None:
-            _check(token, TOKEN, "clientRequestToken")
+            check(token, TOKEN, "clientRequestToken")
         hours = p.get("timeoutDurationInHours", 24)
-        _require(isinstance(hours, int) and 24 <= hours <= 168, "timeoutDurationInHours must be between 24 and 168")
+        require(isinstance(hours, int) and 24 <= hours <= 168, "timeoutDurationInHours must be between 24 and 168")
         source = (p["inputDataConfig"] or {}).get("s3InputDataConfig") or {}
         target = (p["outputDataConfig"] or {}).get("s3OutputDataConfig") or {}
-        _check(source.get("s3Uri"), S3_URI, "inputDataConfig.s3InputDataConfig.s3Uri")
-        _check(target.get("s3Uri"), S3_URI, "outputDataConfig.s3OutputDataConfig.s3Uri")
-        _require(source.get("s3InputFormat", "JSONL") == "JSONL", "s3InputFormat must be JSONL")
-        _require(p.get("modelInvocationType", "InvokeModel") == "InvokeModel", "the sandbox runs InvokeModel jobs only")
+        check(source.get("s3Uri"), S3_URI, "inputDataConfig.s3InputDataConfig.s3Uri")
+        check(target.get("s3Uri"), S3_URI, "outputDataConfig.s3OutputDataConfig.s3Uri")
+        require(source.get("s3InputFormat", "JSONL") == "JSONL", "s3InputFormat must be JSONL")
+        require(p.get("modelInvocationType", "InvokeModel") == "InvokeModel", "the sandbox runs InvokeModel jobs only")
         for job in self.jobs.values():
             if token is not None and job.obj.get("clientRequestToken") == token:
                 return {"jobArn": job.obj["jobArn"]}  # idempotent: the same job, nothing created
             if job.obj["jobName"] == p["jobName"]:
                 raise error(400, f"A job with name {p['jobName']} already exists.", "ConflictException")
         name, data = self._read_input(source["s3Uri"])
-        records, problem = _records(data)
+        records, problem = records_of(data)
         now, job_id = self.emu.now(), self._id()
         arn = f"arn:aws:bedrock:{self._region(req)}:{ACCOUNT}:model-invocation-job/{job_id}"
         obj = {
@@ -185,7 +172,7 @@ class Face:
             limit = int(q.get("maxResults", 1000))
         except ValueError:
             raise error(400, "maxResults must be an integer") from None
-        _require(1 <= limit <= 1000, "maxResults must be between 1 and 1000")
+        require(1 <= limit <= 1000, "maxResults must be between 1 and 1000")
         jobs = [j for j in self.jobs.values() if q.get("nameContains", "") in j.obj["jobName"]]
         if q.get("statusEquals"):
             jobs = [j for j in jobs if j.obj["status"] == q["statusEquals"]]
@@ -208,9 +195,9 @@ class Face:
     # -- realtime: Converse --------------------------------------------------------------------
     def converse(self, req: Request) -> dict:
         body, model = req.json(), unquote(req.params["model"])
-        _require(isinstance(body, dict), "Request body must be a JSON object")
-        _require(isinstance(body.get("messages"), list) and body["messages"], "messages must not be empty")
-        params = _converse_params(model, body)
+        require(isinstance(body, dict), "Request body must be a JSON object")
+        require(isinstance(body.get("messages"), list) and body["messages"], "messages must not be empty")
+        params = converse_params(model, body)
         result, usage = run_request(
             params, self.emu.fault_book, self.emu.prompt_cache, None, self.emu.now(), self._id_prefixed
         )
@@ -446,79 +433,3 @@ class Face:
 
     def _id_prefixed(self, prefix: str, length: int, alphabet: str = string.ascii_letters + string.digits) -> str:
         return prefix + "".join(self.emu.rng.choices(alphabet, k=length))
-
-
-def _records(data: bytes) -> tuple[list[dict], str | None]:
-    """The input's records, and why validation would fail the job (None: it runs)."""
-    records: list[dict] = []
-    seen: set[str] = set()
-    for n, raw in enumerate(data.splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw)
-        except ValueError:
-            return records, f"Invalid JSON in input record at line {n}."
-        if not isinstance(record, dict) or not isinstance(record.get("modelInput"), dict):
-            return records, f"Input record at line {n} has no modelInput object."
-        rid = record.get("recordId")
-        if rid is not None and (not isinstance(rid, str) or not RECORD_ID.match(rid)):
-            return records, f"Input record at line {n}: recordId must be an alphanumeric string."
-        if rid in seen:
-            return records, f"Input record at line {n}: duplicate recordId {rid}."
-        seen.add(rid or "")
-        records.append({"recordId": rid or f"{n:011d}", "modelInput": record["modelInput"]})
-    if len(records) < MIN_RECORDS:
-        return records, (
-            f"The number of records in the input ({len(records)}) is less than the minimum number of records "
-            f"per batch inference job ({MIN_RECORDS})."
-        )
-    return records, None
-
-
-def _converse_params(model: str, body: dict) -> dict:
-    """A Converse request as the Anthropic params run_request answers (Claude behind Converse)."""
-
-    def text_blocks(blocks: object, where: str) -> list[dict]:
-        if not isinstance(blocks, list):
-            raise error(400, f"{where} must be a list")
-        out = []
-        for b in blocks:
-            _require(isinstance(b, dict) and isinstance(b.get("text"), str), f"{where}: only text blocks are supported")
-            out.append({"type": "text", "text": b["text"]})
-        return out
-
-    params: dict[str, Any] = {
-        "model": model,
-        "max_tokens": (body.get("inferenceConfig") or {}).get("maxTokens", 4096),
-        "messages": [
-            {"role": m.get("role"), "content": text_blocks(m.get("content"), f"messages.{i}.content")}
-            for i, m in enumerate(body["messages"])
-        ],
-    }
-    if body.get("system"):
-        params["system"] = text_blocks(body["system"], "system")
-    if "temperature" in (body.get("inferenceConfig") or {}):
-        params["temperature"] = body["inferenceConfig"]["temperature"]
-    tools = body.get("toolConfig")
-    if tools:
-        specs = [t["toolSpec"] for t in tools.get("tools", []) if "toolSpec" in t]
-        params["tools"] = [{"name": s["name"], "input_schema": s["inputSchema"]["json"]} for s in specs]
-        choice = tools.get("toolChoice", {}).get("tool")
-        if choice:
-            params["tool_choice"] = {"type": "tool", "name": choice["name"]}
-    return params
-
-
-def _check(value: object, pattern: re.Pattern, name: str) -> None:
-    if not isinstance(value, str) or not pattern.match(value):
-        raise error(
-            400,
-            f"1 validation error detected: Value '{value}' at '{name}' failed to satisfy constraint: "
-            f"Member must satisfy regular expression pattern: {pattern.pattern.strip('^$')}",
-        )
-
-
-def _require(ok: object, message: str) -> None:
-    if not ok:
-        raise error(400, message)
