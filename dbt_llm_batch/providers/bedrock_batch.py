@@ -322,7 +322,10 @@ class BedrockBatchProvider(BatchProvider):
             return sorted(found)
 
         files = []
-        for i, key in enumerate(self.calls.call(f"list the results of {batch_id}", keys)):
+        found = self.calls.call(f"list the results of {batch_id}", keys)
+        if not found and state.requests_done:
+            state.results_gone = True  # processed records, but their output is no longer in S3
+        for i, key in enumerate(found):
             path = os.path.join(directory, f"{batch_id.rsplit('/', 1)[-1]}-{i}.jsonl")
             self.calls.call(f"download {key}", lambda key=key, path=path: s3.download_file(bucket, key, path))
             files.append(("results", path))
