@@ -91,6 +91,48 @@ def emulator(monkeypatch, api_key):
     emu.raise_internal_errors()  # a sandbox bug looks like a provider 500 the plugin survives: fail here
 
 
+@pytest.fixture(scope="session")
+def s3_server() -> str:
+    """moto's S3 in server mode (a real S3 emulator, over HTTP), shared by the session: each test
+    that uses it makes buckets of its own (the `bedrock` fixture)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def bedrock(emulator, s3_server, monkeypatch, api_key):
+    """The emulator's Bedrock face on moto's S3, with the environment boto3's standard chain reads:
+    credentials (the access key id is the sandbox key), region and each service's endpoint. Nothing
+    from this machine's own AWS setup is read. Returns the test's bucket."""
+    import boto3
+
+    emulator.s3_endpoint_url = s3_server
+    env = {
+        "AWS_ACCESS_KEY_ID": api_key,
+        "AWS_SECRET_ACCESS_KEY": "sandbox-secret",
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_BEDROCK": emulator.base_url,
+        "AWS_ENDPOINT_URL_BEDROCK_RUNTIME": emulator.base_url,
+        "AWS_ENDPOINT_URL_S3": s3_server,
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_BEARER_TOKEN_BEDROCK", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    bucket = "llm-" + uuid.uuid4().hex[:16]
+    boto3.session.Session().client("s3").create_bucket(Bucket=bucket)
+    return bucket
+
+
 @pytest.fixture(params=sorted(PROVIDER_MODELS))
 def provider(request) -> str:
     """Run a test once per batch provider: the same story must hold for each."""

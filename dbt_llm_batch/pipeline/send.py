@@ -145,6 +145,7 @@ def plan_pass(state: RunState, p: Pass, dry: bool) -> Planned:
     dedup = plan.dedup_counts(con)
     if not dry:
         map_answered(state, dedup)
+    _route_under_minimum(state, p)
     realtime_part = _split_realtime(con)
     variants.stash_pass(con, p.index, p.variant)
     return Planned(n, realtime_part, output, unsendable, dedup)
@@ -158,6 +159,29 @@ def map_answered(state: RunState, dedup: tuple[int, int]) -> None:
         state.ledger.map_rows(plan.member_rows(state.input_columns, "not m.duplicate"))
     state.summary.reused += reused
     state.summary.shared += shared
+
+
+def _route_under_minimum(state: RunState, p: Pass) -> None:
+    """A plan with fewer batch requests than the provider's minimum per batch (Bedrock: 100) goes
+    realtime now when the provider's config says so (BatchProvider.under_minimum); otherwise its file
+    is not submitted and its requests wait (write_sender_files)."""
+    provider_cls = get_provider(p.config.provider)
+    if not issubclass(provider_cls, BatchProvider) or provider_cls.min_requests_per_batch <= 1:
+        return
+    n = state.con.execute(f"select count(*) from {Scratch.plan} where route <> 'realtime'").fetchall()[0][0]
+    if 0 < n < provider_cls.min_requests_per_batch and provider_cls(p.config).under_minimum() == "realtime":
+        sets = "route = 'realtime'"
+        if p.price is not None:  # estimated again at list price, for the budget gate
+            output = costs.output_estimate(state.ledger, p.config).basis
+            estimate = costs.estimated_cost_sql(
+                p.config, p.price, route_sql="'realtime'", chars_sql="prompt_chars", output_tokens=output
+            )
+            sets += f", estimated_cost_usd = {estimate}"
+        state.con.execute(f"update {Scratch.plan} set {sets} where route <> 'realtime'")
+        log.info(
+            f"{p.label(state.model)}: {n} request(s), fewer than the {provider_cls.min_requests_per_batch} a "
+            f"{p.config.provider} batch needs: sent realtime, at list price"
+        )
 
 
 def _split_realtime(con) -> tuple[int, Decimal | None]:
@@ -219,6 +243,7 @@ def write_sender_files(
             room(state, provider_name, taken),
         )
         variants.record_sent(state.con, sender)
+        files = _without_undersized(state, sender, provider_cls, files)
         taken = (
             taken[0] + len(files),
             taken[1] + sum(f.requests for f in files),
@@ -226,6 +251,23 @@ def write_sender_files(
         )
         out.append(files)
     return out
+
+
+def _without_undersized(state: RunState, sender: int, provider_cls, files: list) -> list:
+    """The files up to the first one under the provider's minimum per batch: a create of it would
+    fail, so it is never made; its requests, and those of the files after it, wait as deferred."""
+    minimum = provider_cls.min_requests_per_batch
+    small = next((i for i, f in enumerate(files) if f.requests < minimum), None)
+    if small is None:
+        return files
+    variants.keep_submitted(state.con, sender, files[small].chunk)
+    waiting = sum(f.requests for f in files[small:])
+    hint = f"; {provider_cls.under_minimum_hint}" if provider_cls.under_minimum_hint else ""
+    log.info(
+        f"{state.model}: {waiting} request(s) wait for more rows: a {provider_cls.name} batch needs at least "
+        f"{minimum} requests{hint}"
+    )
+    return files[:small]
 
 
 def sender_rows(state: RunState, passes: list[Pass], lines: bool = False) -> str:

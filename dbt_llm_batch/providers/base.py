@@ -228,6 +228,15 @@ class BatchProvider(Provider):
     has_batch_api = True
     max_requests_per_batch: ClassVar[int]
     max_bytes_per_batch: ClassVar[int]
+    # The fewest requests the provider accepts in one batch (Bedrock: 100). A file under it is never
+    # submitted: its requests wait for more rows, or go realtime when under_minimum() says so.
+    min_requests_per_batch: ClassVar[int] = 1
+    under_minimum_hint: ClassVar[str] = ""  # said when requests wait for the minimum: how to send them now
+
+    def under_minimum(self) -> str:
+        """What a model's requests do when fewer than min_requests_per_batch would be sent: 'wait'
+        (deferred until more rows come) or 'realtime' (sent now through the realtime path)."""
+        return "wait"
 
     @abstractmethod
     def request_line_sql(self) -> str:

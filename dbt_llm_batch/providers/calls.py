@@ -14,6 +14,7 @@ import time
 
 # Statuses worth retrying: timeout, conflict, throttled, and any server-side failure (incl. 529).
 RETRYABLE_STATUSES = (408, 409, 429)
+TRANSPORT_ERRORS = ("APIConnectionError", "TransportError", "HTTPClientError", "EndpointConnectionError")
 
 
 class ProviderUnavailable(Exception):
@@ -21,8 +22,12 @@ class ProviderUnavailable(Exception):
 
 
 def status_of(exc: BaseException) -> int | None:
-    """The HTTP status of an SDK error (openai and anthropic both set `status_code`), else None."""
+    """The HTTP status of an SDK error (openai and anthropic both set `status_code`; botocore's
+    ClientError keeps it in its parsed `response`), else None."""
     status = getattr(exc, "status_code", None)
+    response = getattr(exc, "response", None)
+    if status is None and isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return status if isinstance(status, int) else None
 
 
@@ -30,11 +35,12 @@ def is_transient(exc: BaseException) -> bool:
     """A failure that says nothing about the request itself: throttling, a 5xx, a timeout, a dropped
     or cut-off connection. Both SDKs name their transport failure APIConnectionError (timeouts
     subclass it); a body cut off while it is streamed surfaces as the HTTP library's own
-    TransportError (httpx, or the httpx2 the installed SDKs use): matched by name, not by import."""
+    TransportError (httpx, or the httpx2 the installed SDKs use); botocore's are HTTPClientError
+    (timeouts, dropped connections) and EndpointConnectionError: matched by name, not by import."""
     status = status_of(exc)
     if status is not None:
         return status in RETRYABLE_STATUSES or status >= 500
-    return any(cls.__name__ in ("APIConnectionError", "TransportError") for cls in type(exc).__mro__)
+    return any(cls.__name__ in TRANSPORT_ERRORS for cls in type(exc).__mro__)
 
 
 def retry_after(exc: BaseException) -> float | None:

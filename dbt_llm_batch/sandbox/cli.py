@@ -18,10 +18,18 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
+from urllib.parse import quote
 
 from .server import Emulator
 
 DEFAULT_KEY = "sk-sandbox"
+BEDROCK_BANNER = """\
+ Amazon Bedrock (batch inference and Converse, S3 at {s3}): the key is the
+ access key id boto3 signs with:
+   export AWS_ACCESS_KEY_ID=<the key above> AWS_SECRET_ACCESS_KEY=sandbox AWS_DEFAULT_REGION=us-east-1
+   export AWS_ENDPOINT_URL_BEDROCK={base} AWS_ENDPOINT_URL_BEDROCK_RUNTIME={base}
+   export AWS_ENDPOINT_URL_S3={s3}
+====================================================================="""
 BANNER = """\
 =====================================================================
  SANDBOX emulator of the OpenAI Batch API (Files + Batches) and the
@@ -130,11 +138,11 @@ def control(argv: list[str]) -> int:
     url = args.url
     if args.control == "advance":
         body: dict = {"done_fraction": args.done_fraction} | ({"to": args.to} if args.to else {})
-        batch = _call(url, "POST", f"/_emulator/batches/{args.batch_id}/advance", body)
+        batch = _call(url, "POST", f"/_emulator/batches/{quote(args.batch_id, safe='')}/advance", body)
         print(f"{args.batch_id}: {_status(batch)}")
     elif args.control == "complete":
         if args.batch_id:
-            batches = [_call(url, "POST", f"/_emulator/batches/{args.batch_id}/complete")]
+            batches = [_call(url, "POST", f"/_emulator/batches/{quote(args.batch_id, safe='')}/complete")]
         else:
             batches = _call(url, "POST", "/_emulator/complete_all")["batches"]
         for batch in batches:
@@ -143,11 +151,11 @@ def control(argv: list[str]) -> int:
             print("no open batch")
     elif args.control == "expire":
         if args.results:
-            batch = _call(url, "POST", f"/_emulator/batches/{args.batch_id}/expire_results")
+            batch = _call(url, "POST", f"/_emulator/batches/{quote(args.batch_id, safe='')}/expire_results")
             print(f"{args.batch_id}: results expired")
         else:
             body = {"to": "expired", "done_fraction": args.done_fraction}
-            batch = _call(url, "POST", f"/_emulator/batches/{args.batch_id}/advance", body)
+            batch = _call(url, "POST", f"/_emulator/batches/{quote(args.batch_id, safe='')}/advance", body)
             print(f"{args.batch_id}: {_status(batch)}")
     elif args.control == "fault":
         if args.clear:
@@ -219,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="usage details and cache_* fields are null, as a vLLM server sends them by default",
     )
+    parser.add_argument(
+        "--s3-endpoint-url",
+        default=None,
+        metavar="URL",
+        help="Bedrock: the S3 emulator its jobs read and write (moto's server: `moto_server -p 5000`, "
+        "then http://127.0.0.1:5000); without it the Bedrock face refuses to create jobs",
+    )
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--quiet", action="store_true", help="do not log requests")
     args = parser.parse_args(argv)
@@ -237,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         openai_enqueued_token_limit=args.enqueued_token_limit,
         anthropic_max_queued_requests=args.max_queued_requests,
         null_usage_details=args.null_usage_details,
+        s3_endpoint_url=args.s3_endpoint_url,
     )
     emu.log_requests = not args.quiet
     emu.start()
@@ -250,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         "<the --api-key value>" if args.api_key else f'"${env_name}"  # as in this shell' if env_name else DEFAULT_KEY
     )
     print(BANNER.format(base=emu.base_url, mode=mode, key=shown_key), flush=True)
+    if args.s3_endpoint_url:
+        print(BEDROCK_BANNER.format(base=emu.base_url, s3=args.s3_endpoint_url), flush=True)
     # Stop cleanly on Ctrl-C and on kill, also when started as a background job (which inherits
     # SIGINT ignored, so Python would install no KeyboardInterrupt handler of its own).
     signal.signal(signal.SIGINT, _interrupt)

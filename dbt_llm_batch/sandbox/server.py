@@ -1,7 +1,8 @@
 """Loopback HTTP server for the sandbox: routing, auth, faults, stats, control.
 
 Provider behaviour lives in "face" modules listed in FACE_MODULES (OpenAI
-Files+Batches at `<base>/v1`, Anthropic Message Batches at `<base>`). A face is
+Files+Batches at `<base>/v1`, Anthropic Message Batches at `<base>`, Amazon Bedrock's
+batch inference control plane and Converse at `<base>`). A face is
 built as `Face(emulator)` and provides: `name` (its key in stats), `routes`
 (list of METHOD, "/v1/path/{id}", handler), `prefixes`, `request_id_header`,
 `api_key_from(headers)`, `auth_error(presented_key)`, `route_not_found(method, path)`,
@@ -32,7 +33,7 @@ import traceback
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .answers import Faults
 from .caching import PromptCache
@@ -42,7 +43,11 @@ from .stats import Counters
 # helpers below, so a top-level import here would be circular.
 REALTIME_PATHS = ("/v1/chat/completions", "/v1/messages")
 PROXY_PAGES = {413: "413 Request Entity Too Large", 502: "502 Bad Gateway", 504: "504 Gateway Time-out"}
-FACE_MODULES = ("dbt_llm_batch.sandbox.openai_batch", "dbt_llm_batch.sandbox.anthropic_batch")
+FACE_MODULES = (
+    "dbt_llm_batch.sandbox.openai_batch",
+    "dbt_llm_batch.sandbox.anthropic_batch",
+    "dbt_llm_batch.sandbox.bedrock_batch",
+)
 
 
 class ApiError(Exception):
@@ -110,6 +115,7 @@ class Emulator:
         anthropic_max_queued_requests: int | None = None,
         openai_cache_ttl_seconds: float = 300,
         null_usage_details: bool = False,
+        s3_endpoint_url: str | None = None,
     ):
         """One key serves both faces.
 
@@ -121,7 +127,8 @@ class Emulator:
         Sizes are decimal megabytes, as the providers' docs state them (200 MB = 200,000,000 bytes).
         Both: `min_cache_tokens` (the shortest prefix, in sandbox tokens, the prompt cache stores; None:
         each provider's per-model minimum, see caching.min_cache_tokens); `null_usage_details`: usage
-        details and Anthropic `cache_*` fields are null, as a vLLM server sends them by default."""
+        details and Anthropic `cache_*` fields are null, as a vLLM server sends them by default.
+        Bedrock: `s3_endpoint_url`, the S3 emulator (moto's server mode) its jobs read and write."""
         if not api_key:
             raise ValueError("api_key must be a non-empty string")
         self._api_key = api_key
@@ -134,6 +141,7 @@ class Emulator:
         self.anthropic_max_queued_requests = anthropic_max_queued_requests
         self.openai_cache_ttl_seconds = openai_cache_ttl_seconds
         self.null_usage_details = null_usage_details
+        self.s3_endpoint_url = s3_endpoint_url
         # What the Anthropic results endpoint answers for an archived batch (`archived_at` set): the
         # provider's docs do not say; 404 by default, settable so clients are shown to rely on archived_at.
         self.archived_results_status = 404
@@ -439,12 +447,13 @@ class Emulator:
                 "GET /_emulator/batches": lambda: {"batches": self.batches()},
                 "POST /_emulator/reset": reset,
             }
+            # A batch id is percent-encoded in the path when it has a slash (a Bedrock job ARN).
             if m:
-                result = self.advance(m.group(1), data.get("to"), data.get("done_fraction") or 0.0)
+                result = self.advance(unquote(m.group(1)), data.get("to"), data.get("done_fraction") or 0.0)
             elif complete:
-                result = self.complete(complete.group(1))
+                result = self.complete(unquote(complete.group(1)))
             elif expire:
-                result = self.expire_results(expire.group(1))
+                result = self.expire_results(unquote(expire.group(1)))
             elif route in simple:
                 result = simple[route]()
             else:

@@ -20,7 +20,9 @@ def test_unknown_provider_and_bad_output_types_are_reported_together():
             }
         )
     message = str(error.value)
-    assert "llm_provider must be one of ['openai', 'anthropic', 'openai_compatible'], got 'vertex'" in message
+    assert (
+        "llm_provider must be one of ['openai', 'anthropic', 'bedrock', 'openai_compatible'], got 'vertex'" in message
+    )
     assert "llm_output['score'] has unknown type 'float'" in message
     assert "llm_output['label'] enum must be a non-empty list of distinct strings" in message
     assert "llm_cache_prefix must be true, false, '5m' or '1h', got '2h'" in message

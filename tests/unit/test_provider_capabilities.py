@@ -216,7 +216,10 @@ def test_an_unknown_provider_name_lists_the_registered_ones():
 
     with pytest.raises(ConfigError) as error:
         get_provider("vertex")
-    assert str(error.value) == "llm_provider must be one of ['anthropic', 'openai', 'openai_compatible'], got 'vertex'"
+    assert (
+        str(error.value)
+        == "llm_provider must be one of ['anthropic', 'bedrock', 'openai', 'openai_compatible'], got 'vertex'"
+    )
 
 
 # --- a third-party provider, registered by its own package's metadata --------------------------------
