@@ -1,0 +1,91 @@
+"""Embeddings at batch prices (llm_task = 'embed'): a FLOAT[n] column for every row, each distinct
+text paid once, packed many to a request line, costed at the embedding model's batch price.
+
+The workload: rows `id, prompt` whose texts repeat (`text <n>`), embedded through OpenAI's Batch API
+(`/v1/embeddings` lines) against the sandbox, whose vectors are a pure function of (model, text).
+"""
+
+from __future__ import annotations
+
+import collections
+from decimal import Decimal
+
+import pytest
+
+from dbt_llm_batch.errors import ConfigError
+from dbt_llm_batch.sandbox.embeddings import vector
+
+MODEL = "text-embedding-3-small"
+BATCH_PRICE_PER_TOKEN = Decimal("0.02") / Decimal(1_000_000) * Decimal("0.5")  # the shipped price table
+
+
+def text_of(n: int) -> str:
+    return f"text {n}: the export of report {n} times out after an upgrade"
+
+
+def embed_model(extra: str = "", dimensions: int | None = 8) -> str:
+    dims = f", llm_dimensions={dimensions}" if dimensions else ""
+    return f"""
+{{{{ config(materialized='llm_batch', unique_key='id', llm_task='embed', llm_model='{MODEL}'{dims}{extra}) }}}}
+select * from {{{{ ref('docs') }}}}
+"""
+
+
+def write_docs(project, rows: dict[int, int]) -> None:
+    """rows: {id: the text number it embeds}."""
+    project.write("seeds/docs.csv", "id,prompt\n" + "".join(f'{i},"{text_of(n)}"\n' for i, n in rows.items()))
+    project.dbt("seed")
+
+
+@pytest.fixture
+def docs(project, emulator):
+    project.write("models/docs_embedded.sql", embed_model())
+    return project
+
+
+def table(project) -> dict[int, tuple]:
+    rows = project.query("select id, prompt, llm_embedding, llm_status, llm_cost_usd, llm_route from main.docs_embedded")
+    return {r[0]: r[1:] for r in rows}
+
+
+def billed_texts(emulator) -> collections.Counter:
+    return collections.Counter(t for b in emulator.billed() for t in b["prompt"].split("\n"))
+
+
+def billed_cost(emulator) -> Decimal:
+    return emulator.stats()["usage_by_face"]["openai"]["prompt_tokens"] * BATCH_PRICE_PER_TOKEN
+
+
+def test_a_table_is_embedded_through_a_batch_each_distinct_text_paid_once(docs, emulator):
+    write_docs(docs, {i: i % 7 for i in range(20)})
+    docs.dbt("run", "-s", "docs_embedded")
+    assert table(docs) == {}  # submitted, nothing merged yet
+    emulator.complete_all()
+    docs.dbt("run", "-s", "docs_embedded")
+
+    rows = table(docs)
+    assert len(rows) == 20
+    for key, (prompt, embedding, status, _, route) in rows.items():
+        assert status == "succeeded" and route == "batch", key
+        assert embedding == pytest.approx(vector(MODEL, prompt, 8), abs=1e-6), key
+    assert docs.query("select typeof(llm_embedding) from main.docs_embedded limit 1") == [("FLOAT[8]",)]
+    # A similarity query works on the column as it is: the same text is similarity 1.
+    same = docs.query("""select min(array_cosine_similarity(a.llm_embedding, b.llm_embedding))
+                         from main.docs_embedded a join main.docs_embedded b on a.prompt = b.prompt""")[0][0]
+    assert same == pytest.approx(1.0, abs=1e-5)
+    # Seven distinct texts, each billed once, packed into one request line of one batch.
+    assert billed_texts(emulator) == {text_of(n): 1 for n in range(7)}
+    assert emulator.stats()["batches_created"] == 1 and emulator.stats()["embedding_requests"] == 1
+    assert sum(r[3] for r in rows.values()) == billed_cost(emulator) > 0
+    # Another run asks nothing.
+    docs.dbt("run", "-s", "docs_embedded")
+    assert emulator.stats()["batches_created"] == 1
+
+
+def test_a_provider_without_embeddings_refuses_the_config_naming_those_that_can():
+    from dbt_llm_batch.config import parse_config
+
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"unique_key": "id", "llm_provider": "anthropic", "llm_model": "x", "llm_task": "embed"})
+    assert "llm_provider 'anthropic' has no embeddings API" in str(refused.value)
+    assert "'openai'" in str(refused.value) and "'openai_compatible'" in str(refused.value)
