@@ -11,6 +11,7 @@ import collections
 from decimal import Decimal
 
 import pytest
+from helpers import kill_then_run_on
 
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.sandbox.embeddings import vector
@@ -37,15 +38,31 @@ def write_docs(project, rows: dict[int, int]) -> None:
     project.dbt("seed")
 
 
+# The model is named `triage` in the crash test: the crash helpers run `dbt run -s triage`.
+NAME = "docs_embedded"
+
+
 @pytest.fixture
 def docs(project, emulator):
-    project.write("models/docs_embedded.sql", embed_model())
+    project.write(f"models/{NAME}.sql", embed_model())
     return project
 
 
-def table(project) -> dict[int, tuple]:
-    rows = project.query("select id, prompt, llm_embedding, llm_status, llm_cost_usd, llm_route from main.docs_embedded")
+def table(project, name: str = NAME) -> dict[int, tuple]:
+    rows = project.query(f"select id, prompt, llm_embedding, llm_status, llm_cost_usd, llm_route from main.{name}")
     return {r[0]: r[1:] for r in rows}
+
+
+def assert_every_row_has_its_vector(rows: dict[int, tuple], count: int, size: int = 8) -> None:
+    assert len(rows) == count
+    for key, (prompt, embedding, status, *_) in rows.items():
+        assert status == "succeeded", (key, status)
+        assert embedding == pytest.approx(vector(MODEL, prompt, size), abs=1e-6), key
+
+
+def ten_thousand_rows_30_percent_repeated() -> dict[int, int]:
+    """7,000 distinct texts; the other 3,000 rows repeat one of them."""
+    return {i: i if i < 7000 else (i * 7) % 7000 for i in range(10_000)}
 
 
 def billed_texts(emulator) -> collections.Counter:
@@ -89,3 +106,40 @@ def test_a_provider_without_embeddings_refuses_the_config_naming_those_that_can(
         parse_config({"unique_key": "id", "llm_provider": "anthropic", "llm_model": "x", "llm_task": "embed"})
     assert "llm_provider 'anthropic' has no embeddings API" in str(refused.value)
     assert "'openai'" in str(refused.value) and "'openai_compatible'" in str(refused.value)
+
+
+def test_ten_thousand_rows_30_percent_repeated_are_packed_embedded_once_each_and_cost_what_was_billed(docs, emulator):
+    write_docs(docs, ten_thousand_rows_30_percent_repeated())
+    docs.dbt("run", "-s", NAME)
+    assert table(docs) == {} and emulator.stats()["batches_created"] == 1
+    # The batch expires with part of its lines answered: those are kept (and paid), the rest sent again.
+    (batch,) = emulator.batches()
+    emulator.advance(batch["id"], to="expired", done_fraction=0.5)
+    docs.dbt("run", "-s", NAME)
+    assert 0 < len(table(docs)) < 10_000 and emulator.stats()["batches_created"] == 2
+    emulator.complete_all()
+    docs.dbt("run", "-s", NAME)
+
+    rows = table(docs)
+    assert_every_row_has_its_vector(rows, 10_000)
+    # Every distinct text billed once (across the expired batch and the one sent after it); 3,000 rows
+    # reuse another row's request.
+    assert billed_texts(emulator) == {text_of(n): 1 for n in range(7000)}
+    assert docs.query("select count(*) from main.llm_batch_requests where status = 'succeeded'") == [(7000,)]
+    assert sum(r[3] for r in rows.values()) == billed_cost(emulator) > 0
+    # Packed: 7,000 requests in a handful of lines (at most 2,048 inputs and 150,000 estimated tokens each),
+    # against 7,000 lines of one input each.
+    lines = emulator.stats()["request_lines"]
+    print(f"\nrequest lines: {lines} packed against 7000 unpacked (ratio {7000 / lines:.0f}x)")
+    assert lines <= 8
+
+
+def test_a_run_killed_after_the_batch_was_created_pays_nothing_twice(project, emulator, tmp_path):
+    project.write("models/triage.sql", embed_model())
+    write_docs(project, {i: i % 50 for i in range(80)})
+    kill_then_run_on(project, emulator, tmp_path / "crash-marker", "after_create")
+
+    assert_every_row_has_its_vector(table(project, "triage"), 80)
+    assert emulator.stats()["batches_created"] == 1  # the killed run's batch was found, not created again
+    assert billed_texts(emulator) == {text_of(n): 1 for n in range(50)}
+    assert sum(r[3] for r in table(project, "triage").values()) == billed_cost(emulator)
