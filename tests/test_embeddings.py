@@ -143,3 +143,51 @@ def test_a_run_killed_after_the_batch_was_created_pays_nothing_twice(project, em
     assert emulator.stats()["batches_created"] == 1  # the killed run's batch was found, not created again
     assert billed_texts(emulator) == {text_of(n): 1 for n in range(50)}
     assert sum(r[3] for r in table(project, "triage").values()) == billed_cost(emulator)
+
+
+def test_urgent_rows_are_embedded_in_realtime_and_the_rest_in_a_batch_at_half_price(project, emulator):
+    project.write(f"models/{NAME}.sql", embed_model(", llm_realtime_when='id < 3'"))
+    write_docs(project, {i: i for i in range(6)})
+    project.dbt("run", "-s", NAME)
+    rows = table(project)
+    assert sorted(rows) == [0, 1, 2] and {r[4] for r in rows.values()} == {"realtime"}
+    emulator.complete_all()
+    project.dbt("run", "-s", NAME)
+
+    rows = table(project)
+    assert_every_row_has_its_vector(rows, 6)
+    assert {k: r[4] for k, r in rows.items()} == {0: "realtime", 1: "realtime", 2: "realtime"} | {
+        k: "batch" for k in (3, 4, 5)
+    }
+    assert billed_texts(emulator) == {text_of(n): 1 for n in range(6)}
+    # Realtime rows cost the full price, batch rows half: the same texts' tokens, priced apart.
+    usage = {b["prompt"]: (b["via"], b["usage"]["prompt_tokens"]) for b in emulator.billed()}
+    expected = sum(
+        tokens * BATCH_PRICE_PER_TOKEN * (2 if via == "realtime" else 1)
+        for text, (via, tokens) in ((t, usage[t]) for t in map(text_of, range(3)))
+    ) + sum(b["usage"]["prompt_tokens"] for b in emulator.billed() if b["via"] == "batch") * BATCH_PRICE_PER_TOKEN
+    assert sum(r[3] for r in rows.values()) == expected
+
+
+def test_a_self_hosted_openai_compatible_engine_embeds_every_row_in_realtime(project, emulator):
+    # The sandbox's /v1/embeddings stands in for the engine (a loopback OpenAI-compatible server); an
+    # engine's model is unknown to the plugin, so llm_dimensions says its size (checked on every vector).
+    project.write(
+        f"models/{NAME}.sql",
+        embed_model(
+            f", llm_provider='openai_compatible', llm_base_url='{emulator.openai_base_url}', "
+            "llm_api_key_env='OPENAI_API_KEY'",
+            dimensions=None,
+        ).replace(f"llm_model='{MODEL}'", "llm_model='text-embedding-ada-002', llm_dimensions=1536"),
+    )
+    write_docs(project, {i: i % 4 for i in range(6)})
+    project.dbt("run", "-s", NAME)
+
+    rows = table(project)
+    assert len(rows) == 6
+    for key, (prompt, embedding, status, cost, route) in rows.items():
+        assert (status, route) == ("succeeded", "realtime"), key
+        assert embedding == pytest.approx(vector("text-embedding-ada-002", prompt, 1536), abs=1e-6)
+    assert billed_texts(emulator) == {text_of(n): 1 for n in range(4)}
+    # llm_dimensions was not sent (ada-002 refuses the parameter): it is the size every vector is checked against.
+    assert {b["via"] for b in emulator.billed()} == {"realtime"}
