@@ -162,10 +162,13 @@ def test_urgent_rows_are_embedded_in_realtime_and_the_rest_in_a_batch_at_half_pr
     assert billed_texts(emulator) == {text_of(n): 1 for n in range(6)}
     # Realtime rows cost the full price, batch rows half: the same texts' tokens, priced apart.
     usage = {b["prompt"]: (b["via"], b["usage"]["prompt_tokens"]) for b in emulator.billed()}
-    expected = sum(
-        tokens * BATCH_PRICE_PER_TOKEN * (2 if via == "realtime" else 1)
-        for text, (via, tokens) in ((t, usage[t]) for t in map(text_of, range(3)))
-    ) + sum(b["usage"]["prompt_tokens"] for b in emulator.billed() if b["via"] == "batch") * BATCH_PRICE_PER_TOKEN
+    expected = (
+        sum(
+            tokens * BATCH_PRICE_PER_TOKEN * (2 if via == "realtime" else 1)
+            for text, (via, tokens) in ((t, usage[t]) for t in map(text_of, range(3)))
+        )
+        + sum(b["usage"]["prompt_tokens"] for b in emulator.billed() if b["via"] == "batch") * BATCH_PRICE_PER_TOKEN
+    )
     assert sum(r[3] for r in rows.values()) == expected
 
 
