@@ -53,10 +53,12 @@ def members_sql(lines: str, requests: str) -> str:
             select h.line_id, h.job_id, m.custom_id,
                    row_number() over (partition by h.job_id, h.line_id order by m.custom_id) as pos,
                    count(*) over (partition by h.job_id, h.line_id) as n
-            from heads h join {requests} m on m.job_id = h.job_id and m.file_line = h.file_line)
-        select coalesce(m.custom_id, l.custom_id) as custom_id, l.outcome,
-               case when l.outcome = 'ok'
-                    then cast(json_extract(l.answer, '$[' || (coalesce(m.pos, 1) - 1) || ']') as varchar) end as answer,
+            from heads h join {requests} m on m.job_id = h.job_id and m.file_line = h.file_line),
+        -- Each line's answer parsed once into its vectors (never once per request: a line is megabytes).
+        vectors as (
+            select custom_id as line_id, job_id, unnest(range(1, len(arr) + 1)) as pos, unnest(arr) as vector
+            from (select custom_id, job_id, cast(answer as JSON[]) as arr from {lines} where outcome = 'ok'))
+        select coalesce(m.custom_id, l.custom_id) as custom_id, l.outcome, cast(v.vector as varchar) as answer,
                l.finish_reason, l.truncated, l.error,
                {_split("l.input_tokens")} as input_tokens,
                {_split("l.output_tokens")} as output_tokens,
@@ -65,7 +67,8 @@ def members_sql(lines: str, requests: str) -> str:
                l.not_retried,
                {_split("l.cache_write_1h_tokens")} as cache_write_1h_tokens,
                l.source, l.job_id
-        from {lines} l left join members m on m.line_id = l.custom_id and m.job_id = l.job_id"""
+        from {lines} l left join members m on m.line_id = l.custom_id and m.job_id = l.job_id
+             left join vectors v on v.line_id = l.custom_id and v.job_id = l.job_id and v.pos = coalesce(m.pos, 1)"""
 
 
 def _split(tokens: str) -> str:
