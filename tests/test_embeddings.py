@@ -188,7 +188,7 @@ def test_a_self_hosted_openai_compatible_engine_embeds_every_row_in_realtime(pro
 
     rows = table(project)
     assert len(rows) == 6
-    for key, (prompt, embedding, status, cost, route) in rows.items():
+    for key, (prompt, embedding, status, _cost, route) in rows.items():
         assert (status, route) == ("succeeded", "realtime"), key
         assert embedding == pytest.approx(vector("text-embedding-ada-002", prompt, 1536), abs=1e-6)
     assert billed_texts(emulator) == {text_of(n): 1 for n in range(4)}
