@@ -194,3 +194,18 @@ def test_a_self_hosted_openai_compatible_engine_embeds_every_row_in_realtime(pro
     assert billed_texts(emulator) == {text_of(n): 1 for n in range(4)}
     # llm_dimensions was not sent (ada-002 refuses the parameter): it is the size every vector is checked against.
     assert {b["via"] for b in emulator.billed()} == {"realtime"}
+
+
+def test_the_sandbox_embeds_as_the_real_models_do_through_the_official_sdk(client):
+    import openai
+
+    reply = client.embeddings.create(model=MODEL, input=["a", "b"], dimensions=4)
+    assert [d.embedding for d in reply.data] == [vector(MODEL, "a", 4), vector(MODEL, "b", 4)]
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == 2
+    assert len(client.embeddings.create(model="text-embedding-3-large", input="a").data[0].embedding) == 3072
+    with pytest.raises(openai.BadRequestError, match="does not support specifying dimensions"):
+        client.embeddings.create(model="text-embedding-ada-002", input="a", dimensions=4)
+    with pytest.raises(openai.BadRequestError, match="must be an integer from 1 to 1536"):
+        client.embeddings.create(model=MODEL, input="a", dimensions=2000)
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="no-such-model", input="a")
