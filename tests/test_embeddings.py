@@ -117,6 +117,15 @@ def test_ten_thousand_rows_30_percent_repeated_are_packed_embedded_once_each_and
     emulator.advance(batch["id"], to="expired", done_fraction=0.5)
     docs.dbt("run", "-s", NAME)
     assert 0 < len(table(docs)) < 10_000 and emulator.stats()["batches_created"] == 2
+    # One line of the resubmitted batch fails (a 500 for one of its texts): its requests alone are asked again.
+    pending = sorted(set(map(text_of, range(7000))) - {r[0] for r in table(docs).values()})
+    emulator.add_fault(prompt_contains=pending[0], status_code=500, message="Upstream failure.", times=1)
+    emulator.complete_all()
+    docs.dbt("run", "-s", NAME)
+    (failed,) = docs.query("select count(*) from main.llm_batch_requests where status = 'failed'")[0]
+    assert 0 < failed <= 2048 and failed < len(pending)  # one line's requests, not the batch's
+    assert emulator.stats()["batches_created"] == 3
+    assert docs.query("select count(*) from main.llm_batch_requests where status = 'queued'") == [(failed,)]
     emulator.complete_all()
     docs.dbt("run", "-s", NAME)
 
@@ -126,12 +135,13 @@ def test_ten_thousand_rows_30_percent_repeated_are_packed_embedded_once_each_and
     # reuse another row's request.
     assert billed_texts(emulator) == {text_of(n): 1 for n in range(7000)}
     assert docs.query("select count(*) from main.llm_batch_requests where status = 'succeeded'") == [(7000,)]
+    assert docs.query("select count(*) from main.llm_batch_requests where status = 'failed'") == [(failed,)]
     assert sum(r[3] for r in rows.values()) == billed_cost(emulator) > 0
     # Packed: 7,000 requests in a handful of lines (at most 2,048 inputs and 150,000 estimated tokens each),
     # against 7,000 lines of one input each.
     lines = emulator.stats()["request_lines"]
     print(f"\nrequest lines: {lines} packed against 7000 unpacked (ratio {7000 / lines:.0f}x)")
-    assert lines <= 8
+    assert lines <= 9  # the first batch's lines, the expired ones' again, the failed line's again
 
 
 def test_a_run_killed_after_the_batch_was_created_pays_nothing_twice(project, emulator, tmp_path):
