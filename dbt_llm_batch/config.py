@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dbt_llm_batch import output_schema, registry
+from dbt_llm_batch import embeddings, output_schema, registry
 from dbt_llm_batch.config_keys import BY_NAME, CONFIG_KEYS, KEYS, VARIANT_CONFIG_KEYS, VARIANT_KEYS, Key
 from dbt_llm_batch.config_values import canonical
 from dbt_llm_batch.errors import ConfigError
@@ -95,6 +95,19 @@ class ModelConfig:
     # gave (see legacy_fingerprint_prefix); None when it equals fingerprint_prefix().
     legacy_prefix: str | None = None
     output_format: str = "columns"  # llm_output_format: not in the fingerprint (it changes no answer)
+    task: str = "answer"  # llm_task: 'answer' (chat) or 'embed' (embeddings.py: one FLOAT[n] column)
+    dimensions: int | None = None  # llm_dimensions as written (the vectors' size is output_columns')
+
+    @property
+    def embeds(self) -> bool:
+        return self.task == embeddings.EMBED
+
+    @property
+    def embedding_size(self) -> int | None:
+        """The size n of the FLOAT[n] column of an embedding model; None for a chat model."""
+        if not self.embeds:
+            return None
+        return int(self.output_columns[0].duckdb_type.removeprefix("FLOAT[").removesuffix("]"))
 
     def table_outputs(self) -> list[tuple[str, str]]:
         """The output columns of the model table: one per field, or the whole answer as one JSON column."""
@@ -139,7 +152,11 @@ class ModelConfig:
         """Everything except the prompt that can change an answer (the fingerprint's constant part):
         the attribute named by each key the table (config_keys.py) says changes the answer. Tuples are
         JSON lists in the hash, as they were when the fields were listed here."""
-        return {key.fingerprint: getattr(self, key.fingerprint) for key in KEYS if key.fingerprint}
+        return {
+            key.fingerprint: getattr(self, key.fingerprint)
+            for key in KEYS
+            if key.fingerprint and not (key.fingerprint_omits_default and getattr(self, key.fingerprint) == key.default)
+        }
 
     def fingerprint_prefix(self) -> str:
         """Hash of the constant part; a row's fingerprint is md5(prefix || prompt), computed in SQL."""
@@ -199,7 +216,12 @@ def _parse_one(raw: dict) -> ModelConfig:
     from_columns = values["llm_output_from_columns"] is True
     output = _yaml_output(raw, values, fields["unique_key"], errors) if from_columns else values["llm_output"]
     before = len(errors)
-    output_columns = _parse_output(output, errors)
+    if values["llm_task"] == embeddings.EMBED:
+        output_columns = _embedding_output(raw, values, provider, errors)
+    else:
+        output_columns = _parse_output(output, errors)
+        if values["llm_dimensions"] is not None:
+            errors.append("llm_dimensions is the size of an embedding: it needs llm_task='embed'")
     if values["llm_output_format"] == "json" and output is None:
         errors.append("llm_output_format='json' keeps a structured answer as one JSON column: it needs llm_output")
     if provider is not None and output is not None and output_columns and len(errors) == before:
@@ -384,6 +406,22 @@ def _check_realtime(values: dict, provider, errors: list[str]) -> None:
             "llm_realtime_when and llm_fallback send rows through the provider's realtime path, which "
             f"llm_provider {provider.name!r} does not have"
         )
+
+
+def _embedding_output(raw: dict, values: dict, provider, errors: list[str]) -> tuple[OutputColumn, ...]:
+    """llm_task = 'embed': the one FLOAT[n] column, its size from the provider (llm_model and
+    llm_dimensions); a provider without an embeddings API, and chat-only keys, are refused."""
+    embeddings.check_keys(raw, DEFAULTS, errors)
+    if provider is None:
+        return ()
+    if not provider.has_embeddings:
+        able = [n for n in registry.provider_names() if getattr(_provider_class(n, []), "has_embeddings", False)]
+        embeddings.refuse_provider(provider.name, able, errors)
+        return ()
+    size = provider.embedding_size(values["llm_model"], values["llm_dimensions"], errors)
+    if size is None:
+        return ()
+    return (OutputColumn(embeddings.COLUMN, embeddings.column_type(size), embeddings.column_schema(size)),)
 
 
 def _provider_class(name, errors: list[str]):

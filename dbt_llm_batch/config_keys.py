@@ -26,6 +26,7 @@ from dbt_llm_batch.config_values import (
     FALLBACKS,
     OUTPUT_FORMATS,
     RESERVED_PARAMS,
+    TASKS,
     Validator,
     boolean,
     choice,
@@ -48,6 +49,9 @@ class Key:
     snapshot: bool = True  # the settle snapshot keeps it (False: a prompt's text, which is never stored)
     default_doc: str | None = None  # the default as the reference page says it, when not the value
     source: str = "config"  # 'config': set in config(); 'yaml': the model's YAML, passed by the macro
+    # A key added after fingerprints were pinned: left out of the fingerprint while at its default, so the
+    # stored fingerprints of every model that does not set it stay what they were (nothing is re-asked).
+    fingerprint_omits_default: bool = False
 
     @property
     def changes_answer(self) -> bool:
@@ -88,6 +92,30 @@ ASKED: tuple[Key, ...] = (
         fingerprint="model",
         variant=True,
         default_doc="required",
+    ),
+    Key(
+        "llm_task",
+        "`'answer'` or `'embed'`",
+        "answer",
+        "`'embed'`: each row's prompt is embedded (one `FLOAT[n]` column `llm_embedding`, no system prompt, "
+        "examples or `llm_output`); only providers with an embeddings API take it (docs/embeddings.md)",
+        choice(*TASKS),
+        field="task",
+        fingerprint="task",
+        fingerprint_omits_default=True,
+    ),
+    Key(
+        "llm_dimensions",
+        "integer >= 1",
+        None,
+        "with `llm_task = 'embed'`: the vectors' size. OpenAI's text-embedding-3 models shorten to it (the "
+        "`dimensions` parameter); a model that cannot (text-embedding-ada-002) refuses it; a self-hosted "
+        "engine's model needs it (its native size, checked on every vector)",
+        integer(1),
+        field="dimensions",
+        fingerprint="dimensions",
+        fingerprint_omits_default=True,
+        default_doc="the model's native size",
     ),
     Key(
         "llm_prompt_column",

@@ -28,6 +28,7 @@ RESERVED_PARAMS = (
 )
 CACHE_TTLS = ("5m", "1h")
 OUTPUT_FORMATS = ("columns", "json")
+TASKS = ("answer", "embed")  # llm_task: a chat answer per row, or an embedding vector
 FALLBACKS = ("realtime",)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from dbt_llm_batch import output_schema, registry
+from dbt_llm_batch import embeddings, output_schema, registry
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
@@ -204,6 +204,8 @@ def refresh_sql(config: ModelConfig, target: str, input_columns) -> str | None:
 
 def _output_values(config: ModelConfig) -> list[tuple[str, str]]:
     """(column, SQL value over the stored answer `w.answer`) per output column of the table."""
+    if config.embeds:
+        return [(embeddings.COLUMN, embeddings.value_sql(config.embedding_size or 0, "w.answer"))]
     if not config.structured:
         return [(config.output_columns[0].name, "w.answer")]
     if config.output_format == "json":

@@ -13,12 +13,12 @@ import json
 
 import pyarrow as pa
 
-from dbt_llm_batch import output_schema
+from dbt_llm_batch import embeddings, output_schema
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, RequestStatus, sql
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline import batch_failures, costs
+from dbt_llm_batch.pipeline import batch_failures, costs, packing
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchState, Provider
 from dbt_llm_batch.sql import in_list, literal
@@ -32,6 +32,8 @@ def answer_problem_sql(config: ModelConfig) -> str:
         limit, fix = "the model''s output limit", "Set llm_max_tokens higher (that asks again), or shorten the prompt"
     else:
         limit, fix = f"llm_max_tokens={config.max_tokens}", "Raise llm_max_tokens (that asks again)"
+    if config.embeds:
+        return embeddings.answer_problem_sql(config.embedding_size or 0)
     checks = [
         (
             "truncated",
@@ -180,12 +182,15 @@ def settle(
             select s.custom_id, s.job_id, c.* exclude (custom_id, job_id), coalesce(f.n, 0) as earlier_failures
             from settling s join checked c using (custom_id, job_id)
                  left join failures f using (key, fingerprint)"""
+    # An embedding line answers every request packed into it (packing.py); any other line its own.
+    lines = packing.members_sql("line_outcomes", requests) if config.embeds else "select * from line_outcomes"
     con.execute(
         f"""create or replace temp table {Scratch.outcomes} as
             with parsed as (
                 select json_transform(raw, '{json.dumps(provider.result_structure)}') as r, source, job_id
                 from {results} where {scope}),
-            lines as (select {provider.outcomes_sql("r")}, source, job_id from parsed),
+            line_outcomes as (select {provider.outcomes_sql("r")}, source, job_id from parsed),
+            lines as ({lines}),
             one_per_id as ({one_per_id}),
             checked as (
                 select *, case when outcome = 'ok' then {answer_problem_sql(config)} end as problem,

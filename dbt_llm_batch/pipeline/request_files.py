@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dbt_llm_batch.errors import InputError
+from dbt_llm_batch.pipeline import packing
 from dbt_llm_batch.pipeline.scratch import Scratch
 
 SENT = Scratch.sent
@@ -54,6 +55,7 @@ class RequestFile:
     chunk: int
     path: str | None  # None when nothing is written (a dry run only counts)
     requests: int = 0
+    lines: int = 0  # request lines: fewer than requests when several are packed into one (packing.py)
     bytes: int = 0
     tokens: int = 0
     cost: Decimal | None = None
@@ -132,11 +134,13 @@ class _Writer:
         if lines.null_count:  # planner.build_plan fails requests without a prompt before they get here
             raise ValueError("dbt-llm-batch bug: a planned request has no request line")
         tokens = pc.fill_null(batch.column("tokens"), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        rows, inputs = _members(batch)
+        starts = np.concatenate(([0], np.cumsum(inputs)))
         pos = 0
         while pos < len(sizes):
             if self.current is None and not self._open():
                 return False
-            n = self._fitting(sizes[pos:], tokens[pos:])
+            n = self._fitting(sizes[pos:], tokens[pos:], inputs[pos:])
             if n == 0:
                 if self.file.requests:  # full: the next line starts a new file
                     self._close()
@@ -150,17 +154,27 @@ class _Writer:
                     return False  # the in-flight caps are reached: the rest waits
                 n = 1  # over the token cap alone, with nothing in flight: it goes by itself
             self._write(
-                batch, lines, offsets, pos, n, int(sizes[pos : pos + n].sum()), int(tokens[pos : pos + n].sum())
+                batch,
+                lines,
+                offsets,
+                pos,
+                n,
+                int(sizes[pos : pos + n].sum()),
+                int(tokens[pos : pos + n].sum()),
+                rows[starts[pos] : starts[pos + n]],
+                inputs[pos : pos + n],
             )
             pos += n
         return True
 
-    def _fitting(self, sizes, tokens) -> int:
-        """How many of the next lines the current file takes."""
+    def _fitting(self, sizes, tokens, inputs) -> int:
+        """How many of the next lines the current file takes (the request limits count the requests
+        the lines carry: `inputs` each)."""
         f = self.file
-        n = self.max_requests - f.requests
+        carried = np.cumsum(inputs)
+        n = int(np.searchsorted(carried, self.max_requests - f.requests, side="right"))
         if self.room.requests is not None:
-            n = min(n, self.room.requests - self.requests)
+            n = min(n, int(np.searchsorted(carried, self.room.requests - self.requests, side="right")))
         n = min(n, int(np.searchsorted(np.cumsum(sizes), self.max_bytes - f.bytes, side="right")))
         if self.room.tokens is not None:
             n = min(n, int(np.searchsorted(np.cumsum(tokens), self.room.tokens - self.tokens, side="right")))
@@ -174,7 +188,7 @@ class _Writer:
         self.current = RequestFile(chunk=chunk, path=path)
         return True
 
-    def _write(self, batch, lines, offsets, pos, n, size, tokens) -> None:
+    def _write(self, batch, lines, offsets, pos, n, size, tokens, rows, inputs) -> None:
         f = self.file
         if f.path:
             assert self.writes is not None  # a file has a path only when there is a directory to write to
@@ -182,15 +196,17 @@ class _Writer:
                 self.handle = open(f.path, "wb")
             # The view keeps this batch's buffer alive until written (at most QUEUED batches).
             self.writes.write(self.handle, memoryview(lines.buffers()[2])[offsets[pos] : offsets[pos + n]])
-        # A copy: a slice would keep the whole Arrow batch (its lines included) alive until the end.
-        self.sent_rows.append(batch.column("plan_row").slice(pos, n).to_numpy(zero_copy_only=False).astype(np.int64))
-        self.sent_chunks.append(np.full(n, f.chunk, dtype=np.int32))
-        self.sent_lines.append(np.arange(f.requests + 1, f.requests + n + 1, dtype=np.int32))
+        # A copy: a view would keep the whole Arrow batch (its lines included) alive until the end.
+        self.sent_rows.append(rows.copy())
+        self.sent_chunks.append(np.full(len(rows), f.chunk, dtype=np.int32))
+        # Every request of a line has the line's number (1-based, in its file): what validation names.
+        self.sent_lines.append(np.repeat(np.arange(f.lines + 1, f.lines + n + 1, dtype=np.int32), inputs))
         cost = pc.sum(batch.column("cost").slice(pos, n)).as_py()
         if cost is not None:
             f.cost = (f.cost or Decimal(0)) + cost
-        f.requests, f.bytes, f.tokens = f.requests + n, f.bytes + size, f.tokens + tokens
-        self.requests, self.tokens = self.requests + n, self.tokens + tokens
+        carried = len(rows)
+        f.requests, f.lines, f.bytes, f.tokens = f.requests + carried, f.lines + n, f.bytes + size, f.tokens + tokens
+        self.requests, self.tokens = self.requests + carried, self.tokens + tokens
 
     def _close(self) -> None:
         if self.handle:
@@ -236,16 +252,39 @@ def unsent_rows(rows: str, first_unsent_chunk: int) -> str:
                where p.plan_row not in (select plan_row from {SENT} where chunk < {int(first_unsent_chunk)}))"""
 
 
+def _members(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
+    """The plan rows the batch's lines carry, in line order, and how many each line carries (one, unless
+    the lines are packed: a `plan_rows` list per line)."""
+    if "plan_rows" not in batch.schema.names:
+        rows = batch.column("plan_row").to_numpy(zero_copy_only=False).astype(np.int64)
+        return rows, np.ones(len(rows), dtype=np.int64)
+    lists = batch.column("plan_rows")
+    counts = pc.list_value_length(lists).to_numpy(zero_copy_only=False).astype(np.int64)
+    return lists.flatten().to_numpy(zero_copy_only=False).astype(np.int64), counts
+
+
 def write_request_files(
-    con, line_sql: str, rows: str, directory: str | None, max_requests: int, max_bytes: int, room: Room
+    con,
+    line_sql: str,
+    rows: str,
+    directory: str | None,
+    max_requests: int,
+    max_bytes: int,
+    room: Room,
+    packed: tuple[int, int | None] | None = None,
 ) -> list[RequestFile]:
     """Write the batch requests of `rows` (planner.plan_rows) into files under `directory` (None: only
     count), within the provider's per-batch limits and the in-flight `room`; returns the files, and
-    records the rows written in SENT. Rows not written wait for a later run."""
+    records the rows written in SENT. Rows not written wait for a later run. `packed`: (inputs, estimated
+    tokens) a line may carry at most; the rows then carry their lines' parts (packing.py), not `line_sql`."""
     writer = _Writer(con, directory, max_requests, max_bytes, room)
-    reader = con.sql(f"""select plan_row, estimated_input_tokens as tokens, estimated_cost_usd as cost,
-                                {line_sql} || chr(10) as line
-                         from {rows}""").to_arrow_reader(STREAM_BATCH_ROWS)
+    if packed is not None:
+        query = packing.packed_rows_sql(rows, *packed)
+    else:
+        query = f"""select plan_row, estimated_input_tokens as tokens, estimated_cost_usd as cost,
+                           {line_sql} || chr(10) as line
+                    from {rows}"""
+    reader = con.sql(query).to_arrow_reader(STREAM_BATCH_ROWS)
     try:
         for batch in reader:
             if not writer.take(batch):

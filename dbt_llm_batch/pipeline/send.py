@@ -40,6 +40,7 @@ from dbt_llm_batch.pipeline.pool import Pool
 from dbt_llm_batch.pipeline.report import RunSummary
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import BatchProvider, get_provider
+from dbt_llm_batch.sql import literal
 
 Sender = tuple[str, str]  # (provider, model): one OpenAI batch file holds one model's requests
 
@@ -233,6 +234,7 @@ def write_sender_files(
         if directory is not None:
             path = os.path.join(directory, f"sender-{sender}")
             os.mkdir(path, 0o700)
+        packs = packed(provider_cls, [passes[i] for i in indexes])
         files = request_files.write_request_files(
             state.con,
             "line_text",
@@ -241,6 +243,7 @@ def write_sender_files(
             provider_cls.max_requests_per_batch,
             provider_cls.max_bytes_per_batch,
             room(state, provider_name, taken),
+            (provider_cls.max_inputs_per_line, provider_cls.max_tokens_per_line) if packs else None,
         )
         variants.record_sent(state.con, sender)
         files = _without_undersized(state, sender, provider_cls, files)
@@ -276,11 +279,23 @@ def sender_rows(state: RunState, passes: list[Pass], lines: bool = False) -> str
     parts = []
     for p in passes:
         rows = variants.pass_rows(p.config, state.input_columns, p.index)
-        if lines:
+        if lines and packed(get_provider(p.config.provider), [p]):
+            # Packed lines are rendered per line from these parts (packing.py), the prompt as an input.
+            pieces = get_provider(p.config.provider)(p.config).request_line_parts()  # type: ignore[attr-defined]
+            head, middle, tail = (literal(piece) for piece in pieces)
+            rows = f"""(select *, {int(p.index)} as pack_group, to_json(prompt) as input_json, {head} as line_head,
+                               {middle} as line_middle, {tail} as line_tail from {rows})"""
+        elif lines:
             line = get_provider(p.config.provider)(p.config).request_line_sql()  # type: ignore[attr-defined]
             rows = f"(select *, {line} as line_text from {rows})"
         parts.append(f"select * from {rows}")
     return "(" + " union all ".join(parts) + ")"
+
+
+def packed(provider_cls, passes) -> bool:
+    """Whether a sender's requests are packed several to a line: embeddings, through a provider whose
+    request lines take an array of inputs (packing.py). A sender's passes share provider and task."""
+    return provider_cls.max_inputs_per_line > 1 and all(p.config.embeds for p in passes)
 
 
 def room(state: RunState, provider: str, taken: tuple[int, int, int] = (0, 0, 0)) -> request_files.Room:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.embeddings import EmbeddingModel
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.providers.calls import CallBudget
 from dbt_llm_batch.sql import literal
@@ -65,10 +66,16 @@ def spliced_line_sql(line: dict) -> str:
     """A DuckDB expression (over columns `custom_id` and `prompt`) giving `line` as one JSON line per
     row. The line, with CUSTOM_ID_MARK and PROMPT_MARK as values, is rendered once; each row's
     values are spliced in with to_json, so lines are built in bulk, never a Python object per row."""
+    head, middle, tail = line_parts(line)
+    return f"{literal(head)} || to_json(custom_id) || {literal(middle)} || to_json(prompt) || {literal(tail)}"
+
+
+def line_parts(line: dict) -> tuple[str, str, str]:
+    """`line` rendered once, as the text before its custom_id, between it and the prompt, and after."""
     text = json.dumps(line, ensure_ascii=False, separators=(",", ":"))
     head, rest = text.split(json.dumps(CUSTOM_ID_MARK))
     middle, tail = rest.split(json.dumps(PROMPT_MARK))
-    return f"{literal(head)} || to_json(custom_id) || {literal(middle)} || to_json(prompt) || {literal(tail)}"
+    return head, middle, tail
 
 
 def spliced_body_sql(body: dict) -> str:
@@ -138,6 +145,17 @@ class Provider(ABC):
     # word (llm_batch_requests.finish_reason); a word not listed is shown as the provider wrote it.
     finish_reasons: ClassVar[dict[str, str]] = {}
 
+    # --- embeddings (llm_task = 'embed', embeddings.py) -------------------------------------------
+    # The provider has an embeddings API: a model may embed its rows through it (others refuse the config).
+    has_embeddings: ClassVar[bool] = False
+    # The embedding models it knows, by model-name prefix (the longest matching prefix wins); a model not
+    # listed needs llm_dimensions (its vectors' size), which is then only checked, never sent.
+    embedding_models: ClassVar[dict[str, EmbeddingModel]] = {}
+    # Packing: how many embedding inputs one request line may carry (an input array), and their estimated
+    # tokens together. 1: one input per line.
+    max_inputs_per_line: ClassVar[int] = 1
+    max_tokens_per_line: ClassVar[int | None] = None
+
     # --- the provider's own config keys ------------------------------------------------------------
     # llm_* keys only this provider reads: each name to its declaration (a config_keys.Key: type,
     # default, doc, for docs/configuration.md) or, as before Keys existed, to its default alone;
@@ -169,6 +187,43 @@ class Provider(ABC):
     def default_max_tokens(cls, model: str) -> int | None:
         """Output tokens a request of `model` reserves when llm_max_tokens is not set (None: nothing)."""
         return cls.default_output_tokens
+
+    @classmethod
+    def embedding_model(cls, model: str) -> EmbeddingModel | None:
+        matches = [(len(prefix), m) for prefix, m in cls.embedding_models.items() if model.startswith(prefix)]
+        return max(matches, key=lambda x: x[0])[1] if matches else None
+
+    @classmethod
+    def embedding_size(cls, model: str, dimensions: int | None, errors: list[str]) -> int | None:
+        """The size of `model`'s vectors given llm_dimensions (None: unset), or None with why in `errors`:
+        a known model that cannot shorten its vectors refuses llm_dimensions, one that can takes at most
+        its native size; an unknown model needs llm_dimensions."""
+        known = cls.embedding_model(model) if isinstance(model, str) else None
+        if known is None:
+            if dimensions is None:
+                errors.append(
+                    f"llm_dimensions is required for llm_model {model!r} (llm_provider {cls.name!r} does not know "
+                    "its vectors' size): set it to the size the model returns"
+                )
+            return dimensions
+        if dimensions is None:
+            return known.size
+        if not known.shortenable:
+            errors.append(
+                f"llm_model {model!r} does not take llm_dimensions (its vectors always have {known.size} "
+                "numbers): remove it, or use a model that can shorten them (text-embedding-3-small/-large)"
+            )
+            return None
+        if dimensions > known.size:
+            errors.append(f"llm_dimensions for {model!r} may be at most {known.size}, got {dimensions}")
+            return None
+        return dimensions
+
+    def dimensions_param(self) -> int | None:
+        """The `dimensions` to send: llm_dimensions for a known model that shortens its vectors, else None
+        (an unknown model's llm_dimensions is its size, checked on each vector, not asked)."""
+        known = self.embedding_model(self.config.model)
+        return self.config.dimensions if known is not None and known.shortenable else None
 
     def __init__(self, config: ModelConfig):
         self.config = config
@@ -241,6 +296,11 @@ class BatchProvider(Provider):
     @abstractmethod
     def request_line_sql(self) -> str:
         """A DuckDB expression over columns `custom_id` and `prompt` giving one JSONL request line."""
+
+    def request_line_parts(self) -> tuple[str, str, str]:
+        """A packed line's text before its custom_id, before its input array, and after (line_parts):
+        asked only of a provider whose max_inputs_per_line is above 1 (pipeline/packing.py)."""
+        raise NotImplementedError(f"{self.name} does not pack several inputs into one request line")
 
     # Submitting is two calls, so that the ledger knows which one failed or was interrupted: an
     # upload (idempotent; nothing is billed until a batch uses the file) and a `create` (not

@@ -21,9 +21,9 @@ from dbt_llm_batch.providers.realtime_transport import Reply, TransientError, Tr
 
 
 class EngineTransport(Transport):
-    """POST /chat/completions to one engine replica at `base_url`."""
+    """POST `path` (/chat/completions, or /embeddings) to one engine replica at `base_url`."""
 
-    def __init__(self, base_url: str, api_key: str | None, key_hint: str):
+    def __init__(self, base_url: str, api_key: str | None, key_hint: str, path: str = "/chat/completions"):
         super().__init__(base_url, key_hint, self_hosted=True)
         url = urlsplit(base_url)
         self.host = url.hostname or "127.0.0.1"
@@ -32,7 +32,7 @@ class EngineTransport(Transport):
         host_header = url.netloc.rsplit("@", 1)[-1]
         auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
         self.head = (
-            f"POST {url.path.rstrip('/')}/chat/completions HTTP/1.1\r\nHost: {host_header}\r\n"
+            f"POST {url.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {host_header}\r\n"
             f"Content-Type: application/json\r\nAccept: application/json\r\n{auth}"
         ).encode()
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
@@ -105,7 +105,9 @@ async def _read_chunked(reader) -> bytes:
     return b"".join(parts)
 
 
-def engine_transports(base_urls: tuple[str, ...], api_key_env: str | None) -> list[EngineTransport]:
+def engine_transports(
+    base_urls: tuple[str, ...], api_key_env: str | None, path: str = "/chat/completions"
+) -> list[EngineTransport]:
     hint = f"{api_key_env}, named by llm_api_key_env" if api_key_env else "the engine's key: set llm_api_key_env"
     key = os.environ.get(api_key_env) if api_key_env else None
-    return [EngineTransport(url, key, hint) for url in base_urls]
+    return [EngineTransport(url, key, hint, path) for url in base_urls]

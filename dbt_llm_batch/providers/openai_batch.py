@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import os
 
-from dbt_llm_batch.providers.base import CUSTOM_ID_MARK, BatchProvider, BatchState, Submission, spliced_line_sql
+from dbt_llm_batch.providers import openai_embeddings
+from dbt_llm_batch.providers.base import (
+    CUSTOM_ID_MARK,
+    BatchProvider,
+    BatchState,
+    Submission,
+    line_parts,
+    spliced_line_sql,
+)
 from dbt_llm_batch.providers.calls import status_of
 from dbt_llm_batch.providers.openai_chat import OpenAIChatProvider
 
-ENDPOINT = "/v1/chat/completions"
 TOKEN_KEY = "dbt_llm_batch_token"  # batch metadata key carrying the ledger's job id
 ENDED = ("completed", "failed", "expired", "cancelled")
 
@@ -43,6 +50,11 @@ class OpenAIBatchProvider(OpenAIChatProvider, BatchProvider):
         "gpt-4.1-nano": 1_047_576,
     }
     environment_hint = "OpenAI reads OPENAI_API_KEY and OPENAI_BASE_URL from the environment"
+    embedding_models = openai_embeddings.OPENAI_MODELS
+    # Packing: an embeddings request line carries an array of inputs (see openai_embeddings.py). Under
+    # the API's per-request limits, with room for the 4-characters-a-token estimate being low.
+    max_inputs_per_line = openai_embeddings.MAX_INPUTS_PER_REQUEST
+    max_tokens_per_line = openai_embeddings.MAX_TOKENS_PER_REQUEST // 2
 
     def __init__(self, config):
         super().__init__(config)
@@ -57,15 +69,24 @@ class OpenAIBatchProvider(OpenAIChatProvider, BatchProvider):
             self._client = openai.OpenAI(max_retries=0, timeout=120)
         return self._client
 
+    @property
+    def endpoint(self) -> str:
+        """The batch's endpoint, which every line's `url` must equal."""
+        return "/v1" + self.path
+
+    def request_line(self) -> dict:
+        return {"custom_id": CUSTOM_ID_MARK, "method": "POST", "url": self.endpoint, "body": self.request_body()}
+
     def request_line_sql(self) -> str:
-        return spliced_line_sql(
-            {"custom_id": CUSTOM_ID_MARK, "method": "POST", "url": ENDPOINT, "body": self.request_body()}
-        )
+        return spliced_line_sql(self.request_line())
+
+    def request_line_parts(self) -> tuple[str, str, str]:
+        return line_parts(self.request_line())
 
     def realtime_transports(self) -> list:
         from dbt_llm_batch.providers.realtime_transport import openai_transports
 
-        return openai_transports(concurrency=self.config.concurrency)
+        return openai_transports(concurrency=self.config.concurrency, path=self.path)
 
     def upload(self, jsonl_path, token):
         def upload():  # safe to repeat: an unused input file bills nothing
@@ -80,7 +101,7 @@ class OpenAIBatchProvider(OpenAIChatProvider, BatchProvider):
         # submit.py and reconciliation.
         batch = self.client.batches.create(
             input_file_id=file_id,
-            endpoint=ENDPOINT,
+            endpoint=self.endpoint,
             completion_window="24h",
             metadata={TOKEN_KEY: token, "dbt_model": model_name[:512]},
         )

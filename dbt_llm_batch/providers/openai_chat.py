@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from dbt_llm_batch.providers import openai_embeddings
 from dbt_llm_batch.providers.base import PROMPT_MARK, REFUSED, REJECTED, Provider, json_object_text
 from dbt_llm_batch.sql import literal
 
@@ -107,8 +108,18 @@ class OpenAIChatProvider(Provider):
     def check_output_schema(cls, schema: dict, errors: list[str]) -> None:
         errors += [f"{p} (llm_provider {cls.name!r})" for p in strict_problems(schema)]
 
+    # Embeddings (llm_task = 'embed') through the same API's /v1/embeddings (openai_embeddings.py).
+    has_embeddings = True
+
+    @property
+    def path(self) -> str:
+        """The API path a request of this model goes to (under /v1)."""
+        return "/embeddings" if self.config.embeds else "/chat/completions"
+
     def request_body(self) -> dict:
         cfg = self.config
+        if cfg.embeds:
+            return openai_embeddings.request_body(cfg, self.dimensions_param())
         # System and examples first and identical in every request: OpenAI caches such a prefix
         # automatically; prompt_cache_key keeps the batch's requests on the same cache.
         messages = (
@@ -154,12 +165,15 @@ class OpenAIChatProvider(Provider):
                     "prompt_tokens_details": {"cached_tokens": "BIGINT", "cache_write_tokens": "BIGINT"},
                 },
                 "error": {"message": "VARCHAR", "code": "VARCHAR"},
+                **openai_embeddings.RESULT_STRUCTURE,
             },
         },
         "error": "JSON",
     }
 
     def outcomes_sql(self, r):
+        if self.config.embeds:
+            return openai_embeddings.outcomes_sql(r, _error_sql(r))
         body, choice = f"{r}.response.body", f"{r}.response.body.choices[1]"
         error_code = f"coalesce(json_extract_string({r}.error, '$.code'), {body}.error.code)"
         return f"""
@@ -170,8 +184,7 @@ class OpenAIChatProvider(Provider):
             {choice}.message.content as answer,
             {choice}.finish_reason as finish_reason,
             coalesce({choice}.finish_reason = 'length', false) as truncated,
-            coalesce({body}.error.message, json_extract_string({r}.error, '$.message'),
-                     case when json_type({r}.error) = 'VARCHAR' then json_extract_string({r}.error, '$') end,
+            coalesce({_error_sql(r)},
                      case when {choice}.message.refusal is not null then 'model refused: ' || {choice}.message.refusal end,
                      case when {r}.response.status_code <> 200 then 'HTTP ' || {r}.response.status_code end) as error,
             {body}.usage.prompt_tokens as input_tokens,
@@ -183,3 +196,11 @@ class OpenAIChatProvider(Provider):
             case when {choice}.message.refusal is not null and {choice}.message.content is null then {literal(REFUSED)}
                  when {r}.response.status_code in (400, 404, 413, 422) then {literal(REJECTED)} end as not_retried,
             null::bigint as cache_write_1h_tokens"""
+
+
+def _error_sql(r: str) -> str:
+    """The error text of a result line `r`: the API's error envelope, or the error file's, or an
+    OpenAI-compatible server's plain string; NULL for a success."""
+    return f"""coalesce({r}.response.body.error.message, json_extract_string({r}.error, '$.message'),
+                     case when json_type({r}.error) = 'VARCHAR' then json_extract_string({r}.error, '$') end,
+                     case when {r}.response.status_code <> 200 then 'HTTP ' || {r}.response.status_code end)"""

@@ -89,4 +89,4 @@ class OpenAICompatibleProvider(OpenAIChatProvider):
     def realtime_transports(self) -> list:
         from dbt_llm_batch.providers.engine_http import engine_transports
 
-        return engine_transports(self.base_urls, self.api_key_env)
+        return engine_transports(self.base_urls, self.api_key_env, self.path)

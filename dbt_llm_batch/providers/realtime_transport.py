@@ -148,7 +148,7 @@ class SdkTransport(Transport):
         await self.client.close()
 
 
-def openai_transports(concurrency: int = 16) -> list[SdkTransport]:
+def openai_transports(concurrency: int = 16, path: str = "/chat/completions") -> list[SdkTransport]:
     """OpenAI itself, which the SDK finds through OPENAI_BASE_URL / OPENAI_API_KEY."""
     import httpx2 as httpx  # the HTTP client the SDKs are built on
     import openai
@@ -157,7 +157,7 @@ def openai_transports(concurrency: int = 16) -> list[SdkTransport]:
     client = openai.AsyncOpenAI(
         max_retries=0, timeout=REQUEST_TIMEOUT_SECONDS, http_client=openai.DefaultAsyncHttpxClient(limits=limits)
     )
-    return [SdkTransport(client, "/chat/completions", openai, "OpenAI", "OPENAI_API_KEY")]
+    return [SdkTransport(client, path, openai, "OpenAI", "OPENAI_API_KEY")]
 
 
 def anthropic_transports(concurrency: int = 16) -> list[SdkTransport]:

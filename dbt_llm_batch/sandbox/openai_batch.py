@@ -28,8 +28,9 @@ from .answers import (
     faulted_lines,
 )
 from .caching import openai_cached_tokens
+from .embeddings import answer_embeddings_request, inputs_of
 from .openai_files import DAY, FilesMixin, list_page, require, ttl_seconds
-from .realtime import openai_chat_completion
+from .realtime import openai_chat_completion, openai_embeddings
 from .server import ApiError, Request
 
 HEX = "0123456789abcdef"
@@ -43,7 +44,7 @@ ENDPOINTS = (
     "/v1/images/edits",
     "/v1/videos",
 )
-EMULATED_ENDPOINTS = ("/v1/chat/completions",)
+EMULATED_ENDPOINTS = ("/v1/chat/completions", "/v1/embeddings")
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 EXPIRED = {
     "code": "batch_expired",
@@ -97,6 +98,7 @@ class Face(FilesMixin):
             ("GET", "/v1/batches/{id}", self.get_batch),
             ("POST", "/v1/batches/{id}/cancel", self.cancel_batch),
             ("POST", "/v1/chat/completions", lambda req: openai_chat_completion(self, req)),  # realtime
+            ("POST", "/v1/embeddings", lambda req: openai_embeddings(self, req)),  # realtime
         ]
         self.reset()
 
@@ -400,6 +402,9 @@ class Face(FilesMixin):
             self._execute(run, run.requests[run.todo.pop()], at)  # todo is shuffled; pop() is O(1)
 
     def _execute(self, run: Run, line: dict, at: float) -> None:
+        if run.obj["endpoint"] == "/v1/embeddings":
+            self._execute_embeddings(run, line)
+            return
         model, emu = line["body"].get("model"), self.emu
         status, body, done = answer_chat_request(
             line["body"],
@@ -430,6 +435,23 @@ class Face(FilesMixin):
         self.emu.counters.add_usage("openai", **tokens)
         prompt = chat_inputs(line["body"]).prompt
         self.emu.counters.bill("openai", "batch", prompt, line["body"], tokens, run.obj["id"], line["custom_id"])
+
+    def _execute_embeddings(self, run: Run, line: dict) -> None:
+        """One /v1/embeddings line (its `input` may be an array: every text embedded, billed once)."""
+
+        def bill(texts: list[str], tokens: int) -> None:
+            self.emu.counters.embedded("batch", texts, line["body"], tokens, run.obj["id"], line["custom_id"])
+
+        status, body, tokens = answer_embeddings_request(line["body"], self.emu.fault_book, bill)
+        result = self._line(line, {"status_code": status, "request_id": self._id("req_", 32, HEX), "body": body})
+        counts = run.obj["request_counts"]
+        if tokens is None:
+            counts["failed"] += 1
+            run.err_lines.append(result)
+            return
+        counts["completed"] += 1
+        run.out_lines.append(result)
+        run.tokens[0] += tokens
 
     def _line(self, line: dict, response: dict | None, error: dict | None = None) -> dict:
         return {
@@ -471,6 +493,11 @@ class Face(FilesMixin):
 
 def _prompt_tokens(body: dict) -> int:
     """Prompt tokens a line enqueues (0 for a body that will fail when it runs)."""
+    if "input" in body and "messages" not in body:  # an embeddings line
+        try:
+            return sum(estimate_input_tokens(len(t)) for t in inputs_of(body))
+        except ValueError:
+            return 0
     try:
         return estimate_input_tokens(chat_inputs(body).prompt_chars)
     except InvalidBody:

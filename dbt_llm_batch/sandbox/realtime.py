@@ -11,6 +11,7 @@ from __future__ import annotations
 from .answers import answer_chat_request, chat_inputs
 from .anthropic_messages import STATUS_TYPES, BadParams, read_params, run_request
 from .caching import openai_cached_tokens
+from .embeddings import answer_embeddings_request
 from .server import ApiError, Reply, Request, _json_bytes
 
 STATUS_OF_TYPE = {type_: status for status, type_ in STATUS_TYPES.items()}
@@ -40,6 +41,18 @@ def openai_chat_completion(face, req: Request) -> Reply:
         emu.counters.add_usage("openai", **tokens)
         emu.counters.realtime_answered("openai", chat_inputs(body).prompt, body, tokens)
     # Providers send retry-after with 429 and 5xx (both SDKs honour it).
+    headers = {"retry-after": "1"} if status == 429 or status >= 500 else {}
+    return Reply(status, _json_bytes(payload), headers=headers)
+
+
+def openai_embeddings(face, req: Request) -> Reply:
+    """POST /v1/embeddings: answered at once, billed per call (its texts counted one by one)."""
+    body, emu = req.json(), face.emu
+    if not isinstance(body, dict):
+        raise ApiError(400, "We could not parse the JSON body of your request.")
+    status, payload, _ = answer_embeddings_request(
+        body, emu.fault_book, lambda texts, tokens: emu.counters.embedded("realtime", texts, body, tokens)
+    )
     headers = {"retry-after": "1"} if status == 429 or status >= 500 else {}
     return Reply(status, _json_bytes(payload), headers=headers)
 

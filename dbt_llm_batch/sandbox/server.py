@@ -41,7 +41,7 @@ from .stats import Counters
 
 # Faces are imported by name when an Emulator is built: they import the shared
 # helpers below, so a top-level import here would be circular.
-REALTIME_PATHS = ("/v1/chat/completions", "/v1/messages")
+REALTIME_PATHS = ("/v1/chat/completions", "/v1/embeddings", "/v1/messages")
 PROXY_PAGES = {413: "413 Request Entity Too Large", 502: "502 Bad Gateway", 504: "504 Gateway Time-out"}
 FACE_MODULES = (
     "dbt_llm_batch.sandbox.openai_batch",

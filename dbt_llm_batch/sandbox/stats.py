@@ -31,6 +31,9 @@ class Counters:
         self.realtime_prompts: Counter[tuple[str, str]] = Counter()  # (face, prompt) -> billed answers
         # Every billed request, batch line or realtime call, in billing order (Emulator.billed()).
         self.billed: list[dict] = []
+        # Embeddings: how often each text was billed, and the request lines (or calls) that carried them.
+        self.embedded_texts: Counter[str] = Counter()
+        self.embedding_requests = 0
 
     def new_batch(self, face: str, batch_id: str, request_lines: int) -> None:
         self.batches_created += 1
@@ -71,6 +74,17 @@ class Counters:
             }
         )
 
+    def embedded(self, via: str, texts: list[str], request: dict, tokens: int, batch_id=None, custom_id=None) -> None:
+        """One billed /v1/embeddings request (a batch line or a realtime call) of `texts`."""
+        self.embedded_texts.update(texts)
+        self.embedding_requests += 1
+        usage = {"prompt_tokens": tokens, "completion_tokens": 0, "cached_tokens": 0}
+        self.add_usage("openai", **usage)
+        if via == "realtime":
+            self.realtime_requests["openai"] += 1
+            self.realtime_prompts.update(("openai", t) for t in texts)
+        self.bill("openai", via, "\n".join(texts), request, usage, batch_id, custom_id)
+
     def snapshot(self) -> dict:
         oai = self.usage["openai"]
         return {
@@ -86,6 +100,9 @@ class Counters:
                 "total_tokens": oai["prompt_tokens"] + oai["completion_tokens"],
             },
             "usage_by_face": {face: dict(usage) for face, usage in self.usage.items()},
+            "embedding_requests": self.embedding_requests,
+            "embedded_texts": sum(self.embedded_texts.values()),
+            "distinct_embedded_texts": len(self.embedded_texts),
         }
 
 

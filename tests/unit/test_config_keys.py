@@ -20,6 +20,14 @@ CHANGES: dict[str, dict] = {
     "unique_key": {"unique_key": ["id", "other"]},
     "llm_provider": {"llm_provider": "anthropic"},
     "llm_model": {"llm_model": "n"},
+    "llm_task": {"llm_task": "embed", "llm_model": "text-embedding-3-small", "llm_system": None, "llm_output": None},
+    "llm_dimensions": {
+        "llm_task": "embed",
+        "llm_model": "text-embedding-3-small",
+        "llm_system": None,
+        "llm_output": None,
+        "llm_dimensions": 256,
+    },
     "llm_prompt_column": {"llm_prompt_column": "text"},
     "llm_system": {"llm_system": "t"},
     "llm_examples": {"llm_examples": [{"input": "a", "output": "b"}]},
@@ -94,7 +102,12 @@ def test_a_key_changes_the_fingerprint_exactly_when_the_table_says_it_changes_th
 
 def test_the_fingerprint_is_made_of_the_keys_that_change_the_answer():
     fields = parse_config(BASE).answer_defining_fields()
-    assert sorted(fields) == sorted({key.fingerprint for key in KEYS if key.fingerprint})
+    # Keys added after fingerprints were pinned are in it only when set (a chat model's stays as it was).
+    assert sorted(fields) == sorted(
+        {key.fingerprint for key in KEYS if key.fingerprint and not key.fingerprint_omits_default}
+    )
+    embedding = parse_config(changed("llm_dimensions")).answer_defining_fields()
+    assert sorted(embedding) == sorted({key.fingerprint for key in KEYS if key.fingerprint})
     assert sorted(fields) == [
         "examples",
         "max_tokens",
