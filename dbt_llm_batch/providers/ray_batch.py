@@ -67,6 +67,14 @@ def ray_call(what: str, fn):
         raise RayJobsError(f"{what}: {said[-1][:300]}", int(found.group(1))) from exc
 
 
+def failure(message: str | None) -> str:
+    """Why a Ray job failed, in a line: Ray's message ends with the job's last log lines, in which the last
+    line naming an error says it (the job module's own, when the engines could not be reached)."""
+    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line or "could not reach" in line]
+    return (named or lines or ["the Ray job failed, giving no message"])[-1][:1000]
+
+
 class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
     name = "ray"
     key_env_var = ""
@@ -270,7 +278,7 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
         return BatchState(
             status=status,
             ended=status in ENDED,
-            error=(info.message or "the Ray job failed")[:2000] if status == "FAILED" else None,
+            error=failure(info.message) if status == "FAILED" else None,
             requests_done=done,
             output_file_id=self.folder(batch_id) + "/" + ray_job.OUTPUT,
         )
