@@ -83,7 +83,9 @@ class RayCluster:
         ]
         began = time.monotonic()
         self.log = open(self.temp_dir.with_suffix(".log"), "w")
-        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         from ray.job_submission import JobSubmissionClient
 
         while True:

@@ -61,7 +61,9 @@ def wait_for_end(cluster, batch_id: str, timeout: float = 240) -> str:
 
 
 def jobs_of(project) -> list[tuple]:
-    return project.query("select batch_id, status from main.llm_batch_jobs where batch_id is not null order by created_at")
+    return project.query(
+        "select batch_id, status from main.llm_batch_jobs where batch_id is not null order by created_at"
+    )
 
 
 def ray_jobs(cluster, batch_ids) -> list:
@@ -97,7 +99,8 @@ def test_dbt_run_returns_while_the_ray_job_runs_and_the_next_run_merges_every_ro
 ):
     # 1,000 rows, 900 distinct prompts: one request per prompt (dedup), one Ray job for all of them.
     project.write(
-        "models/triage.sql", ray_model(ray_cluster, tmp_path / "storage", [engine.openai_base_url], select=generated_rows(1000, 900))
+        "models/triage.sql",
+        ray_model(ray_cluster, tmp_path / "storage", [engine.openai_base_url], select=generated_rows(1000, 900)),
     )
     released, restore = gate(engine)  # the engine holds every request: the job cannot finish
     try:
@@ -134,7 +137,9 @@ def test_a_run_killed_after_submit_job_adopts_its_job_and_never_runs_it_twice(pr
     project.dbt("seed")
     project.release_database()
     marker = tmp_path / "marker"
-    killed = dbt_subprocess(project, {"DBT_LLM_BATCH_CRASH_AT": "after_create", "DBT_LLM_BATCH_CRASH_MARKER": str(marker)})
+    killed = dbt_subprocess(
+        project, {"DBT_LLM_BATCH_CRASH_AT": "after_create", "DBT_LLM_BATCH_CRASH_MARKER": str(marker)}
+    )
     assert killed.returncode == -9 and marker.read_text() == "after_create", killed.stdout[-2000:]
     # The ledger never learned the job's id; Ray has the job, named by the ledger's job id.
     [(job_id,)] = project.query("select job_id from main.llm_batch_jobs")
@@ -157,9 +162,9 @@ def test_a_job_stopped_midway_merges_what_it_finished_and_resubmits_the_rest(pro
     extra = "llm_ray_tasks = 1, llm_ray_rows_per_task = 5,"
     project.write(
         "models/triage.sql",
-        ray_model(ray_cluster, tmp_path / "storage", [engine.openai_base_url], extra, select=generated_rows(30, 30)).replace(
-            "llm_concurrency = 8", "llm_concurrency = 5"
-        ),
+        ray_model(
+            ray_cluster, tmp_path / "storage", [engine.openai_base_url], extra, select=generated_rows(30, 30)
+        ).replace("llm_concurrency = 8", "llm_concurrency = 5"),
     )
     released, restore = gate(engine, answered_first=10)
     try:

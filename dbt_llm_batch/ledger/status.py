@@ -129,7 +129,9 @@ OPENAI_JOB_STATUSES: Final = frozenset(
     {"validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"}
 )
 ANTHROPIC_JOB_STATUSES: Final = frozenset({"in_progress", "canceling", "ended"})
-RAY_JOB_STATUSES: Final = frozenset({"PENDING", "RUNNING", "STOPPED", "SUCCEEDED", "FAILED"})  # ray.job_submission.JobStatus
+RAY_JOB_STATUSES: Final = frozenset(
+    {"PENDING", "RUNNING", "STOPPED", "SUCCEEDED", "FAILED"}
+)  # ray.job_submission.JobStatus
 PROVIDER_JOB_STATUSES: Final = OPENAI_JOB_STATUSES | ANTHROPIC_JOB_STATUSES | RAY_JOB_STATUSES
 
 LEDGER_JOB_STATUSES: Final = frozenset(

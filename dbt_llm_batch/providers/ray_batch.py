@@ -134,7 +134,9 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
         options = super().parse_options(values, errors)
         address = values["llm_ray_address"]
         if address is not None and not (isinstance(address, str) and address.startswith(("http://", "https://"))):
-            errors.append(f"llm_ray_address must be the dashboard's http(s) URL, e.g. 'http://head:8265', got {address!r}")
+            errors.append(
+                f"llm_ray_address must be the dashboard's http(s) URL, e.g. 'http://head:8265', got {address!r}"
+            )
         storage = values["llm_ray_storage"]
         if storage is not None and not (isinstance(storage, str) and ("://" in storage or storage.startswith("/"))):
             errors.append(

@@ -87,7 +87,7 @@ class Engines:
         if i not in pool:
             url = self.urls[i]
             kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
-            pool[i] = kind(url.hostname, url.port, timeout=self.timeout)
+            pool[i] = kind(url.hostname or "127.0.0.1", url.port, timeout=self.timeout)
         return pool[i]
 
     def post(self, body: bytes) -> tuple[int, bytes]:
@@ -166,7 +166,7 @@ def run(spec: dict) -> int:
     out_fs.create_dir(out_path, recursive=True)
     dataset = ray.data.read_text(path, filesystem=fs)
     sent = dataset.map_batches(
-        send_block,
+        send_block,  # type: ignore[arg-type]  # a dict of numpy arrays in and out (batch_format)
         fn_kwargs={"spec": spec},
         batch_size=spec["rows_per_task"],
         batch_format="numpy",
@@ -174,7 +174,7 @@ def run(spec: dict) -> int:
         # Waiting on the network, not computing: a task takes a quarter of a CPU.
         num_cpus=0.25,
     )
-    total = int(sent.sum("written") or 0)
+    total = int(sent.sum("written") or 0)  # type: ignore[arg-type]  # one column: a number
     print(f"dbt-llm-batch ray job: {total} result line(s) written to {spec['folder']}/{OUTPUT}")
     return total
 
