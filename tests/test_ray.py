@@ -246,3 +246,34 @@ def test_variants_share_one_job_and_a_priced_engine_costs_its_tokens(project, ra
         assert cost == Decimal(input_tokens * 2 + output_tokens * 8) / 1_000_000  # no batch discount: our engine
         assert realtime_cost is None  # no realtime counterfactual for a self-hosted engine
     assert project.query("select sum(cost_usd) from main.llm_batch_requests") == [(sum(r[1] for r in rows),)]
+
+
+def test_cancel_stops_the_job_merges_what_it_finished_and_holds_the_rest(
+    project, ray_cluster, engine, tmp_path, capsys
+):
+    from helpers import command
+
+    extra = "llm_ray_tasks = 1, llm_ray_rows_per_task = 4,"
+    model = ray_model(ray_cluster, tmp_path / "storage", [engine.openai_base_url], extra, select=generated_rows(12, 12))
+    project.write("models/triage.sql", model.replace("llm_concurrency = 8", "llm_concurrency = 4"))
+    released, restore = gate(engine, answered_first=4)
+    try:
+        project.dbt("run", "-s", "triage")
+        [(batch_id, _)] = jobs_of(project)
+        output = tmp_path / "storage" / batch_id / "output"
+        began = time.monotonic()
+        while not list(output.glob("part-*.jsonl")):
+            assert time.monotonic() - began < 240, "the job wrote no part file"
+            time.sleep(0.2)
+        project.release_database()
+        rc, out, _ = command(project, capsys, "cancel")  # the address and storage from the run's snapshot
+        assert rc == 0 and f"{batch_id}: cancel requested by " in out, out
+        assert wait_for_end(ray_cluster, batch_id) == "STOPPED"
+    finally:
+        restore()
+    written = sum(int(p.stem.rsplit("-", 1)[1]) for p in output.glob("part-*.jsonl"))
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(written,)]
+    statuses = dict(project.query("select status, count(*) from main.llm_batch_requests group by all"))
+    assert statuses == {"succeeded": written, "held": 12 - written}  # held until `dbt-llm-batch release`
+    assert len(ray_jobs(ray_cluster, [b for b, _ in jobs_of(project)])) == 1
