@@ -132,8 +132,16 @@ def test_dbt_run_returns_while_the_ray_job_runs_and_the_next_run_merges_every_ro
     assert len(ray_cluster.client().list_jobs()) == before
 
 
+PRICES = """provider,model,unit,input_per_mtok,output_per_mtok,cache_write_per_mtok,cache_read_per_mtok,per_hour,batch_discount,as_of,source
+ray,gpt-4o-mini,token,2.00,8.00,,,,0,2026-12-05,our GPUs per token
+"""
+
+
 def test_a_run_killed_after_submit_job_adopts_its_job_and_never_runs_it_twice(project, ray_cluster, engine, tmp_path):
-    project.write("models/triage.sql", ray_model(ray_cluster, tmp_path / "storage", [engine.openai_base_url]))
+    # Two variants (one job holds both) on an engine priced per token by the user.
+    project.write("seeds/ray_prices.csv", PRICES)
+    extra = "llm_price_table = 'main.ray_prices', llm_variants = {'warm': {'llm_temperature': 0.7}},"
+    project.write("models/triage.sql", ray_model(ray_cluster, tmp_path / "storage", [engine.openai_base_url], extra))
     project.dbt("seed")
     project.release_database()
     marker = tmp_path / "marker"
@@ -146,12 +154,22 @@ def test_a_run_killed_after_submit_job_adopts_its_job_and_never_runs_it_twice(pr
     batch_id = f"dbt_llm_batch-{job_id}"
     assert project.query("select batch_id from main.llm_batch_jobs") == [(None,)]
     assert len(ray_jobs(ray_cluster, [batch_id])) == 1
-    wait_for_end(ray_cluster, batch_id)
+    assert wait_for_end(ray_cluster, batch_id) == "SUCCEEDED"
     project.dbt("run", "-s", "triage")  # reconciles: adopts the job, harvests it, merges
     assert jobs_of(project) == [(batch_id, "SUCCEEDED")]
-    rows = project.query("select llm_status, llm_batch_id from main.triage")
-    assert rows == [("succeeded", batch_id)] * 6
-    assert set(engine.counters.realtime_prompts.values()) == {1} and len(engine.counters.realtime_prompts) == 6
+    rows = project.query(
+        """select llm_status, llm_batch_id, llm_variant, llm_cost_usd, llm_input_tokens, llm_output_tokens,
+                  llm_realtime_cost_usd from main.triage"""
+    )
+    assert sorted({r[2] for r in rows}) == ["default", "warm"] and len(rows) == 12
+    for status, batch, _, cost, input_tokens, output_tokens, realtime_cost in rows:
+        assert (status, batch) == ("succeeded", batch_id)
+        assert input_tokens > 0 and output_tokens > 0
+        assert cost == Decimal(input_tokens * 2 + output_tokens * 8) / 1_000_000  # the user's price, no discount
+        assert realtime_cost is None  # no realtime counterfactual for a self-hosted engine
+    assert project.query("select sum(cost_usd) from main.llm_batch_requests") == [(sum(r[3] for r in rows),)]
+    # Each request answered once: 12 requests, 6 prompts asked at two temperatures.
+    assert sum(engine.counters.realtime_prompts.values()) == 12 and len(engine.counters.realtime_prompts) == 6
     project.dbt("run", "-s", "triage")
     assert len(ray_jobs(ray_cluster, [b for b, _ in jobs_of(project)])) == 1  # one job, ever
 
@@ -220,32 +238,6 @@ def test_a_job_whose_engine_is_down_fails_and_its_rows_wait_for_a_later_job(proj
     assert len(rows) == 6 and {(s, later) for s, later, _ in rows} == {("voided", True)}
     assert all("could not reach an engine" in e and "resubmitted after a 10-minute back-off" in e for *_, e in rows)
     assert len(ray_jobs(ray_cluster, [batch_id])) == 1  # no second job within the back-off
-
-
-PRICES = """provider,model,unit,input_per_mtok,output_per_mtok,cache_write_per_mtok,cache_read_per_mtok,per_hour,batch_discount,as_of,source
-ray,gpt-4o-mini,token,2.00,8.00,,,,0,2026-12-05,our GPUs per token
-"""
-
-
-def test_variants_share_one_job_and_a_priced_engine_costs_its_tokens(project, ray_cluster, engine, tmp_path):
-    project.write("seeds/ray_prices.csv", PRICES)
-    extra = "llm_price_table = 'main.ray_prices', llm_variants = {'warm': {'llm_temperature': 0.7}},"
-    project.write("models/triage.sql", ray_model(ray_cluster, tmp_path / "storage", [engine.openai_base_url], extra))
-    project.dbt("seed")
-    project.dbt("run", "-s", "triage")
-    [(batch_id, _)] = jobs_of(project)  # both variants' 12 requests in one job (one engine model)
-    assert project.query("select count(*) from main.llm_batch_requests where job_id is not null") == [(12,)]
-    assert wait_for_end(ray_cluster, batch_id) == "SUCCEEDED"
-    project.dbt("run", "-s", "triage")
-    rows = project.query(
-        "select llm_variant, llm_cost_usd, llm_input_tokens, llm_output_tokens, llm_realtime_cost_usd from main.triage"
-    )
-    assert sorted({r[0] for r in rows}) == ["default", "warm"] and len(rows) == 12
-    for _, cost, input_tokens, output_tokens, realtime_cost in rows:
-        assert input_tokens > 0 and output_tokens > 0
-        assert cost == Decimal(input_tokens * 2 + output_tokens * 8) / 1_000_000  # no batch discount: our engine
-        assert realtime_cost is None  # no realtime counterfactual for a self-hosted engine
-    assert project.query("select sum(cost_usd) from main.llm_batch_requests") == [(sum(r[1] for r in rows),)]
 
 
 def test_cancel_stops_the_job_merges_what_it_finished_and_holds_the_rest(
