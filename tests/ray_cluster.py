@@ -120,4 +120,5 @@ class RayCluster:
                     pass
             self.process.wait()
         self.log.close()
+        os.unlink(self.log.name)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
