@@ -79,6 +79,8 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
     name = "ray"
     key_env_var = ""
     self_hosted = True
+    # The job sends chat completions only (providers/ray_job.py): llm_task = 'embed' is refused at parse time.
+    has_embeddings = False
     # One job holds many rows: its start-up (seconds) is paid once, and partial results are harvested.
     max_requests_per_batch = 200_000
     max_bytes_per_batch = 2_000_000_000
