@@ -24,4 +24,5 @@ if ! ./scripts/engine.sh status >/dev/null 2>&1; then
   trap './scripts/engine.sh stop >/dev/null 2>&1 || true' EXIT
 fi
 # Three workers on two cores: many tests wait on dbt subprocesses, retry-after and engine replies.
-.venv/bin/python -m pytest -q -n 3 "$@"
+# --dist loadgroup: the Ray tests (xdist_group "ray") run on one worker, sharing one local Ray cluster.
+.venv/bin/python -m pytest -q -n 3 --dist loadgroup "$@"

@@ -224,3 +224,16 @@ def project(tmp_path, monkeypatch) -> Project:
     proj = Project(root, monkeypatch)
     proj.dbt("deps")
     return proj
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster (tests/ray_cluster.py) for the test session: `ray start --head` on loopback,
+    2 CPUs; its start-up time is printed. The Ray tests share an xdist group, so one worker starts it."""
+    from helpers import SANDBOX_KEY
+    from ray_cluster import RayCluster
+
+    cluster = RayCluster(engine_key=SANDBOX_KEY).start()
+    print(f"\nray_cluster: a local Ray head started in {cluster.started_in_seconds:.1f} s")
+    yield cluster
+    cluster.stop()

@@ -127,3 +127,48 @@ def test_nested_extraction_on_the_real_engine_every_answer_validates(project, lo
     assert len(answers) == 6
     for answer in answers:
         validator.validate(answer)
+
+
+RAY_TRIAGE = """
+{{{{ config(
+    materialized = 'llm_batch',
+    unique_key = 'ticket_id',
+    llm_provider = 'ray',
+    llm_model = 'gemma-3-270m',
+    llm_ray_address = '{address}',
+    llm_ray_storage = '{storage}',
+    llm_base_url = '{engine}',
+    llm_concurrency = 32,
+    llm_system = 'You triage customer support tickets. Answer with the category and whether it is urgent.',
+    llm_output = {{'category': ['billing', 'bug', 'how_to', 'feature_request', 'other'], 'urgent': 'boolean'}},
+    llm_max_tokens = 40,
+    llm_temperature = 0,
+) }}}}
+select ticket_id, 'Subject: ' || subject || chr(10) || chr(10) || body as prompt from {{{{ ref('support_tickets') }}}}
+"""
+
+
+@pytest.mark.xdist_group("ray")  # on the worker that holds the session's Ray cluster
+def test_a_ray_job_on_the_real_engine_answers_every_row_once(project, local_engine, ray_cluster, tmp_path):
+    import time
+
+    project.write(
+        "models/ray_triage.sql",
+        RAY_TRIAGE.format(address=ray_cluster.address, storage=tmp_path / "storage", engine=local_engine),
+    )
+    project.dbt("seed", "-s", "support_tickets")
+    before = engine_requests_served()
+    project.dbt("run", "-s", "ray_triage")  # submits the Ray job and returns
+    [(batch_id,)] = project.query("select batch_id from main.llm_batch_jobs")
+    client, began = ray_cluster.client(), time.monotonic()
+    while not client.get_job_status(batch_id).is_terminal():
+        assert time.monotonic() - began < 600, "the Ray job did not end within 10 minutes"
+        time.sleep(1)
+    assert str(client.get_job_status(batch_id).value) == "SUCCEEDED", client.get_job_logs(batch_id)[-3000:]
+    project.dbt("run", "-s", "ray_triage")
+    rows = project.query("select category, urgent, llm_status, llm_model, llm_batch_id from main.ray_triage")
+    assert len(rows) == 6
+    for category, urgent, status, model, batch in rows:
+        assert (status, model, batch) == ("succeeded", "gemma-3-270m", batch_id)
+        assert category in CATEGORIES and isinstance(urgent, bool)
+    assert engine_requests_served() - before == 6  # the engine's own count: one request per row

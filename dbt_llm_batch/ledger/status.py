@@ -124,12 +124,15 @@ LIVE: Final = (R.DEFERRED, R.QUEUED, R.HELD)
 OUTCOMES: Final = (R.SUCCEEDED, R.FAILED)
 
 # Provider batch status words, as their APIs return them (OpenAI Batch API `status`; Anthropic
-# Message Batches `processing_status`).
+# Message Batches `processing_status`; Ray Jobs' job status).
 OPENAI_JOB_STATUSES: Final = frozenset(
     {"validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"}
 )
 ANTHROPIC_JOB_STATUSES: Final = frozenset({"in_progress", "canceling", "ended"})
-PROVIDER_JOB_STATUSES: Final = OPENAI_JOB_STATUSES | ANTHROPIC_JOB_STATUSES
+RAY_JOB_STATUSES: Final = frozenset(
+    {"PENDING", "RUNNING", "STOPPED", "SUCCEEDED", "FAILED"}
+)  # ray.job_submission.JobStatus
+PROVIDER_JOB_STATUSES: Final = OPENAI_JOB_STATUSES | ANTHROPIC_JOB_STATUSES | RAY_JOB_STATUSES
 
 LEDGER_JOB_STATUSES: Final = frozenset(
     {J.INTENT, J.UPLOADING, J.SUBMITTING, J.REALTIME, J.VOIDED, J.GONE, J.COMPLETED, J.INTERRUPTED}

@@ -18,6 +18,7 @@ pipeline/reconcile.py.
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import socket
 import sys
@@ -111,7 +112,7 @@ def cancel_model(con, schema: str, model: str) -> list[str]:
             continue
         key = (provider_name, llm_model)
         if key not in providers:
-            config = parse_config({"unique_key": "key", "llm_provider": provider_name, "llm_model": llm_model})
+            config = parse_config(_cancel_config(con, ledger, provider_name, llm_model))
             client = get_provider(provider_name)(config)
             if not isinstance(client, BatchProvider):  # never the case: only a batch API gives batch ids
                 lines.append(f"{batch_id}: {provider_name} has no batch API; nothing to cancel")
@@ -132,6 +133,29 @@ def cancel_model(con, schema: str, model: str) -> list[str]:
         f"or config changes"
     )
     return lines
+
+
+def _cancel_config(con, ledger: Ledger, provider_name: str, llm_model: str) -> dict:
+    """The raw config to reach the provider of a batch: the model's settle snapshot (its provider keys,
+    e.g. a Ray cluster's address and storage) when a run stored one and it parses, else the provider
+    and model alone."""
+    raw = {"unique_key": "key", "llm_provider": provider_name, "llm_model": llm_model}
+    try:
+        rows = con.execute(
+            f"select config_snapshot from {ledger.table('llm_batch_models')} where model = ? and config_snapshot is not null",
+            [ledger.model],
+        ).fetchall()
+    except duckdb.Error:  # a ledger from before the snapshot column
+        return raw
+    if not rows:
+        return raw
+    snapshot = {k: v for k, v in json.loads(rows[0][0])["config"].items() if k != "llm_variants"}
+    candidate = {**snapshot, **raw, "unique_key": snapshot.get("unique_key", "key")}
+    try:
+        parse_config(candidate)
+    except LlmBatchError:
+        return raw
+    return candidate
 
 
 def release_model(con, schema: str, model: str) -> tuple[int, int, int, int]:

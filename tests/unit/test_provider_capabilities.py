@@ -218,7 +218,7 @@ def test_an_unknown_provider_name_lists_the_registered_ones():
         get_provider("vertex")
     assert (
         str(error.value)
-        == "llm_provider must be one of ['anthropic', 'bedrock', 'openai', 'openai_compatible'], got 'vertex'"
+        == "llm_provider must be one of ['anthropic', 'bedrock', 'openai', 'openai_compatible', 'ray'], got 'vertex'"
     )
 
 
