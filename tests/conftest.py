@@ -86,6 +86,9 @@ def emulator(monkeypatch, api_key):
     monkeypatch.setenv("OPENAI_API_KEY", api_key)
     monkeypatch.setenv("ANTHROPIC_BASE_URL", emu.base_url)
     monkeypatch.setenv("ANTHROPIC_API_KEY", api_key)
+    monkeypatch.setenv("GOOGLE_GEMINI_BASE_URL", emu.gemini_base_url)
+    monkeypatch.setenv("GEMINI_API_KEY", api_key)
+    monkeypatch.delenv("GOOGLE_API_KEY", raising=False)  # the SDK would prefer it to GEMINI_API_KEY
     yield emu
     emu.stop()
     emu.raise_internal_errors()  # a sandbox bug looks like a provider 500 the plugin survives: fail here
