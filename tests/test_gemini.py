@@ -18,8 +18,10 @@ PRICE_IN, PRICE_OUT, BATCH = Decimal("0.30"), Decimal("2.50"), Decimal("0.5")
 
 
 def gemini_model(extra: str = "") -> str:
-    return triage_model(extra_config=extra).replace("llm_provider = 'openai'", "llm_provider = 'gemini'").replace(
-        "llm_model = 'gpt-4o-mini'", f"llm_model = '{GEMINI_MODEL}'"
+    return (
+        triage_model(extra_config=extra)
+        .replace("llm_provider = 'openai'", "llm_provider = 'gemini'")
+        .replace("llm_model = 'gpt-4o-mini'", f"llm_model = '{GEMINI_MODEL}'")
     )
 
 

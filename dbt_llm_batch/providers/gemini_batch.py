@@ -92,9 +92,7 @@ class GeminiBatchProvider(BatchProvider):
     max_bytes_per_batch = 2_000_000_000
     # Context windows by model-name prefix (Gemini models page: 1,048,576 input tokens for 2.x/3.x).
     context_windows = {"gemini-2.": 1_048_576, "gemini-3": 1_048_576}
-    environment_hint = (
-        "Gemini reads GOOGLE_API_KEY or GEMINI_API_KEY and GOOGLE_GEMINI_BASE_URL from the environment"
-    )
+    environment_hint = "Gemini reads GOOGLE_API_KEY or GEMINI_API_KEY and GOOGLE_GEMINI_BASE_URL from the environment"
     # `finishReason` of a candidate (Gemini API reference, Candidate.FinishReason).
     finish_reasons = {
         "STOP": "stop",
@@ -150,6 +148,7 @@ class GeminiBatchProvider(BatchProvider):
     def __init__(self, config):
         super().__init__(config)
         self._client = None
+        self._inline_requests: dict[str, list] = {}  # token -> the InlinedRequests `upload` built for `create`
 
     def check_credentials(self) -> None:
         if not any(os.environ.get(v) for v in KEY_VARIABLES):
@@ -223,7 +222,10 @@ class GeminiBatchProvider(BatchProvider):
 
     def upload(self, jsonl_path, token):
         if self._inline(jsonl_path):
-            return None  # the requests go inline with `create`
+            # The requests go inline with `create`. Built now, before any call: what the SDK's types
+            # refuse (an llm_params field it does not know) fails this step, and nothing is sent.
+            self._inline_requests[token] = self._read_inline(jsonl_path)
+            return None
 
         def upload():  # safe to repeat: an unused file bills nothing
             return self.client.files.upload(
@@ -234,16 +236,27 @@ class GeminiBatchProvider(BatchProvider):
 
     def create(self, jsonl_path, file_id, token, model_name):
         src: Any = file_id
-        if file_id is None:  # inline: each line's request as the SDK's InlinedRequest, its key as metadata
-            from google.genai import types
-
-            with open(jsonl_path, encoding="utf-8") as f:
-                src = [_inlined_request(types, json.loads(line)) for line in f if line.strip()]
+        if file_id is None:
+            src = self._inline_requests.pop(token, None) or self._read_inline(jsonl_path)
         # Not idempotent: never retried (the SDK retries nothing here); a lost answer is reconciliation's.
-        job = self.client.batches.create(
-            model=self.config.model, src=src, config={"display_name": display_name(token)}
-        )
+        job = self.client.batches.create(model=self.config.model, src=src, config={"display_name": display_name(token)})
         return Submission(batch_id=job.name, status=_state(job), input_file_id=file_id)
+
+    def _read_inline(self, jsonl_path: str) -> list:
+        """Each line's request as the SDK's InlinedRequest, its key as metadata."""
+        import pydantic
+        from google.genai import types
+
+        try:
+            with open(jsonl_path, encoding="utf-8") as f:
+                return [_inlined_request(types, json.loads(line)) for line in f if line.strip()]
+        except pydantic.ValidationError as exc:
+            problem = exc.errors()[0]
+            where = ".".join(str(p) for p in problem["loc"])
+            raise ConfigError(
+                f"llm_params: the google-genai SDK refuses the Gemini request ({where}: {problem['msg']}); "
+                f"llm_params of llm_provider 'gemini' are GenerationConfig fields, e.g. topP or thinkingConfig"
+            ) from None
 
     def find_upload(self, token, since_epoch):
         wanted = display_name(token)

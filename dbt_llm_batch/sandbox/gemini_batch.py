@@ -104,7 +104,11 @@ class Face(GeminiFilesMixin):
 
     def auth_error(self, presented: str | None) -> ApiError:
         if not presented:
-            return ApiError(403, "Method doesn't allow unregistered callers (callers without established identity).", "PERMISSION_DENIED")
+            return ApiError(
+                403,
+                "Method doesn't allow unregistered callers (callers without established identity).",
+                "PERMISSION_DENIED",
+            )
         return ApiError(400, "API key not valid. Please pass a valid API key.", "INVALID_ARGUMENT")
 
     def route_not_found(self, method: str, path: str) -> ApiError:
@@ -116,27 +120,39 @@ class Face(GeminiFilesMixin):
         return ApiError(status, fault["message"] or "Sandbox fault injected.", kind)
 
     def error_payload(self, err: ApiError, request_id: str) -> dict:
-        status = err.type if err.type != "invalid_request_error" else gemini_requests.STATUS_NAMES.get(err.status, "UNKNOWN")
+        status = (
+            err.type if err.type != "invalid_request_error" else gemini_requests.STATUS_NAMES.get(err.status, "UNKNOWN")
+        )
         return {"error": {"code": err.status, "message": err.message, "status": status}}
 
     def edge_check(self, req: Request) -> ApiError | None:
         if req.path.endswith(":batchGenerateContent") and len(req.body) > self.emu.gemini_max_inline_bytes:
             return ApiError(
-                400, f"Request payload size exceeds the limit: {self.emu.gemini_max_inline_bytes} bytes.", "INVALID_ARGUMENT"
+                400,
+                f"Request payload size exceeds the limit: {self.emu.gemini_max_inline_bytes} bytes.",
+                "INVALID_ARGUMENT",
             )
         return None
 
     # -- batches ---------------------------------------------------------------------------
     def create_batch(self, req: Request) -> dict:
         body = req.json()
-        _require(isinstance(body, dict) and isinstance(body.get("batch"), dict), "* BatchGenerateContentRequest.batch: batch is required")
+        _require(
+            isinstance(body, dict) and isinstance(body.get("batch"), dict),
+            "* BatchGenerateContentRequest.batch: batch is required",
+        )
         batch = body["batch"]
         model_name = f"models/{req.params['model']}"
         if not MODEL.match(model_name):
             raise ApiError(
-                404, f"{model_name} is not found for API version v1beta, or is not supported for batchGenerateContent.", "NOT_FOUND"
+                404,
+                f"{model_name} is not found for API version v1beta, or is not supported for batchGenerateContent.",
+                "NOT_FOUND",
             )
-        _require(isinstance(batch.get("displayName"), str) and batch["displayName"], "* batch.display_name: display_name is required")
+        _require(
+            isinstance(batch.get("displayName"), str) and batch["displayName"],
+            "* batch.display_name: display_name is required",
+        )
         source = batch.get("inputConfig")
         _require(isinstance(source, dict), "* batch.input_config: input_config is required")
         has_file, has_requests = "fileName" in source, "requests" in source
@@ -152,7 +168,10 @@ class Face(GeminiFilesMixin):
                     f"* batch.input_config.requests.requests[{i}].request: request is required",
                 )
                 metadata = item.get("metadata") or {}
-                _require(isinstance(metadata, dict), f"* batch.input_config.requests.requests[{i}].metadata: must be an object")
+                _require(
+                    isinstance(metadata, dict),
+                    f"* batch.input_config.requests.requests[{i}].metadata: must be an object",
+                )
                 requests.append({"key": metadata.get("key"), "metadata": metadata, "request": item["request"]})
         else:
             requests = self._file_requests(source["fileName"])
@@ -178,7 +197,10 @@ class Face(GeminiFilesMixin):
         return copy.deepcopy(obj)
 
     def _file_requests(self, file_name: object) -> list[dict]:
-        _require(isinstance(file_name, str) and file_name.startswith("files/"), "* batch.input_config.file_name: must be files/<id>")
+        _require(
+            isinstance(file_name, str) and file_name.startswith("files/"),
+            "* batch.input_config.file_name: must be files/<id>",
+        )
         assert isinstance(file_name, str)
         if file_name not in self.files:
             raise ApiError(404, f"File {file_name} not found.", "NOT_FOUND")
@@ -205,7 +227,9 @@ class Face(GeminiFilesMixin):
         open_jobs = [j for j in self.jobs.values() if j.obj["metadata"]["state"] not in ENDED]
         if len(open_jobs) >= self.emu.gemini_max_concurrent_batches:
             raise ApiError(
-                429, f"You can have at most {self.emu.gemini_max_concurrent_batches} batches running at once.", "RESOURCE_EXHAUSTED"
+                429,
+                f"You can have at most {self.emu.gemini_max_concurrent_batches} batches running at once.",
+                "RESOURCE_EXHAUSTED",
             )
         limit = self.emu.gemini_enqueued_token_limit
         if limit is not None:
@@ -371,7 +395,10 @@ class Face(GeminiFilesMixin):
             file_name = "files/batch-" + job.obj["name"].removeprefix("batches/")
             self.store_file(file_name, data, "application/jsonl", "GENERATED")
             meta["output"] = {"responsesFile": file_name}
-        job.obj["response"] = {"@type": "type.googleapis.com/google.ai.generativelanguage.v1beta.GenerateContentBatchOutput", **meta["output"]}
+        job.obj["response"] = {
+            "@type": "type.googleapis.com/google.ai.generativelanguage.v1beta.GenerateContentBatchOutput",
+            **meta["output"],
+        }
 
     def _id(self, prefix: str, length: int, alphabet: str = string.ascii_letters + string.digits) -> str:
         return prefix + "".join(self.emu.rng.choices(alphabet, k=length))
@@ -379,4 +406,8 @@ class Face(GeminiFilesMixin):
 
 def _require(ok: object, message: str, status: int = 400) -> None:
     if not ok:
-        raise ApiError(status, message, "INVALID_ARGUMENT" if status == 400 else gemini_requests.STATUS_NAMES.get(status, "UNKNOWN"))
+        raise ApiError(
+            status,
+            message,
+            "INVALID_ARGUMENT" if status == 400 else gemini_requests.STATUS_NAMES.get(status, "UNKNOWN"),
+        )

@@ -160,4 +160,3 @@ def page(names: list[str], req: Request, render: Callable[[str], dict], field: s
     if start + size < len(names):
         out["nextPageToken"] = str(start + size)
     return out
-

@@ -153,7 +153,7 @@ def read_request(request: object) -> tuple[str | None, str, dict | None, int, in
     for name in config:
         if name not in GENERATION_FIELDS:
             raise BadRequest(
-                f'Invalid JSON payload received. Unknown name "{name}" at \'generation_config\': Cannot find field.'
+                f"Invalid JSON payload received. Unknown name \"{name}\" at 'generation_config': Cannot find field."
             )
     limit = config.get("maxOutputTokens")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
@@ -184,7 +184,11 @@ def answer(request: object, faults, model: str, response_id: str) -> tuple[dict,
     fault = faults.take_request(prompt)
     if fault and fault["kind"] == "http_error":
         status = fault["status_code"]
-        return {"error": status_object(status, fault["message"] or "Sandbox fault injected for this request.")}, None, prompt
+        return (
+            {"error": status_object(status, fault["message"] or "Sandbox fault injected for this request.")},
+            None,
+            prompt,
+        )
     done = simulate(answer_for(fault, system, prompt, schema), chars, limit)
     usage = {"promptTokenCount": done.prompt_tokens, "candidatesTokenCount": done.completion_tokens}
     body = {

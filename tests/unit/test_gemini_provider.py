@@ -93,7 +93,10 @@ def test_usage_is_read_with_thinking_as_output_and_cached_tokens_inside_the_prom
             },
         },
         {"key": "r_bad", "error": {"code": 400, "message": "bad field", "status": "INVALID_ARGUMENT"}},
-        {"key": "r_cut", "response": {"candidates": [{"finishReason": "SAFETY"}], "usageMetadata": {"promptTokenCount": 3}}},
+        {
+            "key": "r_cut",
+            "response": {"candidates": [{"finishReason": "SAFETY"}], "usageMetadata": {"promptTokenCount": 3}},
+        },
     ]
     memory_con.execute("create table lines (raw varchar)")
     memory_con.executemany("insert into lines values (?)", [[json.dumps(x)] for x in lines])
@@ -108,3 +111,14 @@ def test_usage_is_read_with_thinking_as_output_and_cached_tokens_inside_the_prom
         ("r_cut", "error", None, 3, 0, None, True),
         ("r_ok", "ok", "hello", 100, 27, 40, False),
     ]
+
+
+def test_an_llm_params_field_the_sdk_refuses_fails_before_anything_is_sent(memory_con, tmp_path):
+    provider = get_provider("gemini")(parse_config({**BASE, "llm_params": {"topQ": 1}}))
+    (raw,) = memory_con.execute(
+        f"select {provider.request_line_sql()} from (select 'r_1' as custom_id, 'p' as prompt)"
+    ).fetchone()
+    path = tmp_path / "requests.jsonl"
+    path.write_text(raw + "\n")
+    with pytest.raises(ConfigError, match="llm_params: the google-genai SDK refuses the Gemini request"):
+        provider.upload(str(path), token="job-1")  # inline (auto, small): built before any call
