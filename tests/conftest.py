@@ -11,7 +11,16 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from helpers import KILL, KILLS_A_PROCESS, PROVIDER_MODELS, SANDBOX_KEY, STARTS_A_PROCESS, STARTS_A_SANDBOX, uses_any
+from helpers import (
+    KILL,
+    KILLS_A_PROCESS,
+    PROVIDER_MODELS,
+    SANDBOX_KEY,
+    STARTS_A_PROCESS,
+    STARTS_A_SANDBOX,
+    gemini_triage_model,
+    uses_any,
+)
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
@@ -240,3 +249,12 @@ def ray_cluster():
     print(f"\nray_cluster: a local Ray head started in {cluster.started_in_seconds:.1f} s")
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def gemini_project(project, emulator) -> Project:
+    """A project on the sandbox's Gemini face: the model `triage` (6 tickets, seeded) asks Gemini
+    (tests/test_gemini.py; a provider conformance suite takes "a project on this provider's face")."""
+    project.write("models/triage.sql", gemini_triage_model())
+    project.dbt("seed")
+    return project

@@ -10,27 +10,11 @@ import collections
 from decimal import Decimal
 
 import pytest
-from helpers import assert_triage_rows_answered, kill_then_run_on, triage_model
+from helpers import GEMINI_MODEL, assert_triage_rows_answered, gemini_triage_model, kill_then_run_on
 
-GEMINI_MODEL = "gemini-2.5-flash"
-# prices.csv: gemini-2.5-flash per million tokens, input and output; the Batch API takes 50 % off.
-PRICE_IN, PRICE_OUT, BATCH = Decimal("0.30"), Decimal("2.50"), Decimal("0.5")
-
-
-def gemini_model(extra: str = "") -> str:
-    return (
-        triage_model(extra_config=extra)
-        .replace("llm_provider = 'openai'", "llm_provider = 'gemini'")
-        .replace("llm_model = 'gpt-4o-mini'", f"llm_model = '{GEMINI_MODEL}'")
-    )
-
-
-@pytest.fixture
-def gemini_project(project, emulator):
-    """A project whose model `triage` (6 tickets) asks Gemini, on the emulator's Gemini face."""
-    project.write("models/triage.sql", gemini_model())
-    project.dbt("seed")
-    return project
+# Gemini's prices per million tokens (input, output), as prices.csv ships them; the Batch API takes 50 % off.
+PRICES = {"gemini-2.5-flash": (Decimal("0.30"), Decimal("2.50"))}
+(PRICE_IN, PRICE_OUT), BATCH = PRICES[GEMINI_MODEL], Decimal("0.5")
 
 
 def gemini_batches(emulator) -> list[dict]:
@@ -57,7 +41,7 @@ def assert_cost_is_what_was_billed(project, emulator) -> None:
 @pytest.mark.parametrize("mode", ["inline", "file"])
 def test_a_run_submits_and_returns_and_a_later_run_merges_every_row(gemini_project, emulator, mode):
     project = gemini_project
-    project.write("models/triage.sql", gemini_model(f"llm_gemini_input = '{mode}',"))
+    project.write("models/triage.sql", gemini_triage_model(f"llm_gemini_input = '{mode}',"))
     project.dbt("run", "-s", "triage")
     (batch,) = gemini_batches(emulator)
     assert batch["metadata"]["state"] == "BATCH_STATE_PENDING"
