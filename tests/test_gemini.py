@@ -117,3 +117,22 @@ def test_a_job_that_ends_early_keeps_its_finished_results_and_resends_the_rest(g
         ("succeeded", 6),
         ("voided", 3),
     ]
+
+
+def test_poll_harvests_a_gemini_job_between_runs_and_the_next_run_merges_without_a_call(
+    gemini_project, emulator, capsys
+):
+    from dbt_llm_batch.ops.cli import main as cli
+    from dbt_llm_batch.ops.poller import EXIT_DONE
+
+    project = gemini_project
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    capsys.readouterr()
+    assert cli(["poll", "--database", str(project.db_path)]) == EXIT_DONE, capsys.readouterr().out
+    assert project.query("select status, count(*) from main.llm_batch_requests group by 1") == [("succeeded", 6)]
+    calls = dict(emulator.stats()["calls"])
+    project.dbt("run", "-s", "triage")
+    assert_triage_rows_answered(project)
+    assert dict(emulator.stats()["calls"]) == calls  # merged from the ledger: no provider call
+    assert_cost_is_what_was_billed(project, emulator)
