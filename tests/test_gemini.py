@@ -10,7 +10,7 @@ import collections
 from decimal import Decimal
 
 import pytest
-from helpers import GEMINI_MODEL, assert_triage_rows_answered, gemini_triage_model, kill_then_run_on
+from helpers import GEMINI_MODEL, assert_triage_rows_answered, end_backoff, gemini_triage_model, kill_then_run_on
 
 # Gemini's prices per million tokens (input, output), as prices.csv ships them; the Batch API takes 50 % off.
 PRICES = {"gemini-2.5-flash": (Decimal("0.30"), Decimal("2.50"))}
@@ -95,12 +95,11 @@ def test_a_run_killed_right_after_create_pays_nothing_twice(gemini_project, emul
     assert_cost_is_what_was_billed(project, emulator)
 
 
-@pytest.mark.parametrize("end", ["expired", "failed"])
-def test_a_job_that_ends_early_keeps_its_finished_results_and_resends_the_rest(gemini_project, emulator, end):
+def test_an_expired_job_keeps_its_finished_results_and_resends_the_rest(gemini_project, emulator):
     project = gemini_project
     project.dbt("run", "-s", "triage")
     (first,) = gemini_batches(emulator)
-    emulator.advance(first["name"], end, done_fraction=0.5)  # 3 of 6 requests ran before it ended
+    emulator.advance(first["name"], "expired", done_fraction=0.5)  # 3 of 6 requests ran before it expired
     project.dbt("run", "-s", "triage")
     assert project.query("select llm_status, count(*) from main.triage group by 1") == [("succeeded", 3)]
     assert project.query("select rows_pending from main.llm_batch_progress") == [(3,)]
@@ -135,4 +134,30 @@ def test_poll_harvests_a_gemini_job_between_runs_and_the_next_run_merges_without
     project.dbt("run", "-s", "triage")
     assert_triage_rows_answered(project)
     assert dict(emulator.stats()["calls"]) == calls  # merged from the ledger: no provider call
+    assert_cost_is_what_was_billed(project, emulator)
+
+
+def test_a_failed_job_keeps_its_finished_results_and_resends_the_rest_after_a_back_off(gemini_project, emulator):
+    """JOB_STATE_FAILED names no request: like an OpenAI batch that failed as a whole, its unanswered
+    requests are resubmitted after a growing back-off (and given up after 3 such failures in a row),
+    not at once by every run while the provider keeps failing them."""
+    project = gemini_project
+    project.dbt("run", "-s", "triage")
+    (first,) = gemini_batches(emulator)
+    emulator.advance(first["name"], "failed", done_fraction=0.5)  # 3 of 6 requests ran before it failed
+    project.dbt("run", "-s", "triage")
+    assert project.query("select llm_status, count(*) from main.triage group by 1") == [("succeeded", 3)]
+    assert len(gemini_batches(emulator)) == 1  # the other 3 wait out the back-off
+    waiting = project.query(
+        "select count(*) from main.llm_batch_requests where status = 'voided' and not_before > now()"
+    )
+    assert waiting == [(3,)]
+    end_backoff(project)
+    project.dbt("run", "-s", "triage")
+    assert gemini_batches(emulator)[1]["metadata"]["batchStats"]["requestCount"] == "3"
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert_triage_rows_answered(project)
+    billed = billed_per_prompt(emulator)
+    assert len(billed) == 6 and set(billed.values()) == {1}
     assert_cost_is_what_was_billed(project, emulator)

@@ -294,6 +294,7 @@ class GeminiBatchProvider(BatchProvider):
         return BatchState(
             status=state,
             ended=state in ENDED,
+            failed=state == "JOB_STATE_FAILED",
             error=error,
             output_file_id=dest.file_name if dest is not None else None,
         )
