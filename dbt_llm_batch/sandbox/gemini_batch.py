@@ -193,7 +193,7 @@ class Face(GeminiFilesMixin):
             "done": False,
         }
         self.jobs[name] = Job(obj, requests, has_requests, now, now)
-        self.emu.counters.new_batch(self.name, name, len(requests))
+        self.emu.counters.new_batch(self.name, _bare(name), len(requests))
         return copy.deepcopy(obj)
 
     def _file_requests(self, file_name: object) -> list[dict]:
@@ -269,13 +269,23 @@ class Face(GeminiFilesMixin):
     def _render(self, job: Job) -> dict:
         return copy.deepcopy(job.obj)
 
+    def _control_view(self, job: Job) -> dict:
+        """The job for the control API and its CLI: the operation, plus the `id` (the name without
+        `batches/`, which the control paths take) and its `status`."""
+        return {
+            **self._render(job),
+            "id": _bare(job.obj["name"]),
+            "status": job.obj["metadata"]["state"],
+            "object": "gemini_batch",
+        }
+
     # -- hooks for the Emulator ----------------------------------------------------------------
     def owns(self, batch_id: str) -> bool:
         return (batch_id if batch_id.startswith("batches/") else f"batches/{batch_id}") in self.jobs
 
     def batch_list(self) -> list[dict]:
         jobs = sorted([*self.jobs.values(), *self.deleted.values()], key=lambda j: j.created, reverse=True)
-        return [{**self._render(j), "id": j.obj["name"], "object": "gemini_batch"} for j in jobs]
+        return [self._control_view(j) for j in jobs]
 
     def complete_all(self) -> list[dict]:
         open_names = [n for n, j in self.jobs.items() if j.obj["metadata"]["state"] not in ENDED]
@@ -296,7 +306,7 @@ class Face(GeminiFilesMixin):
         target = "BATCH_STATE_" + to.upper().removeprefix("BATCH_STATE_").removeprefix("JOB_STATE_")
         state = job.obj["metadata"]["state"]
         if state == target and target == "BATCH_STATE_SUCCEEDED":
-            return self._render(job)
+            return self._control_view(job)
         if state in ENDED or target not in (*STAGES[1:], *ENDED):
             raise ValueError(f"cannot advance batch {batch_id} from {state!r} to {to!r}")
         if target == "BATCH_STATE_RUNNING":
@@ -308,7 +318,7 @@ class Face(GeminiFilesMixin):
         else:
             self._run_until(job, done_fraction)
             self._end(job, target, now)
-        return self._render(job)
+        return self._control_view(job)
 
     def expire_results(self, batch_id: str) -> dict:
         """Retention ended: the responses file is deleted (downloads answer 403); inline results go with the job."""
@@ -321,7 +331,7 @@ class Face(GeminiFilesMixin):
             del self.files[file_name]
         elif job.inline:
             self.deleted[job.obj["name"]] = self.jobs.pop(job.obj["name"])
-        return self._render(job)
+        return self._control_view(job)
 
     def tick(self, now: float) -> None:
         """Auto-advance (each stage lasts `auto_advance_seconds`), 48 h expiry, 48 h file retention."""
@@ -411,3 +421,7 @@ def _require(ok: object, message: str, status: int = 400) -> None:
             message,
             "INVALID_ARGUMENT" if status == 400 else gemini_requests.STATUS_NAMES.get(status, "UNKNOWN"),
         )
+
+
+def _bare(name: str) -> str:
+    return name.removeprefix("batches/")
