@@ -111,7 +111,7 @@ class BatchState:
     error_file_id: str | None = None
     # OpenAI validation errors that name input lines: {1-based line of the request file: message}.
     line_errors: dict = field(default_factory=dict)
-    # The batch failed as a whole (OpenAI `failed`, Gemini JOB_STATE_FAILED): the requests it left
+    # The batch failed as a whole (OpenAI `failed`, Ray `FAILED`, Gemini JOB_STATE_FAILED): the requests it left
     # unanswered are resubmitted after a back-off, and given up after repeated failures (batch_failures.py).
     failed: bool = False
     token_limit: bool = False  # failed on the provider's enqueued-token limit: resubmit after a back-off
