@@ -11,7 +11,16 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from helpers import KILL, KILLS_A_PROCESS, PROVIDER_MODELS, SANDBOX_KEY, STARTS_A_PROCESS, STARTS_A_SANDBOX, uses_any
+from helpers import (
+    KILL,
+    KILLS_A_PROCESS,
+    PROVIDER_MODELS,
+    SANDBOX_KEY,
+    STARTS_A_PROCESS,
+    STARTS_A_SANDBOX,
+    gemini_triage_model,
+    uses_any,
+)
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
@@ -86,6 +95,9 @@ def emulator(monkeypatch, api_key):
     monkeypatch.setenv("OPENAI_API_KEY", api_key)
     monkeypatch.setenv("ANTHROPIC_BASE_URL", emu.base_url)
     monkeypatch.setenv("ANTHROPIC_API_KEY", api_key)
+    monkeypatch.setenv("GOOGLE_GEMINI_BASE_URL", emu.gemini_base_url)
+    monkeypatch.setenv("GEMINI_API_KEY", api_key)
+    monkeypatch.delenv("GOOGLE_API_KEY", raising=False)  # the SDK would prefer it to GEMINI_API_KEY
     yield emu
     emu.stop()
     emu.raise_internal_errors()  # a sandbox bug looks like a provider 500 the plugin survives: fail here
@@ -237,3 +249,12 @@ def ray_cluster():
     print(f"\nray_cluster: a local Ray head started in {cluster.started_in_seconds:.1f} s")
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def gemini_project(project, emulator) -> Project:
+    """A project on the sandbox's Gemini face: the model `triage` (6 tickets, seeded) asks Gemini
+    (tests/test_gemini.py; a provider conformance suite takes "a project on this provider's face")."""
+    project.write("models/triage.sql", gemini_triage_model())
+    project.dbt("seed")
+    return project

@@ -44,6 +44,9 @@ TRIAGE_SCHEMA = {
 SANDBOX_KEY = "sk-sandbox-test-key-0001"  # the key the `emu` fixture's emulator expects
 
 PROVIDER_MODELS = {"openai": "gpt-4o-mini", "anthropic": "claude-sonnet-4-5"}
+GEMINI_MODEL = (
+    "gemini-2.5-flash"  # not in PROVIDER_MODELS: the `provider` fixture's stories are OpenAI's and Anthropic's
+)
 
 
 def triage_model(system: str = TRIAGE_SYSTEM, extra_config: str = "", where: str = "", provider: str = "openai") -> str:
@@ -62,6 +65,15 @@ select ticket_id, subject, priority, 'Subject: ' || subject || chr(10) || chr(10
 from {{{{ ref('support_tickets') }}}}
 {where}
 """
+
+
+def gemini_triage_model(extra_config: str = "") -> str:
+    """The triage model on llm_provider 'gemini'."""
+    return (
+        triage_model(extra_config=extra_config)
+        .replace("llm_provider = 'openai'", "llm_provider = 'gemini'")
+        .replace(f"llm_model = '{PROVIDER_MODELS['openai']}'", f"llm_model = '{GEMINI_MODEL}'")
+    )
 
 
 def expected_triage(system: str, prompt: str) -> tuple:

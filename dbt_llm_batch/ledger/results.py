@@ -10,10 +10,11 @@ from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL
 class ResultWrites(LedgerBase):
     def store_result_files(self, downloads: str, paths: list[str]) -> None:
         """Inside the caller's transaction: store every line of the files `paths`, matched to their
-        job and source through `downloads` (path, job_id, source)."""
+        job and source through `downloads` (path, job_id, source). A line names its request's id
+        `custom_id` (OpenAI, Anthropic) or `key` (Gemini Batch Mode)."""
         self.con.execute(
             f"""insert into {self.table("llm_batch_results")}
-                select r.json ->> 'custom_id', ?, d.job_id, d.source, r.json, now()
+                select coalesce(r.json ->> 'custom_id', r.json ->> 'key'), ?, d.job_id, d.source, r.json, now()
                 from read_ndjson_objects(?, filename = true) r join {downloads} d on d.path = r.filename""",
             [self.model, paths],
         )

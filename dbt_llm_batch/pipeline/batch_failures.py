@@ -97,11 +97,8 @@ def fail_named_lines(ledger) -> None:
 
 
 def is_plain_failure(state: BatchState) -> bool:
-    """A batch that failed as a whole, naming no request and not on the token limit."""
-    # OpenAI says 'failed', Ray Jobs 'FAILED'.
-    return (
-        state.status.lower() == "failed" and not state.token_limit and not state.line_errors and not state.results_gone
-    )
+    """A batch that failed as a whole (`BatchState.failed`), naming no request and not on the token limit."""
+    return state.failed and not state.token_limit and not state.line_errors and not state.results_gone
 
 
 def settle_batch_failures(ledger, priced: bool) -> None:

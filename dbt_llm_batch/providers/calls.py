@@ -23,11 +23,14 @@ class ProviderUnavailable(Exception):
 
 def status_of(exc: BaseException) -> int | None:
     """The HTTP status of an SDK error (openai and anthropic both set `status_code`; botocore's
-    ClientError keeps it in its parsed `response`), else None."""
+    ClientError keeps it in its parsed `response`; google-genai's APIError, and its ClientError and
+    ServerError, set `code`), else None."""
     status = getattr(exc, "status_code", None)
     response = getattr(exc, "response", None)
     if status is None and isinstance(response, dict):
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if status is None and any(cls.__name__ == "APIError" for cls in type(exc).__mro__):
+        status = getattr(exc, "code", None)
     return status if isinstance(status, int) else None
 
 
@@ -95,8 +98,9 @@ def provider_message(exc: BaseException) -> str:
     """What the provider said, in its own words: the `error.message` of the response body both SDKs parse
     into `exc.body`, else the exception's first line. The SDKs' own wording around it changes between
     releases (anthropic 2.17 dropped "Error code:"), so nothing we print or test depends on it."""
-    body = getattr(exc, "body", None)
-    # anthropic keeps the whole body ({"type": "error", "error": {...}}); openai keeps its "error" object.
+    body = getattr(exc, "body", None) or getattr(exc, "details", None)
+    # anthropic keeps the whole body ({"type": "error", "error": {...}}); openai keeps its "error" object;
+    # google-genai keeps the whole body ({"error": {"code", "message", "status"}}) in `details`.
     error = body.get("error", body) if isinstance(body, dict) else None
     message = error.get("message") if isinstance(error, dict) else None
     if isinstance(message, str) and message:

@@ -145,6 +145,7 @@ class OpenAIBatchProvider(OpenAIChatProvider, BatchProvider):
         return BatchState(
             status=b.status,
             ended=b.status in ENDED,
+            failed=b.status == "failed",
             error=error,
             counts=counts,
             requests_done=(counts.get("completed") or 0) + (counts.get("failed") or 0),

@@ -282,6 +282,7 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
         return BatchState(
             status=status,
             ended=status in ENDED,
+            failed=status == "FAILED",
             error=failure(info.message) if status == "FAILED" else None,
             requests_done=done,
             output_file_id=self.folder(batch_id) + "/" + ray_job.OUTPUT,

@@ -32,21 +32,24 @@ BEDROCK_BANNER = """\
 ====================================================================="""
 BANNER = """\
 =====================================================================
- SANDBOX emulator of the OpenAI Batch API (Files + Batches) and the
- Anthropic Message Batches API.
+ SANDBOX emulator of the OpenAI Batch API (Files + Batches), the
+ Anthropic Message Batches API and the Gemini API Batch Mode.
  Its answers are deterministic placeholders computed from the prompt,
- NOT a model's answers. Nothing is sent to OpenAI or Anthropic;
+ NOT a model's answers. Nothing is sent to OpenAI, Anthropic or Google;
  nothing is billed.
 =====================================================================
  Base URL: {base}
    OpenAI base URL:    {base}/v1
    Anthropic base URL: {base}
+   Gemini base URL:    {base}/gemini
  Batches advance {mode}.
  Use it from another shell with:
    export OPENAI_BASE_URL={base}/v1
    export OPENAI_API_KEY={key}
    export ANTHROPIC_BASE_URL={base}
    export ANTHROPIC_API_KEY={key}
+   export GOOGLE_GEMINI_BASE_URL={base}/gemini
+   export GEMINI_API_KEY={key}
  Finish a batch from another shell (after `export SANDBOX_URL={base}`):
    dbt-llm-batch sandbox batches             list batches with their status
    dbt-llm-batch sandbox advance <batch_id>  move it one stage along

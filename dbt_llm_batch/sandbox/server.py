@@ -2,7 +2,7 @@
 
 Provider behaviour lives in "face" modules listed in FACE_MODULES (OpenAI
 Files+Batches at `<base>/v1`, Anthropic Message Batches at `<base>`, Amazon Bedrock's
-batch inference control plane and Converse at `<base>`). A face is
+batch inference control plane and Converse at `<base>`, Gemini Batch Mode at `<base>/gemini`). A face is
 built as `Face(emulator)` and provides: `name` (its key in stats), `routes`
 (list of METHOD, "/v1/path/{id}", handler), `prefixes`, `request_id_header`,
 `api_key_from(headers)`, `auth_error(presented_key)`, `route_not_found(method, path)`,
@@ -11,7 +11,8 @@ built as `Face(emulator)` and provides: `name` (its key in stats), `routes`
 (called before every request and control call, with or without auto-advance),
 `owns(id)`, `advance(id, to, done_fraction)`, `expire_results(id)`, `complete_all()`, `batch_list()`.
 Optional: `edge_check(req)` -> ApiError or None, run before auth (what a CDN in
-front of the provider rejects, e.g. Anthropic's 413).
+front of the provider rejects, e.g. Anthropic's 413); `preauthorized(req)` -> bool, a request
+authorised by its own URL (Gemini's resumable upload session), not by the key.
 Handlers take a `Request` and return a dict (200 JSON), bytes (200 raw) or a
 `Reply`, raising `ApiError` for provider errors. This module holds what all
 faces share: auth, endpoint faults (before or after the handler ran), call statistics,
@@ -47,6 +48,7 @@ FACE_MODULES = (
     "dbt_llm_batch.sandbox.openai_batch",
     "dbt_llm_batch.sandbox.anthropic_batch",
     "dbt_llm_batch.sandbox.bedrock_batch",
+    "dbt_llm_batch.sandbox.gemini_batch",
 )
 
 
@@ -116,6 +118,10 @@ class Emulator:
         openai_cache_ttl_seconds: float = 300,
         null_usage_details: bool = False,
         s3_endpoint_url: str | None = None,
+        gemini_max_inline_bytes: int = 20_000_000,
+        gemini_max_file_bytes: int = 2_000_000_000,
+        gemini_max_concurrent_batches: int = 100,
+        gemini_enqueued_token_limit: int | None = None,
     ):
         """One key serves both faces.
 
@@ -128,7 +134,10 @@ class Emulator:
         Both: `min_cache_tokens` (the shortest prefix, in sandbox tokens, the prompt cache stores; None:
         each provider's per-model minimum, see caching.min_cache_tokens); `null_usage_details`: usage
         details and Anthropic `cache_*` fields are null, as a vLLM server sends them by default.
-        Bedrock: `s3_endpoint_url`, the S3 emulator (moto's server mode) its jobs read and write."""
+        Bedrock: `s3_endpoint_url`, the S3 emulator (moto's server mode) its jobs read and write.
+        Gemini (served under `gemini_base_url`): `gemini_max_inline_bytes` (a create body with inline
+        requests), `gemini_max_file_bytes` (an uploaded file), `gemini_max_concurrent_batches` (jobs not
+        ended), `gemini_enqueued_token_limit` (input tokens of jobs not ended; None: no limit)."""
         if not api_key:
             raise ValueError("api_key must be a non-empty string")
         self._api_key = api_key
@@ -142,6 +151,9 @@ class Emulator:
         self.openai_cache_ttl_seconds = openai_cache_ttl_seconds
         self.null_usage_details = null_usage_details
         self.s3_endpoint_url = s3_endpoint_url
+        self.gemini_max_inline_bytes, self.gemini_max_file_bytes = gemini_max_inline_bytes, gemini_max_file_bytes
+        self.gemini_max_concurrent_batches = gemini_max_concurrent_batches
+        self.gemini_enqueued_token_limit = gemini_enqueued_token_limit
         # What the Anthropic results endpoint answers for an archived batch (`archived_at` set): the
         # provider's docs do not say; 404 by default, settable so clients are shown to rely on archived_at.
         self.archived_results_status = 404
@@ -200,6 +212,10 @@ class Emulator:
     @property
     def anthropic_base_url(self) -> str:
         return self.base_url  # the Anthropic SDK adds /v1 itself
+
+    @property
+    def gemini_base_url(self) -> str:
+        return self.base_url + "/gemini"  # the SDK adds the API version (v1, v1beta) itself
 
     def now(self) -> float:
         return time.time()
@@ -370,7 +386,11 @@ class Emulator:
         if rejected is not None:
             return self._render_error(face, rejected)
         presented = face.api_key_from(req.headers) or ""
-        if not hmac.compare_digest(presented.encode(), self._api_key.encode()):
+        # A face's session URL may carry its own authorization (Gemini's resumable upload URL).
+        preauthorized = getattr(face, "preauthorized", None)
+        if not (preauthorized and preauthorized(req)) and not hmac.compare_digest(
+            presented.encode(), self._api_key.encode()
+        ):
             return self._render_error(face, face.auth_error(presented))
         fault = self.fault_book.take_endpoint(key, req.path)
         if fault and fault["when"] == "before" and fault["kind"] != "truncate":

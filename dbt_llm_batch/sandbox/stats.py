@@ -11,6 +11,7 @@ USAGE_KEYS = {
     "openai": ("prompt_tokens", "completion_tokens", "cached_tokens"),
     "anthropic": ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"),
     "bedrock": ("input_tokens", "output_tokens"),
+    "gemini": ("promptTokenCount", "candidatesTokenCount"),
 }
 
 

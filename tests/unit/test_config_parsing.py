@@ -21,7 +21,7 @@ def test_unknown_provider_and_bad_output_types_are_reported_together():
         )
     message = str(error.value)
     assert (
-        "llm_provider must be one of ['openai', 'anthropic', 'bedrock', 'openai_compatible', 'ray'], got 'vertex'"
+        "llm_provider must be one of ['openai', 'anthropic', 'bedrock', 'gemini', 'openai_compatible', 'ray'], got 'vertex'"
         in message
     )
     assert "llm_output['score'] has unknown type 'float'" in message

@@ -19,7 +19,7 @@ from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import ConfigError
 
 PACKAGE = Path(dbt_llm_batch.__file__).parent
-BUILT_IN = {"openai", "anthropic", "openai_compatible"}
+BUILT_IN = {"openai", "anthropic", "openai_compatible", "gemini"}
 # Not the core: the providers themselves, and the sandbox (the emulator of the providers' HTTP APIs,
 # whose faces are named after the provider they emulate).
 NOT_CORE = ("providers", "sandbox")
@@ -218,7 +218,7 @@ def test_an_unknown_provider_name_lists_the_registered_ones():
         get_provider("vertex")
     assert (
         str(error.value)
-        == "llm_provider must be one of ['anthropic', 'bedrock', 'openai', 'openai_compatible', 'ray'], got 'vertex'"
+        == "llm_provider must be one of ['anthropic', 'bedrock', 'gemini', 'openai', 'openai_compatible', 'ray'], got 'vertex'"
     )
 
 
