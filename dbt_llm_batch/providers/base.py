@@ -184,6 +184,13 @@ class Provider(ABC):
         return max(matches)[1] if matches else None
 
     @classmethod
+    def price_key(cls, config: ModelConfig) -> tuple[str, str]:
+        """The (provider, model) row of the price table that prices `config`'s requests: its own
+        provider and model, unless the provider bills by something else (an Azure deployment's model,
+        an OpenAI-compatible host's own prices)."""
+        return config.provider, config.model
+
+    @classmethod
     def default_max_tokens(cls, model: str) -> int | None:
         """Output tokens a request of `model` reserves when llm_max_tokens is not set (None: nothing)."""
         return cls.default_output_tokens

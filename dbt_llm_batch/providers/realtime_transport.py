@@ -169,3 +169,23 @@ def anthropic_transports(concurrency: int = 16) -> list[SdkTransport]:
         max_retries=0, timeout=REQUEST_TIMEOUT_SECONDS, http_client=anthropic.DefaultAsyncHttpxClient(limits=limits)
     )
     return [SdkTransport(client, "/v1/messages", anthropic, "Anthropic", "ANTHROPIC_API_KEY")]
+
+
+def azure_openai_transports(endpoint: str, api_version: str, deployment: str, concurrency: int = 16) -> list:
+    """An Azure OpenAI deployment: the body goes to /openai/deployments/{deployment}/chat/completions
+    (the SDK adds /openai, the api-version query and the api-key or Entra token header). The path names
+    the deployment itself: the SDK only moves a request to it when it parses the body, which is sent raw."""
+    import httpx2 as httpx  # the HTTP client the SDKs are built on
+    import openai
+    from urllib.parse import quote
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    client = openai.AsyncAzureOpenAI(
+        azure_endpoint=endpoint,
+        api_version=api_version,
+        max_retries=0,
+        timeout=REQUEST_TIMEOUT_SECONDS,
+        http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+    )
+    path = f"/deployments/{quote(deployment, safe='')}/chat/completions"
+    return [SdkTransport(client, path, openai, "Azure OpenAI", "AZURE_OPENAI_API_KEY")]

@@ -47,6 +47,7 @@ FACE_MODULES = (
     "dbt_llm_batch.sandbox.openai_batch",
     "dbt_llm_batch.sandbox.anthropic_batch",
     "dbt_llm_batch.sandbox.bedrock_batch",
+    "dbt_llm_batch.sandbox.azure_openai",
 )
 
 
