@@ -1,0 +1,183 @@
+"""The provider conformance suite: what every batch provider must do, through real dbt against the
+provider's sandbox face, run once per kit (conftest.py; the interface is kit.py).
+
+Cases (the matrix is providers x these; `pytest tests/conformance --collect-only -q` lists it):
+- lifecycle: a run submits and returns; a later run merges every row with its answer; a run with nothing
+  new asks nothing; the table's cost equals the usage the face billed at the provider's batch price;
+- crash: a run SIGKILLed at each of the kit's crash points (at least right after the provider's create)
+  is finished by later runs, with one batch and nothing paid twice;
+- lost create: the create's answer is lost after the provider created the batch: the batch is found
+  again (reconciliation), never created and paid a second time;
+- transient poll fault: the poll fails twice, overloaded; the run retries within its budget and merges;
+- unfinished batch: a batch ends with half its requests done (expiry, or a cancel where the provider
+  never expires a job): the finished results are kept and paid once, the rest are sent again, and the
+  cost still equals what was billed.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+from decimal import Decimal
+from pathlib import Path
+
+import duckdb
+from helpers import THINGS_SYSTEM
+
+from dbt_llm_batch.config import parse_config
+from dbt_llm_batch.pipeline import costs
+from dbt_llm_batch.providers import BatchProvider, get_provider, provider_names
+from dbt_llm_batch.sandbox import expected_answer
+
+ROWS = 6
+
+
+def model_sql(kit) -> str:
+    extra = "".join(f"{name}={value!r}, " for name, value in kit.config.items())
+    return f"""
+{{{{ config(materialized='llm_batch', unique_key='a', llm_provider='{kit.provider}', llm_model='{kit.model}',
+            llm_system={THINGS_SYSTEM!r}, llm_max_tokens=100, llm_retry_budget_seconds=60, {extra}) }}}}
+select * from {{{{ ref('things') }}}}
+"""
+
+
+def setup(project, kit) -> None:
+    values = ", ".join(f"({i}, 'conformance row {i}')" for i in range(ROWS))
+    project.write("models/things.sql", f"select * from (values {values}) t(a, prompt)")
+    project.write("models/m.sql", model_sql(kit))
+    project.dbt("run", "-s", "things")
+
+
+def run(project) -> None:
+    project.dbt("run", "-s", "m")
+
+
+def rows(project) -> list[tuple]:
+    return project.query("select prompt, llm_status, llm_output from main.m order by a")
+
+
+def assert_every_row_answered(project) -> None:
+    got = rows(project)
+    assert len(got) == ROWS, got
+    for prompt, status, output in got:
+        assert (status, output) == ("succeeded", expected_answer(THINGS_SYSTEM, prompt, None)), (prompt, status)
+
+
+def assert_paid_once(kit) -> None:
+    """Every row's request was billed exactly once, however many batches and runs it took."""
+    kit.complete_all()  # a batch a run left open bills when it ends
+    per_prompt = collections.Counter(b.prompt for b in kit.billed())
+    assert sorted(per_prompt.values()) == [1] * ROWS, f"billed more than once (or never): {per_prompt}"
+
+
+def assert_cost_is_billed_usage(project, kit) -> None:
+    """The ledger's cost equals the usage the face billed at the provider's shipped batch price: each
+    request rounded to the ledger's 9 decimal places, so the sums agree within 1e-9 a request (a token
+    of the cheapest priced model costs more than 5e-8)."""
+    billed = kit.billed()
+    assert billed and all(b.cached_tokens == 0 for b in billed)  # the short prompts are never cached
+    config = parse_config({"unique_key": "a", "llm_provider": kit.provider, "llm_model": kit.model, **kit.config})
+    with duckdb.connect() as con:
+        costs.load_prices(con, None)
+        price = costs.price_of(con, *get_provider(kit.provider).price_key(config))
+    assert price is not None, f"{kit.provider} {kit.model} has no row in the shipped price table"
+    discount = 1 - Decimal(str(price["batch_discount"]))
+    expected = sum(
+        (b.input_tokens * Decimal(str(price["input"])) + b.output_tokens * Decimal(str(price["output"])))
+        / Decimal(1_000_000)
+        * discount
+        for b in billed
+    )
+    (ledger,) = project.query("select sum(cost_usd) from main.llm_batch_requests where cost_usd is not null")[0]
+    assert ledger is not None and abs(Decimal(ledger) - expected) <= Decimal("1e-9") * len(billed), (ledger, expected)
+
+
+def test_every_registered_batch_provider_has_a_kit():
+    from conftest import KITS
+
+    batch_providers = {n for n in provider_names() if issubclass(get_provider(n), BatchProvider)}
+    assert batch_providers <= set(KITS), f"batch providers without a conformance kit: {batch_providers - set(KITS)}"
+
+
+def test_lifecycle(project, kit):
+    setup(project, kit)
+    run(project)  # submits and returns
+    assert kit.batches_created() == 1
+    assert project.query("select count(*) from main.m") == [(0,)]
+    kit.complete_all()
+    run(project)  # merges every row
+    assert_every_row_answered(project)
+    run(project)  # nothing new: nothing sent
+    assert kit.batches_created() == 1
+    assert_paid_once(kit)
+    assert_cost_is_billed_usage(project, kit)
+
+
+def test_a_run_killed_at_a_crash_point_pays_nothing_twice(project, kit, crash_point, tmp_path):
+    setup(project, kit)
+    project.release_database()
+    marker = tmp_path / "crash-marker"
+    dbt = str(Path(sys.executable).parent / "dbt")
+    killed = subprocess.run(
+        [dbt, "run", "-s", "m", "--project-dir", str(project.root), "--profiles-dir", str(project.root)],
+        env={**os.environ, "DBT_LLM_BATCH_CRASH_AT": crash_point, "DBT_LLM_BATCH_CRASH_MARKER": str(marker)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -9 and marker.read_text() == crash_point, killed.stdout[-2000:]
+    for _ in range(3):  # the nightly schedule: a run, the provider finishes what it has
+        run(project)
+        kit.complete_all()
+    run(project)
+    assert_every_row_answered(project)
+    assert kit.batches_created() == 1, "a second batch was created for the same rows"
+    assert_paid_once(kit)
+
+
+def test_a_create_whose_answer_was_lost_is_found_not_created_again(project, kit):
+    setup(project, kit)
+    kit.inject_fault("create", "disconnect", "after", times=1)  # the batch exists; the answer never came
+    for _ in range(4):
+        run(project)
+        kit.complete_all()
+        project.release_database()
+        # A day between nightly runs: reconciliation looks at every batch created since the intent.
+        project.query(
+            "update main.llm_batch_jobs set created_at = created_at - interval 26 hour "
+            "where status = 'submitting' and batch_id is null"
+        )
+    assert kit.faults_pending() == 0, "the fault never fired"
+    assert_every_row_answered(project)
+    assert kit.batches_created() == 1, "a second batch was created for the same rows"
+    assert_paid_once(kit)
+
+
+def test_a_poll_failing_twice_is_retried_within_the_run(project, kit):
+    setup(project, kit)
+    run(project)
+    kit.complete_all()
+    kit.inject_fault("poll", "overloaded", "before", times=2)
+    run(project)
+    assert kit.faults_pending() == 0, "the fault never fired"
+    assert_every_row_answered(project)
+    assert_paid_once(kit)
+
+
+def test_an_unfinished_batch_keeps_its_finished_results_and_resends_the_rest(project, kit):
+    setup(project, kit)
+    run(project)
+    kit.end_unfinished(done_fraction=0.5)
+    billed_before = {b.prompt for b in kit.billed()}
+    assert len(billed_before) == ROWS // 2
+    run(project)  # keeps the three answers, sends the other three again
+    kept = {p for p, s, _ in rows(project) if s == "succeeded"}
+    assert kept == billed_before
+    assert kit.batches_created() == 2
+    kit.complete_all()
+    run(project)
+    assert_every_row_answered(project)
+    assert_paid_once(kit)
+    assert_cost_is_billed_usage(project, kit)
