@@ -1,17 +1,17 @@
 """The provider conformance suite: what every batch provider must do, through real dbt against the
 provider's sandbox face, run once per kit (conftest.py; the interface is kit.py).
 
-Cases (the matrix is providers x these; `pytest tests/conformance --collect-only -q` lists it):
-- lifecycle: a run submits and returns; a later run merges every row with its answer; a run with nothing
+Cases (the matrix is providers x these; `pytest tests/conformance --collect-only -q` lists it). Each
+story covers several checks, so that the matrix stays quick (every dbt run costs seconds):
+- lifecycle, poll fault and cost: a run submits and returns; the provider's poll fails twice, overloaded,
+  and the next run retries within its budget and merges every row with its answer; a run with nothing
   new asks nothing; the table's cost equals the usage the face billed at the provider's batch price;
 - crash: a run SIGKILLed at each of the kit's crash points (at least right after the provider's create)
   is finished by later runs, with one batch and nothing paid twice;
-- lost create: the create's answer is lost after the provider created the batch: the batch is found
-  again (reconciliation), never created and paid a second time;
-- transient poll fault: the poll fails twice, overloaded; the run retries within its budget and merges;
-- unfinished batch: a batch ends with half its requests done (expiry, or a cancel where the provider
-  never expires a job): the finished results are kept and paid once, the rest are sent again, and the
-  cost still equals what was billed.
+- lost create, then an unfinished batch: the create's answer is lost after the provider created the
+  batch, which then ends with half its requests done (expiry, or a cancel where the provider never
+  expires a job): the batch is found again (never created and paid a second time), its finished
+  results are kept and paid once, the rest are sent again, and the cost equals what was billed.
 """
 
 from __future__ import annotations
@@ -101,13 +101,15 @@ def test_every_registered_batch_provider_has_a_kit():
     assert batch_providers <= set(KITS), f"batch providers without a conformance kit: {batch_providers - set(KITS)}"
 
 
-def test_lifecycle(project, kit):
+def test_lifecycle_poll_fault_and_cost(project, kit):
     setup(project, kit)
     run(project)  # submits and returns
     assert kit.batches_created() == 1
     assert project.query("select count(*) from main.m") == [(0,)]
     kit.complete_all()
+    kit.inject_fault("poll", "overloaded", "before", times=2)  # retried within the run's budget
     run(project)  # merges every row
+    assert kit.faults_pending() == 0, "the fault never fired"
     assert_every_row_answered(project)
     run(project)  # nothing new: nothing sent
     assert kit.batches_created() == 1
@@ -128,54 +130,26 @@ def test_a_run_killed_at_a_crash_point_pays_nothing_twice(project, kit, crash_po
         timeout=300,
     )
     assert killed.returncode == -9 and marker.read_text() == crash_point, killed.stdout[-2000:]
-    for _ in range(3):  # the nightly schedule: a run, the provider finishes what it has
-        run(project)
-        kit.complete_all()
-    run(project)
-    assert_every_row_answered(project)
-    assert kit.batches_created() == 1, "a second batch was created for the same rows"
-    assert_paid_once(kit)
-
-
-def test_a_create_whose_answer_was_lost_is_found_not_created_again(project, kit):
-    setup(project, kit)
-    kit.inject_fault("create", "disconnect", "after", times=1)  # the batch exists; the answer never came
-    for _ in range(4):
-        run(project)
-        kit.complete_all()
-        project.release_database()
-        # A day between nightly runs: reconciliation looks at every batch created since the intent.
-        project.query(
-            "update main.llm_batch_jobs set created_at = created_at - interval 26 hour "
-            "where status = 'submitting' and batch_id is null"
-        )
-    assert kit.faults_pending() == 0, "the fault never fired"
-    assert_every_row_answered(project)
-    assert kit.batches_created() == 1, "a second batch was created for the same rows"
-    assert_paid_once(kit)
-
-
-def test_a_poll_failing_twice_is_retried_within_the_run(project, kit):
-    setup(project, kit)
-    run(project)
+    run(project)  # finds what the killed run left (reconciliation), sends what it did not
     kit.complete_all()
-    kit.inject_fault("poll", "overloaded", "before", times=2)
     run(project)
-    assert kit.faults_pending() == 0, "the fault never fired"
     assert_every_row_answered(project)
+    assert kit.batches_created() == 1, "a second batch was created for the same rows"
     assert_paid_once(kit)
 
 
-def test_an_unfinished_batch_keeps_its_finished_results_and_resends_the_rest(project, kit):
+def test_a_lost_create_then_an_unfinished_batch_pay_nothing_twice_and_cost_what_was_billed(project, kit):
     setup(project, kit)
+    kit.inject_fault("create", "disconnect", "after", times=1)  # the batch exists; its answer never came
     run(project)
-    kit.end_unfinished(done_fraction=0.5)
-    billed_before = {b.prompt for b in kit.billed()}
-    assert len(billed_before) == ROWS // 2
-    run(project)  # keeps the three answers, sends the other three again
-    kept = {p for p, s, _ in rows(project) if s == "succeeded"}
-    assert kept == billed_before
-    assert kit.batches_created() == 2
+    assert kit.faults_pending() == 0, "the fault never fired"
+    assert kit.batches_created() == 1
+    kit.end_unfinished(done_fraction=0.5)  # half its requests answered (and billed), then it ends
+    billed_first = {b.prompt for b in kit.billed()}
+    assert len(billed_first) == ROWS // 2
+    run(project)  # finds the lost batch, keeps its three answers, sends the other three again
+    assert {p for p, s, _ in rows(project) if s == "succeeded"} == billed_first
+    assert kit.batches_created() == 2, "the lost batch was created again, or the rest was not resent"
     kit.complete_all()
     run(project)
     assert_every_row_answered(project)
