@@ -86,6 +86,8 @@ def emulator(monkeypatch, api_key):
     monkeypatch.setenv("OPENAI_API_KEY", api_key)
     monkeypatch.setenv("ANTHROPIC_BASE_URL", emu.base_url)
     monkeypatch.setenv("ANTHROPIC_API_KEY", api_key)
+    monkeypatch.setenv("AZURE_OPENAI_ENDPOINT", emu.base_url)
+    monkeypatch.setenv("AZURE_OPENAI_API_KEY", api_key)
     yield emu
     emu.stop()
     emu.raise_internal_errors()  # a sandbox bug looks like a provider 500 the plugin survives: fail here
