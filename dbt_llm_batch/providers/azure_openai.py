@@ -11,8 +11,8 @@ an `api-key` header or a Microsoft Entra ID token. What differs, per Azure's bat
   completes, fails or is cancelled (a cancel returns the finished work, which is billed);
 - quota is enqueued tokens per deployment; a batch past it fails with `token_limit_exceeded`, which
   the run treats as OpenAI's (the requests wait and are resubmitted later; nothing is paid twice).
-A create whose answer was lost is found again as at OpenAI: by the job id in the batch's metadata, or by
-its input file, named after the job id (for an API version that does not return metadata).
+A create whose answer was lost is found again as at OpenAI (openai_batch._find): by the job id in the
+batch's metadata, or by its input file, named after the job id (an API version without metadata).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 from dbt_llm_batch.config_keys import Key
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.providers.base import CUSTOM_ID_MARK, Submission, spliced_line_sql
-from dbt_llm_batch.providers.openai_batch import TOKEN_KEY, OpenAIBatchProvider, upload_name
+from dbt_llm_batch.providers.openai_batch import TOKEN_KEY, OpenAIBatchProvider
 
 ENDPOINT = "/chat/completions"
 DEFAULT_API_VERSION = "2024-10-21"  # the GA version that serves Global Batch
@@ -86,6 +86,14 @@ class AzureOpenAIBatchProvider(OpenAIBatchProvider):
     def price_key(cls, config) -> tuple[str, str]:
         return cls.name, config.options.get("model") or config.model
 
+    @classmethod
+    def batch_limits(cls, config) -> tuple[int, int]:
+        return cls.max_requests_per_batch, cls.max_bytes_per_batch
+
+    @property
+    def key_variable(self) -> str:
+        return self.key_env_var
+
     def endpoint(self) -> str:
         endpoint = self.config.options.get("endpoint") or os.environ.get(ENDPOINT_VAR)
         if not endpoint:
@@ -139,25 +147,3 @@ class AzureOpenAIBatchProvider(OpenAIBatchProvider):
             metadata={TOKEN_KEY: token, "dbt_model": model_name[:512]},
         )
         return Submission(batch_id=batch.id, status=batch.status, input_file_id=file_id)
-
-    def _find(self, token, since_epoch):
-        # By the job id in the metadata, or by the input file named after it (an API version that
-        # drops metadata still keeps the file's name).
-        uploaded = None
-        for batch in self.client.batches.list(limit=100):  # newest first; the SDK pages on
-            if (batch.metadata or {}).get(TOKEN_KEY) == token:
-                return Submission(batch_id=batch.id, status=batch.status, input_file_id=batch.input_file_id)
-            if batch.created_at < since_epoch - 3600:  # tolerate clock skew
-                break
-            if uploaded is None:
-                uploaded = self._uploads_named(upload_name(token), since_epoch)
-            if batch.input_file_id in uploaded:
-                return Submission(batch_id=batch.id, status=batch.status, input_file_id=batch.input_file_id)
-        return None
-
-    def _uploads_named(self, name: str, since_epoch: float) -> set[str]:
-        return {
-            f.id
-            for f in self.client.files.list(purpose="batch")
-            if f.filename == name and f.created_at >= since_epoch - 3600
-        }

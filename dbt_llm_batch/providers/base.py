@@ -300,6 +300,12 @@ class BatchProvider(Provider):
         (deferred until more rows come) or 'realtime' (sent now through the realtime path)."""
         return "wait"
 
+    @classmethod
+    def batch_limits(cls, config: ModelConfig) -> tuple[int, int]:
+        """Requests and bytes one batch of `config` may hold (a provider whose limits depend on where it
+        sends, an OpenAI-compatible host, says so per config)."""
+        return cls.max_requests_per_batch, cls.max_bytes_per_batch
+
     @abstractmethod
     def request_line_sql(self) -> str:
         """A DuckDB expression over columns `custom_id` and `prompt` giving one JSONL request line."""

@@ -1,5 +1,5 @@
 """The provider conformance suite: what every batch provider must do, through real dbt against the
-provider's sandbox face, run once per kit (conftest.py; the interface is kit.py).
+provider's sandbox face, run once per kit (conformance_kits.py; the interface is conformance_kit.py).
 
 Cases (the matrix is providers x these; `pytest tests/conformance --collect-only -q` lists it). Each
 story covers several checks, so that the matrix stays quick (every dbt run costs seconds):
@@ -24,6 +24,8 @@ from decimal import Decimal
 from pathlib import Path
 
 import duckdb
+import pytest
+from conformance_kits import all_kits
 from helpers import THINGS_SYSTEM
 
 from dbt_llm_batch.config import parse_config
@@ -32,6 +34,28 @@ from dbt_llm_batch.providers import BatchProvider, get_provider, provider_names
 from dbt_llm_batch.sandbox import expected_answer
 
 ROWS = 6
+
+KITS = all_kits()
+
+
+def pytest_generate_tests(metafunc):
+    """Each test once per kit; a test taking `crash_point` once per kit and each of its crash points."""
+    if "kit" not in metafunc.fixturenames:
+        return
+    if "crash_point" in metafunc.fixturenames:
+        cases = [(name, point) for name in sorted(KITS) for point in KITS[name].crash_points]
+        metafunc.parametrize("kit,crash_point", cases, indirect=["kit"], ids=[f"{n}-{p}" for n, p in cases])
+    else:
+        metafunc.parametrize("kit", sorted(KITS), indirect=True)
+
+
+@pytest.fixture
+def kit(request, monkeypatch):
+    """One provider's kit with its face started (and the provider pointed at it), stopped afterwards."""
+    instance = KITS[request.param]()
+    instance.start(monkeypatch)
+    yield instance
+    instance.stop()
 
 
 def model_sql(kit) -> str:
@@ -95,8 +119,6 @@ def assert_cost_is_billed_usage(project, kit) -> None:
 
 
 def test_every_registered_batch_provider_has_a_kit():
-    from conftest import KITS
-
     batch_providers = {n for n in provider_names() if issubclass(get_provider(n), BatchProvider)}
     assert batch_providers <= set(KITS), f"batch providers without a conformance kit: {batch_providers - set(KITS)}"
 

@@ -1,13 +1,17 @@
 """The built-in batch providers' test kits: each a face of the package's sandbox (dbt_llm_batch.sandbox),
-which serves every face from one loopback server. A third party's kit is found through the entry-point
-group `dbt_llm_batch.conformance_kits` instead (see conftest.py)."""
+which serves every face from one loopback server; and `all_kits`, which adds any package's kit registered in
+the entry-point group `dbt_llm_batch.conformance_kits` (name: the llm_provider it tests; value: "module:Kit",
+a ProviderKit of conformance_kit.py)."""
 
 from __future__ import annotations
 
 import uuid
+from importlib.metadata import entry_points
 from typing import ClassVar
 
-from kit import Billed, ProviderKit
+import pytest
+
+from conformance_kit import Billed, ProviderKit
 
 from dbt_llm_batch.sandbox import Emulator
 
@@ -130,3 +134,17 @@ class AzureOpenAIKit(SandboxKit):
 
 
 BUILT_IN = (OpenAIKit, AnthropicKit, AzureOpenAIKit)
+
+
+KIT_GROUP = "dbt_llm_batch.conformance_kits"
+
+
+def all_kits() -> dict[str, type]:
+    """Each tested provider's kit class, the built-in ones first; a registered kit replaces a built-in one."""
+    kits = {cls.provider: cls for cls in BUILT_IN}
+    for ep in entry_points(group=KIT_GROUP):
+        cls = ep.load()
+        if getattr(cls, "provider", None) != ep.name:
+            raise pytest.UsageError(f"conformance kit {ep.value!r} is registered as {ep.name!r} but tests {cls.provider!r}")
+        kits[ep.name] = cls
+    return kits
