@@ -70,7 +70,11 @@ class AzureOpenAIBatchProvider(OpenAIBatchProvider):
 
     @classmethod
     def parse_options(cls, values: dict[str, Any], errors: list[str]) -> dict[str, Any]:
-        endpoint, version, model = values["llm_azure_endpoint"], values["llm_azure_api_version"], values["llm_azure_model"]
+        endpoint, version, model = (
+            values["llm_azure_endpoint"],
+            values["llm_azure_api_version"],
+            values["llm_azure_model"],
+        )
         if endpoint is not None and not (isinstance(endpoint, str) and endpoint.startswith(("https://", "http://"))):
             errors.append(f"llm_azure_endpoint must be the resource's https:// URL, got {endpoint!r}")
             endpoint = None

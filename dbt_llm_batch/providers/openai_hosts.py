@@ -34,7 +34,14 @@ HOSTS = {
         Host("groq", ("api.groq.com",), 50_000, 200_000_000, 0.5, "console.groq.com/docs/batch"),
         # docs.together.ai batch overview: up to 50,000 requests and 100 MB per input file, 30B enqueued
         # tokens per model, a fixed 24 h best-effort window; "up to 50% off" (discounts on selected models).
-        Host("together", ("api.together.xyz",), 50_000, 100_000_000, 0.5, "docs.together.ai/docs/inference/batch/overview"),
+        Host(
+            "together",
+            ("api.together.xyz",),
+            50_000,
+            100_000_000,
+            0.5,
+            "docs.together.ai/docs/inference/batch/overview",
+        ),
     )
 }
 

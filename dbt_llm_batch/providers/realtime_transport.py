@@ -185,9 +185,10 @@ def azure_openai_transports(endpoint: str, api_version: str, deployment: str, co
     """An Azure OpenAI deployment: the body goes to /openai/deployments/{deployment}/chat/completions
     (the SDK adds /openai, the api-version query and the api-key or Entra token header). The path names
     the deployment itself: the SDK only moves a request to it when it parses the body, which is sent raw."""
+    from urllib.parse import quote
+
     import httpx2 as httpx  # the HTTP client the SDKs are built on
     import openai
-    from urllib.parse import quote
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     client = openai.AsyncAzureOpenAI(

@@ -84,8 +84,8 @@ class Face(FilesMixin):
     server_error_type = "server_error"
     prefixes = ("/v1",)
     request_id_header = "x-request-id"
-    batch_endpoints = ENDPOINTS  # what `endpoint` of a create (and `url` of each line) may name
-    emulated_endpoints = EMULATED_ENDPOINTS
+    batch_endpoints: tuple[str, ...] = ENDPOINTS  # what `endpoint` of a create (and `url` of each line) may name
+    emulated_endpoints: tuple[str, ...] = EMULATED_ENDPOINTS
     # OpenAI expires a batch not done within its 24 h window (finished work kept); Azure does not.
     window_expires = True
     token_limit_message = TOKEN_LIMIT
@@ -361,7 +361,9 @@ class Face(FilesMixin):
                 batch_error(
                     "token_limit_exceeded",
                     None,
-                    self.token_limit_message.format(model=model, limit=self.emu.openai_enqueued_token_limit or 2_000_000),
+                    self.token_limit_message.format(
+                        model=model, limit=self.emu.openai_enqueued_token_limit or 2_000_000
+                    ),
                 )
             ]
         elif not errors and (failure := self.emu.fault_book.take_batch_failure()):

@@ -10,7 +10,6 @@ from importlib.metadata import entry_points
 from typing import ClassVar
 
 import pytest
-
 from conformance_kit import Billed, ProviderKit
 
 from dbt_llm_batch.sandbox import Emulator
@@ -145,6 +144,8 @@ def all_kits() -> dict[str, type]:
     for ep in entry_points(group=KIT_GROUP):
         cls = ep.load()
         if getattr(cls, "provider", None) != ep.name:
-            raise pytest.UsageError(f"conformance kit {ep.value!r} is registered as {ep.name!r} but tests {cls.provider!r}")
+            raise pytest.UsageError(
+                f"conformance kit {ep.value!r} is registered as {ep.name!r} but tests {cls.provider!r}"
+            )
         kits[ep.name] = cls
     return kits
