@@ -36,6 +36,7 @@ class AzureOpenAIBatchProvider(OpenAIBatchProvider):
     key_env_var = "AZURE_OPENAI_API_KEY"  # or AZURE_OPENAI_AD_TOKEN: see check_credentials
     environment_hint = "Azure OpenAI reads AZURE_OPENAI_ENDPOINT and AZURE_OPENAI_API_KEY (or AZURE_OPENAI_AD_TOKEN)"
     # Azure's Global Batch limits (batch guide, "Batch limits"): 100,000 requests and 200 MB per file.
+    unfinished_batch = "never expires (24 h is a target); a cancel returns the finished requests, the rest sent again"
     max_requests_per_batch = 100_000
     max_bytes_per_batch = 200_000_000
     # Enqueued tokens are a per-deployment quota the user sets in the portal (Global Batch defaults start

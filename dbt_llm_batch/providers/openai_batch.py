@@ -60,6 +60,7 @@ class OpenAIBatchProvider(OpenAIChatProvider, BatchProvider):
     # the API's per-request limits, with room for the 4-characters-a-token estimate being low.
     max_inputs_per_line = openai_embeddings.MAX_INPUTS_PER_REQUEST
     max_tokens_per_line = openai_embeddings.MAX_TOKENS_PER_REQUEST // 2
+    unfinished_batch = "expires after 24 h; finished requests are returned (and billed), the rest sent again"
     config_keys = {
         key.name: key
         for key in (
