@@ -88,7 +88,9 @@ def with_table(page: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page's table differs from the generated one")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if the page's table differs from the generated one"
+    )
     parser.add_argument("--path", default=str(PAGE), help=f"the page (default: {PAGE})")
     args = parser.parse_args(argv)
     page = Path(args.path)

@@ -36,6 +36,9 @@ class ProviderKit(ABC):
     provider: ClassVar[str]  # the llm_provider name, registered in the dbt_llm_batch.providers group
     model: ClassVar[str]  # the llm_model the face serves (priced in the shipped price table)
     config: ClassVar[dict[str, str]] = {}  # more config() keys the provider needs, e.g. {"llm_foo": "bar"}
+    # Price rows (the price table's CSV, header included) for a model the shipped table does not price:
+    # the suite seeds them as the model's llm_price_table. None: the shipped table prices `model`.
+    price_table: ClassVar[str | None] = None
     # Crash points (dbt_llm_batch/pipeline/crashpoints.py) the suite kills a run at: at least after_create.
     crash_points: ClassVar[tuple[str, ...]] = ("after_create",)
     # How the provider ends a batch it did not finish: "expiry" (its window passed) or "cancel" (it never

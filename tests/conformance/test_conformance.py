@@ -59,7 +59,8 @@ def kit(request, monkeypatch):
 
 
 def model_sql(kit) -> str:
-    extra = "".join(f"{name}={value!r}, " for name, value in kit.config.items())
+    keys = {**kit.config, **({"llm_price_table": "main.llm_prices"} if kit.price_table else {})}
+    extra = "".join(f"{name}={value!r}, " for name, value in keys.items())
     return f"""
 {{{{ config(materialized='llm_batch', unique_key='a', llm_provider='{kit.provider}', llm_model='{kit.model}',
             llm_system={THINGS_SYSTEM!r}, llm_max_tokens=100, llm_retry_budget_seconds=60, {extra}) }}}}
@@ -71,6 +72,9 @@ def setup(project, kit) -> None:
     values = ", ".join(f"({i}, 'conformance row {i}')" for i in range(ROWS))
     project.write("models/things.sql", f"select * from (values {values}) t(a, prompt)")
     project.write("models/m.sql", model_sql(kit))
+    if kit.price_table:  # a provider whose model the shipped table does not price
+        project.write("seeds/llm_prices.csv", kit.price_table)
+        project.dbt("seed", "-s", "llm_prices")
     project.dbt("run", "-s", "things")
 
 
@@ -104,7 +108,12 @@ def assert_cost_is_billed_usage(project, kit) -> None:
     assert billed and all(b.cached_tokens == 0 for b in billed)  # the short prompts are never cached
     config = parse_config({"unique_key": "a", "llm_provider": kit.provider, "llm_model": kit.model, **kit.config})
     with duckdb.connect() as con:
-        costs.load_prices(con, None)
+        if kit.price_table:
+            con.execute(
+                "create table kit_prices as select * from read_csv(?, header = true, all_varchar = true)",
+                [str(project.root / "seeds" / "llm_prices.csv")],
+            )
+        costs.load_prices(con, "kit_prices" if kit.price_table else None)
         price = costs.price_of(con, *get_provider(kit.provider).price_key(config))
     assert price is not None, f"{kit.provider} {kit.model} has no row in the shipped price table"
     discount = 1 - Decimal(str(price["batch_discount"]))
