@@ -5,7 +5,7 @@ see openai_batch.py) at the resource's endpoint under `/openai/...?api-version=.
 an `api-key` header or a Microsoft Entra ID token. What differs, per Azure's batch guide
 (learn.microsoft.com, azure ai-foundry openai how-to batch):
 - `llm_model` is a *deployment* name (a Global Batch deployment), written as each line's `model`; the
-  model behind it, for prices and context windows, is `llm_azure_model` (default: the deployment name);
+  model behind it, for prices, is `llm_azure_model` (default: the deployment name);
 - lines go to `/chat/completions` (no `/v1`), and batches are created for that endpoint;
 - jobs do not expire ("we do not expire the jobs that take longer"): a batch stays open until it
   completes, fails or is cancelled (a cancel returns the finished work, which is billed);
@@ -63,7 +63,7 @@ class AzureOpenAIBatchProvider(OpenAIBatchProvider):
                 "llm_azure_model",
                 "model name",
                 None,
-                "the model the deployment (`llm_model`) serves, for prices and context windows",
+                "the model the deployment (`llm_model`) serves, for prices",
                 default_doc="`llm_model`",
             ),
         )
