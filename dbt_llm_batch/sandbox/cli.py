@@ -41,12 +41,15 @@ BANNER = """\
  Base URL: {base}
    OpenAI base URL:    {base}/v1
    Anthropic base URL: {base}
+   Azure endpoint:     {base}
  Batches advance {mode}.
  Use it from another shell with:
    export OPENAI_BASE_URL={base}/v1
    export OPENAI_API_KEY={key}
    export ANTHROPIC_BASE_URL={base}
    export ANTHROPIC_API_KEY={key}
+   export AZURE_OPENAI_ENDPOINT={base}
+   export AZURE_OPENAI_API_KEY={key}
  Finish a batch from another shell (after `export SANDBOX_URL={base}`):
    dbt-llm-batch sandbox batches             list batches with their status
    dbt-llm-batch sandbox advance <batch_id>  move it one stage along
