@@ -125,7 +125,7 @@ class AzureOpenAIBatchProvider(OpenAIBatchProvider):
             # self.calls retries idempotent calls inside the run's budget (calls.py); create is never retried.
             self._client = openai.AzureOpenAI(
                 azure_endpoint=self.endpoint(),
-                api_version=self.config.options["api_version"],
+                api_version=self.config.options.get("api_version", DEFAULT_API_VERSION),
                 max_retries=0,
                 timeout=120,
             )
@@ -140,7 +140,10 @@ class AzureOpenAIBatchProvider(OpenAIBatchProvider):
         from dbt_llm_batch.providers.realtime_transport import azure_openai_transports
 
         return azure_openai_transports(
-            self.endpoint(), self.config.options["api_version"], self.config.model, self.config.concurrency
+            self.endpoint(),
+            self.config.options.get("api_version", DEFAULT_API_VERSION),
+            self.config.model,
+            self.config.concurrency,
         )
 
     def create(self, jsonl_path, file_id, token, model_name):
