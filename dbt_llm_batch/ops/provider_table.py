@@ -49,7 +49,9 @@ def rows(own_only: bool = True) -> list[list[str]]:
                 cls.structured_output,
                 cls.prompt_caching,
                 "yes" if cls.has_realtime else "no",
-                f"`{cls.key_env_var}`" if cls.key_env_var else "`llm_api_key_env`",
+                f"`{cls.key_env_var}`"
+                if cls.key_env_var
+                else ("`llm_api_key_env`" if cls.self_hosted else "its own (see its page)"),
                 keys,
             ]
         )

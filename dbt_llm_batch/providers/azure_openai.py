@@ -22,10 +22,8 @@ from typing import Any
 
 from dbt_llm_batch.config_keys import Key
 from dbt_llm_batch.errors import ConfigError
-from dbt_llm_batch.providers.base import CUSTOM_ID_MARK, Submission, spliced_line_sql
-from dbt_llm_batch.providers.openai_batch import TOKEN_KEY, OpenAIBatchProvider
+from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
 
-ENDPOINT = "/chat/completions"
 DEFAULT_API_VERSION = "2024-10-21"  # the GA version that serves Global Batch
 KEY_VARS = ("AZURE_OPENAI_API_KEY", "AZURE_OPENAI_AD_TOKEN")  # a key, or an Entra ID token (either one)
 ENDPOINT_VAR = "AZURE_OPENAI_ENDPOINT"
@@ -38,6 +36,10 @@ class AzureOpenAIBatchProvider(OpenAIBatchProvider):
     # Azure's Global Batch limits (batch guide, "Batch limits"): 100,000 requests and 200 MB per file.
     unfinished_batch = "never expires (24 h is a target); a cancel returns the finished requests, the rest sent again"
     max_requests_per_batch = 100_000
+    # Embeddings through Azure's batch are not built (nor emulated) yet: chat completions only.
+    has_embeddings = False
+    embedding_models = {}
+    max_inputs_per_line = 1
     max_bytes_per_batch = 200_000_000
     # Enqueued tokens are a per-deployment quota the user sets in the portal (Global Batch defaults start
     # at a few million for gpt-4o-mini); keep under the lowest default and let llm_max_tokens_in_flight raise it.
@@ -99,7 +101,7 @@ class AzureOpenAIBatchProvider(OpenAIBatchProvider):
     def key_variable(self) -> str:
         return self.key_env_var
 
-    def endpoint(self) -> str:
+    def resource_url(self) -> str:
         endpoint = self.config.options.get("endpoint") or os.environ.get(ENDPOINT_VAR)
         if not endpoint:
             raise ConfigError(
@@ -109,7 +111,7 @@ class AzureOpenAIBatchProvider(OpenAIBatchProvider):
         return endpoint.rstrip("/")
 
     def check_credentials(self) -> None:
-        self.endpoint()
+        self.resource_url()
         if not any(os.environ.get(var) for var in KEY_VARS):
             raise ConfigError(
                 "AZURE_OPENAI_API_KEY is not set (nor AZURE_OPENAI_AD_TOKEN, an Entra ID token): export one in "
@@ -124,34 +126,24 @@ class AzureOpenAIBatchProvider(OpenAIBatchProvider):
             # The SDK reads AZURE_OPENAI_API_KEY or AZURE_OPENAI_AD_TOKEN at call time. No SDK retries:
             # self.calls retries idempotent calls inside the run's budget (calls.py); create is never retried.
             self._client = openai.AzureOpenAI(
-                azure_endpoint=self.endpoint(),
+                azure_endpoint=self.resource_url(),
                 api_version=self.config.options.get("api_version", DEFAULT_API_VERSION),
                 max_retries=0,
                 timeout=120,
             )
         return self._client
 
-    def request_line_sql(self) -> str:
-        return spliced_line_sql(
-            {"custom_id": CUSTOM_ID_MARK, "method": "POST", "url": ENDPOINT, "body": self.request_body()}
-        )
+    @property
+    def endpoint(self) -> str:
+        """Azure's batch endpoint and each line's `url`: the API path without OpenAI's /v1."""
+        return self.path
 
     def realtime_transports(self) -> list:
         from dbt_llm_batch.providers.realtime_transport import azure_openai_transports
 
         return azure_openai_transports(
-            self.endpoint(),
+            self.resource_url(),
             self.config.options.get("api_version", DEFAULT_API_VERSION),
             self.config.model,
             self.config.concurrency,
         )
-
-    def create(self, jsonl_path, file_id, token, model_name):
-        # Never retried, as at OpenAI (openai_batch.create): a lost answer is reconciled, not re-created.
-        batch = self.client.batches.create(
-            input_file_id=file_id,
-            endpoint=ENDPOINT,
-            completion_window="24h",
-            metadata={TOKEN_KEY: token, "dbt_model": model_name[:512]},
-        )
-        return Submission(batch_id=batch.id, status=batch.status, input_file_id=file_id)
