@@ -98,6 +98,8 @@ def emulator(monkeypatch, api_key):
     monkeypatch.setenv("GOOGLE_GEMINI_BASE_URL", emu.gemini_base_url)
     monkeypatch.setenv("GEMINI_API_KEY", api_key)
     monkeypatch.delenv("GOOGLE_API_KEY", raising=False)  # the SDK would prefer it to GEMINI_API_KEY
+    monkeypatch.setenv("AZURE_OPENAI_ENDPOINT", emu.base_url)
+    monkeypatch.setenv("AZURE_OPENAI_API_KEY", api_key)
     yield emu
     emu.stop()
     emu.raise_internal_errors()  # a sandbox bug looks like a provider 500 the plugin survives: fail here

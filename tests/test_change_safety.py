@@ -95,7 +95,7 @@ def test_switching_provider_with_a_batch_in_flight_harvests_it_where_it_was_sent
     emulator.complete_all()
     project.dbt("run", "-s", "triage")
     assert project.query("select distinct llm_model from main.triage") == [("claude-sonnet-4-5",)]
-    assert emulator.stats()["batches_by_face"] == {"openai": 1, "anthropic": 1, "bedrock": 0, "gemini": 0}
+    assert {f: n for f, n in emulator.stats()["batches_by_face"].items() if n} == {"openai": 1, "anthropic": 1}
     assert emulator.stats()["request_lines"] == 12, "each provider was asked each row once"
     assert project.query("select count(*) from main.llm_batch_jobs where harvested_at is null") == [(0,)]
     assert project.query("select count(*) from main.llm_batch_jobs where files_deleted_at is null") == [(0,)], (

@@ -85,11 +85,8 @@ def test_lifecycle_counts_and_answers_match_expected_answer(emu, claude):
         stats["calls"]["POST /v1/messages/batches"] == 1
         and stats["calls"]["GET /v1/messages/batches/{id}/results"] == 1
     )
-    assert stats["batches_created"] == 1 and stats["batches_by_face"] == {
-        "openai": 0,
-        "anthropic": 1,
-        "bedrock": 0,
-        "gemini": 0,
+    assert stats["batches_created"] == 1 and {f: n for f, n in stats["batches_by_face"].items() if n} == {
+        "anthropic": 1
     }
     ant = stats["usage_by_face"]["anthropic"]
     assert ant["output_tokens"] == sum(r.message.usage.output_tokens for r in results.values())

@@ -64,7 +64,7 @@ def test_after_fault_on_a_realtime_call_is_billed(emu, client, claude):
     with pytest.raises(openai.InternalServerError):
         client.chat.completions.create(**chat("not billed"))
     stats = emu.stats()
-    assert stats["realtime_requests"] == {"openai": 1, "anthropic": 1, "bedrock": 0, "gemini": 0}
+    assert {f: n for f, n in stats["realtime_requests"].items() if n} == {"openai": 1, "anthropic": 1}
     assert stats["usage_by_face"]["openai"]["prompt_tokens"] > 0
     assert stats["usage_by_face"]["anthropic"]["input_tokens"] > 0
     assert [(b["face"], b["via"], b["prompt"]) for b in emu.billed()] == [

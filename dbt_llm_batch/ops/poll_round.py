@@ -313,7 +313,7 @@ def _store(con, target: _Target) -> None:
             if not ended:
                 continue
             costs.load_prices(con, client.config.price_table)
-            price = costs.price_of(con, client.config.provider, client.config.model)
+            price = costs.price_of(con, *type(client).price_key(client.config))
             outcomes.settle(ledger, client, client.config, ended, price)
             report.harvested_batches += len(ended)
             _count_outcomes(con, ledger, target, [job_id for job_id, _ in ended])

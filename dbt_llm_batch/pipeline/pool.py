@@ -75,12 +75,13 @@ class Pool:
         return self._prices[(provider, llm_model)]
 
     def price_of_config(self, config: ModelConfig) -> dict | None:
-        return self.price(config.provider, config.model)
+        """The price row `config`'s provider says it bills by (Provider.price_key: an Azure deployment is
+        priced as the model it serves, an OpenAI-compatible host at its own row)."""
+        return self.price(*get_provider(config.provider).price_key(config))
 
     def price_for_job(self, job: dict) -> dict | None:
         """The price of the provider and model a job was sent with (not the model's current ones)."""
-        config = self.config_for_job(job)
-        return self.price(config.provider, config.model)
+        return self.price_of_config(self.config_for_job(job))
 
     def unavailable(self) -> str | None:
         """The last error of a provider that kept failing for llm_retry_budget_seconds, else None: the

@@ -240,8 +240,7 @@ def write_sender_files(
             "line_text",
             sender_rows(state, [passes[i] for i in indexes], lines=True),
             path,
-            provider_cls.max_requests_per_batch,
-            provider_cls.max_bytes_per_batch,
+            *provider_cls.batch_limits(passes[indexes[0]].config),
             room(state, provider_name, taken),
             (provider_cls.max_inputs_per_line, provider_cls.max_tokens_per_line) if packs else None,
         )

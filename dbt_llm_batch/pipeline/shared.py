@@ -87,7 +87,7 @@ def _harvest_model(ours: Ledger, theirs: Ledger, config: ModelConfig) -> int:
             continue
         if not isinstance(provider, BatchProvider):  # only a batch API gives batch ids
             continue
-        price = costs.price_of(ours.con, provider_name, llm_model)
+        price = costs.price_of(ours.con, *type(provider).price_key(provider.config))
         stats = harvest.poll_and_harvest(theirs, provider, provider.config, sent, price)
         if stats["harvested_jobs"]:
             log.info(

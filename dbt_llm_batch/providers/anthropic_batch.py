@@ -37,6 +37,9 @@ CLOCK_GRACE_SECONDS = 3600  # as for OpenAI: custom_ids rule out a wrong batch, 
 class AnthropicBatchProvider(BatchProvider):
     name = "anthropic"
     key_env_var = "ANTHROPIC_API_KEY"
+    structured_output = "a forced tool's `input_schema`"
+    prompt_caching = "`cache_control` on the system and examples prefix (llm_cache_prefix)"
+    unfinished_batch = "expires after 24 h; finished requests are returned (and billed), the rest sent again"
     max_requests_per_batch = 100_000
     # 256 MB for the whole create body (Anthropic batch docs), read as decimal megabytes, the lower of
     # the two readings; keep room for the JSON wrapper around the lines.

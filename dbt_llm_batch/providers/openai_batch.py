@@ -1,13 +1,17 @@
-"""OpenAI Files + Batch API, through the official `openai` SDK.
+"""OpenAI Files + Batch API, through the official `openai` SDK; also a host of open models that serves
+the same API (llm_base_url, llm_api_key_env; what differs per host is in openai_hosts.py).
 
-The SDK reads OPENAI_API_KEY and OPENAI_BASE_URL from the environment at run time, which is also how
-tests point it at the local emulator. Behaviour follows the OpenAI Batch API docs.
+Without llm_base_url the SDK reads OPENAI_API_KEY and OPENAI_BASE_URL from the environment at run
+time, which is also how tests point it at the local emulator. Behaviour follows the OpenAI Batch API docs.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
+from dbt_llm_batch.config_keys import Key
+from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.providers import openai_embeddings
 from dbt_llm_batch.providers.base import (
     CUSTOM_ID_MARK,
@@ -19,6 +23,7 @@ from dbt_llm_batch.providers.base import (
 )
 from dbt_llm_batch.providers.calls import status_of
 from dbt_llm_batch.providers.openai_chat import OpenAIChatProvider
+from dbt_llm_batch.providers.openai_hosts import HOSTS, host_for
 
 TOKEN_KEY = "dbt_llm_batch_token"  # batch metadata key carrying the ledger's job id
 ENDED = ("completed", "failed", "expired", "cancelled")
@@ -55,18 +60,95 @@ class OpenAIBatchProvider(OpenAIChatProvider, BatchProvider):
     # the API's per-request limits, with room for the 4-characters-a-token estimate being low.
     max_inputs_per_line = openai_embeddings.MAX_INPUTS_PER_REQUEST
     max_tokens_per_line = openai_embeddings.MAX_TOKENS_PER_REQUEST // 2
+    unfinished_batch = "expires after 24 h; finished requests are returned (and billed), the rest sent again"
+    config_keys = {
+        key.name: key
+        for key in (
+            Key(
+                "llm_base_url",
+                "URL",
+                None,
+                "the batch API of a host that serves OpenAI's (`https://api.groq.com/openai/v1`); unset: "
+                "OPENAI_BASE_URL, else OpenAI",
+                default_doc="OpenAI",
+            ),
+            Key(
+                "llm_api_key_env",
+                "environment variable name",
+                None,
+                "the variable holding the host's key (the name, never the key)",
+                default_doc="`OPENAI_API_KEY`",
+            ),
+            Key(
+                "llm_batch_host",
+                f"one of {', '.join(repr(h) for h in HOSTS)}",
+                None,
+                "which listed host llm_base_url is (its limits; its models are priced under this name)",
+                default_doc="from llm_base_url's host name",
+            ),
+        )
+    }
+
+    @classmethod
+    def parse_options(cls, values: dict[str, Any], errors: list[str]) -> dict[str, Any]:
+        """llm_base_url (an http(s) URL), llm_api_key_env (a variable's NAME) and llm_batch_host (a listed
+        host); returns them with the host's name (`host`)."""
+        url, key_env, named = values["llm_base_url"], values["llm_api_key_env"], values["llm_batch_host"]
+        if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+            errors.append(f"llm_base_url must be an http(s) URL such as 'https://api.groq.com/openai/v1', got {url!r}")
+            url = None
+        if key_env is not None and (not isinstance(key_env, str) or not key_env.isidentifier()):
+            errors.append(
+                f"llm_api_key_env must be the NAME of an environment variable (never the key), got a "
+                f"{type(key_env).__name__}"
+            )
+            key_env = None
+        if named is not None and named not in HOSTS:
+            errors.append(f"llm_batch_host must be one of {list(HOSTS)}, got {named!r}")
+            named = None
+        return {"base_url": url, "api_key_env": key_env, "host": host_for(url, named).name}
+
+    @classmethod
+    def price_key(cls, config) -> tuple[str, str]:
+        return config.options.get("host") or cls.name, config.model
+
+    @classmethod
+    def batch_limits(cls, config) -> tuple[int, int]:
+        host = HOSTS.get(config.options.get("host") or "openai")
+        if host is None:  # a host not listed: OpenAI's limits
+            return cls.max_requests_per_batch, cls.max_bytes_per_batch
+        return host.max_requests_per_batch, host.max_bytes_per_batch
 
     def __init__(self, config):
         super().__init__(config)
         self._client = None
 
     @property
+    def key_variable(self) -> str:
+        return self.config.options.get("api_key_env") or self.key_env_var
+
+    def check_credentials(self) -> None:
+        if not os.environ.get(self.key_variable):
+            named = " (named by llm_api_key_env)" if self.config.options.get("api_key_env") else ""
+            raise ConfigError(
+                f"{self.key_variable} is not set{named}: export it in the shell that runs dbt "
+                f"(never put the key in dbt config; dbt writes config into target/)"
+            )
+
+    @property
     def client(self):
         if self._client is None:
             import openai
 
-            # No SDK retries: self.calls retries inside the run's budget (calls.py).
-            self._client = openai.OpenAI(max_retries=0, timeout=120)
+            # No SDK retries: self.calls retries inside the run's budget (calls.py). Without
+            # llm_base_url the SDK reads OPENAI_BASE_URL and OPENAI_API_KEY itself.
+            options = self.config.options
+            self._client = openai.OpenAI(
+                base_url=options.get("base_url"),
+                api_key=os.environ.get(self.key_variable) if options.get("api_key_env") else None,
+                max_retries=0,
+                timeout=120,
+            )
         return self._client
 
     @property
@@ -86,7 +168,13 @@ class OpenAIBatchProvider(OpenAIChatProvider, BatchProvider):
     def realtime_transports(self) -> list:
         from dbt_llm_batch.providers.realtime_transport import openai_transports
 
-        return openai_transports(concurrency=self.config.concurrency, path=self.path)
+        options = self.config.options
+        return openai_transports(
+            concurrency=self.config.concurrency,
+            path=self.path,
+            base_url=options.get("base_url"),
+            api_key_env=options.get("api_key_env"),
+        )
 
     def upload(self, jsonl_path, token):
         def upload():  # safe to repeat: an unused input file bills nothing
@@ -123,12 +211,26 @@ class OpenAIBatchProvider(OpenAIChatProvider, BatchProvider):
         return self.calls.call("list batches", lambda: self._find(token, since_epoch))
 
     def _find(self, token, since_epoch):
+        # By the job id in the metadata, or by the input file named after it (a host or an API version
+        # that does not keep metadata still keeps the file's name).
+        uploaded = None
         for batch in self.client.batches.list(limit=100):  # newest first; the SDK pages on
             if (batch.metadata or {}).get(TOKEN_KEY) == token:
                 return Submission(batch_id=batch.id, status=batch.status, input_file_id=batch.input_file_id)
             if batch.created_at < since_epoch - 3600:  # tolerate clock skew
                 return None
+            if uploaded is None:
+                uploaded = self._uploads_named(upload_name(token), since_epoch)
+            if batch.input_file_id in uploaded:
+                return Submission(batch_id=batch.id, status=batch.status, input_file_id=batch.input_file_id)
         return None
+
+    def _uploads_named(self, name: str, since_epoch: float) -> set[str]:
+        return {
+            f.id
+            for f in self.client.files.list(purpose="batch")
+            if f.filename == name and f.created_at >= since_epoch - 3600
+        }
 
     def poll(self, batch_id):
         b = self.calls.call(f"poll batch {batch_id}", lambda: self.client.batches.retrieve(batch_id))

@@ -104,6 +104,9 @@ class OpenAIChatProvider(Provider):
         "function_call": "tool_call",
     }
 
+    structured_output = "JSON Schema in strict mode (`response_format`)"
+    prompt_caching = "automatic for a shared prefix (`prompt_cache_key`)"
+
     @classmethod
     def check_output_schema(cls, schema: dict, errors: list[str]) -> None:
         errors += [f"{p} (llm_provider {cls.name!r})" for p in strict_problems(schema)]

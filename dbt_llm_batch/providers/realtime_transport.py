@@ -148,16 +148,26 @@ class SdkTransport(Transport):
         await self.client.close()
 
 
-def openai_transports(concurrency: int = 16, path: str = "/chat/completions") -> list[SdkTransport]:
-    """OpenAI itself, which the SDK finds through OPENAI_BASE_URL / OPENAI_API_KEY."""
+def openai_transports(
+    concurrency: int = 16, path: str = "/chat/completions", base_url: str | None = None, api_key_env: str | None = None
+) -> list[SdkTransport]:
+    """OpenAI itself, which the SDK finds through OPENAI_BASE_URL / OPENAI_API_KEY, or a host serving
+    OpenAI's API at `base_url` with its key in the variable `api_key_env`."""
+    import os
+
     import httpx2 as httpx  # the HTTP client the SDKs are built on
     import openai
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     client = openai.AsyncOpenAI(
-        max_retries=0, timeout=REQUEST_TIMEOUT_SECONDS, http_client=openai.DefaultAsyncHttpxClient(limits=limits)
+        base_url=base_url,
+        api_key=os.environ.get(api_key_env) if api_key_env else None,
+        max_retries=0,
+        timeout=REQUEST_TIMEOUT_SECONDS,
+        http_client=openai.DefaultAsyncHttpxClient(limits=limits),
     )
-    return [SdkTransport(client, path, openai, "OpenAI", "OPENAI_API_KEY")]
+    name = "OpenAI" if base_url is None else base_url
+    return [SdkTransport(client, path, openai, name, api_key_env or "OPENAI_API_KEY")]
 
 
 def anthropic_transports(concurrency: int = 16) -> list[SdkTransport]:
@@ -169,3 +179,24 @@ def anthropic_transports(concurrency: int = 16) -> list[SdkTransport]:
         max_retries=0, timeout=REQUEST_TIMEOUT_SECONDS, http_client=anthropic.DefaultAsyncHttpxClient(limits=limits)
     )
     return [SdkTransport(client, "/v1/messages", anthropic, "Anthropic", "ANTHROPIC_API_KEY")]
+
+
+def azure_openai_transports(endpoint: str, api_version: str, deployment: str, concurrency: int = 16) -> list:
+    """An Azure OpenAI deployment: the body goes to /openai/deployments/{deployment}/chat/completions
+    (the SDK adds /openai, the api-version query and the api-key or Entra token header). The path names
+    the deployment itself: the SDK only moves a request to it when it parses the body, which is sent raw."""
+    from urllib.parse import quote
+
+    import httpx2 as httpx  # the HTTP client the SDKs are built on
+    import openai
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    client = openai.AsyncAzureOpenAI(
+        azure_endpoint=endpoint,
+        api_version=api_version,
+        max_retries=0,
+        timeout=REQUEST_TIMEOUT_SECONDS,
+        http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+    )
+    path = f"/deployments/{quote(deployment, safe='')}/chat/completions"
+    return [SdkTransport(client, path, openai, "Azure OpenAI", "AZURE_OPENAI_API_KEY")]

@@ -42,6 +42,7 @@ BANNER = """\
    OpenAI base URL:    {base}/v1
    Anthropic base URL: {base}
    Gemini base URL:    {base}/gemini
+   Azure endpoint:     {base}
  Batches advance {mode}.
  Use it from another shell with:
    export OPENAI_BASE_URL={base}/v1
@@ -50,6 +51,8 @@ BANNER = """\
    export ANTHROPIC_API_KEY={key}
    export GOOGLE_GEMINI_BASE_URL={base}/gemini
    export GEMINI_API_KEY={key}
+   export AZURE_OPENAI_ENDPOINT={base}
+   export AZURE_OPENAI_API_KEY={key}
  Finish a batch from another shell (after `export SANDBOX_URL={base}`):
    dbt-llm-batch sandbox batches             list batches with their status
    dbt-llm-batch sandbox advance <batch_id>  move it one stage along

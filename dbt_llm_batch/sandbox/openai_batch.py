@@ -84,6 +84,11 @@ class Face(FilesMixin):
     server_error_type = "server_error"
     prefixes = ("/v1",)
     request_id_header = "x-request-id"
+    batch_endpoints: tuple[str, ...] = ENDPOINTS  # what `endpoint` of a create (and `url` of each line) may name
+    emulated_endpoints: tuple[str, ...] = EMULATED_ENDPOINTS
+    # OpenAI expires a batch not done within its 24 h window (finished work kept); Azure does not.
+    window_expires = True
+    token_limit_message = TOKEN_LIMIT
 
     def __init__(self, emu) -> None:
         self.emu = emu  # shared machinery: rng, fault_book, counters, now(), limits
@@ -152,15 +157,15 @@ class Face(FilesMixin):
                 p.get(name) is not None, f"Missing required parameter: '{name}'.", name, "missing_required_parameter"
             )
         require(
-            p["endpoint"] in ENDPOINTS,
-            f"Invalid value: '{p['endpoint']}'. Supported values are: {', '.join(ENDPOINTS)}.",
+            p["endpoint"] in self.batch_endpoints,
+            f"Invalid value: '{p['endpoint']}'. Supported values are: {', '.join(self.batch_endpoints)}.",
             "endpoint",
             "invalid_value",
         )
         # A sandbox limit, said plainly rather than faked with wrong-shaped results.
         require(
-            p["endpoint"] in EMULATED_ENDPOINTS,
-            f"The sandbox emulator only emulates {', '.join(EMULATED_ENDPOINTS)} batches.",
+            p["endpoint"] in self.emulated_endpoints,
+            f"The sandbox emulator only emulates {', '.join(self.emulated_endpoints)} batches.",
             "endpoint",
         )
         require(
@@ -199,7 +204,7 @@ class Face(FilesMixin):
             "error_file_id": None,
             "created_at": int(now),
             "in_progress_at": None,
-            "expires_at": int(now) + DAY,
+            "expires_at": int(now) + DAY if self.window_expires else None,
             "finalizing_at": None,
             "completed_at": None,
             "failed_at": None,
@@ -211,7 +216,7 @@ class Face(FilesMixin):
             "metadata": metadata,
         }
         self.runs[obj["id"]] = Run(obj, data, output_ttl, now)
-        self.emu.counters.new_batch("openai", obj["id"], sum(1 for raw in data.split(b"\n") if raw.strip()))
+        self.emu.counters.new_batch(self.name, obj["id"], sum(1 for raw in data.split(b"\n") if raw.strip()))
         return copy.deepcopy(obj)
 
     def get_batch(self, req: Request) -> dict:
@@ -278,7 +283,7 @@ class Face(FilesMixin):
                 self._finish(run, "completed", now)
         elif to == "failed" and status == "validating":
             self._leave_validating(run, now, force_fail=True)
-        elif to == "expired" and status in ("validating", "in_progress"):
+        elif to == "expired" and status in ("validating", "in_progress") and self.window_expires:
             if status == "in_progress" or self._leave_validating(run, now):
                 self._run_until(run, done_fraction, now)
                 self._finish(run, "expired", now)
@@ -356,7 +361,9 @@ class Face(FilesMixin):
                 batch_error(
                     "token_limit_exceeded",
                     None,
-                    TOKEN_LIMIT.format(model=model, limit=self.emu.openai_enqueued_token_limit or 2_000_000),
+                    self.token_limit_message.format(
+                        model=model, limit=self.emu.openai_enqueued_token_limit or 2_000_000
+                    ),
                 )
             ]
         elif not errors and (failure := self.emu.fault_book.take_batch_failure()):
@@ -432,9 +439,9 @@ class Face(FilesMixin):
             "completion_tokens": done.completion_tokens,
             "cached_tokens": done.cached_tokens,
         }
-        self.emu.counters.add_usage("openai", **tokens)
+        self.emu.counters.add_usage(self.name, **tokens)
         prompt = chat_inputs(line["body"]).prompt
-        self.emu.counters.bill("openai", "batch", prompt, line["body"], tokens, run.obj["id"], line["custom_id"])
+        self.emu.counters.bill(self.name, "batch", prompt, line["body"], tokens, run.obj["id"], line["custom_id"])
 
     def _execute_embeddings(self, run: Run, line: dict) -> None:
         """One /v1/embeddings line (its `input` may be an array: every text embedded, billed once)."""

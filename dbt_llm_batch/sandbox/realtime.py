@@ -38,8 +38,8 @@ def openai_chat_completion(face, req: Request) -> Reply:
             "completion_tokens": done.completion_tokens,
             "cached_tokens": done.cached_tokens,
         }
-        emu.counters.add_usage("openai", **tokens)
-        emu.counters.realtime_answered("openai", chat_inputs(body).prompt, body, tokens)
+        emu.counters.add_usage(face.name, **tokens)
+        emu.counters.realtime_answered(face.name, chat_inputs(body).prompt, body, tokens)
     # Providers send retry-after with 429 and 5xx (both SDKs honour it).
     headers = {"retry-after": "1"} if status == 429 or status >= 500 else {}
     return Reply(status, _json_bytes(payload), headers=headers)

@@ -49,6 +49,7 @@ FACE_MODULES = (
     "dbt_llm_batch.sandbox.anthropic_batch",
     "dbt_llm_batch.sandbox.bedrock_batch",
     "dbt_llm_batch.sandbox.gemini_batch",
+    "dbt_llm_batch.sandbox.azure_openai",
 )
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 USAGE_KEYS = {
     "openai": ("prompt_tokens", "completion_tokens", "cached_tokens"),
+    "azure_openai": ("prompt_tokens", "completion_tokens", "cached_tokens"),
     "anthropic": ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"),
     "bedrock": ("input_tokens", "output_tokens"),
     "gemini": ("promptTokenCount", "candidatesTokenCount"),

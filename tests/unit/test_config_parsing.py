@@ -20,10 +20,16 @@ def test_unknown_provider_and_bad_output_types_are_reported_together():
             }
         )
     message = str(error.value)
-    assert (
-        "llm_provider must be one of ['openai', 'anthropic', 'bedrock', 'gemini', 'openai_compatible', 'ray'], got 'vertex'"
-        in message
-    )
+    listed = message.split("llm_provider must be one of [", 1)[1].split("], got 'vertex'", 1)[0]
+    assert {
+        "'openai'",
+        "'anthropic'",
+        "'azure_openai'",
+        "'bedrock'",
+        "'gemini'",
+        "'openai_compatible'",
+        "'ray'",
+    } <= set(listed.split(", "))
     assert "llm_output['score'] has unknown type 'float'" in message
     assert "llm_output['label'] enum must be a non-empty list of distinct strings" in message
     assert "llm_cache_prefix must be true, false, '5m' or '1h', got '2h'" in message

@@ -201,25 +201,24 @@ def test_realtime_routing_needs_a_provider_with_a_realtime_path(monkeypatch):
 
 
 def test_another_providers_key_is_refused_saying_whose_it_is():
-    for provider, reads in (("openai", "OPENAI_BASE_URL"), ("anthropic", "ANTHROPIC_BASE_URL")):
+    for provider, reads in (("anthropic", "ANTHROPIC_BASE_URL"), ("azure_openai", "AZURE_OPENAI_ENDPOINT")):
         with pytest.raises(ConfigError) as error:
             parse_config({"unique_key": "id", "llm_model": "m", "llm_provider": provider, "llm_base_url": "http://x"})
         message = str(error.value)
-        assert "llm_base_url is only for llm_provider 'openai_compatible'" in message and reads in message
+        assert "llm_base_url is only for llm_provider 'openai' or 'openai_compatible'" in message and reads in message
     with pytest.raises(ConfigError) as error:  # a typo of a provider's key still gets a did-you-mean
         parse_config({"unique_key": "id", "llm_model": "m", "llm_base_ulr": "http://x"})
     assert "unknown config key 'llm_base_ulr' (did you mean 'llm_base_url'?)" in str(error.value)
 
 
 def test_an_unknown_provider_name_lists_the_registered_ones():
-    from dbt_llm_batch.providers import get_provider
+    from dbt_llm_batch.providers import get_provider, provider_names
 
     with pytest.raises(ConfigError) as error:
         get_provider("vertex")
-    assert (
-        str(error.value)
-        == "llm_provider must be one of ['anthropic', 'bedrock', 'gemini', 'openai', 'openai_compatible', 'ray'], got 'vertex'"
-    )
+    names = provider_names()
+    assert str(error.value) == f"llm_provider must be one of {names}, got 'vertex'"
+    assert {"anthropic", "azure_openai", "bedrock", "gemini", "openai", "openai_compatible", "ray"} <= set(names)
 
 
 # --- a third-party provider, registered by its own package's metadata --------------------------------
