@@ -284,6 +284,18 @@ RUN: tuple[Key, ...] = (
         field="on_unselected",
     ),
     Key(
+        "on_schema_change",
+        "`'append_new_columns'`, `'sync_all_columns'` or `'fail'` (dbt's own key)",
+        "append_new_columns",
+        "when the model's columns change (a SELECT or `llm_output` edit): add the new ones (an output field is "
+        "asked in the same run; dropped columns stay), also drop the removed ones and change types, or fail "
+        "naming the model; a changed `unique_key` rebuilds the table from the ledger (nothing is sent for "
+        "it). dbt's default `'ignore'` is read as `'append_new_columns'`. docs: *Schema changes*",
+        v.schema_change,
+        field="on_schema_change",
+        snapshot=False,
+    ),
+    Key(
         "llm_dedup",
         "`true`, `'ledger'`, `false`",
         None,

@@ -20,7 +20,7 @@ from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import RequestStatus, sql
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline.plan import describe, key_sql
+from dbt_llm_batch.pipeline.plan import key_sql
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.sql import ident, in_list, literal
@@ -49,44 +49,6 @@ def relation_exists(con, schema: str, name: str) -> bool:
         ).fetchall()[0][0]
         > 0
     )
-
-
-def check_existing_table(con, target: str, expected, alter: bool = True, default_variant: str | None = None) -> None:
-    """An incremental run writes rows of the same columns; a changed set of columns needs a full refresh.
-
-    Columns are compared as a set: the table's own order wins (rows are inserted by name), so the
-    order a parse produced for llm_output, or a reordered SELECT, never asks for a rebuild. Status
-    columns added by a newer dbt-llm-batch are appended to an existing table (NULL for old rows), and
-    so is llm_variant when a model gains evaluation variants: its rows are the default variant's
-    (`default_variant`), whose answers the ledger keeps under the same identity, so nothing is asked again.
-    """
-    actual = describe(con, target)
-    have = {c.lower() for c, _ in actual}
-    missing = [(n, t) for n, t in expected if n.lower() not in have]
-    appendable = [*STATUS_COLUMNS, *([VARIANT_COLUMN] if default_variant is not None else [])]
-    if missing and alter and all(col in appendable for col in missing):
-        for name, typ in missing:
-            default = ""
-            if (name, typ) == VARIANT_COLUMN and default_variant is not None:
-                default = f" default {literal(default_variant)}"
-            con.execute(f"alter table {target} add column {ident(name)} {typ}{default}")
-        actual = describe(con, target)
-    elif missing == [VARIANT_COLUMN] and default_variant is not None:  # a dry run: the real run appends it
-        actual = [*actual, VARIANT_COLUMN]
-    table, model = {n.lower(): t for n, t in actual}, {n.lower(): t for n, t in expected}
-    if table != model:
-        # The difference only, by name: a wide table's full column lists would hide it.
-        changes = [
-            ("added", [f"{n} {t}" for n, t in sorted(model.items()) if n not in table]),
-            ("removed", [f"{n} {t}" for n, t in sorted(table.items()) if n not in model]),
-            ("changed", [f"{n} {table[n]} -> {t}" for n, t in sorted(model.items()) if n in table and table[n] != t]),
-        ]
-        lines = "".join(f"  {what}: {', '.join(cols)}\n" for what, cols in changes if cols)
-        raise ConfigError(
-            f"the columns of {target} changed (the model's SELECT, unique_key or llm_output changed):\n"
-            f"{lines}"
-            f"Run `dbt run --full-refresh -s <model>`: it rebuilds the table from the ledger and sends nothing."
-        )
 
 
 # Types DuckDB's JSON reader cannot read back: stored as their text and cast (planner.row_json_sql).
