@@ -111,3 +111,16 @@ def test_a_changed_unique_key_rebuilds_the_table_from_the_ledger(project, emulat
     assert project.query("select count(*), count(id) from main.triage") == [(6, 6)]
     assert "ticket_id" not in columns(project)
     assert len(emulator.batches()) == 1, "the key's values did not change: nothing is asked again"
+
+
+def test_a_dry_run_build_of_models_that_never_ran_is_green_on_their_empty_tables(project, emulator):
+    """`dbt build` with llm_batch_dry_run: each model that never ran gets its empty table, so its dbt
+    tests run (and pass) on it instead of failing on a missing table; nothing is sent."""
+    result = project.dbt("build", "--select", "+tag:batch", "--vars", "{llm_batch_dry_run: true}")
+    tests = [r for r in result.result.results if r.node.resource_type == "test"]
+    assert len(tests) == 5 and all(r.status == "pass" for r in tests), [(r.node.name, r.message) for r in tests]
+    assert project.query("select count(*) from main.ticket_triage") == [(0,)]
+    assert "category" in [r[0] for r in project.query("describe main.ticket_triage")]
+    assert emulator.stats()["calls"] == {}
+    project.dbt("run", "-s", "ticket_triage")  # a real run afterwards sends and fills the same table
+    assert len(emulator.batches()) == 1

@@ -261,6 +261,17 @@ def _compression(name: str, typ: str, config: ModelConfig) -> str:
     return " using compression uncompressed" if name == "llm_fingerprint" else ""
 
 
+def table_ddl(columns, config: ModelConfig) -> str:
+    """The model table's column definitions (names, types, compression) for `create table`."""
+    return ", ".join(f"{ident(n)} {t}{_compression(n, t, config)}" for n, t in columns)
+
+
+def create_empty(con, target: str, input_columns, config: ModelConfig) -> None:
+    """The model's table with no row: what a dry run of a model that never ran leaves, so the dbt
+    tests `dbt build` runs next find the table (and its columns) instead of failing on a missing one."""
+    con.execute(f"create table if not exists {target} ({table_ddl(table_columns(input_columns, config), config)})")
+
+
 def merge(
     ledger: Ledger,
     config: ModelConfig,
@@ -319,7 +330,7 @@ def merge(
         con.execute(f"""create or replace temp table {EMIT} as
                         select * from ({_winners(ledger, candidates, config.variant, own_answer, variants)})
                         where emitted is distinct from 'merged' {"" if parts else "and false"}""")
-    ddl = ", ".join(f"{ident(n)} {t}{_compression(n, t, config)}" for n, t in columns)
+    ddl = table_ddl(columns, config)
     target_key = key_sql(config)
     # Which final requests the table now shows ('merged') and which it does not ('superseded'), so
     # the next run only looks at requests that became final after this one.

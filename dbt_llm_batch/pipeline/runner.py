@@ -113,6 +113,8 @@ def _run(
     if run.dry_run:  # every pass planned, then each sender's batches: as a real run would
         plan.build_desired(con, Scratch.input, input_columns, config, run.ledger, precomputed)
         run.dry_run_report()
+        if not exists:  # `dbt build`'s tests of a model that never ran read its (empty) table
+            merge.create_empty(con, target, input_columns, config)
         return run.summary
 
     tempdirs.remove_stale()  # prompts and answers a killed run left on disk
