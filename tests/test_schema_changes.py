@@ -88,13 +88,18 @@ def test_fail_names_the_model_and_sends_nothing(project, emulator):
 
 def test_a_type_change_under_append_names_the_model_and_sync_casts_it(project, emulator):
     answered(project, emulator)
-    project.write(MODEL, model_with(TRIAGE_OUTPUT, select_extra="").replace("select ticket_id,", "select ticket_id, 1 as n,"))
+    project.write(
+        MODEL, model_with(TRIAGE_OUTPUT, select_extra="").replace("select ticket_id,", "select ticket_id, 1 as n,")
+    )
     project.dbt("run", "-s", "triage")
     retyped = model_with(TRIAGE_OUTPUT).replace("select ticket_id,", "select ticket_id, '1' as n,")
     project.write(MODEL, retyped)
     result = project.dbt("run", "-s", "triage", expect_ok=False)
     assert "triage: columns of" in failure_messages(result) and "n INTEGER -> VARCHAR" in failure_messages(result)
-    project.write(MODEL, retyped.replace("llm_wait_seconds = 60,", "llm_wait_seconds = 60, on_schema_change = 'sync_all_columns',"))
+    project.write(
+        MODEL,
+        retyped.replace("llm_wait_seconds = 60,", "llm_wait_seconds = 60, on_schema_change = 'sync_all_columns',"),
+    )
     project.dbt("run", "-s", "triage")
     assert project.query("select distinct n from main.triage") == [("1",)]
 

@@ -155,7 +155,9 @@ def poll_command(args) -> int:
             bar.stop()
     if not result.models:
         print("no batch open")
-    if result.models_with_new_results:
+    if result.models_with_new_results and result.then_command is not None and result.then_returncode == 0:
+        print(f"new results for: {result.selector}; --then ran: {result.then_command}")
+    elif result.models_with_new_results:
         print(f"new results for: {result.selector} (the next `dbt run` of each merges them without a provider call)")
     for line in result.cannot_poll:  # each says how to fix it
         print(f"dbt-llm-batch poll: {line}", file=sys.stderr)

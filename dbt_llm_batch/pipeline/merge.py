@@ -13,6 +13,7 @@ llm_on_unselected = 'delete' (the ledger keeps their answers either way).
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 from dbt_llm_batch import embeddings, output_schema, registry
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
@@ -272,6 +273,15 @@ def create_empty(con, target: str, input_columns, config: ModelConfig) -> None:
     con.execute(f"create table if not exists {target} ({table_ddl(table_columns(input_columns, config), config)})")
 
 
+class Merged(NamedTuple):
+    """What a merge wrote: rows whose request newly became final (of which failed), and rows written
+    again from answers merged before (a rebuild from the ledger; a reverted prompt's answer shown again)."""
+
+    new: int
+    failed: int
+    rewritten: int
+
+
 def merge(
     ledger: Ledger,
     config: ModelConfig,
@@ -280,8 +290,8 @@ def merge(
     rebuild: bool,
     create: bool = True,
     variants: list[str] | None = None,
-) -> tuple[int, int]:
-    """Bring the model table up to date with the ledger; returns (rows written, of which failed).
+) -> Merged:
+    """Bring the model table up to date with the ledger; returns what it wrote (Merged).
 
     Incremental: only keys with a request that became final since the last merge, or whose selected
     fingerprint has an answer the table does not show (a prompt changed back), are rewritten. A full
@@ -380,9 +390,13 @@ def merge(
             f"{ledger.model}: removed {removed[0]} row(s) of keys the model no longer selects "
             f"(llm_on_unselected='delete'; the ledger keeps their answers)"
         )
-    written, failed = con.execute(
-        f"""select count(*), count(*) filter (where r.status = {sql(RequestStatus.FAILED)})
+    # What the run line says "merged": rows whose answer (or final failure) is new since the last merge
+    # (emitted NULL before this one); the rest were written again (a rebuild, an answer shown again).
+    new, failed, again = con.execute(
+        f"""select count(*) filter (where e.emitted is null),
+                   count(*) filter (where e.emitted is null and r.status = {sql(RequestStatus.FAILED)}),
+                   count(*) filter (where e.emitted is not null)
             from {EMIT} e join {requests} r on r.custom_id = e.custom_id and r.is_final"""
     ).fetchall()[0]
     con.execute(f"drop table if exists {EMIT}")
-    return written, failed
+    return Merged(new, failed, again)

@@ -134,7 +134,7 @@ def _run(
         except BudgetError as exc:
             refused = exc  # what is already final is merged first; the run still fails, saying so
         crashpoints.reach("before_merge")
-        run.summary.merged, run.summary.failed = run.merge(target, rebuild=rebuild)
+        run.summary.merged, run.summary.failed, run.summary.rewritten = run.merge(target, rebuild=rebuild)
         docs.comment_columns(con, target, config)  # what `dbt docs` shows for the llm_* columns
     finally:
         lock.release()
@@ -307,24 +307,24 @@ class ModelRun:
             return True
         return self.config.dedup == "ledger" and bool(shared.waiting_elsewhere(self.ledger))
 
-    def merge(self, target: str, rebuild: bool) -> tuple[int, int]:
-        """Each pass's final outcomes into the table (one row per key and variant); returns (rows
-        written, of which failed), all passes together."""
+    def merge(self, target: str, rebuild: bool) -> merge.Merged:
+        """Each pass's final outcomes into the table (one row per key and variant); returns what was
+        written (merge.Merged), all passes together."""
         stored = [p.variant for p in self.passes]  # the rows shown share a request's cost
         several = self.config.variant_name is not None
         if several and not rebuild:  # rows of removed variants go before the variants' rows are merged
             variants.drop_removed(self.ledger, self.config, target)
-        written = failed = 0
+        total = merge.Merged(0, 0, 0)
         for p in self.passes:
             self.enter(p)
-            w, f = merge.merge(
+            done = merge.merge(
                 self.ledger, p.config, target, self.input_columns, rebuild=rebuild, create=p.index == 0, variants=stored
             )
-            written, failed = written + w, failed + f
+            total = merge.Merged(*(a + b for a, b in zip(total, done, strict=True)))
         self.enter(self.passes[0])
         if several and rebuild:
             variants.drop_removed(self.ledger, self.config, target)
-        return written, failed
+        return total
 
     def finish_summary(self) -> None:
         s = self.summary
