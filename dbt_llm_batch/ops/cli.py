@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -181,11 +182,24 @@ def poll_command(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a reader that stops reading (`dbt-llm-batch sandbox batches | head`) ends it
+    quietly, as `head` expects, instead of with a BrokenPipeError traceback."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is caught below, not printed by Python
+        return code
+    except BrokenPipeError:
+        # Python's recipe: point stdout at devnull, so the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sandbox"]:  # the sandbox has its own options (see `dbt-llm-batch sandbox --help`)
         from dbt_llm_batch.sandbox.cli import main as sandbox_main
 
-        return sandbox_main(argv[1:])
+        return sandbox_main(argv[1:], prog="dbt-llm-batch sandbox")
     parser = argparse.ArgumentParser(prog="dbt-llm-batch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("sandbox", help="run the local provider emulator (answers are not a model's); see sandbox --help")
