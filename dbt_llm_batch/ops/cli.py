@@ -7,98 +7,21 @@ import os
 import sys
 
 
-def status(database: str, schema: str) -> int:
-    """Print in-flight batches (with age) and, per model, requests by status (ledger/reads.py)."""
-    from dbt_llm_batch.ledger.reads import LedgerNotReadable, LedgerReads, open_ledger
+def status_command(args) -> int:
+    """`dbt-llm-batch status`: the ledger of --database, else of the dbt profile's target (ops/status.py)."""
+    from dbt_llm_batch.errors import ConfigError
+    from dbt_llm_batch.ops import profile, status
 
-    try:
-        con = open_ledger(database, "dbt-llm-batch status")
-    except LedgerNotReadable as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    ledger = LedgerReads(con, schema)
-    if not ledger.exists():
-        print(f"no dbt-llm-batch ledger in schema {schema} of {database}")
-        return 1
-    print("In-flight batches:")
-    ledger.in_flight().select("* exclude (submitted_at)").show(max_width=200)
-    print("Progress per model:")
-    ledger.progress().show(max_width=200)
-    held = ledger.held()
-    if held.fetchall():
-        print("Held after `dbt-llm-batch cancel` (sent again after `dbt-llm-batch release`):")
-        held.show(max_width=200)
-    interrupted = ledger.interrupted()
-    if interrupted.fetchall():
-        print(
-            "Interrupted submissions held by reconciliation (not resent while a provider batch may be theirs; "
-            "`dbt-llm-batch release` sends them again, paid twice if such a batch was theirs):"
-        )
-        interrupted.show(max_width=200)
-    orphans = ledger.orphans()
-    if orphans.fetchall():
-        print(
-            "In-flight requests whose job is missing from llm_batch_jobs (never polled nor resent; "
-            "`dbt-llm-batch release` sends them again):"
-        )
-        orphans.show(max_width=200)
-    # Ledgers from schema version 14 count rows apart from requests (llm_dedup): rows each request
-    # answered, rows answered from the ledger without a request, and what sharing saved.
-    dedup = ledger.has_dedup()
-    rows = ", rows_answered, rows_reused, dedup_saved_usd" if dedup else ""
-    print(
-        "Cost per model, day and route (batch or realtime; savings = realtime cost - cost; rows_succeeded and "
-        "rows_failed count "
-        "requests"
-        + (
-            "; rows_answered: rows they answered, rows_reused: without a request, dedup_saved_usd: saved by it"
-            if dedup
-            else ""
-        )
-        + "):"
-    )
-    ledger.costs().select(
-        f"""model, provider, day, route, rows_succeeded, rows_failed, cost_usd, realtime_cost_usd,
-            savings_usd, committed_not_billed_usd{rows}"""
-    ).show(max_width=200)
-    return 0
-
-
-def report_command(args) -> int:
-    """`dbt-llm-batch report`: the HTML report and/or the FOCUS CSV (ops/report.py)."""
-    from pathlib import Path
-
-    from dbt_llm_batch.ledger.reads import LedgerNotReadable, LedgerReads, open_ledger
-    from dbt_llm_batch.ops.report import ReportError, write_focus, write_report
-    from dbt_llm_batch.pipeline.costs import fmt_usd
-
-    if args.serve:
-        from dbt_llm_batch.ops.report_server import make_server
-
-        server = make_server(args.database, args.schema, args.within, args.port, args.refresh)
-        port = server.server_address[1]
-        print(f"serving the report of {args.database} on http://127.0.0.1:{port}/ (FOCUS: /focus.csv); Ctrl-C stops")
+    database, schema = args.database, args.schema
+    if database is None:
         try:
-            server.serve_forever()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            server.server_close()
-        return 0
-    try:
-        ledger = LedgerReads(open_ledger(args.database, "dbt-llm-batch report"), args.schema)
-        if args.focus:
-            rows = write_focus(ledger, Path(args.focus))
-            print(f"wrote {args.focus}: {rows} FOCUS row(s)")
-        if args.out or not args.focus:
-            out = Path(args.out or "llm_batch_report.html")
-            data = write_report(ledger, out, args.within)
-            spent = fmt_usd(data.totals["cost_usd"])
-            print(f"wrote {out} (spent {spent}; {len(data.open_batches)} batch(es) open)")
-    except (LedgerNotReadable, ReportError) as exc:
-        print(f"dbt-llm-batch report: {exc}", file=sys.stderr)
-        return 2
-    return 0
+            found = profile.warehouse(args.project_dir, args.profiles_dir, args.target)
+        except ConfigError as exc:
+            print(f"dbt-llm-batch status: {exc}", file=sys.stderr)
+            return 2
+        database, schema = found.database, schema or found.schema
+    shape = "json" if args.json else "wide" if args.wide else "brief"
+    return status.status(database, schema or "main", shape)
 
 
 # Operator actions (dbt_llm_batch/operator.py), each on one model of one ledger.
@@ -209,8 +132,14 @@ def _main(argv: list[str] | None) -> int:
     ck.add_argument("--project-dir", default=".", help="the dbt project (default: the current directory)")
     ck.add_argument("--manifest", help="the manifest.json to read (default: <project-dir>/target/manifest.json)")
     st = sub.add_parser("status", help="show in-flight batches, per-model progress and cost from the ledger")
-    st.add_argument("--database", required=True, help="path of the DuckDB file")
-    st.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
+    st.add_argument("--database", help="path of the DuckDB file (default: the dbt profile's, as dbt reads it)")
+    st.add_argument("--schema", default=None, help="schema holding the ledger tables (default: the target's, or main)")
+    st.add_argument("--project-dir", default=".", help="the dbt project whose profile names the file (default: .)")
+    st.add_argument("--profiles-dir", default=None, help="where profiles.yml is (default: as dbt looks for it)")
+    st.add_argument("--target", default=None, help="the profile's target (default: the profile's own)")
+    shape = st.add_mutually_exclusive_group()
+    shape.add_argument("--wide", action="store_true", help="every column (the default fits 100 characters)")
+    shape.add_argument("--json", action="store_true", help="every column, as one JSON object")
     rp = sub.add_parser(
         "report",
         help="write the ledger's cost, progress and evaluation report as one HTML file (no network needed to view)",
@@ -272,7 +201,7 @@ def _main(argv: list[str] | None) -> int:
         from dbt_llm_batch.ops.operator import command
 
         return command(args)
-    return status(args.database, args.schema)
+    return status_command(args)
 
 
 if __name__ == "__main__":
