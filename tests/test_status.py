@@ -64,7 +64,7 @@ def test_status_reads_the_dbt_profile_fits_100_columns_and_names_variants(projec
     project.dbt("run-operation", "dbt_llm_batch.status")
     log = (project.root / "logs" / "dbt.log").read_text()
     for variant in ("default", "terse"):
-        assert f"model=main.triage, keys_succeeded=6" in log and f"variant={variant}, rows_pending=0" in log
+        assert "model=main.triage, keys_succeeded=6" in log and f"variant={variant}, rows_pending=0" in log
         assert f"model=main.triage, variant={variant}, provider=openai" in log
     project.release_database()
 
