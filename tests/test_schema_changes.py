@@ -76,32 +76,25 @@ def test_append_keeps_a_removed_column_and_sync_drops_it(project, emulator):
     assert project.query("select count(*) filter (where llm_status = 'succeeded') from main.triage") == [(6,)]
 
 
-def test_fail_names_the_model_and_sends_nothing(project, emulator):
+def test_fail_and_a_type_change_name_the_model_and_sync_casts_the_type(project, emulator):
     answered(project, emulator)
-    project.write(MODEL, model_with(TRIAGE_OUTPUT, "on_schema_change = 'fail',", select_extra="1 as extra,"))
-    result = project.dbt("run", "-s", "triage", expect_ok=False)
-    message = failure_messages(result)
-    assert "triage: the columns of" in message and "added: extra INTEGER" in message
+    project.write(MODEL, model_with(TRIAGE_OUTPUT, "on_schema_change = 'fail',", select_extra="1 as n,"))
+    message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
+    assert "triage: the columns of" in message and "added: n INTEGER" in message
     assert "dbt run --full-refresh -s triage" in message and "<model>" not in message
-    assert len(emulator.batches()) == 1
+    assert "n" not in columns(project) and len(emulator.batches()) == 1, "fail changes and sends nothing"
 
-
-def test_a_type_change_under_append_names_the_model_and_sync_casts_it(project, emulator):
-    answered(project, emulator)
-    project.write(
-        MODEL, model_with(TRIAGE_OUTPUT, select_extra="").replace("select ticket_id,", "select ticket_id, 1 as n,")
-    )
-    project.dbt("run", "-s", "triage")
-    retyped = model_with(TRIAGE_OUTPUT).replace("select ticket_id,", "select ticket_id, '1' as n,")
+    project.write(MODEL, model_with(TRIAGE_OUTPUT, select_extra="1 as n,"))
+    project.dbt("run", "-s", "triage")  # append_new_columns: n added
+    retyped = model_with(TRIAGE_OUTPUT, select_extra="'1' as n,")
     project.write(MODEL, retyped)
-    result = project.dbt("run", "-s", "triage", expect_ok=False)
-    assert "triage: columns of" in failure_messages(result) and "n INTEGER -> VARCHAR" in failure_messages(result)
-    project.write(
-        MODEL,
-        retyped.replace("llm_wait_seconds = 60,", "llm_wait_seconds = 60, on_schema_change = 'sync_all_columns',"),
-    )
+    message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
+    assert "triage: columns of" in message and "n INTEGER -> VARCHAR" in message
+    assert "on_schema_change='sync_all_columns'" in message and "<model>" not in message
+    project.write(MODEL, model_with(TRIAGE_OUTPUT, "on_schema_change = 'sync_all_columns',", select_extra="'1' as n,"))
     project.dbt("run", "-s", "triage")
     assert project.query("select distinct n from main.triage") == [("1",)]
+    assert len(emulator.batches()) == 1, "a selected column's change asks nothing again"
 
 
 def test_a_changed_unique_key_rebuilds_the_table_from_the_ledger(project, emulator):
