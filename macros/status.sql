@@ -9,7 +9,7 @@
   {%- set sections = [
       ('In-flight batches', 'select model, variant, provider, batch_id, status, request_count, age from "' ~ schema ~ '".llm_batch_in_flight order by submitted_at'),
       ('Progress per model', 'select * from "' ~ schema ~ '".llm_batch_progress order by model, variant'),
-      ('Cost per model, variant, day and route', 'select model, variant, provider, day, route, rows_succeeded, rows_failed, requests_succeeded, requests_failed, cost_usd, realtime_cost_usd, savings_usd, committed_not_billed_usd from "' ~ schema ~ '".llm_batch_costs order by model, variant, day, route'),
+      ('Cost per model, day and route', 'select model, variant, provider, day, route, rows_succeeded, rows_failed, requests_succeeded, requests_failed, cost_usd, realtime_cost_usd, savings_usd, committed_not_billed_usd from "' ~ schema ~ '".llm_batch_costs order by model, variant, day, route'),
   ] -%}
   {%- for title, sql in sections -%}
     {%- set result = run_query(sql) -%}

@@ -23,10 +23,11 @@ WIDTH = 100  # the default output's widest line
 @dataclass(frozen=True)
 class Section:
     key: str  # its name in --json
-    title: str
+    title: str  # one line, under 100 characters (tests and scripts find a section by it)
     brief: str  # the columns shown by default (a SELECT list over `source`)
     source: str  # the rows, every column (--wide, --json); {s} is the ledger schema
     shown_if_empty: bool = True  # the operator's exceptions are printed only when there are some
+    note: str = ""  # what the columns mean, or what to do: printed under the title, wrapped
 
 
 SECTIONS = (
@@ -38,10 +39,11 @@ SECTIONS = (
     ),
     Section(
         "progress",
-        "Progress per model (rows: the table's keys; requests: what was sent for them)",
+        "Progress per model",
         "model, variant, keys_succeeded as rows_ok, keys_failed as rows_failed, rows_pending, "
         "requests_pending as req_pending, cost_usd",
         "select * from {s}.llm_batch_progress order by model, variant",
+        note="(rows: the table's keys; req: the requests sent for them)",
     ),
     Section(
         "held",
@@ -53,31 +55,33 @@ SECTIONS = (
     ),
     Section(
         "interrupted",
-        "Interrupted submissions held by reconciliation (not resent while a provider batch may be theirs; "
-        "`dbt-llm-batch release` sends them again, paid twice if such a batch was theirs)",
+        "Interrupted submissions held by reconciliation",
         "model, job_id, status, requests, age",
         f"""select model, job_id, status, request_count as requests,
                    date_trunc('second', now() - created_at) as age, error
             from {{s}}.llm_batch_jobs where batch_id is null and harvested_at is null
               and status in {sql_in(PRE_SUBMISSION)} order by created_at""",
         shown_if_empty=False,
+        note="(not resent while a provider batch may be theirs; `dbt-llm-batch release` sends them again, "
+        "paid twice if such a batch was theirs)",
     ),
     Section(
         "orphans",
-        "In-flight requests whose job is missing from llm_batch_jobs (never polled nor resent; "
-        "`dbt-llm-batch release` sends them again)",
+        "In-flight requests whose job is missing from llm_batch_jobs",
         "model, requests",
         f"""select model, count(*) as requests from {{s}}.llm_batch_requests
             where status in {IN_FLIGHT_SQL} and job_id not in (select job_id from {{s}}.llm_batch_jobs)
             group by model order by model""",
         shown_if_empty=False,
+        note="(never polled nor resent; `dbt-llm-batch release` sends them again)",
     ),
     Section(
         "costs",
-        "Cost per model, variant, day and route (rows: keys answered; req: requests; saved: vs realtime)",
+        "Cost per model, day and route",
         "model, variant, day, route, rows_succeeded as rows_ok, requests_succeeded as req_ok, cost_usd, "
         "savings_usd as saved_usd",
         "select * from {s}.llm_batch_costs order by model, variant, day, route",
+        note="(per variant too; rows: keys answered; req: requests; saved: the same tokens at realtime prices)",
     ),
 )
 
@@ -110,7 +114,9 @@ def status(database: str, schema: str, shape: str = "brief") -> int:
             continue
         if shape == "brief":
             rel = rel.project(_without_empty_variant(rel, section.brief))
-        print(textwrap.fill(f"{section.title}:", WIDTH) if shape == "brief" else f"{section.title}:")
+        print(f"{section.title}:")
+        if section.note:
+            print(textwrap.fill(section.note, WIDTH) if shape == "brief" else section.note)
         rel.show(max_width=WIDTH if shape == "brief" else 100_000, max_col_width=40 if shape == "brief" else None)
     return 0
 

@@ -14,9 +14,10 @@ what happens to the table's columns, before anything is sent:
 - `fail`: the run stops, naming the model and the columns, and sends nothing.
 
 A key column the table lacks (`unique_key` changed) cannot be added in place (old rows would have a NULL
-key): the table is rebuilt from the ledger in this run, as a full refresh does, which sends nothing
-for it. Status columns a newer dbt-llm-batch adds, and `llm_variant` when a model gains evaluation
-variants (its rows are the default variant's), are appended under every policy.
+key), nor can `llm_variant` be kept once a model drops its variants (rows per key and variant): the
+table is rebuilt from the ledger in this run, as a full refresh does, which sends nothing for it.
+Status columns a newer dbt-llm-batch adds, and `llm_variant` when a model gains evaluation variants
+(its rows are the default variant's), are appended under every policy.
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ def apply(con, target: str, expected, config: ModelConfig, model: str, dry_run: 
             f"to cast them, or {rebuild_hint}."
         )
     keys = {k.lower() for k in config.unique_key}
-    rebuild = any(n.lower() in keys for n, _ in found.added)
+    # A new key column (old rows would have a NULL key), or llm_variant gone (the model dropped its
+    # evaluation variants: its table's rows per key and variant become one per key): rebuilt.
+    rebuild = any(n.lower() in keys for n, _ in found.added) or VARIANT_COLUMN in found.removed
     if dry_run:
         if found:
             how = "rebuild it from the ledger" if rebuild else f"change it ({policy})"
@@ -102,7 +105,7 @@ def apply(con, target: str, expected, config: ModelConfig, model: str, dry_run: 
         return rebuild
     if rebuild:
         log.info(
-            f"{model}: unique_key changed ({', '.join(config.unique_key)}): the table is rebuilt from the ledger "
+            f"{model}: unique_key or the evaluation variants changed: the table is rebuilt from the ledger "
             f"in this run (nothing is sent for it)"
         )
         return True
