@@ -24,6 +24,43 @@ def status_command(args) -> int:
     return status.status(database, schema or "main", shape)
 
 
+def report_command(args) -> int:
+    """`dbt-llm-batch report`: the HTML report and/or the FOCUS CSV (ops/report.py)."""
+    from pathlib import Path
+
+    from dbt_llm_batch.ledger.reads import LedgerNotReadable, LedgerReads, open_ledger
+    from dbt_llm_batch.ops.report import ReportError, write_focus, write_report
+    from dbt_llm_batch.pipeline.costs import fmt_usd
+
+    if args.serve:
+        from dbt_llm_batch.ops.report_server import make_server
+
+        server = make_server(args.database, args.schema, args.within, args.port, args.refresh)
+        port = server.server_address[1]
+        print(f"serving the report of {args.database} on http://127.0.0.1:{port}/ (FOCUS: /focus.csv); Ctrl-C stops")
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+        return 0
+    try:
+        ledger = LedgerReads(open_ledger(args.database, "dbt-llm-batch report"), args.schema)
+        if args.focus:
+            rows = write_focus(ledger, Path(args.focus))
+            print(f"wrote {args.focus}: {rows} FOCUS row(s)")
+        if args.out or not args.focus:
+            out = Path(args.out or "llm_batch_report.html")
+            data = write_report(ledger, out, args.within)
+            spent = fmt_usd(data.totals["cost_usd"])
+            print(f"wrote {out} (spent {spent}; {len(data.open_batches)} batch(es) open)")
+    except (LedgerNotReadable, ReportError) as exc:
+        print(f"dbt-llm-batch report: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 # Operator actions (dbt_llm_batch/operator.py), each on one model of one ledger.
 OPERATOR_COMMANDS = {
     "cancel": "cancel the model's in-flight batches at the provider; their unanswered requests are held",
