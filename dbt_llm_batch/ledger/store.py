@@ -29,6 +29,7 @@ from dbt_llm_batch.ledger.status import (
     sql,
 )
 from dbt_llm_batch.ledger.then_commands import ThenCommandWrites
+from dbt_llm_batch.ledger.variant_names import VARIANT_NAMES, shown_variant_sql
 from dbt_llm_batch.sql import ident
 
 __all__ = ["IN_FLIGHT", "MIGRATIONS", "SCHEMA_VERSION", "Ledger", "retry_on_conflict", "transaction"]
@@ -255,24 +256,6 @@ _QUEUED, _SUCCEEDED, _FAILED = sql(RequestStatus.QUEUED), sql(RequestStatus.SUCC
 _WAITING = f"{sql(RequestStatus.DEFERRED)}, {sql(RequestStatus.HELD)}"
 
 
-def _shown_variant(column: str) -> str:
-    """SQL: a variant as the model's table names it in llm_variant: the stored '' is the default
-    variant, shown under the model's llm_default_variant (kept in its config snapshot) when the model
-    has variants; a job's comma-separated list of variants is named the same way, each in turn. Reads
-    `n.has_variants` and `n.default_name` (_VARIANT_NAMES joined as `n` on model)."""
-    return (
-        f"case when not coalesce(n.has_variants, false) then {column} "
-        f"else array_to_string(list_transform(string_split({column}, ','), "
-        f"lambda v: case when v = '' then n.default_name else v end), ',') end"
-    )
-
-
-# Per model: whether its last run had evaluation variants, and its default variant's name.
-_VARIANT_NAMES = """(select model,
-           json_extract(config_snapshot, '$.config.llm_variants') is not null as has_variants,
-           coalesce(json_extract_string(config_snapshot, '$.config.llm_default_variant'), 'default') as default_name
-    from {s}.llm_batch_models)"""
-
 VIEWS = [
     # One row per row of a model (model, variant, key) and the fingerprint it waits for an answer to:
     # a row answer whose request is in flight or held, of this model or another (llm_dedup = 'ledger':
@@ -287,8 +270,8 @@ VIEWS = [
     where status in ({_WAITING}) or (status = {sql(RequestStatus.VOIDED)} and not_before > now())""",
     f"""create or replace view {{s}}.llm_batch_in_flight as
     select model, provider, llm_model, batch_id, status, request_count, submitted_at,
-           date_trunc('second', now() - coalesce(submitted_at, created_at)) as age, {_shown_variant("variant")} as variant
-    from {{s}}.llm_batch_jobs left join {_VARIANT_NAMES} n using (model)
+           date_trunc('second', now() - coalesce(submitted_at, created_at)) as age, {shown_variant_sql("variant")} as variant
+    from {{s}}.llm_batch_jobs left join {VARIANT_NAMES} n using (model)
     where harvested_at is null and status <> {sql(JobStatus.VOIDED)}""",
     f"""create or replace view {{s}}.llm_batch_costs as
     select r.model, j.provider, coalesce(j.llm_model, '') as llm_model,
@@ -311,13 +294,13 @@ VIEWS = [
            -- sharing saved: each row beyond a request's first would have been a request of its own
            coalesce(sum(a.row_answers), 0) as rows_answered, coalesce(sum(a.reused), 0) as rows_reused,
            coalesce(sum(r.cost_usd * (a.row_answers - 1)) filter (where a.row_answers > 1), 0) as dedup_saved_usd,
-           {_shown_variant("r.variant")} as variant,  -- the evaluation variant that asked it, as the table names it
+           {shown_variant_sql("r.variant")} as variant,  -- the evaluation variant that asked it, as the table names it
            -- what prompt caching saved: the same requests with every input token at the input rate
            coalesce(sum(coalesce(r.uncached_cost_usd, r.cost_usd)) - sum(r.cost_usd), 0) as cache_saved_usd,
            count(*) filter (where r.status = {_SUCCEEDED}) as requests_succeeded,
            count(*) filter (where r.status = {_FAILED}) as requests_failed
     from {{s}}.llm_batch_requests r left join {{s}}.llm_batch_jobs j using (job_id)
-         left join {_VARIANT_NAMES} n on n.model = r.model
+         left join {VARIANT_NAMES} n on n.model = r.model
          left join (select custom_id, count(*) as row_answers, count(*) filter (where reused) as reused
                     from {{s}}.llm_batch_row_answers group by custom_id) a using (custom_id)
     group by all""",
@@ -340,7 +323,7 @@ VIEWS = [
            coalesce(max(a.rows_mapped), 0) as rows_mapped,
            coalesce(max(a.rows_reused), 0) as rows_reused,
            coalesce(max(a.dedup_saved_usd), 0) as dedup_saved_usd,
-           {_shown_variant("variant")} as variant,  -- per evaluation variant, as the table names it ('': no variants)
+           {shown_variant_sql("variant")} as variant,  -- per evaluation variant, as the table names it ('': no variants)
            -- rows (keys) still waiting for an answer, whichever model's request asks it: a model whose
            -- rows share another model's request in flight (llm_dedup = 'ledger') has them pending too
            coalesce(max(w.rows_pending), 0) as rows_pending
@@ -360,7 +343,7 @@ VIEWS = [
                     group by a.model, a.variant) a using (model, variant)
          left join (select model, variant, count(distinct key) as rows_pending from {{s}}.llm_batch_pending_rows
                     group by model, variant) w using (model, variant)
-         left join {_VARIANT_NAMES} n using (model)
+         left join {VARIANT_NAMES} n using (model)
     group by model, variant, n.has_variants, n.default_name""",
     # Failed requests by why they failed (failure_kind: batch_failures.py; NULL: the answer or its error
     # line failed, and it is retried up to llm_max_attempts), final or to be retried.
