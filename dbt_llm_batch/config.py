@@ -90,6 +90,8 @@ class ModelConfig:
     max_context_tokens: int | None = None  # None: the known context window of llm_model, if any
     delete_provider_files: bool = True
     on_unselected: str = "keep"  # 'keep' | 'delete': the table's rows of keys no longer selected (merge.py)
+    # 'append_new_columns' | 'sync_all_columns' | 'fail': a table whose columns the model changed (schema_change.py)
+    on_schema_change: str = "append_new_columns"
     budget_basis: str = "ceiling"  # 'ceiling' | 'expected': the output tokens estimates count (costs.py)
     # The fingerprint prefix earlier versions computed for this config from the key order dbt's parse
     # gave (see legacy_fingerprint_prefix); None when it equals fingerprint_prefix().

@@ -284,6 +284,18 @@ RUN: tuple[Key, ...] = (
         field="on_unselected",
     ),
     Key(
+        "on_schema_change",
+        "`'append_new_columns'`, `'sync_all_columns'` or `'fail'` (dbt's own key)",
+        "append_new_columns",
+        "when the model's columns change (a SELECT or `llm_output` edit): add the new ones (a changed `llm_output` is "
+        "asked again in the same run; dropped columns stay), also drop the removed ones and change types, or fail "
+        "naming the model; a changed `unique_key` rebuilds the table from the ledger (nothing is sent for "
+        "it). dbt's default `'ignore'` is read as `'append_new_columns'`. docs: *Schema changes*",
+        v.schema_change,
+        field="on_schema_change",
+        snapshot=False,
+    ),
+    Key(
         "llm_dedup",
         "`true`, `'ledger'`, `false`",
         None,
@@ -368,7 +380,8 @@ COST: tuple[Key, ...] = (
         "boolean",
         False,
         "plan, estimate and report: no provider call, no request recorded, the model table left as it is (the "
-        "ledger tables are created if missing)",
+        "ledger tables are created if missing, and a model that never ran gets its empty table, so `dbt build`'s "
+        "tests run on it)",
         boolean,
         field="dry_run",
     ),

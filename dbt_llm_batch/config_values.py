@@ -188,3 +188,16 @@ def realtime_when(name: str, value: Any, errors: list[str]) -> Any:
             "llm_realtime_when must be a SQL boolean expression over the model's columns, e.g. \"priority = 'urgent'\""
         )
     return value
+
+
+# on_schema_change (pipeline/schema_change.py): dbt's values. dbt sets 'ignore' on every model that
+# does not set the key, so it cannot mean "leave the table as it is" here: it is read as the default.
+SCHEMA_CHANGE_POLICIES = ("append_new_columns", "sync_all_columns", "fail")
+
+
+def schema_change(name: str, value: Any, errors: list[str]) -> Any:
+    if value is None or value == "ignore":
+        return "append_new_columns"
+    if value not in SCHEMA_CHANGE_POLICIES:
+        errors.append(f"{name} must be one of {list(SCHEMA_CHANGE_POLICIES)}, got {value!r}")
+    return value

@@ -22,18 +22,8 @@ fresh_project() {  # into integration_project, with a new DuckDB file and the pa
   $DBT deps --profiles-dir .
 }
 
-show_tables() {  # DuckDB file, then table names
-  local db="$1"; shift
-  ../.venv/bin/python - "$db" "$@" <<'PY'
-import sys, duckdb
-con = duckdb.connect(sys.argv[1], read_only=True)
-for table in sys.argv[2:]:
-    print(f"\n== main.{table}")
-    con.sql(f"select * exclude (llm_fingerprint) from main.{table} order by all").show(max_width=200)
-print("\n== main.llm_batch_costs")
-con.sql("select model, route, rows_succeeded, input_tokens, output_tokens, cost_usd, realtime_cost_usd, savings_usd "
-        "from main.llm_batch_costs order by model").show(max_width=200)
-PY
+show_tables() {  # DuckDB file, then table names: each table's key, answer and status columns
+  ../.venv/bin/python "$ROOT/scripts/demo_tables.py" "$@"
 }
 
 if [ "$MODE" = "--sandbox" ]; then

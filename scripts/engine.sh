@@ -5,7 +5,8 @@
 #   scripts/engine.sh wait [SECS]  wait until GET /v1/models answers (default 300 s); prints the log tail on failure
 #   scripts/engine.sh stop         stop the server (its whole process group) and wait until it is gone
 #   scripts/engine.sh status       say whether it runs and answers
-# Settings: DBT_LLM_BATCH_ENGINE_PORT (8791), DBT_LLM_BATCH_ENGINE_CACHE (~/.cache/dbt-llm-batch).
+# Settings: DBT_LLM_BATCH_ENGINE_PORT (8791; the local models' llm_base_url follows it), DBT_LLM_BATCH_ENGINE_CACHE
+# (~/.cache/dbt-llm-batch).
 # Clients: base_url http://127.0.0.1:PORT/v1, any api_key, model "gemma-3-270m".
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -29,6 +30,7 @@ die() { echo "engine: $*" >&2; exit 1; }
 
 models_url() { echo "http://127.0.0.1:${PORT}/v1/models"; }
 answers() { curl -fs --max-time 2 "$(models_url)" >/dev/null 2>&1; }
+port_taken() { (exec 3<>"/dev/tcp/127.0.0.1/${PORT}") 2>/dev/null; }
 
 # The pid in the pid file, if that process is still alive.
 running_pid() {
@@ -93,7 +95,11 @@ cmd_start() {
     cmd_wait "${1:-300}"
     return
   fi
-  answers && die "something else already answers on port $PORT; stop it or set DBT_LLM_BATCH_ENGINE_PORT"
+  # Any listener on the port (an engine or not) would take the requests meant for this one, and vLLM
+  # would fail to bind: say so before anything starts. The demo's model follows the same setting.
+  if answers || port_taken; then
+    die "port $PORT is taken by another process; stop it, or set DBT_LLM_BATCH_ENGINE_PORT to a free port (the demo's model reads the same variable)"
+  fi
   [ -x "$PY" ] && [ -f "$MODEL_DIR/CONVERTED" ] || die "not set up yet: run scripts/engine.sh setup"
   mkdir -p "$STATE"
   # setsid: the server and its worker processes form one process group that `stop` can end as a whole.

@@ -48,17 +48,18 @@ def test_a_schema_change_is_one_message_without_traceback_and_debug_shows_it(pro
     project.write(MODEL, triage_model())
     project.dbt("seed")
     project.dbt("run", *SELECT)
-    project.write(MODEL, triage_model().replace("select ticket_id,", "select ticket_id, 1 as extra,"))
+    changed = triage_model(extra_config="on_schema_change = 'fail',")
+    project.write(MODEL, changed.replace("select ticket_id,", "select ticket_id, 1 as extra,"))
     capfd.readouterr()
     result = project.dbt("run", *SELECT, expect_ok=False)
     output = console_of(capfd, result)
     assert "the columns of" in output and "added: extra INTEGER" in output
-    assert "dbt run --full-refresh" in output
+    assert "dbt run --full-refresh -s triage" in output and "<model>" not in output
     assert "Traceback" not in output and "Python model failed" not in output
     # With --debug the traceback is there for a bug report, in dbt's debug log lines.
     result = project.dbt("--debug", "run", *SELECT, expect_ok=False)
     output = console_of(capfd, result)
-    assert "Traceback" in output and "check_existing_table" in output
+    assert "Traceback" in output and "schema_change.py" in output
     assert "Traceback" not in failure_messages(result)
 
 

@@ -68,9 +68,11 @@ def test_100_rows_with_40_distinct_prompts_send_40_requests_and_cost_what_was_bi
         shares[prompt].add(cost)
     assert all(max(c) - min(c) <= Decimal("0.000000001") for c in shares.values())
     # The views count requests and rows apart, and what sharing saved.
-    view = dup.query("""select sum(rows_succeeded), sum(rows_answered), sum(rows_reused), sum(cost_usd), sum(dedup_saved_usd)
+    view = dup.query("""select sum(requests_succeeded), sum(rows_answered), sum(rows_reused), sum(cost_usd), sum(dedup_saved_usd),
+                               sum(rows_succeeded)
                         from main.llm_batch_costs where model = 'main.dup'""")[0]
     assert view[:4] == (40, 100, 0, total) and view[4] > 0
+    assert view[5] == 100, "rows_succeeded counts rows, requests_succeeded the requests that answered them"
     progress = dup.query("select requests_sent, rows_mapped, rows_reused, dedup_saved_usd from main.llm_batch_progress")
     assert progress == [(40, 100, 0, view[4])]
     # `dbt-llm-batch status` shows rows apart from requests, and the money sharing saved.
@@ -78,7 +80,7 @@ def test_100_rows_with_40_distinct_prompts_send_40_requests_and_cost_what_was_bi
 
     dup.release_database()
     capsys.readouterr()
-    assert cli.status(str(dup.db_path), "main") == 0
+    assert cli.main(["status", "--database", str(dup.db_path), "--wide"]) == 0
     shown = capsys.readouterr().out
     assert "rows_answered" in shown and "rows_reused" in shown and "dedup_saved_usd" in shown and "rows_mapped" in shown
 

@@ -129,6 +129,7 @@ def test_null_and_duplicate_keys_fail_before_sending(project, emulator):
     project.write("models/triage.sql", triage_model())
     message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
     assert "have a NULL in unique_key (ticket_id)" in message
+    assert "for example the row whose prompt starts 'Subject: g" in message and "None" not in message
     assert emulator.stats()["calls"] == {}
 
 

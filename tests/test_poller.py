@@ -111,6 +111,7 @@ def test_poll_wait_returns_done_and_then_runs_once_with_the_selector(
     rc, out, err = poll(project, capsys, "--wait", "120", "--then", then)
     assert rc == EXIT_DONE, out + err
     assert record.read_text() == "triage+\n"  # exactly once, with the model's dbt name
+    assert "new results for: triage; --then ran: " in out and "the next `dbt run`" not in out  # true after --then
     assert "poll: waiting for batches: " in err  # progress while it waits
 
     calls = dict(emulator.stats()["calls"])

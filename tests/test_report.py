@@ -134,8 +134,8 @@ def check_focus_export(project: Project, focus_path: Path) -> None:
         acc[1] += Decimal(row["ListCost"])
     assert exported == {(p, m, dm, v): [c, r] for p, m, dm, v, c, r in costs}
     assert {k[0] for k in exported} == {"openai", "anthropic"}  # the evaluation's 'claude' variant
-    # The model's own variant (llm_default_variant 'baseline') is 'default' in the ledger, as in its views.
-    assert {k[3] for k in exported if k[2] == "main.ticket_triage_eval"} == {"default", "concise", "claude"}
+    # The model's own variant is named as its table and the views name it (llm_default_variant 'baseline').
+    assert {k[3] for k in exported if k[2] == "main.ticket_triage_eval"} == {"baseline", "concise", "claude"}
 
 
 def check_report_in_browser(project: Project, html_path: Path) -> None:

@@ -186,3 +186,37 @@ def proc_wait(proc, seconds: float) -> None:
         proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
         pass
+
+
+def test_help_names_the_command_typed_and_lists_the_controls():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for command, prog in (
+        (["-m", "dbt_llm_batch.ops.cli", "sandbox"], "dbt-llm-batch sandbox"),
+        (["-m", "dbt_llm_batch.sandbox"], "python -m dbt_llm_batch.sandbox"),
+    ):
+        done = subprocess.run(
+            [sys.executable, *command, "--help"], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert done.returncode == 0 and done.stdout.startswith(f"usage: {prog} "), done.stdout
+        for control_command in ("batches", "advance <batch_id>", "complete [<batch_id>]", "expire <batch_id>"):
+            assert f"{prog} {control_command}" in done.stdout
+
+
+def test_a_reader_that_stops_reading_ends_the_listing_without_a_traceback(emu, client):
+    """`dbt-llm-batch sandbox batches | head`: the pipe's reader is gone before the listing is written."""
+    openai_batch(client)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # as `head` exits after the lines it wanted
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SANDBOX_URL": emu.base_url}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "dbt_llm_batch.ops.cli", "sandbox", "batches"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr == "" and done.returncode == 0, done.stderr

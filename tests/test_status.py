@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from helpers import triage_model
 
 from dbt_llm_batch.ops import cli
@@ -29,8 +31,8 @@ def test_status_operation_and_cli_show_in_flight_batches_and_progress(project, e
         "select keys_succeeded, requests_pending, committed_not_billed_usd from main.llm_batch_progress"
     )
     assert progress == [(6, 0, 0)]
-    progress_section = out.split("Progress per model:")[1]
-    assert "main.triage" in progress_section and "keys_succeeded" in progress_section
+    progress_section = out.split("Progress per model")[1]
+    assert "main.triage" in progress_section and "rows_ok" in progress_section
 
 
 def test_run_log_has_one_summary_line_per_model(project, emulator):
@@ -44,3 +46,48 @@ def test_run_log_has_one_summary_line_per_model(project, emulator):
         "harvested 0 batch(es) (cost $0.000000, saved $0.000000 vs realtime); merged 0 row(s) (0 failed); pending 6"
         in log
     )
+
+
+def test_status_reads_the_dbt_profile_fits_100_columns_and_names_variants(project, emulator, capsys):
+    """Without --database the file is the profile's; the default fits 100 columns, --wide and --json
+    show every column; the default variant is named as the table names it, by the CLI and by the
+    run-operation; rows and requests are counted apart."""
+    variants = "llm_variants = {'terse': {'llm_system': 'Be terse.'}},"
+    project.write("models/triage.sql", triage_model(extra_config=variants))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    project.dbt("run-operation", "dbt_llm_batch.status")
+    log = (project.root / "logs" / "dbt.log").read_text()
+    assert "model=main.triage, variant=default,terse, provider=openai" in log  # one batch, both variants
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    project.dbt("run-operation", "dbt_llm_batch.status")
+    log = (project.root / "logs" / "dbt.log").read_text()
+    for variant in ("default", "terse"):
+        assert "model=main.triage, keys_succeeded=6" in log and f"variant={variant}, rows_pending=0" in log
+        assert f"model=main.triage, variant={variant}, provider=openai" in log
+    project.release_database()
+
+    where = ["--project-dir", str(project.root), "--profiles-dir", str(project.root)]
+    capsys.readouterr()
+    assert cli.main(["status", *where]) == 0  # no --database: the profile's file and schema
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    assert "…" not in out, "no column hidden behind an ellipsis"
+    progress = out.split("Progress per model")[1].split("Cost per model")[0]
+    assert "rows_ok" in progress and "req_pending" in progress and "default" in progress and "terse" in progress
+    assert "''" not in out
+
+    assert cli.main(["status", *where, "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert "committed_not_billed_usd" in wide and "dedup_saved_usd" in wide
+
+    assert cli.main(["status", *where, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["database"] == str(project.db_path) and shown["schema"] == "main"
+    costs = {row["variant"]: (row["rows_succeeded"], row["requests_succeeded"]) for row in shown["costs"]}
+    assert costs == {"default": (6, 6), "terse": (6, 6)}
+    assert {row["variant"] for row in shown["progress"]} == {"default", "terse"}
+
+    assert cli.main(["status", *where, "--target", "prod"]) == 2
+    assert "has no target 'prod'" in capsys.readouterr().err

@@ -148,9 +148,9 @@ def test_three_variants_two_providers_one_run_180_rows_report_and_gate(evals, em
     assert sorted((face, n) for face, n, _ in sent) == [("anthropic", N), ("openai", 2 * N)]
     assert [systems for face, _, systems in sent if face == "openai"] == [{SYSTEM_A, SYSTEM_B}]
     assert evals.query("select count(*) from main.evals") == [(0,)]  # nothing final yet
-    # A batch holding several variants' requests lists them ('' is the default variant).
+    # A batch holding several variants' requests lists them, named as the table names them.
     in_flight = evals.query("select variant, provider, request_count from main.llm_batch_in_flight order by 1")
-    assert in_flight == [(",terse", "openai", 2 * N), ("claude", "anthropic", N)]
+    assert in_flight == [("claude", "anthropic", N), ("default,terse", "openai", 2 * N)]
     assert "submitted 120 request(s) in 1 batch(es) to openai (gpt-4o-mini): variant default 60, variant terse 60" in (
         log_text(evals)
     )
@@ -171,7 +171,7 @@ def test_three_variants_two_providers_one_run_180_rows_report_and_gate(evals, em
     per_variant = evals.query(
         "select variant, sum(rows_succeeded), sum(cost_usd) > 0 from main.llm_batch_costs group by 1 order by 1"
     )
-    assert per_variant == [("", N, True), ("claude", N, True), ("terse", N, True)]
+    assert per_variant == [("claude", N, True), ("default", N, True), ("terse", N, True)]
     table_costs = dict(evals.query("select llm_variant, sum(llm_cost_usd) from main.evals group by 1"))
     ledger_costs = dict(evals.query("select variant, sum(cost_usd) from main.llm_batch_requests group by 1"))
     assert table_costs == {

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Final
 
 from dbt_llm_batch.ledger.status import RequestStatus, sql
+from dbt_llm_batch.ledger.variant_names import VARIANT_NAMES, shown_variant_sql
 
 FOCUS_VERSION: Final = "1.2"
 
@@ -36,10 +37,11 @@ FOCUS_VIEW: Final = f"""create or replace view {{s}}.llm_batch_focus as
     with charges as (
         select cast(coalesce(r.completed_at, r.queued_at) at time zone 'UTC' as date) as day,
                coalesce(j.provider, '') as provider, coalesce(j.llm_model, '') as llm_model,
-               r.model, coalesce(nullif(r.variant, ''), 'default') as variant, coalesce(r.route, 'batch') as route,
+               r.model, coalesce(nullif({shown_variant_sql("r.variant")}, ''), 'default') as variant, coalesce(r.route, 'batch') as route,
                sum(r.cost_usd) as cost_usd, sum(coalesce(r.realtime_cost_usd, r.cost_usd)) as list_cost_usd,
                sum(coalesce(r.input_tokens, 0) + coalesce(r.output_tokens, 0)) as tokens
         from {{s}}.llm_batch_requests r join {{s}}.llm_batch_jobs j using (job_id)
+             left join {VARIANT_NAMES} n on n.model = r.model
         where r.status in ({_OUTCOMES}) and r.cost_usd is not null
         group by all
     )

@@ -29,6 +29,7 @@ from dbt_llm_batch.ledger.status import (
     sql,
 )
 from dbt_llm_batch.ledger.then_commands import ThenCommandWrites
+from dbt_llm_batch.ledger.variant_names import VARIANT_NAMES, shown_variant_sql
 from dbt_llm_batch.sql import ident
 
 __all__ = ["IN_FLIGHT", "MIGRATIONS", "SCHEMA_VERSION", "Ledger", "retry_on_conflict", "transaction"]
@@ -239,6 +240,13 @@ MIGRATIONS += [
     # FOCUS cost dataset (ledger/focus.py).
     (22, ["alter table {s}.llm_batch_requests add column if not exists uncached_cost_usd decimal(18, 9)"]),
 ]
+MIGRATIONS += [
+    # The views changed: they name the default variant as the model's table does (llm_default_variant,
+    # from the model's config snapshot; '' stays '' for a model without variants), and llm_batch_costs
+    # counts rows (rows_succeeded, rows_failed) apart from requests (requests_succeeded, requests_failed).
+    # No table changes.
+    (23, []),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users
@@ -246,6 +254,8 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 # reaches this version, rather than restated by each migration that changes them.
 _QUEUED, _SUCCEEDED, _FAILED = sql(RequestStatus.QUEUED), sql(RequestStatus.SUCCEEDED), sql(RequestStatus.FAILED)
 _WAITING = f"{sql(RequestStatus.DEFERRED)}, {sql(RequestStatus.HELD)}"
+
+
 VIEWS = [
     # One row per row of a model (model, variant, key) and the fingerprint it waits for an answer to:
     # a row answer whose request is in flight or held, of this model or another (llm_dedup = 'ledger':
@@ -260,13 +270,15 @@ VIEWS = [
     where status in ({_WAITING}) or (status = {sql(RequestStatus.VOIDED)} and not_before > now())""",
     f"""create or replace view {{s}}.llm_batch_in_flight as
     select model, provider, llm_model, batch_id, status, request_count, submitted_at,
-           date_trunc('second', now() - coalesce(submitted_at, created_at)) as age, variant
-    from {{s}}.llm_batch_jobs where harvested_at is null and status <> {sql(JobStatus.VOIDED)}""",
+           date_trunc('second', now() - coalesce(submitted_at, created_at)) as age, {shown_variant_sql("variant")} as variant
+    from {{s}}.llm_batch_jobs left join {VARIANT_NAMES} n using (model)
+    where harvested_at is null and status <> {sql(JobStatus.VOIDED)}""",
     f"""create or replace view {{s}}.llm_batch_costs as
     select r.model, j.provider, coalesce(j.llm_model, '') as llm_model,
            cast(coalesce(r.completed_at, r.queued_at) as date) as day,
-           count(*) filter (where r.status = {_SUCCEEDED}) as rows_succeeded,
-           count(*) filter (where r.status = {_FAILED}) as rows_failed,
+           -- rows (the keys the requests answered) apart from requests
+           coalesce(sum(a.row_answers) filter (where r.status = {_SUCCEEDED}), 0) as rows_succeeded,
+           coalesce(sum(a.row_answers) filter (where r.status = {_FAILED}), 0) as rows_failed,
            count(*) filter (where r.status = {_QUEUED}) as rows_pending,
            sum(r.input_tokens) as input_tokens, sum(r.output_tokens) as output_tokens,
            sum(r.cached_tokens) as cache_read_tokens, sum(r.cache_write_tokens) as cache_write_tokens,
@@ -278,15 +290,17 @@ VIEWS = [
            coalesce(r.route, 'batch') as route,
            coalesce(sum(r.possibly_billed), 0) as possibly_billed,
            sum(r.cache_write_1h_tokens) as cache_write_1h_tokens,
-           -- rows apart from requests (the rows_* columns above count requests): rows each request
-           -- answered, of which reused (answered from the ledger, no call), and what sharing saved:
-           -- each row beyond a request's first would have been a request of its own
+           -- rows each request answered, of which reused (answered from the ledger, no call), and what
+           -- sharing saved: each row beyond a request's first would have been a request of its own
            coalesce(sum(a.row_answers), 0) as rows_answered, coalesce(sum(a.reused), 0) as rows_reused,
            coalesce(sum(r.cost_usd * (a.row_answers - 1)) filter (where a.row_answers > 1), 0) as dedup_saved_usd,
-           r.variant,  -- the evaluation variant that asked it ('': the default variant)
+           {shown_variant_sql("r.variant")} as variant,  -- the evaluation variant that asked it, as the table names it
            -- what prompt caching saved: the same requests with every input token at the input rate
-           coalesce(sum(coalesce(r.uncached_cost_usd, r.cost_usd)) - sum(r.cost_usd), 0) as cache_saved_usd
+           coalesce(sum(coalesce(r.uncached_cost_usd, r.cost_usd)) - sum(r.cost_usd), 0) as cache_saved_usd,
+           count(*) filter (where r.status = {_SUCCEEDED}) as requests_succeeded,
+           count(*) filter (where r.status = {_FAILED}) as requests_failed
     from {{s}}.llm_batch_requests r left join {{s}}.llm_batch_jobs j using (job_id)
+         left join {VARIANT_NAMES} n on n.model = r.model
          left join (select custom_id, count(*) as row_answers, count(*) filter (where reused) as reused
                     from {{s}}.llm_batch_row_answers group by custom_id) a using (custom_id)
     group by all""",
@@ -309,7 +323,7 @@ VIEWS = [
            coalesce(max(a.rows_mapped), 0) as rows_mapped,
            coalesce(max(a.rows_reused), 0) as rows_reused,
            coalesce(max(a.dedup_saved_usd), 0) as dedup_saved_usd,
-           variant,  -- per evaluation variant ('': the default variant, and models without variants)
+           {shown_variant_sql("variant")} as variant,  -- per evaluation variant, as the table names it ('': no variants)
            -- rows (keys) still waiting for an answer, whichever model's request asks it: a model whose
            -- rows share another model's request in flight (llm_dedup = 'ledger') has them pending too
            coalesce(max(w.rows_pending), 0) as rows_pending
@@ -329,7 +343,8 @@ VIEWS = [
                     group by a.model, a.variant) a using (model, variant)
          left join (select model, variant, count(distinct key) as rows_pending from {{s}}.llm_batch_pending_rows
                     group by model, variant) w using (model, variant)
-    group by model, variant""",
+         left join {VARIANT_NAMES} n using (model)
+    group by model, variant, n.has_variants, n.default_name""",
     # Failed requests by why they failed (failure_kind: batch_failures.py; NULL: the answer or its error
     # line failed, and it is retried up to llm_max_attempts), final or to be retried.
     f"""create or replace view {{s}}.llm_batch_failures as

@@ -3,64 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
-def status(database: str, schema: str) -> int:
-    """Print in-flight batches (with age) and, per model, requests by status (ledger/reads.py)."""
-    from dbt_llm_batch.ledger.reads import LedgerNotReadable, LedgerReads, open_ledger
+def status_command(args) -> int:
+    """`dbt-llm-batch status`: the ledger of --database, else of the dbt profile's target (ops/status.py)."""
+    from dbt_llm_batch.errors import ConfigError
+    from dbt_llm_batch.ops import profile, status
 
-    try:
-        con = open_ledger(database, "dbt-llm-batch status")
-    except LedgerNotReadable as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    ledger = LedgerReads(con, schema)
-    if not ledger.exists():
-        print(f"no dbt-llm-batch ledger in schema {schema} of {database}")
-        return 1
-    print("In-flight batches:")
-    ledger.in_flight().select("* exclude (submitted_at)").show(max_width=200)
-    print("Progress per model:")
-    ledger.progress().show(max_width=200)
-    held = ledger.held()
-    if held.fetchall():
-        print("Held after `dbt-llm-batch cancel` (sent again after `dbt-llm-batch release`):")
-        held.show(max_width=200)
-    interrupted = ledger.interrupted()
-    if interrupted.fetchall():
-        print(
-            "Interrupted submissions held by reconciliation (not resent while a provider batch may be theirs; "
-            "`dbt-llm-batch release` sends them again, paid twice if such a batch was theirs):"
-        )
-        interrupted.show(max_width=200)
-    orphans = ledger.orphans()
-    if orphans.fetchall():
-        print(
-            "In-flight requests whose job is missing from llm_batch_jobs (never polled nor resent; "
-            "`dbt-llm-batch release` sends them again):"
-        )
-        orphans.show(max_width=200)
-    # Ledgers from schema version 14 count rows apart from requests (llm_dedup): rows each request
-    # answered, rows answered from the ledger without a request, and what sharing saved.
-    dedup = ledger.has_dedup()
-    rows = ", rows_answered, rows_reused, dedup_saved_usd" if dedup else ""
-    print(
-        "Cost per model, day and route (batch or realtime; savings = realtime cost - cost; rows_succeeded and "
-        "rows_failed count "
-        "requests"
-        + (
-            "; rows_answered: rows they answered, rows_reused: without a request, dedup_saved_usd: saved by it"
-            if dedup
-            else ""
-        )
-        + "):"
-    )
-    ledger.costs().select(
-        f"""model, provider, day, route, rows_succeeded, rows_failed, cost_usd, realtime_cost_usd,
-            savings_usd, committed_not_billed_usd{rows}"""
-    ).show(max_width=200)
-    return 0
+    database, schema = args.database, args.schema
+    if database is None:
+        try:
+            found = profile.warehouse(args.project_dir, args.profiles_dir, args.target)
+        except ConfigError as exc:
+            print(f"dbt-llm-batch status: {exc}", file=sys.stderr)
+            return 2
+        database, schema = found.database, schema or found.schema
+    shape = "json" if args.json else "wide" if args.wide else "brief"
+    return status.status(database, schema or "main", shape)
 
 
 def report_command(args) -> int:
@@ -155,7 +116,9 @@ def poll_command(args) -> int:
             bar.stop()
     if not result.models:
         print("no batch open")
-    if result.models_with_new_results:
+    if result.models_with_new_results and result.then_command is not None and result.then_returncode == 0:
+        print(f"new results for: {result.selector}; --then ran: {result.then_command}")
+    elif result.models_with_new_results:
         print(f"new results for: {result.selector} (the next `dbt run` of each merges them without a provider call)")
     for line in result.cannot_poll:  # each says how to fix it
         print(f"dbt-llm-batch poll: {line}", file=sys.stderr)
@@ -179,11 +142,24 @@ def poll_command(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a reader that stops reading (`dbt-llm-batch sandbox batches | head`) ends it
+    quietly, as `head` expects, instead of with a BrokenPipeError traceback."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is caught below, not printed by Python
+        return code
+    except BrokenPipeError:
+        # Python's recipe: point stdout at devnull, so the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sandbox"]:  # the sandbox has its own options (see `dbt-llm-batch sandbox --help`)
         from dbt_llm_batch.sandbox.cli import main as sandbox_main
 
-        return sandbox_main(argv[1:])
+        return sandbox_main(argv[1:], prog="dbt-llm-batch sandbox")
     parser = argparse.ArgumentParser(prog="dbt-llm-batch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("sandbox", help="run the local provider emulator (answers are not a model's); see sandbox --help")
@@ -193,8 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     ck.add_argument("--project-dir", default=".", help="the dbt project (default: the current directory)")
     ck.add_argument("--manifest", help="the manifest.json to read (default: <project-dir>/target/manifest.json)")
     st = sub.add_parser("status", help="show in-flight batches, per-model progress and cost from the ledger")
-    st.add_argument("--database", required=True, help="path of the DuckDB file")
-    st.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
+    st.add_argument("--database", help="path of the DuckDB file (default: the dbt profile's, as dbt reads it)")
+    st.add_argument("--schema", default=None, help="schema holding the ledger tables (default: the target's, or main)")
+    st.add_argument("--project-dir", default=".", help="the dbt project whose profile names the file (default: .)")
+    st.add_argument("--profiles-dir", default=None, help="where profiles.yml is (default: as dbt looks for it)")
+    st.add_argument("--target", default=None, help="the profile's target (default: the profile's own)")
+    shape = st.add_mutually_exclusive_group()
+    shape.add_argument("--wide", action="store_true", help="every column (the default fits 100 characters)")
+    shape.add_argument("--json", action="store_true", help="every column, as one JSON object")
     rp = sub.add_parser(
         "report",
         help="write the ledger's cost, progress and evaluation report as one HTML file (no network needed to view)",
@@ -256,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         from dbt_llm_batch.ops.operator import command
 
         return command(args)
-    return status(args.database, args.schema)
+    return status_command(args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ llm_on_unselected = 'delete' (the ledger keeps their answers either way).
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 from dbt_llm_batch import embeddings, output_schema, registry
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
@@ -20,7 +21,7 @@ from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import RequestStatus, sql
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline.plan import describe, key_sql
+from dbt_llm_batch.pipeline.plan import key_sql
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.sql import ident, in_list, literal
@@ -49,44 +50,6 @@ def relation_exists(con, schema: str, name: str) -> bool:
         ).fetchall()[0][0]
         > 0
     )
-
-
-def check_existing_table(con, target: str, expected, alter: bool = True, default_variant: str | None = None) -> None:
-    """An incremental run writes rows of the same columns; a changed set of columns needs a full refresh.
-
-    Columns are compared as a set: the table's own order wins (rows are inserted by name), so the
-    order a parse produced for llm_output, or a reordered SELECT, never asks for a rebuild. Status
-    columns added by a newer dbt-llm-batch are appended to an existing table (NULL for old rows), and
-    so is llm_variant when a model gains evaluation variants: its rows are the default variant's
-    (`default_variant`), whose answers the ledger keeps under the same identity, so nothing is asked again.
-    """
-    actual = describe(con, target)
-    have = {c.lower() for c, _ in actual}
-    missing = [(n, t) for n, t in expected if n.lower() not in have]
-    appendable = [*STATUS_COLUMNS, *([VARIANT_COLUMN] if default_variant is not None else [])]
-    if missing and alter and all(col in appendable for col in missing):
-        for name, typ in missing:
-            default = ""
-            if (name, typ) == VARIANT_COLUMN and default_variant is not None:
-                default = f" default {literal(default_variant)}"
-            con.execute(f"alter table {target} add column {ident(name)} {typ}{default}")
-        actual = describe(con, target)
-    elif missing == [VARIANT_COLUMN] and default_variant is not None:  # a dry run: the real run appends it
-        actual = [*actual, VARIANT_COLUMN]
-    table, model = {n.lower(): t for n, t in actual}, {n.lower(): t for n, t in expected}
-    if table != model:
-        # The difference only, by name: a wide table's full column lists would hide it.
-        changes = [
-            ("added", [f"{n} {t}" for n, t in sorted(model.items()) if n not in table]),
-            ("removed", [f"{n} {t}" for n, t in sorted(table.items()) if n not in model]),
-            ("changed", [f"{n} {table[n]} -> {t}" for n, t in sorted(model.items()) if n in table and table[n] != t]),
-        ]
-        lines = "".join(f"  {what}: {', '.join(cols)}\n" for what, cols in changes if cols)
-        raise ConfigError(
-            f"the columns of {target} changed (the model's SELECT, unique_key or llm_output changed):\n"
-            f"{lines}"
-            f"Run `dbt run --full-refresh -s <model>`: it rebuilds the table from the ledger and sends nothing."
-        )
 
 
 # Types DuckDB's JSON reader cannot read back: stored as their text and cast (planner.row_json_sql).
@@ -299,6 +262,26 @@ def _compression(name: str, typ: str, config: ModelConfig) -> str:
     return " using compression uncompressed" if name == "llm_fingerprint" else ""
 
 
+def table_ddl(columns, config: ModelConfig) -> str:
+    """The model table's column definitions (names, types, compression) for `create table`."""
+    return ", ".join(f"{ident(n)} {t}{_compression(n, t, config)}" for n, t in columns)
+
+
+def create_empty(con, target: str, input_columns, config: ModelConfig) -> None:
+    """The model's table with no row: what a dry run of a model that never ran leaves, so the dbt
+    tests `dbt build` runs next find the table (and its columns) instead of failing on a missing one."""
+    con.execute(f"create table if not exists {target} ({table_ddl(table_columns(input_columns, config), config)})")
+
+
+class Merged(NamedTuple):
+    """What a merge wrote: rows whose request newly became final (of which failed), and rows written
+    again from answers merged before (a rebuild from the ledger; a reverted prompt's answer shown again)."""
+
+    new: int
+    failed: int
+    rewritten: int
+
+
 def merge(
     ledger: Ledger,
     config: ModelConfig,
@@ -307,8 +290,8 @@ def merge(
     rebuild: bool,
     create: bool = True,
     variants: list[str] | None = None,
-) -> tuple[int, int]:
-    """Bring the model table up to date with the ledger; returns (rows written, of which failed).
+) -> Merged:
+    """Bring the model table up to date with the ledger; returns what it wrote (Merged).
 
     Incremental: only keys with a request that became final since the last merge, or whose selected
     fingerprint has an answer the table does not show (a prompt changed back), are rewritten. A full
@@ -357,7 +340,7 @@ def merge(
         con.execute(f"""create or replace temp table {EMIT} as
                         select * from ({_winners(ledger, candidates, config.variant, own_answer, variants)})
                         where emitted is distinct from 'merged' {"" if parts else "and false"}""")
-    ddl = ", ".join(f"{ident(n)} {t}{_compression(n, t, config)}" for n, t in columns)
+    ddl = table_ddl(columns, config)
     target_key = key_sql(config)
     # Which final requests the table now shows ('merged') and which it does not ('superseded'), so
     # the next run only looks at requests that became final after this one.
@@ -407,9 +390,13 @@ def merge(
             f"{ledger.model}: removed {removed[0]} row(s) of keys the model no longer selects "
             f"(llm_on_unselected='delete'; the ledger keeps their answers)"
         )
-    written, failed = con.execute(
-        f"""select count(*), count(*) filter (where r.status = {sql(RequestStatus.FAILED)})
+    # What the run line says "merged": rows whose answer (or final failure) is new since the last merge
+    # (emitted NULL before this one); the rest were written again (a rebuild, an answer shown again).
+    new, failed, again = con.execute(
+        f"""select count(*) filter (where e.emitted is null),
+                   count(*) filter (where e.emitted is null and r.status = {sql(RequestStatus.FAILED)}),
+                   count(*) filter (where e.emitted is not null)
             from {EMIT} e join {requests} r on r.custom_id = e.custom_id and r.is_final"""
     ).fetchall()[0]
     con.execute(f"drop table if exists {EMIT}")
-    return written, failed
+    return Merged(new, failed, again)

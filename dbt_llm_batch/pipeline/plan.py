@@ -65,10 +65,13 @@ def check_input(con, input_rel: str, config: ModelConfig, precomputed: bool = Fa
     null_filter = " or ".join(f"{ident(k)} is null" for k in config.unique_key)
     nulls = con.execute(f"select count(*) from {input_rel} where {null_filter}").fetchall()[0][0]
     if nulls:
-        sample = con.execute(f"select {keys} from {input_rel} where {null_filter} limit 5").fetchall()
+        # A row is named by its key where the key has a value, else by the start of its prompt: a
+        # one-column key that is NULL names nothing ("None, None, None").
+        prompt = f"left(cast({ident(config.prompt_column)} as varchar), 40)"
+        sample = con.execute(f"select {keys}, {prompt} from {input_rel} where {null_filter} limit 3").fetchall()
         raise InputError(
             f"{nulls} selected row(s) have a NULL in unique_key ({', '.join(config.unique_key)}), "
-            f"for example {_fmt(sample)}; nothing was sent. Filter them out in the model's SQL."
+            f"for example {_null_key_examples(sample)}; nothing was sent. Filter them out in the model's SQL."
         )
     # Usually none. With one key column, counting its distinct values says so a little faster than
     # grouping (a sixth, at a million integer keys); with several, grouping is the faster.
@@ -95,6 +98,17 @@ def check_input(con, input_rel: str, config: ModelConfig, precomputed: bool = Fa
             f"sent. Make ({', '.join(config.unique_key)}) unique in the model's SQL."
         )
     return columns
+
+
+def _null_key_examples(rows) -> str:
+    """Rows of (key values..., the prompt's start): the key where it has a value, else the prompt."""
+    examples = []
+    for *key, prompt in rows:
+        if any(v is not None for v in key):
+            examples.append("(" + ", ".join("NULL" if v is None else repr(v) for v in key) + ")")
+        else:
+            examples.append(f"the row whose {'prompt is NULL' if prompt is None else f'prompt starts {prompt!r}'}")
+    return ", ".join(examples)
 
 
 def _fmt(rows) -> str:

@@ -18,8 +18,9 @@ class RunSummary:
     submitted: int = 0
     batches: int = 0
     pending: int = 0
-    merged: int = 0
-    failed: int = 0
+    merged: int = 0  # rows whose request became final since the last merge
+    failed: int = 0  # of those, failed
+    rewritten: int = 0  # rows written again from answers merged before (a rebuild from the ledger)
     harvested_batches: int = 0
     rejected_prompts: int = 0
     deferred: int = 0  # over an in-flight cap: waiting in the ledger for a later run
@@ -49,7 +50,9 @@ class RunSummary:
         return (
             f"{self.model}: submitted {self.submitted} request(s) in {self.batches} batch(es) "
             f"(estimated {estimated}); harvested {self.harvested_batches} batch(es) "
-            f"(cost {costs.fmt_usd(self.cost_usd)}{saved}); merged {self.merged} row(s) ({self.failed} failed); "
+            f"(cost {costs.fmt_usd(self.cost_usd)}{saved}); merged {self.merged} row(s) ({self.failed} failed)"
+            + (f", {self.rewritten} rewritten from the ledger" if self.rewritten else "")
+            + "; "
             f"pending {self.pending + sum(self.pending_elsewhere.values())}"
             + self.elsewhere_part()
             + (f"; deferred {self.deferred} (in-flight cap)" if self.deferred else "")

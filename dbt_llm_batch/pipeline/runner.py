@@ -43,6 +43,7 @@ from dbt_llm_batch.pipeline import (
     progress,
     reconcile,
     report,
+    schema_change,
     send,
     shared,
     tempdirs,
@@ -85,7 +86,7 @@ def run_model(
     scratch = Scratch(work_con)
     try:
         precomputed = model_input.load_input(work_con, sql, rows, config)
-        return _run(work_con, schema, identifier, target, config, full_refresh, project, contract, precomputed)
+        return _run(work_con, schema, identifier, target, config, full_refresh, project, contract, precomputed, name)
     finally:
         scratch.drop_all()  # success, error or interrupt: no scratch table is left on dbt's connection
         if work_con is not con:  # a connection input_connection opened for a Python model's rows
@@ -93,10 +94,10 @@ def run_model(
 
 
 def _run(
-    con, schema, identifier, target, config, full_refresh, project, model_contract=None, precomputed=False
+    con, schema, identifier, target, config, full_refresh, project, model_contract=None, precomputed=False, name=None
 ) -> RunSummary:
     """The run itself, on the connection that holds the model's rows (see run_model); `precomputed`:
-    they carry plan.PRECOMPUTED for `config` (load_input)."""
+    they carry plan.PRECOMPUTED for `config` (load_input); `name`: the model's dbt name, if known."""
     run = ModelRun(con, config, schema, identity.ledger_identity(config, schema, identifier), project)
     run.precomputed = precomputed
     # Validate: the selected columns against the config, and against the table an earlier run made.
@@ -105,17 +106,15 @@ def _run(
         plan.check_input(con, Scratch.input, other, precomputed)
     contract.enforce(con, model_contract, merge.table_columns(input_columns, config))
     exists = merge.relation_exists(con, schema, identifier)
-    if not full_refresh and exists:
-        merge.check_existing_table(
-            con,
-            target,
-            merge.table_columns(input_columns, config),
-            alter=not run.dry_run,
-            default_variant=config.variant_name,
-        )
+    rebuild = full_refresh or not exists
+    if not rebuild:  # on_schema_change: the table follows the model's columns, before anything is sent
+        columns = merge.table_columns(input_columns, config)
+        rebuild = schema_change.apply(con, target, columns, config, name or identifier, dry_run=run.dry_run)
     if run.dry_run:  # every pass planned, then each sender's batches: as a real run would
         plan.build_desired(con, Scratch.input, input_columns, config, run.ledger, precomputed)
         run.dry_run_report()
+        if not exists:  # `dbt build`'s tests of a model that never ran read its (empty) table
+            merge.create_empty(con, target, input_columns, config)
         return run.summary
 
     tempdirs.remove_stale()  # prompts and answers a killed run left on disk
@@ -135,7 +134,7 @@ def _run(
         except BudgetError as exc:
             refused = exc  # what is already final is merged first; the run still fails, saying so
         crashpoints.reach("before_merge")
-        run.summary.merged, run.summary.failed = run.merge(target, rebuild=full_refresh or not exists)
+        run.summary.merged, run.summary.failed, run.summary.rewritten = run.merge(target, rebuild=rebuild)
         docs.comment_columns(con, target, config)  # what `dbt docs` shows for the llm_* columns
     finally:
         lock.release()
@@ -308,24 +307,24 @@ class ModelRun:
             return True
         return self.config.dedup == "ledger" and bool(shared.waiting_elsewhere(self.ledger))
 
-    def merge(self, target: str, rebuild: bool) -> tuple[int, int]:
-        """Each pass's final outcomes into the table (one row per key and variant); returns (rows
-        written, of which failed), all passes together."""
+    def merge(self, target: str, rebuild: bool) -> merge.Merged:
+        """Each pass's final outcomes into the table (one row per key and variant); returns what was
+        written (merge.Merged), all passes together."""
         stored = [p.variant for p in self.passes]  # the rows shown share a request's cost
         several = self.config.variant_name is not None
         if several and not rebuild:  # rows of removed variants go before the variants' rows are merged
             variants.drop_removed(self.ledger, self.config, target)
-        written = failed = 0
+        total = merge.Merged(0, 0, 0)
         for p in self.passes:
             self.enter(p)
-            w, f = merge.merge(
+            done = merge.merge(
                 self.ledger, p.config, target, self.input_columns, rebuild=rebuild, create=p.index == 0, variants=stored
             )
-            written, failed = written + w, failed + f
+            total = merge.Merged(*(a + b for a, b in zip(total, done, strict=True)))
         self.enter(self.passes[0])
         if several and rebuild:
             variants.drop_removed(self.ledger, self.config, target)
-        return written, failed
+        return total
 
     def finish_summary(self) -> None:
         s = self.summary

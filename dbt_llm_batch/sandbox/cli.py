@@ -110,10 +110,21 @@ def _status(batch: dict) -> str:
     return str(batch.get("status") or batch.get("processing_status"))
 
 
-def control(argv: list[str]) -> int:
+# What `sandbox --help` lists after its flags: the controls that drive a running sandbox.
+CONTROLS_HELP = """\
+drive a running sandbox from another shell (after `export SANDBOX_URL=<its base URL>`, or --url):
+  {prog} batches                 list every batch of both faces, newest first
+  {prog} advance <batch_id>      move a batch one stage along (--to STATUS, --done-fraction F)
+  {prog} complete [<batch_id>]   answer and end a batch (no id: every open batch)
+  {prog} expire <batch_id>       end a batch as expired (--results: end its result retention)
+  {prog} fault ...               add a fault, or --list / --clear them (`{prog} fault --help`)
+"""
+
+
+def control(argv: list[str], prog: str = "dbt-llm-batch sandbox") -> int:
     """`dbt-llm-batch sandbox <control> ...`: one control call to a running sandbox; prints the result."""
     parser = argparse.ArgumentParser(
-        prog="dbt-llm-batch sandbox",
+        prog=prog,
         description="Drive a running sandbox: move its batches along, add faults.",
     )
     parser.add_argument(
@@ -182,13 +193,17 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m dbt_llm_batch.sandbox") -> int:
+    """The sandbox server, or (a control command first) one control call; `prog`: the command as the
+    user typed it, for the usage lines (`dbt-llm-batch sandbox` from the package's command)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and (argv[0] in CONTROL_COMMANDS or argv[0] == "--url"):
-        return control(argv)
+        return control(argv, prog)
     parser = argparse.ArgumentParser(
-        prog="python -m dbt_llm_batch.sandbox",
+        prog=prog,
         description="Local SANDBOX emulator of the OpenAI Batch API and the Anthropic Message Batches API.",
+        epilog=CONTROLS_HELP.format(prog=prog),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8787)

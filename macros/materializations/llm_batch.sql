@@ -86,7 +86,7 @@ def materialize(df, con):
 {#- Every llm_* key set on the model (in SQL, YAML or dbt_project.yml), plus unique_key. Unknown
     llm_* keys are passed on too, so that Python can report them all at once. -#}
 {% macro _llm_config() %}
-  {%- set picked = {'unique_key': config.get('unique_key')} -%}
+  {%- set picked = {'unique_key': config.get('unique_key'), 'on_schema_change': config.get('on_schema_change')} -%}
   {%- for key, value in model.config.items() if key.startswith('llm_') -%}
     {%- do picked.update({key: value}) -%}
   {%- endfor -%}

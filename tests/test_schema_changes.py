@@ -1,0 +1,124 @@
+"""on_schema_change for llm_batch models (pipeline/schema_change.py, docs/schema-changes.md): an edited
+SELECT or llm_output changes the table in the run that sees it, with no manual full refresh, and every
+message names the model."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import failure_messages
+from helpers import TRIAGE_OUTPUT, TRIAGE_SYSTEM, expected_answer, triage_model
+
+MODEL = "models/triage.sql"
+
+
+def model_with(output: dict, extra: str = "", select_extra: str = "") -> str:
+    """The triage model with `output` as llm_output; each run waits for its batch (the sandbox ends it)."""
+    text = triage_model(extra_config=f"llm_wait_seconds = 60, {extra}").replace(
+        f"llm_output = {json.dumps(TRIAGE_OUTPUT)}", f"llm_output = {json.dumps(output)}"
+    )
+    return text.replace("select ticket_id,", f"select ticket_id, {select_extra}") if select_extra else text
+
+
+def columns(project) -> list[str]:
+    return [
+        r[0]
+        for r in project.query(
+            "select column_name from information_schema.columns where table_name = 'triage' order by column_name"
+        )
+    ]
+
+
+def answered(project, emulator):
+    project.dbt("seed")
+    emulator.auto_advance_seconds = 0.05  # each batch ends while the run waits for it
+    project.write(MODEL, model_with(TRIAGE_OUTPUT))
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) filter (where llm_status = 'succeeded') from main.triage") == [(6,)]
+
+
+def test_an_added_output_field_is_a_new_column_filled_in_the_same_run(project, emulator):
+    answered(project, emulator)
+    wider = {**TRIAGE_OUTPUT, "language": "text"}
+    project.write(MODEL, model_with(wider))
+    project.dbt("run", "-s", "triage")  # no --full-refresh: the column is added and asked in this run
+    assert "language" in columns(project)
+    schema = {
+        "type": "object",
+        "properties": {
+            "category": {"type": "string", "enum": TRIAGE_OUTPUT["category"]},
+            "language": {"type": "string"},
+            "summary": {"type": "string"},
+            "urgent": {"type": "boolean"},
+        },
+        "required": ["category", "language", "summary", "urgent"],
+        "additionalProperties": False,
+    }
+    rows = project.query("select ticket_id, prompt, language, llm_status from main.triage order by 1")
+    assert len(rows) == 6
+    for _, prompt, language, status in rows:
+        assert status == "succeeded"
+        assert language == json.loads(expected_answer(TRIAGE_SYSTEM, prompt, schema))["language"]
+    assert len(emulator.batches()) == 2, "one batch for the first answers, one for the new field"
+    log = (project.root / "logs" / "dbt.log").read_text()
+    assert "triage: the columns of" in log and "added: language VARCHAR" in log
+
+
+def test_append_keeps_a_removed_column_and_sync_drops_it(project, emulator):
+    answered(project, emulator)
+    narrower = {k: v for k, v in TRIAGE_OUTPUT.items() if k != "summary"}
+    project.write(MODEL, model_with(narrower))
+    project.dbt("run", "-s", "triage")
+    assert "summary" in columns(project), "append_new_columns (the default) keeps a removed column"
+    project.write(MODEL, model_with(narrower, "on_schema_change = 'sync_all_columns',"))
+    project.dbt("run", "-s", "triage")
+    assert "summary" not in columns(project)
+    assert project.query("select count(*) filter (where llm_status = 'succeeded') from main.triage") == [(6,)]
+
+
+def test_fail_and_a_type_change_name_the_model_and_sync_casts_the_type(project, emulator):
+    answered(project, emulator)
+    project.write(MODEL, model_with(TRIAGE_OUTPUT, "on_schema_change = 'fail',", select_extra="1 as n,"))
+    message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
+    assert "triage: the columns of" in message and "added: n INTEGER" in message
+    assert "dbt run --full-refresh -s triage" in message and "<model>" not in message
+    assert "n" not in columns(project) and len(emulator.batches()) == 1, "fail changes and sends nothing"
+
+    project.write(MODEL, model_with(TRIAGE_OUTPUT, select_extra="1 as n,"))
+    project.dbt("run", "-s", "triage")  # append_new_columns: n added
+    retyped = model_with(TRIAGE_OUTPUT, select_extra="'1' as n,")
+    project.write(MODEL, retyped)
+    message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
+    assert "triage: columns of" in message and "n INTEGER -> VARCHAR" in message
+    assert "on_schema_change='sync_all_columns'" in message and "<model>" not in message
+    project.write(MODEL, model_with(TRIAGE_OUTPUT, "on_schema_change = 'sync_all_columns',", select_extra="'1' as n,"))
+    project.dbt("run", "-s", "triage")
+    assert project.query("select distinct n from main.triage") == [("1",)]
+    assert len(emulator.batches()) == 1, "a selected column's change asks nothing again"
+
+
+def test_a_changed_unique_key_rebuilds_the_table_from_the_ledger(project, emulator):
+    answered(project, emulator)
+    renamed = (
+        model_with(TRIAGE_OUTPUT)
+        .replace("unique_key = 'ticket_id'", "unique_key = 'id'")
+        .replace("select ticket_id, subject,", "select ticket_id as id, subject,")
+    )
+    project.write(MODEL, renamed)
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*), count(id) from main.triage") == [(6, 6)]
+    assert "ticket_id" not in columns(project)
+    assert len(emulator.batches()) == 1, "the key's values did not change: nothing is asked again"
+
+
+def test_a_dry_run_build_of_models_that_never_ran_is_green_on_their_empty_tables(project, emulator):
+    """`dbt build` with llm_batch_dry_run: each model that never ran gets its empty table, so its dbt
+    tests run (and pass) on it instead of failing on a missing table; nothing is sent."""
+    result = project.dbt("build", "--select", "+tag:batch", "--vars", "{llm_batch_dry_run: true}")
+    tests = [r for r in result.result.results if r.node.resource_type == "test"]
+    assert len(tests) == 5 and all(r.status == "pass" for r in tests), [(r.node.name, r.message) for r in tests]
+    assert project.query("select count(*) from main.ticket_triage") == [(0,)]
+    assert "category" in [r[0] for r in project.query("describe main.ticket_triage")]
+    assert emulator.stats()["calls"] == {}
+    project.dbt("run", "-s", "ticket_triage")  # a real run afterwards sends and fills the same table
+    assert len(emulator.batches()) == 1
