@@ -21,12 +21,16 @@ def line(data: list) -> str:
 def line_outcome(raw: str) -> tuple:
     """(outcome, answer, its SQL type) of one result line, through the provider's result structure."""
     structure = json.dumps(OpenAIBatchProvider.result_structure)
-    return duckdb.connect().execute(
-        f"""select outcome, answer, typeof(answer) from (
+    return (
+        duckdb.connect()
+        .execute(
+            f"""select outcome, answer, typeof(answer) from (
                 select {openai_embeddings.outcomes_sql("r", "null::varchar")}
                 from (select json_transform(?, '{structure}') as r))""",
-        [raw],
-    ).fetchall()[0]
+            [raw],
+        )
+        .fetchall()[0]
+    )
 
 
 def test_a_line_s_vectors_are_floats_in_input_order_whatever_order_the_reply_lists_them_in():
