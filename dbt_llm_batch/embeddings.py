@@ -3,7 +3,7 @@
 A model that embeds has one output column, `llm_embedding FLOAT[n]` (a fixed-size DuckDB array, so
 array_cosine_similarity / array_distance work on it), whose size `n` is known when the config is
 parsed: the provider says it from `llm_model` and `llm_dimensions` (Provider.embedding_size). A stored
-answer is the vector as JSON text; the checks and the SQL reading it back are here, so settling and
+answer is the vector, typed (the ledger's `vector`, FLOAT[] of any length until it is checked); the checks and the SQL reading it back are here, so settling and
 merging ask this module, never a provider.
 """
 
@@ -62,16 +62,17 @@ def refuse_provider(provider_name: str, able: list[str], errors: list[str]) -> N
     )
 
 
-def answer_problem_sql(size: int, answer: str = "answer") -> str:
-    """SQL: why a stored vector (JSON text) cannot fill `FLOAT[size]` (NULL when it can)."""
-    return f"""case when not coalesce(json_valid({answer}), false) or json_type({answer}) <> 'ARRAY'
+def answer_problem_sql(size: int, vector: str = "vector") -> str:
+    """SQL: why a vector (FLOAT[]) cannot fill `FLOAT[size]` (NULL when it can). A reply whose numbers
+    did not parse as floats has no vector, or NULLs in it (list_count counts the numbers)."""
+    return f"""case when {vector} is null or list_count({vector}) <> len({vector})
                     then 'the provider answered no vector'
-                    when json_array_length({answer}) <> {int(size)}
-                    then 'the vector has ' || json_array_length({answer}) || ' numbers, the column FLOAT[{int(size)}] '
+                    when len({vector}) <> {int(size)}
+                    then 'the vector has ' || len({vector}) || ' numbers, the column FLOAT[{int(size)}] '
                          || 'takes {int(size)}: set llm_dimensions to the model''s size (a full refresh rebuilds the column)'
                end"""
 
 
-def value_sql(size: int, answer: str) -> str:
+def value_sql(size: int, vector: str) -> str:
     """SQL: the stored vector as the table's FLOAT[size] value."""
-    return f"cast(cast({answer} as JSON) as {column_type(size)})"
+    return f"cast({vector} as {column_type(size)})"

@@ -90,6 +90,11 @@ def test_a_table_is_embedded_through_a_batch_each_distinct_text_paid_once(docs, 
     same = docs.query("""select min(array_cosine_similarity(a.llm_embedding, b.llm_embedding))
                          from main.docs_embedded a join main.docs_embedded b on a.prompt = b.prompt""")[0][0]
     assert same == pytest.approx(1.0, abs=1e-5)
+    # The ledger keeps each request's vector typed (FLOAT[], never JSON text): one per distinct text.
+    stored = (
+        "select count(*), count(vector), count(answer), min(len(vector)), max(len(vector)) from main.llm_batch_requests"
+    )
+    assert docs.query(stored) == [(7, 7, 0, 8, 8)]
     # Seven distinct texts, each billed once, packed into one request line of one batch.
     assert billed_texts(emulator) == {text_of(n): 1 for n in range(7)}
     assert emulator.stats()["batches_created"] == 1 and emulator.stats()["embedding_requests"] == 1

@@ -458,7 +458,7 @@ class RequestWrites(LedgerBase):
                                when o.permanent then coalesce(o.error, 'failed') || ' (' || o.not_retried || ')'
                                else o.error end,
                   failure_kind = case when o.permanent then 'deterministic' end,
-                  finish_reason = o.finish_reason, answer = o.answer,
+                  finish_reason = o.finish_reason, answer = o.answer, vector = o.vector,
                   input_tokens = o.input_tokens, output_tokens = o.output_tokens, cached_tokens = o.cached_tokens,
                   cache_write_tokens = o.cache_write_tokens, cache_write_1h_tokens = o.cache_write_1h_tokens, {cost}
                   completed_at = now()

@@ -247,6 +247,13 @@ MIGRATIONS += [
     # No table changes.
     (23, []),
 ]
+MIGRATIONS += [
+    # An embedding request's answer is its vector, stored typed (`vector`, FLOAT[]; `answer` stays NULL):
+    # settled from the result line's numbers without a round trip through JSON text, and merged into
+    # the table's FLOAT[n] column by a cast of the list, about a quarter of the bytes of its text.
+    # (The JSON-text vectors of the first embeddings build were never released: nothing to convert.)
+    (24, ["alter table {s}.llm_batch_requests add column if not exists vector float[]"]),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users

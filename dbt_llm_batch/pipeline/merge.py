@@ -166,9 +166,9 @@ def refresh_sql(config: ModelConfig, target: str, input_columns) -> str | None:
 
 
 def _output_values(config: ModelConfig) -> list[tuple[str, str]]:
-    """(column, SQL value over the stored answer `w.answer`) per output column of the table."""
+    """(column, SQL value over the stored answer `w.answer`, or vector `w.vector`) per output column."""
     if config.embeds:
-        return [(embeddings.COLUMN, embeddings.value_sql(config.embedding_size or 0, "w.answer"))]
+        return [(embeddings.COLUMN, embeddings.value_sql(config.embedding_size or 0, "w.vector"))]
     if not config.structured:
         return [(config.output_columns[0].name, "w.answer")]
     if config.output_format == "json":

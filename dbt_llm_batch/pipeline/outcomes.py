@@ -182,8 +182,13 @@ def settle(
             select s.custom_id, s.job_id, c.* exclude (custom_id, job_id), coalesce(f.n, 0) as earlier_failures
             from settling s join checked c using (custom_id, job_id)
                  left join failures f using (key, fingerprint)"""
-    # An embedding line answers every request packed into it (packing.py); any other line its own.
-    lines = packing.members_sql("line_outcomes", requests) if config.embeds else "select * from line_outcomes"
+    # An embedding line answers every request packed into it (packing.py), each with its vector; any
+    # other line its own, with none.
+    lines = (
+        packing.members_sql("line_outcomes", requests)
+        if config.embeds
+        else "select *, null::float[] as vector from line_outcomes"
+    )
     con.execute(
         f"""create or replace temp table {Scratch.outcomes} as
             with parsed as (

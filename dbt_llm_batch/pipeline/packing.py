@@ -9,7 +9,8 @@ request, and its request to the line that answers it.
 
 Settling: a result line answers the requests of its job recorded at its line (the requests whose
 `file_line` is that of the request named by the line's custom_id), in custom_id order: the i-th vector
-of the line's answer is the i-th request's; an error, or an expiry, is every one of them's (so a failed
+of the line's answer (a list of vectors, FLOAT[][]) is the i-th request's, split off by one set-based
+unnest and joined to it by position, and kept typed (the outcome's `vector`, FLOAT[]; `answer` NULL); an error, or an expiry, is every one of them's (so a failed
 line retries only its own rows); the line's input tokens are split among them (exactly: the parts add
 up to the line's). A line with no recorded line number (a realtime reply) answers its own request.
 """
@@ -41,9 +42,9 @@ def packed_rows_sql(rows: str, max_inputs: int, max_tokens: int | None) -> str:
 
 
 def members_sql(lines: str, requests: str) -> str:
-    """The outcome rows (providers.base.OUTCOME_COLUMNS, source, job_id) of each request answered by
-    the result lines of `lines` (one row per result line, its `answer` a JSON array of one value per
-    input), one row per request: see the module's docstring."""
+    """The outcome rows (providers.base.OUTCOME_COLUMNS, source, job_id, vector) of each request
+    answered by the result lines of `lines` (one row per result line, its `answer` a list of one vector
+    per input), one row per request: see the module's docstring."""
     return f"""
         with heads as (
             select l.custom_id as line_id, l.job_id, r.file_line
@@ -54,11 +55,11 @@ def members_sql(lines: str, requests: str) -> str:
                    row_number() over (partition by h.job_id, h.line_id order by m.custom_id) as pos,
                    count(*) over (partition by h.job_id, h.line_id) as n
             from heads h join {requests} m on m.job_id = h.job_id and m.file_line = h.file_line),
-        -- Each line's answer parsed once into its vectors (never once per request: a line is megabytes).
+        -- Each line's vectors split off once (never a line's whole list per request: a line is megabytes).
         vectors as (
-            select custom_id as line_id, job_id, unnest(range(1, len(arr) + 1)) as pos, unnest(arr) as vector
-            from (select custom_id, job_id, cast(answer as JSON[]) as arr from {lines} where outcome = 'ok'))
-        select coalesce(m.custom_id, l.custom_id) as custom_id, l.outcome, cast(v.vector as varchar) as answer,
+            select custom_id as line_id, job_id, unnest(range(1, len(answer) + 1)) as pos, unnest(answer) as vector
+            from {lines} where outcome = 'ok')
+        select coalesce(m.custom_id, l.custom_id) as custom_id, l.outcome, null::varchar as answer,
                l.finish_reason, l.truncated, l.error,
                {_split("l.input_tokens")} as input_tokens,
                {_split("l.output_tokens")} as output_tokens,
@@ -66,8 +67,8 @@ def members_sql(lines: str, requests: str) -> str:
                {_split("l.cache_write_tokens")} as cache_write_tokens,
                l.not_retried,
                {_split("l.cache_write_1h_tokens")} as cache_write_1h_tokens,
-               l.source, l.job_id
-        from {lines} l left join members m on m.line_id = l.custom_id and m.job_id = l.job_id
+               l.source, l.job_id, v.vector
+        from (select * exclude (answer) from {lines}) l left join members m on m.line_id = l.custom_id and m.job_id = l.job_id
              left join vectors v on v.line_id = l.custom_id and v.job_id = l.job_id and v.pos = coalesce(m.pos, 1)"""
 
 

@@ -3,8 +3,9 @@ self-hosted OpenAI-compatible engines (vLLM serves the same endpoint for pooling
 
 A request embeds the row's prompt (`input`); a packed batch line (pipeline/request_files.py) carries an
 array of inputs, and its result line a `data` list of `{index, embedding}`, one per input in order. The
-answer a result line gives is the JSON array of its vectors, in input order: one vector for a line of
-one input; settling (pipeline/outcomes.py) gives each packed request its own.
+answer a result line gives is the list of its vectors (FLOAT[][], parsed once from the line's JSON,
+never through text), in input order: one vector for a line of one input; settling (pipeline/packing.py)
+gives each packed request its own, stored typed (the ledger's `vector`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ OPENAI_MODELS = {
 MAX_INPUTS_PER_REQUEST = 2048
 MAX_TOKENS_PER_REQUEST = 300_000
 
-# The part of a result line an embedding reply fills (merged into the chat line's structure).
-RESULT_STRUCTURE = {"data": [{"index": "INTEGER", "embedding": "JSON"}]}
+# The part of a result line an embedding reply fills (merged into the chat line's structure): the numbers
+# parsed straight into floats by the one json_transform of the line (a vector that is not a list of
+# numbers, e.g. base64 text, parses to NULL: "no vector").
+RESULT_STRUCTURE = {"data": [{"index": "INTEGER", "embedding": "FLOAT[]"}]}
 
 
 def request_body(config: ModelConfig, dimensions: int | None) -> dict:
@@ -40,20 +43,23 @@ def request_body(config: ModelConfig, dimensions: int | None) -> dict:
 
 
 def outcomes_sql(r: str, error_sql: str) -> str:
-    """The outcome columns (providers/base.py OUTCOME_COLUMNS) of one embeddings result line `r`;
-    `error_sql` is the chat format's error text (the same envelopes)."""
+    """The outcome columns (providers/base.py OUTCOME_COLUMNS) of one embeddings result line `r`, its
+    `answer` the line's vectors (FLOAT[][], see the module's docstring); `error_sql` is the chat
+    format's error text (the same envelopes)."""
     body = f"{r}.response.body"
     error_code = f"coalesce(json_extract_string({r}.error, '$.code'), {body}.error.code)"
     ok = f"{r}.response.status_code = 200 and len({body}.data) > 0"
-    # Vectors in input order (`index`), whatever order the reply lists them in.
+    # Vectors in input order (`index`), whatever order the reply lists them in (sorted only when needed).
+    in_order = f"list_transform({body}.data, lambda d: d.index) = range(len({body}.data))"
     vectors = (
+        f"case when {in_order} then list_transform({body}.data, lambda d: d.embedding) else "
         f"list_transform(list_sort(list_transform({body}.data, lambda d: {{'i': d.index, 'e': d.embedding}})), "
-        "lambda d: d.e)"
+        "lambda d: d.e) end"
     )
     return f"""
             {r}.custom_id as custom_id,
             case when {error_code} = 'batch_expired' then 'void' when {ok} then 'ok' else 'error' end as outcome,
-            case when {ok} then cast(to_json({vectors}) as varchar) end as answer,
+            case when {ok} then {vectors} end as answer,
             null::varchar as finish_reason,
             false as truncated,
             {error_sql} as error,
