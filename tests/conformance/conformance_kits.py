@@ -182,7 +182,12 @@ class BedrockKit(SandboxKit):
 
         self.emu.s3_endpoint_url = s3_server_url()
         super().start(monkeypatch)
-        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_BEARER_TOKEN_BEDROCK", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        for name in (
+            "AWS_PROFILE",
+            "AWS_SESSION_TOKEN",
+            "AWS_BEARER_TOKEN_BEDROCK",
+            "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        ):
             monkeypatch.delenv(name, raising=False)
         boto3.session.Session().client("s3").create_bucket(Bucket=self.bucket)
 
