@@ -5,6 +5,9 @@ a ProviderKit of conformance_kit.py)."""
 
 from __future__ import annotations
 
+import atexit
+import functools
+import os
 import uuid
 from importlib.metadata import entry_points
 from typing import ClassVar
@@ -132,7 +135,95 @@ class AzureOpenAIKit(SandboxKit):
             self.emu.advance(batch_id, "cancelled", done_fraction)
 
 
-BUILT_IN = (OpenAIKit, AnthropicKit, AzureOpenAIKit)
+class GeminiKit(SandboxKit):
+    provider = "gemini"
+    model = "gemini-2.5-flash"
+    face = "gemini"
+    calls = {
+        "create": "POST /gemini/{version}/models/{model}:batchGenerateContent",
+        "poll": "GET /gemini/{version}/batches/{id}",
+    }
+    # Gemini's promptTokenCount already counts the cached tokens (cachedContentTokenCount is a part of it).
+    usage_fields = (("promptTokenCount",), "candidatesTokenCount", ("cachedContentTokenCount",))
+
+    def environment(self) -> dict[str, str]:
+        return {"GOOGLE_GEMINI_BASE_URL": self.emu.gemini_base_url, "GEMINI_API_KEY": self.key}
+
+    def start(self, monkeypatch) -> None:
+        super().start(monkeypatch)
+        monkeypatch.delenv("GOOGLE_API_KEY", raising=False)  # google-genai would prefer it to GEMINI_API_KEY
+
+    def is_open(self, batch: dict) -> bool:
+        return batch.get("status") in ("BATCH_STATE_PENDING", "BATCH_STATE_RUNNING")
+
+
+class BedrockKit(SandboxKit):
+    """Bedrock's face reads its jobs' input from, and writes their output to, moto's S3 in server mode (one
+    per test process, started on first use), through boto3 as Bedrock does; each kit has its own bucket.
+    A job needs at least 100 records: the suite sizes its rows by the provider's min_requests_per_batch."""
+
+    provider = "bedrock"
+    model = "anthropic.claude-haiku-4-5-20251001-v1:0"
+    face = "bedrock"
+    calls = {"create": "POST /model-invocation-job", "poll": "GET /model-invocation-job/{id}"}
+    usage_fields = (("input_tokens",), "output_tokens", ())  # batch inference reports no cache tokens
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bucket = "llm-conformance-" + uuid.uuid4().hex[:16]
+        self.config = {
+            "llm_bedrock_s3_input": f"s3://{self.bucket}/requests",
+            "llm_bedrock_s3_output": f"s3://{self.bucket}/results",
+            "llm_bedrock_role_arn": "arn:aws:iam::123456789012:role/bedrock-batch",
+        }
+
+    def start(self, monkeypatch) -> None:
+        import boto3
+
+        self.emu.s3_endpoint_url = s3_server_url()
+        super().start(monkeypatch)
+        for name in (
+            "AWS_PROFILE",
+            "AWS_SESSION_TOKEN",
+            "AWS_BEARER_TOKEN_BEDROCK",
+            "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        ):
+            monkeypatch.delenv(name, raising=False)
+        boto3.session.Session().client("s3").create_bucket(Bucket=self.bucket)
+
+    def environment(self) -> dict[str, str]:
+        """boto3's standard chain, and nothing from this machine's own AWS setup: the access key id is
+        the sandbox key; each service's endpoint is the face (S3: moto)."""
+        return {
+            "AWS_ACCESS_KEY_ID": self.key,
+            "AWS_SECRET_ACCESS_KEY": "sandbox-secret",
+            "AWS_REGION": "us-east-1",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL_BEDROCK": self.emu.base_url,
+            "AWS_ENDPOINT_URL_BEDROCK_RUNTIME": self.emu.base_url,
+            "AWS_ENDPOINT_URL_S3": s3_server_url(),
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    def is_open(self, batch: dict) -> bool:
+        return batch.get("status") in ("Submitted", "Validating", "Scheduled", "InProgress", "Stopping")
+
+
+@functools.cache
+def s3_server_url() -> str:
+    """moto's S3 in server mode, one per test process (xdist worker), stopped when the process exits."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    atexit.register(server.stop)
+    host, port = server.get_host_and_port()
+    return f"http://{host}:{port}"
+
+
+BUILT_IN = (OpenAIKit, AnthropicKit, AzureOpenAIKit, GeminiKit, BedrockKit)
 
 
 KIT_GROUP = "dbt_llm_batch.conformance_kits"
