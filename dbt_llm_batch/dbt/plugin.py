@@ -4,7 +4,7 @@ dbt-duckdb opens the database before any model (and so before any code of ours) 
 DuckDB lock conflict there surfaces as an uncaught `duckdb.IOException` with a Python stack trace.
 dbt-duckdb's only hook before that `connect` is a plugin's `update_connection_config`: this plugin
 opens the file there itself, and on a lock conflict raises a RuntimeError, which dbt-duckdb reports
-as a one-line "Database Error" instead of a trace. Enable it in profiles.yml (README, "Runs that
+as a one-line "Database Error" instead of a trace. Enable it in profiles.yml (docs/operations.md, "Runs that
 collide"):
 
     plugins:

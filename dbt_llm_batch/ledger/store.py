@@ -151,7 +151,7 @@ MIGRATIONS += [
     ),
 ]
 MIGRATIONS += [
-    # Rows and requests apart (plan.py, "Deduplication" in the README): a row answer (model, key,
+    # Rows and requests apart (plan.py, "Deduplication" in docs/costs.md): a row answer (model, key,
     # variant) points at the request (custom_id) that answers it; identical requests are sent once
     # and answer many rows. `reused`: mapped after its request was harvested (answered from the
     # ledger, cost $0). `row_json`: the row as selected, when it is not the request's own stored row

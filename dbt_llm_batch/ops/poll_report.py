@@ -1,6 +1,6 @@
 """What a poll found, per model and in all: the lines it prints, the selector `--then` gets, its exit code.
 
-Exit codes of `dbt-llm-batch poll` (README, "Polling between runs"), most urgent first when several hold:
+Exit codes of `dbt-llm-batch poll` (docs/operations.md, "Polling between runs"), most urgent first when several hold:
 2 the poll cannot do its job without a fix (no such file, an unknown model, a key not set, a config it
 cannot read): a cron job must not take that for "still waiting"; 1 the --then command failed; 4 the
 provider stayed unavailable; 3 work is still open (batches not ended, submissions not reconciled);

@@ -3,7 +3,7 @@
 dbt enforces a contract in its own table and view materializations only; an llm_batch model's table
 is built here, so the check is too. The declared columns are compared with the table the model makes:
 every selected column and every output column must be declared with its type; of the llm_* columns
-dbt-llm-batch adds to every table, only those the contract declares are checked (README, "Contracts").
+dbt-llm-batch adds to every table, only those the contract declares are checked (docs/table.md, "Errors, contracts, a check before running, docs and lineage").
 Types are compared as DuckDB names them (a declared `int` is INTEGER, `text` is VARCHAR), which is
 how dbt's own check compares them on DuckDB.
 """

@@ -155,7 +155,7 @@ def uncached_cost_sql(price: dict, route_sql: str, alias: str = "") -> str:
 
 def estimated_input_tokens_sql(config: ModelConfig, prompt_sql: str = "prompt", chars_sql: str | None = None) -> str:
     """Approximate input tokens of a request: 4 characters a token over system, examples and prompt,
-    plus a small per-message overhead. (No tokenizer download is needed; documented in the README.)
+    plus a small per-message overhead. (No tokenizer download is needed; documented in docs/costs.md.)
     `chars_sql`, if given, is the prompt's length already computed (the planner's prompt_chars)."""
     fixed_chars = len(config.system or "") + sum(len(a) + len(b) for a, b in config.examples)
     messages = 1 + (1 if config.system else 0) + 2 * len(config.examples)

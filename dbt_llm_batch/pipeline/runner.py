@@ -1,4 +1,4 @@
-"""One `dbt run` of one llm_batch model, step by step (README.md, "What a run does").
+"""One `dbt run` of one llm_batch model, step by step (docs/guarantees.md, "What a run does").
 
 Called from the code the `llm_batch` materialization generates, inside dbt-duckdb's Python job,
 with the job's DuckDB connection. Returns a RunSummary; the run log gets one line per model.

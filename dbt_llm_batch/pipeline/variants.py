@@ -1,4 +1,4 @@
-"""Evaluation variants (`llm_variants`, README "Evaluation runs"): one model asks each selected row of
+"""Evaluation variants (`llm_variants`, docs/guides/evaluate.md, "Evaluation runs: the details"): one model asks each selected row of
 several configs in the same run, and its table holds one row per (unique_key, variant).
 
 A variant is not a model of its own: the ledger knows one model, and a *row answer* is (model, key,

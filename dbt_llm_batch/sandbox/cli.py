@@ -145,7 +145,7 @@ def control(argv: list[str], prog: str = "dbt-llm-batch sandbox") -> int:
     exp.add_argument(
         "--results", action="store_true", help="instead: end an ended batch's result retention (404 from then on)"
     )
-    fault = sub.add_parser("fault", help="add a fault (see the README's sandbox section), or --list / --clear them")
+    fault = sub.add_parser("fault", help="add a fault (see docs/sandbox.md), or --list / --clear them")
     for name, typ in FAULT_OPTIONS.items():
         fault.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
     fault.add_argument("--list", action="store_true", help="list the faults")
