@@ -296,7 +296,7 @@ def test_the_poll_function_reports_for_a_sensor(project, emulator, provider):
     assert json.loads(project.query("select config_snapshot from main.llm_batch_models")[0][0])["dbt_name"] == "triage"
 
 
-# --- exit codes: each condition a cron job must tell apart (README, "Polling between runs") --------
+# --- exit codes: each condition a cron job must tell apart (docs/operations.md, "Polling between runs") --------
 
 KEY_ENV = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
 
