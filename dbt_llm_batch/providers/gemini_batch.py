@@ -151,6 +151,7 @@ class GeminiBatchProvider(BatchProvider):
         self._inline_requests: dict[str, list] = {}  # token -> the InlinedRequests `upload` built for `create`
 
     def check_credentials(self) -> None:
+        _genai()  # before anything is sent: the SDK is an optional extra
         if not any(os.environ.get(v) for v in KEY_VARIABLES):
             raise ConfigError(
                 "neither GEMINI_API_KEY nor GOOGLE_API_KEY is set: export one in the shell that runs dbt "
@@ -160,9 +161,7 @@ class GeminiBatchProvider(BatchProvider):
     @property
     def client(self):
         if self._client is None:
-            from google import genai
-            from google.genai import types
-
+            genai, types = _genai()
             # The SDK retries nothing unless asked (HttpOptions.retry_options unset): self.calls retries
             # idempotent calls inside the run's budget, and `create` is never retried (calls.py).
             self._client = genai.Client(http_options=types.HttpOptions(timeout=120_000))
@@ -245,7 +244,8 @@ class GeminiBatchProvider(BatchProvider):
     def _read_inline(self, jsonl_path: str) -> list:
         """Each line's request as the SDK's InlinedRequest, its key as metadata."""
         import pydantic
-        from google.genai import types
+
+        _, types = _genai()
 
         try:
             with open(jsonl_path, encoding="utf-8") as f:
@@ -401,6 +401,18 @@ class GeminiBatchProvider(BatchProvider):
             case when {blocked} is not null or {finish} in {_in(WITHHELD)} then {literal(REFUSED)}
                  when {r}.error.code in (400, 404) then {literal(REJECTED)} end as not_retried,
             null::bigint as cache_write_1h_tokens"""
+
+
+def _genai():
+    """The google-genai SDK and its types module, which only this provider needs (the `gemini` extra)."""
+    try:
+        from google import genai
+        from google.genai import types
+    except ImportError:
+        raise ConfigError(
+            "llm_provider 'gemini' needs the google-genai SDK: pip install 'dbt-llm-batch[gemini]' in dbt's environment"
+        ) from None
+    return genai, types
 
 
 def _in(words: tuple[str, ...]) -> str:

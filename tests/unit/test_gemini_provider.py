@@ -5,6 +5,7 @@ the Batch API's file shape, and the usage it returns read into the ledger's outc
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -34,6 +35,15 @@ def test_either_key_variable_the_sdk_reads_will_do(monkeypatch):
     monkeypatch.delenv("GOOGLE_API_KEY")
     monkeypatch.setenv("GEMINI_API_KEY", "k")
     provider.check_credentials()
+
+
+def test_without_the_gemini_extra_the_run_stops_before_sending_and_says_what_to_install(monkeypatch):
+    provider = get_provider("gemini")(parse_config(BASE))
+    monkeypatch.setenv("GEMINI_API_KEY", "k")
+    monkeypatch.setitem(sys.modules, "google.genai", None)  # as if google-genai were not installed
+    with pytest.raises(ConfigError) as error:
+        provider.check_credentials()
+    assert "pip install 'dbt-llm-batch[gemini]'" in str(error.value)
 
 
 def test_a_schema_responsejsonschema_would_refuse_is_refused_when_the_config_is_parsed():
