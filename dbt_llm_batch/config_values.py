@@ -201,3 +201,24 @@ def schema_change(name: str, value: Any, errors: list[str]) -> Any:
     if value not in SCHEMA_CHANGE_POLICIES:
         errors.append(f"{name} must be one of {list(SCHEMA_CHANGE_POLICIES)}, got {value!r}")
     return value
+
+
+def key_variable(name: str, value: Any, errors: list[str]) -> str | None:
+    """The NAME of the environment variable that holds a key (llm_api_key_env), never the key. A value
+    that looks like a key (long, with lower-case letters and digits, as keys are and variable names are
+    not) is refused without being repeated: the message goes to the run log."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.isidentifier():
+        errors.append(
+            f"{name} must be the NAME of an environment variable (never the key), got a {type(value).__name__}"
+        )
+        return None
+    if len(value) >= 20 and any(c.isdigit() for c in value) and any(c.islower() for c in value):
+        errors.append(
+            f"{name} looks like an API key, not the NAME of an environment variable: export the key as a "
+            f"variable (export GROQ_API_KEY=...) and set {name} = 'GROQ_API_KEY'. The key is in your dbt "
+            "project now, and dbt writes config into target/: rotate it"
+        )
+        return None
+    return value

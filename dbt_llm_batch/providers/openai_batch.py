@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from dbt_llm_batch import config_values
 from dbt_llm_batch.config_keys import Key
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.providers import openai_embeddings
@@ -97,12 +98,7 @@ class OpenAIBatchProvider(OpenAIChatProvider, BatchProvider):
         if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://"))):
             errors.append(f"llm_base_url must be an http(s) URL such as 'https://api.groq.com/openai/v1', got {url!r}")
             url = None
-        if key_env is not None and (not isinstance(key_env, str) or not key_env.isidentifier()):
-            errors.append(
-                f"llm_api_key_env must be the NAME of an environment variable (never the key), got a "
-                f"{type(key_env).__name__}"
-            )
-            key_env = None
+        key_env = config_values.key_variable("llm_api_key_env", key_env, errors)
         if named is not None and named not in HOSTS:
             errors.append(f"llm_batch_host must be one of {list(HOSTS)}, got {named!r}")
             named = None

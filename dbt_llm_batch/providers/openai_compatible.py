@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from dbt_llm_batch import config_values
 from dbt_llm_batch.config_keys import Key
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.providers.openai_chat import OpenAIChatProvider
@@ -62,12 +63,7 @@ class OpenAICompatibleProvider(OpenAIChatProvider):
             errors.append(f"llm_base_url must be an http(s) URL or a list of them, got {values['llm_base_url']!r}")
             urls = []
         key_env = values["llm_api_key_env"]
-        if key_env is not None and (not isinstance(key_env, str) or not key_env.isidentifier()):
-            errors.append(
-                f"llm_api_key_env must be the NAME of an environment variable (never the key), got a "
-                f"{type(key_env).__name__}"
-            )
-            key_env = None
+        key_env = config_values.key_variable("llm_api_key_env", key_env, errors)
         return {"base_urls": tuple(u.rstrip("/") for u in urls), "api_key_env": key_env}
 
     @property

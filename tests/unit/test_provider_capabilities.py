@@ -189,6 +189,22 @@ def test_a_provider_validates_its_own_keys_with_the_messages_a_user_sees():
     assert config.options == {"base_urls": ("http://a:8000/v1", "http://b:8000/v1"), "api_key_env": "K"}
 
 
+@pytest.mark.parametrize("provider", ["openai", "openai_compatible"])
+def test_a_key_shaped_like_a_variable_name_is_refused_without_being_echoed(provider):
+    """A Groq key (gsk_ and letters and digits) is a valid identifier: it used to pass as a variable's
+    name and was then printed in the run log as "gsk_... is not set"."""
+    key = "gsk_4f9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c"
+    values = {"unique_key": "id", "llm_model": "m", "llm_provider": provider, "llm_api_key_env": key}
+    values["llm_base_url"] = "http://127.0.0.1:9/v1"
+    with pytest.raises(ConfigError) as error:
+        parse_config(values)
+    message = str(error.value)
+    assert "llm_api_key_env looks like an API key, not the NAME of an environment variable" in message
+    assert "rotate it" in message
+    assert key[:8] not in message and key[-4:] not in message
+    assert parse_config({**values, "llm_api_key_env": "GROQ_API_KEY"}).options["api_key_env"] == "GROQ_API_KEY"
+
+
 def test_realtime_routing_needs_a_provider_with_a_realtime_path(monkeypatch):
     from dbt_llm_batch.providers import get_provider
 
