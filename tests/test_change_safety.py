@@ -497,3 +497,37 @@ def test_release_never_voids_a_submission_no_run_has_looked_up(project, emulator
     project.dbt("run", "-s", "triage")
     assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
     assert emulator.stats()["request_lines"] == 6, "nothing was sent twice"
+
+
+def test_ctrl_c_while_submitting_sends_no_further_batch_and_the_rest_waits(project, emulator, monkeypatch):
+    """Ctrl-C while a model submits its request files: dbt's main thread cancels the connections and
+    waits for the worker, which used to go on creating every remaining batch (and billing it). Here
+    the user presses Ctrl-C once the first of three batches exists: no further batch is created, the
+    unsent requests wait in the ledger, and the next run sends them; nothing is billed twice."""
+    import collections
+
+    from helpers import triage_model
+
+    from dbt_llm_batch.pipeline import interrupt
+    from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
+
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model())
+    with monkeypatch.context() as patch:
+        # Three request files of two requests (six tickets), as a large model makes several.
+        patch.setattr(OpenAIBatchProvider, "batch_limits", classmethod(lambda cls, config: (2, 200_000_000)))
+        # dbt's main thread inside its cancellation once the first batch exists (interrupt.cancelled
+        # reads dbt's main thread; the in-process run's worker threads see this answer instead).
+        patch.setattr(interrupt, "cancelled", lambda: emulator.stats()["batches_created"] >= 1)
+        project.dbt("run", "-s", "triage")
+    assert emulator.stats()["batches_created"] == 1, "no batch is created after Ctrl-C"
+    statuses = dict(project.query("select status, count(*) from main.llm_batch_requests group by status"))
+    assert statuses == {"queued": 2, "deferred": 4}, statuses  # two in the one batch, four waiting
+
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")  # harvests the first batch and sends the four that waited
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+    billed = collections.Counter(b["custom_id"] for b in emulator.billed())
+    assert len(billed) == 6 and set(billed.values()) == {1}, billed

@@ -23,7 +23,7 @@ from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.locks import database_path
 from dbt_llm_batch.ledger.status import JobStatus
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline import crashpoints
+from dbt_llm_batch.pipeline import crashpoints, interrupt
 from dbt_llm_batch.pipeline.progress import Progress
 from dbt_llm_batch.pipeline.request_files import RequestFile
 from dbt_llm_batch.providers.base import UNRESOLVED, BatchProvider
@@ -73,6 +73,12 @@ def submit_chunks(
         for request_file in files:
             job_id = job_ids[request_file.chunk]
             assert request_file.path is not None  # a dry run writes no file and submits nothing
+            if interrupt.cancelled():  # Ctrl-C: nothing more is sent; the files not attempted wait
+                log.warning(
+                    f"{ledger.model}: the run was interrupted (Ctrl-C): {sum(f.requests for f in files[attempted:])} "
+                    "request(s) not sent wait for the next run, nothing is lost"
+                )
+                break
             attempted += 1
             # From here a file may be at the provider, but no batch: `create` was not called.
             ledger.mark_uploading(job_id)
@@ -108,7 +114,7 @@ def submit_chunks(
         # attempted go back to waiting, so nothing is lost even for rows the model no longer selects.
         ledger.return_to_deferred(list(job_ids.values())[attempted:])
         raise
-    if attempted < len(job_ids):  # stopped after a failed create: the rest wait for the next run
+    if attempted < len(job_ids):  # stopped after a failed create or Ctrl-C: the rest wait for the next run
         ledger.return_to_deferred(list(job_ids.values())[attempted:])
     submitting.finish()
     return Submitted(batch_ids, attempted)
