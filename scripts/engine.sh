@@ -20,6 +20,7 @@ MODEL_NAME="gemma-3-270m"
 PORT="${DBT_LLM_BATCH_ENGINE_PORT:-8791}"
 STATE="$ROOT/.engine"
 PID_FILE="$STATE/engine.pid"
+PORT_FILE="$STATE/engine.port"  # the port the running engine serves (another PORT is another engine)
 LOG_FILE="$STATE/engine.log"
 REQS="$ROOT/engine/requirements.txt"
 # Records which requirements the venv was built from, so a second setup skips pip entirely.
@@ -90,7 +91,7 @@ cmd_wait() {
 }
 
 cmd_start() {
-  if running_pid >/dev/null; then
+  if running_pid >/dev/null && [ "$(cat "$PORT_FILE" 2>/dev/null)" = "$PORT" ]; then
     say "already running (pid $(cat "$PID_FILE")); waiting until it answers"
     cmd_wait "${1:-300}"
     return
@@ -99,6 +100,9 @@ cmd_start() {
   # would fail to bind: say so before anything starts. The demo's model follows the same setting.
   if answers || port_taken; then
     die "port $PORT is taken by another process; stop it, or set DBT_LLM_BATCH_ENGINE_PORT to a free port (the demo's model reads the same variable)"
+  fi
+  if running_pid >/dev/null; then
+    die "an engine of this checkout already runs on port $(cat "$PORT_FILE" 2>/dev/null || echo '?'); stop it first (scripts/engine.sh stop)"
   fi
   [ -x "$PY" ] && [ -f "$MODEL_DIR/CONVERTED" ] || die "not set up yet: run scripts/engine.sh setup"
   mkdir -p "$STATE"
@@ -120,6 +124,7 @@ cmd_start() {
     --enforce-eager --host 127.0.0.1 --port "$PORT" \
     >"$LOG_FILE" 2>&1 </dev/null &
   echo $! > "$PID_FILE"
+  echo "$PORT" > "$PORT_FILE"
   say "started (pid $!, log $LOG_FILE)"
   cmd_wait "${1:-300}"
 }

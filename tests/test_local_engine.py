@@ -13,6 +13,9 @@ import pytest
 from conftest import REPO
 
 ENGINE_URL = os.environ.get("DBT_LLM_BATCH_ENGINE_URL", "http://127.0.0.1:8791/v1")
+# Each test counts the requests the one engine served (engine_requests_served): they run one after
+# another, on the worker that holds the session's Ray cluster (the Ray job's test needs it).
+pytestmark = pytest.mark.xdist_group("ray")
 CATEGORIES = {"billing", "bug", "how_to", "feature_request", "other"}
 
 
@@ -148,7 +151,6 @@ select ticket_id, 'Subject: ' || subject || chr(10) || chr(10) || body as prompt
 """
 
 
-@pytest.mark.xdist_group("ray")  # on the worker that holds the session's Ray cluster
 def test_a_ray_job_on_the_real_engine_answers_every_row_once(project, local_engine, ray_cluster, tmp_path):
     import time
 

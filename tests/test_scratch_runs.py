@@ -58,7 +58,7 @@ def test_a_run_failing_at_upload_leaves_no_scratch_table(project, emulator, runs
 
     assert len(runs) == 1
     # The run had its plan and request file rows when it failed; all of them are gone.
-    assert {Scratch.input, Scratch.desired, Scratch.plan, Scratch.sent, Scratch.prices} <= runs[0]["before_cleanup"]
+    assert {Scratch.input, Scratch.desired, Scratch.run_plan, Scratch.sent, Scratch.prices} <= runs[0]["before_cleanup"]
     assert runs[0]["left"] == set()
 
 
@@ -73,7 +73,7 @@ def test_a_budget_refusal_leaves_no_scratch_table(project, emulator, runs):
     assert emulator.stats()["calls"] == {}
 
     assert len(runs) == 1
-    assert {Scratch.input, Scratch.plan, Scratch.sent, Scratch.realtime_plan} <= runs[0]["before_cleanup"]
+    assert {Scratch.input, Scratch.run_plan, Scratch.sent, Scratch.realtime_plan} <= runs[0]["before_cleanup"]
     assert runs[0]["left"] == set()
 
 
@@ -85,7 +85,7 @@ def test_successful_runs_leave_no_scratch_table(project, emulator, runs):
     project.dbt("run", "-s", "triage")  # harvest and merge
 
     assert len(runs) == 2
-    assert {Scratch.plan, Scratch.realtime_plan, Scratch.sent} <= runs[0]["before_cleanup"]
+    assert {Scratch.run_plan, Scratch.realtime_plan, Scratch.sent} <= runs[0]["before_cleanup"]
     assert all(run["left"] == set() for run in runs), runs
     succeeded = project.query("select count(*) from main.triage where llm_status = 'succeeded'")[0][0]
     assert succeeded == project.query("select count(*) from main.support_tickets")[0][0]

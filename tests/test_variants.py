@@ -524,7 +524,8 @@ def test_two_openai_variants_on_two_models_go_in_two_batches(project, emulator):
     )
     assert shape == [(["gpt-4o"], N), (["gpt-4o-mini"], 2 * N)]
     in_flight = project.query("select llm_model, variant, request_count from main.llm_batch_in_flight order by 1")
-    assert in_flight == [("gpt-4o", "big", N), ("gpt-4o-mini", ",terse", 2 * N)]
+    # The views name the default variant as the table does ('default', llm_default_variant unset).
+    assert in_flight == [("gpt-4o", "big", N), ("gpt-4o-mini", "default,terse", 2 * N)]
 
     emulator.complete_all()
     project.dbt("run", "-s", "evals")
@@ -575,7 +576,7 @@ def test_the_in_flight_caps_are_the_model_s_total_across_variants(evals, emulato
     assert f"{N} request(s) wait in the ledger for a later run" in log_text(evals)
     assert f"(variant claude {N})" in log_text(evals)
     waiting = evals.query("select variant, requests_waiting from main.llm_batch_progress order by 1")
-    assert waiting == [("", 0), ("claude", N), ("terse", 0)]
+    assert waiting == [("claude", N), ("default", 0), ("terse", 0)]
 
     evals.dbt("run", "-s", "evals")  # the one batch allowed is still in flight: nothing more is sent
     assert len(batches_by_face(emulator)) == 1

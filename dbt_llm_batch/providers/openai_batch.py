@@ -111,7 +111,7 @@ class OpenAIBatchProvider(OpenAIChatProvider, BatchProvider):
     @classmethod
     def batch_limits(cls, config) -> tuple[int, int]:
         host = HOSTS.get(config.options.get("host") or "openai")
-        if host is None:  # a host not listed: OpenAI's limits
+        if host is None or host.name == "openai":  # OpenAI, or a host not listed: OpenAI's limits, this class's
             return cls.max_requests_per_batch, cls.max_bytes_per_batch
         return host.max_requests_per_batch, host.max_bytes_per_batch
 
