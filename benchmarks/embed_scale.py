@@ -26,11 +26,10 @@ import tempfile
 import time
 
 import duckdb
+from scale import OfflineProvider  # benchmarks/ is sys.path[0] when this script runs
 
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.pipeline import merge, plan, runner, send
-from dbt_llm_batch.providers.base import BatchState, Submission
-from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
 
 SOURCE = "select i as id, 'document ' || i || ': ' || repeat(md5(i::varchar), 4) as prompt from range({n}) t(i)"
 
@@ -49,26 +48,7 @@ def config_for(dimensions: int):
     )
 
 
-class OfflineProvider(OpenAIBatchProvider):
-    """The real OpenAI provider (packed lines, result parsing) with its network calls replaced."""
-
-    def __init__(self, config, directory):
-        super().__init__(config)
-        self.directory = directory
-
-    def upload(self, jsonl_path, token):
-        return f"file_{token}"
-
-    def create(self, jsonl_path, file_id, token, model_name):
-        return Submission(batch_id=f"batch_{token}", status="validating", input_file_id=file_id)
-
-    def poll(self, batch_id):
-        return BatchState(status="completed", ended=True, output_file_id=f"out_{batch_id}")
-
-    def download_results(self, state, batch_id, directory):
-        return [("output", os.path.join(self.directory, f"{batch_id}.jsonl"))]
-
-
+# The real OpenAI provider with its network calls replaced, as in scale.py (packed lines go through it unchanged).
 def vector_sql(dimensions: int, seed: str) -> str:
     return f"list_transform(range({dimensions}), lambda k: ((hash({seed} || k) % 2001)::double / 1000 - 1)::float)"
 
