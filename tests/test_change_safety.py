@@ -523,6 +523,9 @@ def test_ctrl_c_while_submitting_sends_no_further_batch_and_the_rest_waits(proje
     assert emulator.stats()["batches_created"] == 1, "no batch is created after Ctrl-C"
     statuses = dict(project.query("select status, count(*) from main.llm_batch_requests group by status"))
     assert statuses == {"queued": 2, "deferred": 4}, statuses  # two in the one batch, four waiting
+    log = (project.root / "logs" / "dbt.log").read_text()
+    assert "pending 2; deferred 4 (the run was interrupted: they wait for the next run)" in log  # not a cap
+    assert "in-flight caps are reached" not in log
 
     emulator.complete_all()
     project.dbt("run", "-s", "triage")  # harvests the first batch and sends the four that waited
