@@ -12,6 +12,7 @@ from decimal import Decimal
 
 import boto3
 import pytest
+from conftest import failure_messages
 from helpers import TRIAGE_OUTPUT, TRIAGE_SCHEMA, kill_then_run_on, log_text
 
 from dbt_llm_batch.sandbox import expected_answer
@@ -158,3 +159,16 @@ def test_a_create_answered_with_a_5xx_after_the_job_was_made_is_retried_into_the
     run(project)
     assert_all_answered(project, 100)
     assert_billed_once_each(emulator, 100)
+
+
+def test_an_s3_location_that_is_not_one_is_called_invalid_not_missing(project):
+    """A value given in the wrong form is not a missing one: the message says what form it needs."""
+    write(project, "my-bucket", rows=3)
+    model = project.root / "models" / "triage.sql"
+    model.write_text(model.read_text().replace("'s3://my-bucket/requests'", "'my-bucket/requests'"))
+    message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
+    assert (
+        "llm_bedrock_s3_input must be an S3 location 's3://<bucket>/<prefix>/' (a bucket name of 3 to 63 "
+        "lowercase letters, digits, dots and hyphens), such as 's3://my-bucket/llm/', got 'my-bucket/requests'"
+    ) in message
+    assert "needs llm_bedrock_s3_input" not in message and "llm_bedrock_s3_output" not in message

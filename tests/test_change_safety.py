@@ -244,7 +244,8 @@ def test_a_renamed_model_keeps_its_answers_with_llm_ledger_identity(project, emu
     project.write("models/triage_v2.sql", triage_model(where="where ticket_id = 1"))
     project.dbt("run", "-s", "triage_v2")
     log = (project.root / "logs" / "dbt.log").read_text()
-    assert "1 of its requests were already answered for model 'main.triage'" in log
+    # Its batch is still in flight: asked, not answered.
+    assert "1 of its requests were already asked for model 'main.triage' (0 answered, 1 still in flight;" in log
     assert "set llm_ledger_identity = 'main.triage'" in log
     # With the identity, the renamed model takes over the ledger, its batch in flight included.
     (project.root / "models" / "triage_v2.sql").unlink()
@@ -523,6 +524,9 @@ def test_ctrl_c_while_submitting_sends_no_further_batch_and_the_rest_waits(proje
     assert emulator.stats()["batches_created"] == 1, "no batch is created after Ctrl-C"
     statuses = dict(project.query("select status, count(*) from main.llm_batch_requests group by status"))
     assert statuses == {"queued": 2, "deferred": 4}, statuses  # two in the one batch, four waiting
+    log = (project.root / "logs" / "dbt.log").read_text()
+    assert "pending 2; deferred 4 (the run was interrupted: they wait for the next run)" in log  # not a cap
+    assert "in-flight caps are reached" not in log
 
     emulator.complete_all()
     project.dbt("run", "-s", "triage")  # harvests the first batch and sends the four that waited

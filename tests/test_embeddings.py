@@ -11,6 +11,7 @@ import collections
 from decimal import Decimal
 
 import pytest
+from conftest import failure_messages
 from helpers import kill_then_run_on
 
 from dbt_llm_batch.errors import ConfigError
@@ -111,6 +112,19 @@ def test_a_provider_without_embeddings_refuses_the_config_naming_those_that_can(
         parse_config({"unique_key": "id", "llm_provider": "anthropic", "llm_model": "x", "llm_task": "embed"})
     assert "llm_provider 'anthropic' has no embeddings API" in str(refused.value)
     assert "'openai'" in str(refused.value) and "'openai_compatible'" in str(refused.value)
+
+
+def test_a_chat_model_is_refused_for_embeddings_before_anything_is_sent(project, emulator):
+    """llm_task = 'embed' with a model the provider knows as a chat model: refused by the run, naming
+    the embedding models it knows, instead of sent and failed at harvest."""
+    project.write(f"models/{NAME}.sql", embed_model().replace(MODEL, "gpt-4o-mini"))
+    write_docs(project, {i: i for i in range(3)})
+    message = failure_messages(project.dbt("run", "-s", NAME, expect_ok=False))
+    assert (
+        "llm_model 'gpt-4o-mini' is a chat model of llm_provider 'openai', not an embedding model: llm_task = "
+        "'embed' needs one, such as 'text-embedding-3-small', 'text-embedding-3-large', 'text-embedding-ada-002'"
+    ) in message
+    assert emulator.stats()["batches_created"] == 0 and emulator.stats()["files_uploaded"] == 0
 
 
 def test_ten_thousand_rows_30_percent_repeated_are_packed_embedded_once_each_and_cost_what_was_billed(docs, emulator):

@@ -157,3 +157,31 @@ def test_a_variant_renamed_in_flight_carries_the_whole_cost_of_its_requests(proj
     assert costs == {"default": asked[""], "short": asked["terse"]} and asked["terse"] > 0
     billed = project.query("select sum(cost_usd) from main.llm_batch_requests where status = 'succeeded'")[0][0]
     assert project.query("select sum(llm_cost_usd) from main.triage")[0][0] == billed
+
+
+def test_a_run_without_variants_takes_its_figures_from_the_files_as_the_plan_counts_them(
+    project, emulator, monkeypatch
+):
+    """A model without variants takes its figures (requests, estimated cost, files) from its request
+    files (send.in_files, no query); they are what variants.written counts over the plan, after the
+    files are written and after the in-flight cap left some of them unsent."""
+    from dbt_llm_batch.pipeline import send, variants
+    from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
+
+    monkeypatch.setattr(OpenAIBatchProvider, "batch_limits", classmethod(lambda cls, config: (2, 200_000_000)))
+    seen = []
+    from_files = send.in_files
+
+    def both(state, passes, files):
+        seen.append((from_files(state, passes, files), variants.written(state.con)))
+        return seen[-1][0]
+
+    monkeypatch.setattr(send, "in_files", both)
+    project.write("models/triage.sql", triage_model(extra_config="llm_max_batches_in_flight = 2,"))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    assert len(seen) == 2, "written, then submitted"
+    for fast, planned in seen:
+        assert fast == planned
+    (requests, cost, files) = seen[0][0][0]
+    assert (requests, files) == (4, 2) and cost > 0  # two files of two; the third waits for the cap

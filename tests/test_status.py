@@ -91,3 +91,57 @@ def test_status_reads_the_dbt_profile_fits_100_columns_and_names_variants(projec
 
     assert cli.main(["status", *where, "--target", "prod"]) == 2
     assert "has no target 'prod'" in capsys.readouterr().err
+
+
+def test_status_names_each_models_provider_and_model_and_the_money_in_flight(project, emulator, capsys, monkeypatch):
+    """Two requests sent and four waiting for the in-flight cap: the default view names the model's
+    provider and llm_model and what its requests in flight are estimated to cost; the requests not sent
+    yet have no job, and still name the configured provider (never `None`)."""
+    from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
+
+    monkeypatch.setattr(OpenAIBatchProvider, "batch_limits", classmethod(lambda cls, config: (2, 200_000_000)))
+    project.write("models/triage.sql", triage_model(extra_config="llm_max_batches_in_flight = 1,"))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    assert project.query("select status, count(*) from main.llm_batch_requests group by 1 order by 1") == [
+        ("deferred", 4),
+        ("queued", 2),
+    ]
+    assert project.query("select provider, llm_model from main.llm_batch_progress") == [("openai", "gpt-4o-mini")]
+    assert project.query("select distinct provider, llm_model from main.llm_batch_costs") == [("openai", "gpt-4o-mini")]
+    project.dbt("run-operation", "dbt_llm_batch.status")
+    log = (project.root / "logs" / "dbt.log").read_text()
+    assert "provider=None" not in log and "model=main.triage, provider=openai, day=" in log
+    assert "provider=openai, llm_model=gpt-4o-mini" in log  # the progress line
+    project.release_database()
+
+    capsys.readouterr()
+    assert cli.main(["status", "--database", str(project.db_path)]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100 and "…" not in out, out
+    models = out.split("Provider, model and money in flight per model")[1].split("Progress per model")[0]
+    (in_flight,) = project.query("select committed_not_billed_usd from main.llm_batch_progress")[0]
+    assert in_flight > 0
+    assert "in_flight_usd" in models and "req_in_flight" in models
+    (line,) = [row for row in models.splitlines() if "main.triage" in row]
+    cells = [cell.strip() for cell in line.strip("│ ").split("│")]
+    assert cells[:4] == ["main.triage", "openai", "gpt-4o-mini", "2"] and cells[4] == str(in_flight), cells
+
+
+def test_rows_answered_counts_rows_whose_current_answer_succeeded(project, emulator):
+    """llm_batch_costs.rows_answered: not the rows of requests in flight, nor rows whose answer a later
+    one (a changed prompt) superseded."""
+    answered = "select sum(rows_answered) from main.llm_batch_costs"
+    project.write("models/triage.sql", triage_model())
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    assert project.query(answered) == [(0,)]  # six in flight, none answered
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query(answered) == [(6,)]
+    project.write("models/triage.sql", triage_model(system="Triage the ticket, tersely."))
+    project.dbt("run", "-s", "triage")  # every row asked again: their old answers stay until the new ones
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.llm_batch_requests where status = 'succeeded'") == [(12,)]
+    assert project.query(answered) == [(6,)]  # the six rows, each once: their first answers are superseded

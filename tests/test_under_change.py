@@ -235,8 +235,9 @@ def test_a_renamed_model_is_a_new_model_and_says_so_before_paying_again(project,
 
     project.dbt("run", "-s", "triage_renamed")
     assert (
-        "main.triage_renamed: first run of this model, and 6 of its requests were already answered for model "
-        "'main.triage' (the same prompts and settings): they are sent and paid again now. If you renamed the "
+        "main.triage_renamed: first run of this model, and 6 of its requests were already asked for model "
+        "'main.triage' (6 answered, 0 still in flight; the same prompts and settings): they are sent and paid "
+        "again now. If you renamed the "
         "model, set llm_ledger_identity = 'main.triage'"
     ) in log_text(project)
     assert batch_counts(emulator) == [6, 6]

@@ -16,6 +16,7 @@ import threading
 
 from dbt_llm_batch.ledger.base import retry_on_conflict, transaction
 from dbt_llm_batch.ledger.claims import ClaimWrites
+from dbt_llm_batch.ledger.configured import configured_sql
 from dbt_llm_batch.ledger.focus import FOCUS_VIEW
 from dbt_llm_batch.ledger.jobs import JobWrites
 from dbt_llm_batch.ledger.requests import RequestWrites
@@ -254,6 +255,13 @@ MIGRATIONS += [
     # (The JSON-text vectors of the first embeddings build were never released: nothing to convert.)
     (24, ["alter table {s}.llm_batch_requests add column if not exists vector float[]"]),
 ]
+MIGRATIONS += [
+    # The views changed: llm_batch_costs.rows_answered counts rows whose current answer succeeded (it
+    # counted every row a request was mapped to: in flight, failed or superseded too); llm_batch_progress
+    # names each model's provider and llm_model (configured.py), and llm_batch_costs names them for
+    # requests not sent yet. No table changes.
+    (25, []),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users
@@ -281,7 +289,10 @@ VIEWS = [
     from {{s}}.llm_batch_jobs left join {VARIANT_NAMES} n using (model)
     where harvested_at is null and status <> {sql(JobStatus.VOIDED)}""",
     f"""create or replace view {{s}}.llm_batch_costs as
-    select r.model, j.provider, coalesce(j.llm_model, '') as llm_model,
+    select r.model,
+           -- the job's; for requests not sent yet (no job), what the model's config names
+           coalesce(j.provider, {configured_sql("llm_provider", "r.variant")}, '') as provider,
+           coalesce(j.llm_model, {configured_sql("llm_model", "r.variant")}, '') as llm_model,
            cast(coalesce(r.completed_at, r.queued_at) as date) as day,
            -- rows (the keys the requests answered) apart from requests
            coalesce(sum(a.row_answers) filter (where r.status = {_SUCCEEDED}), 0) as rows_succeeded,
@@ -297,9 +308,11 @@ VIEWS = [
            coalesce(r.route, 'batch') as route,
            coalesce(sum(r.possibly_billed), 0) as possibly_billed,
            sum(r.cache_write_1h_tokens) as cache_write_1h_tokens,
-           -- rows each request answered, of which reused (answered from the ledger, no call), and what
-           -- sharing saved: each row beyond a request's first would have been a request of its own
-           coalesce(sum(a.row_answers), 0) as rows_answered, coalesce(sum(a.reused), 0) as rows_reused,
+           -- rows whose current answer is a succeeded request (not one in flight, nor one a later answer
+           -- superseded), rows answered from the ledger (reused, no call), and what sharing saved: each
+           -- row beyond a request's first would have been a request of its own
+           coalesce(sum(a.current_answers) filter (where r.status = {_SUCCEEDED}), 0) as rows_answered,
+           coalesce(sum(a.reused), 0) as rows_reused,
            coalesce(sum(r.cost_usd * (a.row_answers - 1)) filter (where a.row_answers > 1), 0) as dedup_saved_usd,
            {shown_variant_sql("r.variant")} as variant,  -- the evaluation variant that asked it, as the table names it
            -- what prompt caching saved: the same requests with every input token at the input rate
@@ -308,7 +321,8 @@ VIEWS = [
            count(*) filter (where r.status = {_FAILED}) as requests_failed
     from {{s}}.llm_batch_requests r left join {{s}}.llm_batch_jobs j using (job_id)
          left join {VARIANT_NAMES} n on n.model = r.model
-         left join (select custom_id, count(*) as row_answers, count(*) filter (where reused) as reused
+         left join (select custom_id, count(*) as row_answers, count(*) filter (where reused) as reused,
+                           count(*) filter (where emitted is distinct from 'superseded') as current_answers
                     from {{s}}.llm_batch_row_answers group by custom_id) a using (custom_id)
     group by all""",
     f"""create or replace view {{s}}.llm_batch_progress as
@@ -333,7 +347,11 @@ VIEWS = [
            {shown_variant_sql("variant")} as variant,  -- per evaluation variant, as the table names it ('': no variants)
            -- rows (keys) still waiting for an answer, whichever model's request asks it: a model whose
            -- rows share another model's request in flight (llm_dedup = 'ledger') has them pending too
-           coalesce(max(w.rows_pending), 0) as rows_pending
+           coalesce(max(w.rows_pending), 0) as rows_pending,
+           -- what the model (its variant) is configured to ask, even before anything is sent; a ledger
+           -- written before config snapshots: its last job's
+           coalesce(any_value({configured_sql("llm_provider", "m.variant")}), any_value(j.provider), '') as provider,
+           coalesce(any_value({configured_sql("llm_model", "m.variant")}), any_value(j.llm_model), '') as llm_model
     -- every model (and variant) with a request or a row answer: under llm_dedup = 'ledger' a model whose
     -- rows all share other models' requests has no request of its own, and still has rows to show
     from (select model, variant from {{s}}.llm_batch_requests
@@ -351,6 +369,8 @@ VIEWS = [
          left join (select model, variant, count(distinct key) as rows_pending from {{s}}.llm_batch_pending_rows
                     group by model, variant) w using (model, variant)
          left join {VARIANT_NAMES} n using (model)
+         left join (select model, arg_max(provider, created_at) as provider, arg_max(llm_model, created_at) as llm_model
+                    from {{s}}.llm_batch_jobs group by model) j using (model)
     group by model, variant, n.has_variants, n.default_name""",
     # Failed requests by why they failed (failure_kind: batch_failures.py; NULL: the answer or its error
     # line failed, and it is retried up to llm_max_attempts), final or to be retried.

@@ -17,8 +17,9 @@ def shown_variant_sql(column: str) -> str:
     )
 
 
-# Per model: whether its last run had evaluation variants, and its default variant's name.
-VARIANT_NAMES = """(select model,
+# Per model: whether its last run had evaluation variants, its default variant's name, and the
+# snapshot itself (configured.py reads the provider and llm_model from it).
+VARIANT_NAMES = """(select model, config_snapshot as snapshot,
            json_extract(config_snapshot, '$.config.llm_variants') is not null as has_variants,
            coalesce(json_extract_string(config_snapshot, '$.config.llm_default_variant'), 'default') as default_name
     from {s}.llm_batch_models)"""

@@ -8,20 +8,11 @@ import sys
 
 
 def status_command(args) -> int:
-    """`dbt-llm-batch status`: the ledger of --database, else of the dbt profile's target (ops/status.py)."""
-    from dbt_llm_batch.errors import ConfigError
-    from dbt_llm_batch.ops import profile, status
+    """`dbt-llm-batch status`: in flight, progress and cost of the ledger (ops/status.py)."""
+    from dbt_llm_batch.ops import status
 
-    database, schema = args.database, args.schema
-    if database is None:
-        try:
-            found = profile.warehouse(args.project_dir, args.profiles_dir, args.target)
-        except ConfigError as exc:
-            print(f"dbt-llm-batch status: {exc}", file=sys.stderr)
-            return 2
-        database, schema = found.database, schema or found.schema
     shape = "json" if args.json else "wide" if args.wide else "brief"
-    return status.status(database, schema or "main", shape)
+    return status.status(args.database, args.schema, shape)
 
 
 def report_command(args) -> int:
@@ -60,6 +51,9 @@ def report_command(args) -> int:
         return 2
     return 0
 
+
+# What no --schema means for a command that reads one ledger (every command but `poll` and `check`).
+IN_ONE_SCHEMA = "the dbt profile target's when --database is not given, else main"
 
 # Operator actions (dbt_llm_batch/operator.py), each on one model of one ledger.
 OPERATOR_COMMANDS = {
@@ -160,6 +154,9 @@ def _main(argv: list[str] | None) -> int:
         from dbt_llm_batch.sandbox.cli import main as sandbox_main
 
         return sandbox_main(argv[1:], prog="dbt-llm-batch sandbox")
+    from dbt_llm_batch.errors import ConfigError
+    from dbt_llm_batch.ops.profile import add_ledger_options, ledger_location
+
     parser = argparse.ArgumentParser(prog="dbt-llm-batch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("sandbox", help="run the local provider emulator (answers are not a model's); see sandbox --help")
@@ -169,11 +166,7 @@ def _main(argv: list[str] | None) -> int:
     ck.add_argument("--project-dir", default=".", help="the dbt project (default: the current directory)")
     ck.add_argument("--manifest", help="the manifest.json to read (default: <project-dir>/target/manifest.json)")
     st = sub.add_parser("status", help="show in-flight batches, per-model progress and cost from the ledger")
-    st.add_argument("--database", help="path of the DuckDB file (default: the dbt profile's, as dbt reads it)")
-    st.add_argument("--schema", default=None, help="schema holding the ledger tables (default: the target's, or main)")
-    st.add_argument("--project-dir", default=".", help="the dbt project whose profile names the file (default: .)")
-    st.add_argument("--profiles-dir", default=None, help="where profiles.yml is (default: as dbt looks for it)")
-    st.add_argument("--target", default=None, help="the profile's target (default: the profile's own)")
+    add_ledger_options(st, IN_ONE_SCHEMA)
     shape = st.add_mutually_exclusive_group()
     shape.add_argument("--wide", action="store_true", help="every column (the default fits 100 characters)")
     shape.add_argument("--json", action="store_true", help="every column, as one JSON object")
@@ -181,8 +174,7 @@ def _main(argv: list[str] | None) -> int:
         "report",
         help="write the ledger's cost, progress and evaluation report as one HTML file (no network needed to view)",
     )
-    rp.add_argument("--database", required=True, help="path of the DuckDB file")
-    rp.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
+    add_ledger_options(rp, IN_ONE_SCHEMA)
     rp.add_argument("--out", default=None, help="the HTML file to write (default: llm_batch_report.html)")
     rp.add_argument(
         "--focus", default=None, metavar="FILE.csv", help="also (or, without --out, only) write costs as FOCUS CSV"
@@ -200,8 +192,7 @@ def _main(argv: list[str] | None) -> int:
     rp.add_argument("--refresh", type=int, default=30, help="--serve: reload the page every this many seconds")
     for name, text in OPERATOR_COMMANDS.items():
         op = sub.add_parser(name, help=text)
-        op.add_argument("--database", required=True, help="path of the DuckDB file")
-        op.add_argument("--schema", default="main", help="schema holding the ledger tables (default: main)")
+        add_ledger_options(op, IN_ONE_SCHEMA)
         op.add_argument("--model", required=True, help="the model, as its name or schema.name")
     po = sub.add_parser(
         "poll",
@@ -211,8 +202,7 @@ def _main(argv: list[str] | None) -> int:
         "model, a key not set, a config it cannot read: the message says how to fix it); 1 --then failed "
         "(recorded; the next poll with --then runs it again); 4 the provider stayed unavailable.",
     )
-    po.add_argument("--database", required=True, help="path of the DuckDB file")
-    po.add_argument("--schema", default=None, help="only the ledger in this schema (default: every schema)")
+    add_ledger_options(po, "every schema of the file: poll reads each ledger in it")
     po.add_argument("--model", default=None, help="only this model, as its name or schema.name")
     po.add_argument(
         "--wait", type=float, default=0.0, metavar="SECONDS", help="poll with back-off until no batch is open"
@@ -226,6 +216,14 @@ def _main(argv: list[str] | None) -> int:
         "kept: --then 'dbt build -s {models}+ && notify' runs `dbt build -s a+ b+ && notify`",
     )
     args = parser.parse_args(argv)
+    if "database" in vars(args):  # a command that reads a ledger (add_ledger_options): --database's, or the profile's
+        try:
+            args.database, args.schema = ledger_location(args, schema_from_profile=args.command != "poll")
+        except ConfigError as exc:
+            print(f"dbt-llm-batch {args.command}: {exc}", file=sys.stderr)
+            return 2
+        if args.command != "poll":
+            args.schema = args.schema or "main"
     if args.command == "poll":
         return poll_command(args)
     if args.command == "report":

@@ -76,3 +76,25 @@ def warehouse(project_dir: str = ".", profiles_dir: str | None = None, target: s
     if not os.path.isabs(database):
         database = str(project / database)
     return Warehouse(database, str(_render(output.get("schema") or "main")))
+
+
+# The ledger a command reads, as every command that reads one takes it: `--database` (and `--schema`),
+# else the dbt profile's target, found with `--project-dir`, `--profiles-dir` and `--target` as dbt does.
+def add_ledger_options(parser, schema_default: str) -> None:
+    """Add the ledger's options to a subcommand; `schema_default` says in its help what no --schema means."""
+    parser.add_argument("--database", help="path of the DuckDB file (default: the dbt profile's, as dbt reads it)")
+    parser.add_argument("--schema", default=None, help=f"schema holding the ledger tables (default: {schema_default})")
+    parser.add_argument("--project-dir", default=".", help="the dbt project whose profile names the file (default: .)")
+    parser.add_argument("--profiles-dir", default=None, help="where profiles.yml is (default: as dbt looks for it)")
+    parser.add_argument("--target", default=None, help="the profile's target (default: the profile's own)")
+
+
+def ledger_location(args, schema_from_profile: bool = True) -> tuple[str, str | None]:
+    """(DuckDB file, schema) of the options add_ledger_options added: `--database` as given, else the
+    profile's file; `--schema` as given, else the profile's schema when the file came from the profile
+    and `schema_from_profile` (None otherwise: the command's own default). ConfigError if no profile
+    names a DuckDB file."""
+    if args.database is not None:
+        return args.database, args.schema
+    found = warehouse(args.project_dir, args.profiles_dir, args.target)
+    return found.database, args.schema or (found.schema if schema_from_profile else None)

@@ -38,6 +38,15 @@ SECTIONS = (
         "select * exclude (submitted_at) from {s}.llm_batch_in_flight order by submitted_at",
     ),
     Section(
+        "models",
+        "Provider, model and money in flight per model",
+        "model, variant, provider, llm_model, requests_pending as req_in_flight, "
+        "committed_not_billed_usd as in_flight_usd, oldest_pending_age as oldest",
+        """select model, variant, provider, llm_model, requests_pending, committed_not_billed_usd, oldest_pending_age
+           from {s}.llm_batch_progress order by model, variant""",
+        note="(in flight: the estimated cost of the requests sent and not answered yet, committed, not billed)",
+    ),
+    Section(
         "progress",
         "Progress per model",
         "model, variant, keys_succeeded as rows_ok, keys_failed as rows_failed, rows_pending, "

@@ -19,7 +19,7 @@ import json
 
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import IN_FLIGHT, Ledger
-from dbt_llm_batch.ledger.status import RequestStatus, sql_in
+from dbt_llm_batch.ledger.status import RequestStatus, sql, sql_in
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import plan
 from dbt_llm_batch.pipeline.scratch import Scratch
@@ -142,18 +142,22 @@ def _warn_if_renamed(ledger: Ledger, config: ModelConfig) -> None:
     answers (the same prompts and settings), which is what renaming a model's file looks like."""
     if config.ledger_identity or config.dedup == "ledger":
         return  # chosen explicitly, or the other model's answers are shared (llm_dedup = 'ledger')
+    # Answered and in flight apart: a request still in flight has no answer yet, but is paid for.
     others = ledger.con.execute(
-        f"""select model, count(distinct fingerprint) from {ledger.table("llm_batch_requests")}
+        f"""select model, count(distinct fingerprint) filter (where status = {sql(RequestStatus.SUCCEEDED)}),
+                   count(distinct fingerprint) filter (where status in {sql_in(IN_FLIGHT)})
+            from {ledger.table("llm_batch_requests")}
             where model <> ? and status in {sql_in((RequestStatus.SUCCEEDED, *IN_FLIGHT))}
               and fingerprint in (select fingerprint from {DESIRED})
-            group by model order by 2 desc limit 1""",
+            group by model order by count(distinct fingerprint) desc limit 1""",
         [ledger.model],
     ).fetchall()
     if others:
-        other, n = others[0]
+        other, answered, in_flight = others[0]
         log.warning(
-            f"{ledger.model}: first run of this model, and {n} of its requests were already answered for model "
-            f"'{other}' (the same prompts and settings): they are sent and paid again now. If you renamed the "
+            f"{ledger.model}: first run of this model, and {answered + in_flight} of its requests were already "
+            f"asked for model '{other}' ({answered} answered, {in_flight} still in flight; the same prompts and "
+            f"settings): they are sent and paid again now. If you renamed the "
             f"model, set llm_ledger_identity = '{other}' in its config to keep that model's answers and batches "
             f"in flight (set it to '{ledger.model}' to silence this)."
         )

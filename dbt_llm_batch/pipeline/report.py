@@ -23,7 +23,8 @@ class RunSummary:
     rewritten: int = 0  # rows written again from answers merged before (a rebuild from the ledger)
     harvested_batches: int = 0
     rejected_prompts: int = 0
-    deferred: int = 0  # over an in-flight cap: waiting in the ledger for a later run
+    deferred: int = 0  # over an in-flight cap, or not sent after Ctrl-C: waiting in the ledger for a later run
+    interrupted: bool = False  # Ctrl-C stopped the submission: the deferred requests wait for that reason
     backed_off: int = 0  # waiting for a back-off (token limit, failed batch) before they are sent again
     held: int = 0  # held after a cancel, until `dbt-llm-batch release`
     estimated_usd: Decimal | int | None = None  # estimate of what this run submitted, None without a price
@@ -55,12 +56,15 @@ class RunSummary:
             + "; "
             f"pending {self.pending + sum(self.pending_elsewhere.values())}"
             + self.elsewhere_part()
-            + (f"; deferred {self.deferred} (in-flight cap)" if self.deferred else "")
+            + (f"; deferred {self.deferred} ({self.deferred_reason()})" if self.deferred else "")
             + (f"; waiting {self.backed_off} (back-off)" if self.backed_off else "")
             + (f"; held {self.held} (release with `dbt-llm-batch release`)" if self.held else "")
             + (self.realtime_part() if self.realtime else "")
             + (self.dedup_part() if self.shared or self.reused else "")
         )
+
+    def deferred_reason(self) -> str:
+        return "the run was interrupted: they wait for the next run" if self.interrupted else "in-flight cap"
 
     def elsewhere_part(self) -> str:
         """' (8 row(s) wait for requests of main.other in flight)': pending rows whose request is another model's."""

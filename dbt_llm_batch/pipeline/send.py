@@ -365,6 +365,7 @@ def submit_sender(state: RunState, sender: int, passes: list[Pass], files) -> li
     sent = sum(f.requests for f in files[: len(submitted.batch_ids)])
     state.summary.submitted += sent
     state.summary.batches += len(submitted.batch_ids)
+    state.summary.interrupted |= submitted.interrupted
     if submitted.batch_ids and state.default.variant_name is not None:  # each batch's share of the variants
         log.info(
             f"{state.model}: submitted {sent} request(s) in {len(submitted.batch_ids)} batch(es) to "
@@ -399,7 +400,7 @@ def defer_unsent(
             summary.ceiling_usd = (summary.ceiling_usd or 0) + ceiling
     state.ledger.variant = passes[0].variant
     waiting = summary.deferred = state.ledger.deferred_count()
-    if waiting:
+    if waiting and not summary.interrupted:  # after Ctrl-C submit said why they wait: not the caps
         shares = ""
         if state.default.variant_name is not None:
             shares = variants.labels(state.default, state.ledger.deferred_by_variant())

@@ -42,6 +42,7 @@ class Submitted:
 
     batch_ids: list[str]
     first_unsent: int
+    interrupted: bool = False  # Ctrl-C stopped it: the deferred requests wait for that, not for a cap
 
 
 def submit_chunks(
@@ -68,6 +69,7 @@ def submit_chunks(
     )
     crashpoints.reach("after_intents")
     attempted = 0
+    interrupted = False
     submitting = Progress(f"{ledger.model}: submitting", sum(f.requests for f in files), "requests")
     try:
         for request_file in files:
@@ -78,6 +80,7 @@ def submit_chunks(
                     f"{ledger.model}: the run was interrupted (Ctrl-C): {sum(f.requests for f in files[attempted:])} "
                     "request(s) not sent wait for the next run, nothing is lost"
                 )
+                interrupted = True
                 break
             attempted += 1
             # From here a file may be at the provider, but no batch: `create` was not called.
@@ -117,7 +120,7 @@ def submit_chunks(
     if attempted < len(job_ids):  # stopped after a failed create or Ctrl-C: the rest wait for the next run
         ledger.return_to_deferred(list(job_ids.values())[attempted:])
     submitting.finish()
-    return Submitted(batch_ids, attempted)
+    return Submitted(batch_ids, attempted, interrupted)
 
 
 def never_sent(exc: BaseException) -> bool:

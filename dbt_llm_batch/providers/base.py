@@ -213,6 +213,14 @@ class Provider(ABC):
         a known model that cannot shorten its vectors refuses llm_dimensions, one that can takes at most
         its native size; an unknown model needs llm_dimensions."""
         known = cls.embedding_model(model) if isinstance(model, str) else None
+        if known is None and isinstance(model, str) and cls.embedding_models and cls.context_window(model):
+            # A chat model the provider lists (its context window): its embeddings endpoint would refuse
+            # every request, found only at harvest. A model it does not know stays allowed (self-hosted).
+            errors.append(
+                f"llm_model {model!r} is a chat model of llm_provider {cls.name!r}, not an embedding model: "
+                f"llm_task = 'embed' needs one, such as {', '.join(repr(m) for m in cls.embedding_models)}"
+            )
+            return None
         if known is None:
             if dimensions is None:
                 errors.append(

@@ -147,14 +147,19 @@ class BedrockBatchProvider(BatchProvider):
     def parse_options(cls, values, errors):
         for name in ("llm_bedrock_s3_input", "llm_bedrock_s3_output"):
             uri = values[name]
-            if not isinstance(uri, str) or not S3_URI.match(uri.rstrip("/") or " "):
+            if uri is None or uri == "":
                 errors.append(f"llm_provider 'bedrock' needs {name}: an S3 location such as 's3://my-bucket/llm/'")
+            elif not isinstance(uri, str) or not S3_URI.match(uri.rstrip("/") or " "):
+                errors.append(
+                    f"{name} must be an S3 location 's3://<bucket>/<prefix>/' (a bucket name of 3 to 63 "
+                    f"lowercase letters, digits, dots and hyphens), such as 's3://my-bucket/llm/', got {uri!r}"
+                )
         role = values["llm_bedrock_role_arn"]
-        if not isinstance(role, str) or not ROLE_ARN.match(role):
-            errors.append(
-                "llm_provider 'bedrock' needs llm_bedrock_role_arn: the ARN of the IAM service role batch jobs "
-                "run as ('arn:aws:iam::123456789012:role/...')"
-            )
+        arn = "the ARN of the IAM service role batch jobs run as ('arn:aws:iam::123456789012:role/...')"
+        if role is None:
+            errors.append(f"llm_provider 'bedrock' needs llm_bedrock_role_arn: {arn}")
+        elif not isinstance(role, str) or not ROLE_ARN.match(role):
+            errors.append(f"llm_bedrock_role_arn must be {arn}, got {role!r}")
         region = values["llm_bedrock_region"]
         if region is not None and not (isinstance(region, str) and re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d", region)):
             errors.append(f"llm_bedrock_region must be an AWS region such as 'us-east-1', got {region!r}")

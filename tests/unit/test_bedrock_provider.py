@@ -51,8 +51,11 @@ def test_its_keys_are_validated_by_itself_every_problem_at_once():
             }
         )
     message = str(error.value)
-    assert "llm_provider 'bedrock' needs llm_bedrock_s3_input: an S3 location such as 's3://my-bucket/llm/'" in message
-    assert "needs llm_bedrock_role_arn: the ARN of the IAM service role" in message
+    assert "llm_bedrock_s3_input must be an S3 location 's3://<bucket>/<prefix>/'" in message
+    assert "got 'bucket/in'" in message
+    assert "llm_bedrock_role_arn must be the ARN of the IAM service role" in message and "got 'my-role'" in message
+    with pytest.raises(ConfigError, match="llm_provider 'bedrock' needs llm_bedrock_s3_output: an S3 location"):
+        parse_config({**RAW, "llm_bedrock_s3_output": None})
     assert "llm_bedrock_region must be an AWS region such as 'us-east-1', got 'mars'" in message
     assert "llm_bedrock_under_minimum must be 'wait' or 'realtime', got 'never'" in message
     with pytest.raises(ConfigError, match="llm_bedrock_s3_input is only for llm_provider 'bedrock'"):
