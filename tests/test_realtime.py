@@ -495,7 +495,9 @@ def test_auto_concurrency_answers_every_row_and_backs_off_on_429(project, replic
     assert engine.stats()["realtime_requests"]["openai"] == 6
     log = log_text(project)
     settled = re.search(
-        r"llm_concurrency 'auto' settled at (\d+) request\(s\) in flight \(bound 3; (\d+) back-off", log
+        r"llm_concurrency 'auto' settled at (\d+) request\(s\) in flight \(started at 3, bound 3; "
+        r"the engine said nothing of its load; (\d+) back-off",
+        log,
     )
     assert settled, log[-3000:]
     assert 1 <= int(settled.group(1)) <= 3 and int(settled.group(2)) >= 1

@@ -19,6 +19,7 @@ from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.embeddings import EmbeddingModel
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.providers.calls import CallBudget
+from dbt_llm_batch.providers.engine_load import EngineLoad
 from dbt_llm_batch.sql import literal
 
 # Columns every provider's `outcomes_sql` must produce, one row per result line:
@@ -284,6 +285,11 @@ class Provider(ABC):
     @abstractmethod
     def realtime_transports(self) -> list:
         """Transports (providers/realtime_transport.py) to send realtime requests through."""
+
+    def engine_load(self) -> EngineLoad | None:
+        """What the server says of its own load (providers/engine_load.py), for llm_concurrency='auto';
+        None: it says nothing (a hosted API). Blocking (HTTP): call it from a thread."""
+        return None
 
     @abstractmethod
     def realtime_result_line(self, custom_id: str, status: int, text: str) -> str:
