@@ -80,8 +80,10 @@ class AdaptiveConcurrency:
         # Requests queue in the engine: its batch is full at `running` (its --max-num-seqs, or its KV
         # cache). More in flight than that batch plus a queue to refill it only waits longer.
         self.engine_batch = max(self.engine_batch or 0, running)
-        self.ceiling = min(self.upper, self.engine_batch + max(2, self.engine_batch // 2))
-        if self.limit > self.ceiling:
+        before, self.ceiling = self.ceiling, min(self.upper, self.engine_batch + max(2, self.engine_batch // 2))
+        # Down to the new ceiling; or up to it when the last reading set the limit and this one saw a
+        # larger batch (a reading can catch the batch while a finished sequence's slot is being refilled).
+        if self.limit > self.ceiling or self.limit == before < self.ceiling:
             self.phase, self._probing_from, self._settled_windows = SETTLE, None, 0
             self.best_limit, self.best_rate = self.ceiling, 0.0  # measured again at the new limit
             self._set(self.ceiling)
