@@ -437,7 +437,7 @@ REALTIME: tuple[Key, ...] = (
         "auto",
         "realtime requests in flight at once; `'auto'` finds the number while sending: against a vLLM engine it "
         "starts where the engine's `/metrics` says its KV cache has room and comes down to the batch the engine "
-        "runs plus half of it when requests queue there (`num_requests_waiting`); against another server it "
+        "runs plus half of it when requests wait there for a place in it; against another server it "
         f"starts at {AUTO_START}, doubles it while throughput rises, settles at the best and probes higher now "
         "and then; it halves it on a 429/503/529, a timeout or a failed connection, never above "
         "`llm_max_concurrency`",

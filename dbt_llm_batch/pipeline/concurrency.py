@@ -9,8 +9,8 @@ default is wrong somewhere. This controller finds it while sending:
   cache holds at once (providers/engine_load.py); the run starts there, so a run of a few hundred rows
   does not spend itself climbing (from 16, the climb to 64 took longer than a 300-row run on the local
   engine, which then ran at 0.85x the best fixed number). A server that says nothing: start at 16;
-- **come down to the engine's batch** (`engine_said`): requests waiting in the engine mean its batch is
-  full at the requests it runs; the limit comes down to that batch plus half of it (the queue that
+- **come down to the engine's batch** (`engine_said`): requests waiting in the engine for a place in its
+  batch mean the batch is full at the requests it runs; the limit comes down to that batch plus half of it (the queue that
   refills the batch the moment a sequence ends, without a round trip to this client), and never goes
   above it again in the run;
 - **climb**: double the limit while each step raises throughput (completions per second, measured over

