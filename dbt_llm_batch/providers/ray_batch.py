@@ -37,6 +37,28 @@ ENDED = ("STOPPED", "SUCCEEDED", "FAILED")  # ray.job_submission.JobStatus.is_te
 ENTRYPOINT = "python -m dbt_llm_batch.providers.ray_job"
 
 
+NO_ADDRESS = (
+    "llm_provider 'ray' needs the cluster's address: set llm_ray_address = 'http://HEAD:8265' in the model's "
+    f"config, or export {ADDRESS_ENV_VARS[0]}"
+)
+NO_STORAGE = (
+    "llm_provider 'ray' needs llm_ray_storage: a path or URI (e.g. 's3://bucket/prefix') that this machine "
+    "writes and every node of the cluster reads; the request and result files go there"
+)
+
+
+def environment_address() -> str | None:
+    return next((os.environ[v] for v in ADDRESS_ENV_VARS if os.environ.get(v)), None)
+
+
+def job_client_class():
+    try:
+        from ray.job_submission import JobSubmissionClient
+    except ImportError as exc:
+        raise ConfigError("llm_provider 'ray' needs Ray's job client: pip install 'dbt-llm-batch[ray]'") from exc
+    return JobSubmissionClient
+
+
 class RayJobsError(Exception):
     """An answer of the Ray Jobs REST API other than success, with its HTTP status (the Ray client raises
     a RuntimeError that names it in its text: 'Request failed with status code 404: ...')."""
@@ -131,16 +153,22 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
     @classmethod
     def parse_options(cls, values: dict[str, Any], errors: list[str]) -> dict[str, Any]:
         """The engines' keys (OpenAICompatibleProvider), then the Ray keys: address (http(s) URL, or None:
-        the environment's at call time), storage (None: required to submit, said then), runtime_env,
-        tasks and rows per task."""
+        the environment's at call time), storage (required), runtime_env, tasks and rows per task. Every
+        problem goes into `errors`, so a model with several is told them all in one error, before anything
+        is submitted (an address missing from the environment too: check_credentials says it again
+        with the engines' key at call time, when a run, the poller or another model's run needs it)."""
         options = super().parse_options(values, errors)
         address = values["llm_ray_address"]
         if address is not None and not (isinstance(address, str) and address.startswith(("http://", "https://"))):
             errors.append(
                 f"llm_ray_address must be the dashboard's http(s) URL, e.g. 'http://head:8265', got {address!r}"
             )
+        elif address is None and not environment_address():
+            errors.append(NO_ADDRESS)
         storage = values["llm_ray_storage"]
-        if storage is not None and not (isinstance(storage, str) and ("://" in storage or storage.startswith("/"))):
+        if storage is None:
+            errors.append(NO_STORAGE)
+        elif not (isinstance(storage, str) and ("://" in storage or storage.startswith("/"))):
             errors.append(
                 f"llm_ray_storage must be an absolute path or a URI (e.g. 's3://bucket/prefix'), got {storage!r}"
             )
@@ -166,42 +194,38 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
 
     @property
     def address(self) -> str:
-        found = self.config.options.get("ray_address") or next(
-            (os.environ[v] for v in ADDRESS_ENV_VARS if os.environ.get(v)), None
-        )
+        found = self.config.options.get("ray_address") or environment_address()
         if not found:
-            raise ConfigError(
-                "llm_provider 'ray' needs the cluster's address: set llm_ray_address = 'http://HEAD:8265' in the "
-                f"model's config, or export {ADDRESS_ENV_VARS[0]}"
-            )
+            raise ConfigError(NO_ADDRESS)
         return found
 
     @property
     def storage(self) -> str:
         storage = self.config.options.get("ray_storage")
         if not storage:
-            raise ConfigError(
-                "llm_provider 'ray' needs llm_ray_storage: a path or URI (e.g. 's3://bucket/prefix') that this "
-                "machine writes and every node of the cluster reads; the request and result files go there"
-            )
+            raise ConfigError(NO_STORAGE)
         return storage
 
     @property
     def client(self):
         if self._client is None:
-            try:
-                from ray.job_submission import JobSubmissionClient
-            except ImportError as exc:
-                raise ConfigError(
-                    "llm_provider 'ray' needs Ray's job client: pip install 'dbt-llm-batch[ray]'"
-                ) from exc
-            address = self.address
-            self._client = ray_call(f"connect to Ray at {address}", lambda: JobSubmissionClient(address))
+            client_class, address = job_client_class(), self.address
+            self._client = ray_call(f"connect to Ray at {address}", lambda: client_class(address))
         return self._client
 
     def check_credentials(self) -> None:
-        super().check_credentials()  # the engines' key variable, if llm_api_key_env names one
-        self.address  # noqa: B018 (raises the ConfigError naming what to set)
+        """What a Ray job needs from this machine's environment, every missing piece in one error: the
+        engines' key variable (if llm_api_key_env names one), the cluster's address, Ray's job client."""
+        problems = []
+        for check in (super().check_credentials, lambda: self.address, job_client_class):
+            try:
+                check()
+            except ConfigError as exc:
+                problems.append(str(exc))
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
+        if problems:
+            raise ConfigError("llm_provider 'ray' cannot submit:\n  - " + "\n  - ".join(problems))
 
     def request_line_sql(self) -> str:
         return spliced_line_sql(
