@@ -296,3 +296,25 @@ def test_a_ray_model_with_several_bad_settings_is_told_them_all_in_one_error(pro
         [(0,)],
         [],
     )
+
+
+def test_a_job_priced_per_gpu_hour_costs_its_run_time_spread_over_its_rows(project, ray_cluster, engine, tmp_path):
+    """llm_gpu_hour_usd x llm_gpus x the job's run time (Ray's start to end), shared evenly by the
+    requests it answered, in the table, the ledger and llm_batch_costs (the six tickets, no token price)."""
+    project.write(
+        "models/triage.sql",
+        ray_model(ray_cluster, tmp_path / "storage", [engine.openai_base_url], "llm_gpu_hour_usd = 3.6, llm_gpus = 2,"),
+    )
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    [(batch_id, _)] = jobs_of(project)
+    assert wait_for_end(ray_cluster, batch_id) == "SUCCEEDED"
+    project.dbt("run", "-s", "triage")
+    info = ray_cluster.client().get_job_info(batch_id)
+    job_cost = Decimal(info.end_time - info.start_time) / 3_600_000 * 2 * Decimal("3.6")
+    assert job_cost > 0
+    share = (job_cost / 6).quantize(Decimal("1e-9"))
+    rows = project.query("select llm_status, llm_cost_usd from main.triage")
+    assert rows == [("succeeded", share)] * 6
+    assert project.query("select sum(cost_usd) from main.llm_batch_requests") == [(share * 6,)]
+    assert project.query("select sum(cost_usd) from main.llm_batch_costs") == [(share * 6,)]

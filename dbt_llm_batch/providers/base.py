@@ -118,6 +118,9 @@ class BatchState:
     token_limit: bool = False  # failed on the provider's enqueued-token limit: resubmit after a back-off
     results_gone: bool = False  # set by poll (archived) or download_results: results could no longer be fetched
     requests_done: int | None = None  # requests the provider has finished either way, from its counts (progress)
+    # What the batch cost as a whole, beyond its requests' tokens: a Ray job's run time x GPUs x the user's
+    # price per GPU-hour (llm_gpu_hour_usd). Set once it ended; settle spreads it over the requests it answered.
+    run_cost_usd: float | None = None
 
 
 class Provider(ABC):

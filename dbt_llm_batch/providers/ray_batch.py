@@ -145,6 +145,19 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
                     256,
                     "request lines per block: a block's answers are written (and harvestable) when it ends",
                 ),
+                Key(
+                    "llm_gpu_hour_usd",
+                    "number >= 0",
+                    None,
+                    "the price of one GPU-hour of the engines: a job costs its run time (Ray's start to end) x "
+                    "`llm_gpus` x this, spread evenly over the requests it answered (added to any per-token price)",
+                ),
+                Key(
+                    "llm_gpus",
+                    "integer 1-100000",
+                    1,
+                    "the GPUs the engines in `llm_base_url` hold while a job runs (with `llm_gpu_hour_usd`)",
+                ),
             )
         },
     }
@@ -175,7 +188,12 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
         runtime_env = values["llm_ray_runtime_env"]
         if runtime_env is not None and not isinstance(runtime_env, dict):
             errors.append(f"llm_ray_runtime_env must be a dict (a Ray runtime environment), got {runtime_env!r}")
-        for key, most in (("llm_ray_tasks", 1024), ("llm_ray_rows_per_task", 100_000)):
+        gpu_hour = values["llm_gpu_hour_usd"]
+        if gpu_hour is not None and (
+            isinstance(gpu_hour, bool) or not isinstance(gpu_hour, int | float) or gpu_hour < 0
+        ):
+            errors.append(f"llm_gpu_hour_usd must be a number >= 0 (US dollars per GPU-hour), got {gpu_hour!r}")
+        for key, most in (("llm_ray_tasks", 1024), ("llm_ray_rows_per_task", 100_000), ("llm_gpus", 100_000)):
             n = values[key]
             if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= most):
                 errors.append(f"{key} must be an integer from 1 to {most}, got {n!r}")
@@ -186,6 +204,8 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
             "ray_runtime_env": runtime_env,
             "ray_tasks": values["llm_ray_tasks"],
             "ray_rows_per_task": values["llm_ray_rows_per_task"],
+            "gpu_hour_usd": gpu_hour,
+            "gpus": values["llm_gpus"],
         }
 
     def __init__(self, config):
@@ -310,7 +330,16 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
             error=failure(info.message) if status == "FAILED" else None,
             requests_done=done,
             output_file_id=self.folder(batch_id) + "/" + ray_job.OUTPUT,
+            run_cost_usd=self.run_cost(info.start_time, info.end_time) if status in ENDED else None,
         )
+
+    def run_cost(self, start_ms: int | None, end_ms: int | None) -> float | None:
+        """The job's GPU time at the user's price: (end - start) x llm_gpus x llm_gpu_hour_usd (Ray's
+        JobInfo times are Unix milliseconds). None without a price, or when Ray did not record both."""
+        price = self.config.options.get("gpu_hour_usd")
+        if price is None or not start_ms or not end_ms:
+            return None
+        return max(0, end_ms - start_ms) / 3_600_000 * self.config.options["gpus"] * price
 
     def download_results(self, state, batch_id, directory):
         """Every finished part file, joined into one local output file (none: the job wrote nothing)."""
