@@ -3,6 +3,7 @@ engine (Gemma 3 270M on vLLM's CPU build, set up by scripts/engine.sh setup), on
 
     .venv/bin/python benchmarks/engine_batch.py                # everything below: over an hour on a 2-core CPU (part 2's caching-off run is the slowest)
     .venv/bin/python benchmarks/engine_batch.py --sweep 32,64,all --parts 1,4  # the default vs the best and run-batch, ~15 min
+    .venv/bin/python benchmarks/engine_batch.py --rows 500 --sweep 32,64,all,auto --parts 1  # 'auto' vs the best fixed
     .venv/bin/python benchmarks/engine_batch.py --rows 40 --sweep 8,32 --prefix-rows 20 --seqs 64   # a quick check
 
 The workload: --rows support tickets (each text distinct, so deduplication sends every row), a triage
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import signal
@@ -41,6 +43,7 @@ import urllib.request
 import duckdb
 
 from dbt_llm_batch.config import DEFAULTS, parse_config
+from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import runner
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.providers.base import PROMPT_MARK
@@ -263,6 +266,29 @@ class Server:
         os.unlink(self.log.name)
 
 
+class AutoSettled(logging.Handler):
+    """Catches the run's log line saying where llm_concurrency='auto' settled and why."""
+
+    def __init__(self):
+        super().__init__()
+        self.line = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "'auto' settled at" in message:
+            self.line = message.split("'auto' ", 1)[1]
+
+    def __enter__(self) -> AutoSettled:
+        log.addHandler(self)
+        self._level = log.level
+        log.setLevel(min(log.level or logging.INFO, logging.INFO))  # setLevel: clears the logger's cache
+        return self
+
+    def __exit__(self, *exc) -> None:
+        log.removeHandler(self)
+        log.setLevel(self._level)
+
+
 def rate_line(label: str, n: int, seconds: float, valid: int) -> float:
     rate = n / seconds
     # The load average shows whether anything else competed for the cores during the phase.
@@ -270,6 +296,15 @@ def rate_line(label: str, n: int, seconds: float, valid: int) -> float:
     print(
         f"   {label:<34} {n} rows in {seconds:6.1f} s = {rate:6.2f} rows/s ({valid} valid; load {load:.1f})", flush=True
     )
+    return rate
+
+
+def measured(label: str, n: int, concurrency) -> float:
+    """rate_line of one plugin run; with 'auto', also where it settled and what the engine said."""
+    with AutoSettled() as settled:
+        rate = rate_line(label, n, *plugin_run(n, concurrency))
+    if settled.line:
+        print(f"      'auto' {settled.line}", flush=True)
     return rate
 
 
@@ -311,13 +346,20 @@ def main() -> int:
     try:
         print(f"   prefix caching in the engine's config: {server.prefix_caching_logged()}")
         plugin_run(8, 8)  # warm-up: the first requests compile the grammar
-        rates["default"] = rate_line(f"plugin, default ({default})", n, *plugin_run(n, None))
-        if default == "auto":  # the default is 'auto': one run measures both
-            rates["auto"] = rates["default"]
-        else:
-            rates["auto"] = rate_line("plugin, 'auto'", n, *plugin_run(n, "auto"))
-        for c in [n if c == "all" else int(c) for c in args.sweep.split(",")]:
-            rates[str(c)] = rate_line(f"plugin, llm_concurrency {c}", n, *plugin_run(n, c))
+        sweep = args.sweep.split(",")
+        # 'auto' in --sweep: measured at its place in the sweep (as warm as the fixed values around it).
+        if default != "auto" or "auto" not in sweep:
+            rates["default"] = measured(f"plugin, default ({default})", n, None)
+        if default != "auto" and "auto" not in sweep:
+            rates["auto"] = measured("plugin, 'auto'", n, "auto")
+        for c in sweep:
+            if c == "auto":
+                rates["auto"] = measured("plugin, 'auto'", n, "auto")
+            else:
+                c = str(n) if c == "all" else c
+                rates[c] = measured(f"plugin, llm_concurrency {c}", n, int(c))
+        rates.setdefault("auto", rates.get("default", 0.0))
+        rates.setdefault("default", rates["auto"])  # the default is 'auto': one run measures both
     finally:
         server.stop()
     fixed = {k: v for k, v in rates.items() if k.isdigit()}
@@ -325,6 +367,7 @@ def main() -> int:
     print(f"   best fixed concurrency {best}: {fixed[best]:.2f} rows/s", flush=True)
     for label in ("default", "auto"):
         print(f"   plugin {label}: {rates[label] / fixed[best]:.2f}x the best fixed", flush=True)
+    print(f"   auto vs best fixed: {rates['auto'] / fixed[best]:.2f}x (the aim: 0.90x)", flush=True)
     parts = set(args.parts.split(","))
     for on in (True, False) if "2" in parts else ():
         print(f"2. server with prefix caching {'on' if on else 'off'}", flush=True)

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dbt_llm_batch import embeddings, output_schema, registry
-from dbt_llm_batch.config_keys import BY_NAME, CONFIG_KEYS, KEYS, VARIANT_CONFIG_KEYS, VARIANT_KEYS, Key
+from dbt_llm_batch.config_keys import (
+    AUTO_MAX_CONCURRENCY,
+    BY_NAME,
+    CONFIG_KEYS,
+    KEYS,
+    VARIANT_CONFIG_KEYS,
+    VARIANT_KEYS,
+    Key,
+)
 from dbt_llm_batch.config_values import canonical
 from dbt_llm_batch.errors import ConfigError
 
@@ -82,6 +90,7 @@ class ModelConfig:
     options: dict = field(default_factory=dict)
     concurrency: int = 16  # the most realtime requests in flight (with 'auto', the bound it adapts under)
     adaptive_concurrency: bool = False  # llm_concurrency = 'auto'
+    max_concurrency: int | None = None  # llm_max_concurrency as set (None: the engine's KV room, if larger)
     realtime_when: str | None = None
     fallback: str | None = None
     realtime_budget_seconds: float = 600
@@ -246,7 +255,7 @@ def _parse_one(raw: dict) -> ModelConfig:
         output=canonical(output),
         output_columns=output_columns,
         options=options,
-        concurrency=values["llm_max_concurrency"] if adaptive else values["llm_concurrency"],
+        concurrency=(values["llm_max_concurrency"] or AUTO_MAX_CONCURRENCY) if adaptive else values["llm_concurrency"],
         adaptive_concurrency=adaptive,
         dedup=dedup,
         dedup_defaulted_off=dedup_defaulted_off,

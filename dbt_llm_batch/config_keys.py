@@ -60,6 +60,11 @@ class Key:
 
 # --- the table ----------------------------------------------------------------------------------------
 
+# llm_concurrency = 'auto' (pipeline/concurrency.py): where its climb starts against a server that says
+# nothing of its load, and its bound when llm_max_concurrency is unset and the engine says no more.
+AUTO_START = 16
+AUTO_MAX_CONCURRENCY = 64
+
 _PARAMS_DOC = ", ".join(f"`{p}`" for p in RESERVED_PARAMS)
 
 # Each section is a heading of the reference page, in this order.
@@ -430,17 +435,23 @@ REALTIME: tuple[Key, ...] = (
         "llm_concurrency",
         "integer 1-1024 or `'auto'`",
         "auto",
-        "realtime requests in flight at once; `'auto'` finds the number while sending: it starts at 16, "
-        "doubles it while throughput rises, settles at the best, probes higher now and then, and halves it on "
-        "a 429/503/529, a timeout or a failed connection, never above `llm_max_concurrency`",
+        "realtime requests in flight at once; `'auto'` finds the number while sending: against a vLLM engine it "
+        "starts where the engine's `/metrics` says its KV cache has room and comes down to the batch the engine "
+        "runs plus half of it when requests wait there for a place in it; against another server it "
+        f"starts at {AUTO_START}, doubles it while throughput rises, settles at the best and probes higher now "
+        "and then; it halves it on a 429/503/529, a timeout or a failed connection, never above "
+        "`llm_max_concurrency`",
         v.concurrency,
     ),
     Key(
         "llm_max_concurrency",
         "integer 1-1024",
-        64,
+        None,
         "with `llm_concurrency = 'auto'`: the most requests in flight it may try",
         integer(1, 1024),
+        field="max_concurrency",
+        default_doc=f"what the engine's `/metrics` says its KV cache holds, if more than {AUTO_MAX_CONCURRENCY}; "
+        f"else {AUTO_MAX_CONCURRENCY}",
     ),
     Key(
         "llm_realtime_budget_seconds",

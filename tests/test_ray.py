@@ -269,3 +269,52 @@ def test_cancel_stops_the_job_merges_what_it_finished_and_holds_the_rest(
     statuses = dict(project.query("select status, count(*) from main.llm_batch_requests group by all"))
     assert statuses == {"succeeded": written, "held": 12 - written}  # held until `dbt-llm-batch release`
     assert len(ray_jobs(ray_cluster, [b for b, _ in jobs_of(project)])) == 1
+
+
+def test_a_ray_model_with_several_bad_settings_is_told_them_all_in_one_error(project, monkeypatch, tmp_path):
+    """No address (none in the environment either), no storage, no engine URL and a bad task count:
+    one error names the four, before anything is planned or submitted (it used to take one run each).
+    No cluster is needed: nothing is sent."""
+    for variable in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        monkeypatch.delenv(variable, raising=False)
+    project.write(
+        "models/triage.sql",
+        triage_model(extra_config="llm_ray_tasks = 0,").replace("llm_provider = 'openai'", "llm_provider = 'ray'"),
+    )
+    project.dbt("seed")
+    result = project.dbt("run", "-s", "triage", expect_ok=False)
+    message = str(result.result.results[0].message)
+    for problem in (
+        "llm_provider 'ray' needs llm_base_url",
+        "llm_provider 'ray' needs the cluster's address: set llm_ray_address",
+        "llm_provider 'ray' needs llm_ray_storage",
+        "llm_ray_tasks must be an integer from 1 to 1024, got 0",
+    ):
+        assert problem in message, message
+    assert "Traceback" not in message
+    assert project.query("select count(*) from information_schema.tables where table_name = 'llm_batch_jobs'") in (
+        [(0,)],
+        [],
+    )
+
+
+def test_a_job_priced_per_gpu_hour_costs_its_run_time_spread_over_its_rows(project, ray_cluster, engine, tmp_path):
+    """llm_gpu_hour_usd x llm_gpus x the job's run time (Ray's start to end), shared evenly by the
+    requests it answered, in the table, the ledger and llm_batch_costs (the six tickets, no token price)."""
+    project.write(
+        "models/triage.sql",
+        ray_model(ray_cluster, tmp_path / "storage", [engine.openai_base_url], "llm_gpu_hour_usd = 3.6, llm_gpus = 2,"),
+    )
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    [(batch_id, _)] = jobs_of(project)
+    assert wait_for_end(ray_cluster, batch_id) == "SUCCEEDED"
+    project.dbt("run", "-s", "triage")
+    info = ray_cluster.client().get_job_info(batch_id)
+    job_cost = Decimal(info.end_time - info.start_time) / 3_600_000 * 2 * Decimal("3.6")
+    assert job_cost > 0
+    share = (job_cost / 6).quantize(Decimal("1e-9"))
+    rows = project.query("select llm_status, llm_cost_usd from main.triage")
+    assert rows == [("succeeded", share)] * 6
+    assert project.query("select sum(cost_usd) from main.llm_batch_requests") == [(share * 6,)]
+    assert project.query("select sum(cost_usd) from main.llm_batch_costs") == [(share * 6,)]

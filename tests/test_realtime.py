@@ -495,10 +495,54 @@ def test_auto_concurrency_answers_every_row_and_backs_off_on_429(project, replic
     assert engine.stats()["realtime_requests"]["openai"] == 6
     log = log_text(project)
     settled = re.search(
-        r"llm_concurrency 'auto' settled at (\d+) request\(s\) in flight \(bound 3; (\d+) back-off", log
+        r"llm_concurrency 'auto' settled at (\d+) request\(s\) in flight \(started at 3, bound 3; "
+        r"the engine said nothing of its load; (\d+) back-off",
+        log,
     )
     assert settled, log[-3000:]
     assert 1 <= int(settled.group(1)) <= 3 and int(settled.group(2)) >= 1
+
+
+def test_auto_starts_where_the_engine_has_room_and_comes_down_to_its_batch(project, replicas, monkeypatch, api_key):
+    """llm_concurrency = 'auto' (the default) against an engine that serves vLLM's /metrics: the run starts
+    with as many requests in flight as the engine's KV cache holds (8, so all 6 rows at once), reads
+    its gauges while sending (every 50 ms here, 1 s by default), and comes down to the engine's batch
+    (2) plus half of it (min 2) once requests wait there for a place."""
+    from dbt_llm_batch.pipeline import realtime
+
+    monkeypatch.setenv("ENGINE_KEY", api_key)
+    monkeypatch.setattr(realtime, "ENGINE_READ_SECONDS", 0.05)
+    engine = replicas[0]
+    batch = engine.emulate_engine(batch=2, kv_room=8.6)
+    engine.realtime_latency = 0.3
+    project.write("models/triage.sql", self_hosted_model([engine.openai_base_url]).replace("llm_concurrency = 4, ", ""))
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    texts = prompts(project)
+    rows = table(project)
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    for ticket_id, (category, urgent, summary, status, *_) in rows.items():
+        assert status == "succeeded" and (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, texts[ticket_id])
+    assert engine.stats()["realtime_requests"]["openai"] == 6
+    assert batch.peak_in_engine == 6  # all 6 sent at once: the engine said it has room for 8
+    assert batch.metrics_reads >= 2  # once before sending, then while sending
+    log = log_text(project)
+    assert (
+        "llm_concurrency 'auto' settled at 4 request(s) in flight (started at 8, bound 64; the engine's "
+        "/metrics: KV room for 8, a full batch of 2 with requests waiting; 0 back-off(s) on overload)" in log
+    ), log[-3000:]
+
+
+def test_the_load_of_replicas_is_summed_and_one_silent_replica_silences_it(replicas, api_key):
+    from dbt_llm_batch.providers.engine_load import EngineLoad, read_engine_load
+
+    urls = tuple(engine.openai_base_url for engine in replicas)
+    replicas[0].emulate_engine(batch=64, kv_room=142.3)
+    assert read_engine_load(urls[:1], api_key) == EngineLoad(running=0, waiting=0, room=142)
+    assert read_engine_load(urls, api_key) is None  # the second says nothing: its room is unknown
+    replicas[1].emulate_engine(batch=32, kv_room=40.0)
+    assert read_engine_load(urls, None) == EngineLoad(running=0, waiting=0, room=182)
+    assert read_engine_load(("http://127.0.0.1:9/v1",), None) is None  # nothing listening
 
 
 def test_a_bad_concurrency_is_refused_before_anything_is_sent(project, replicas, monkeypatch, api_key):

@@ -499,6 +499,21 @@ class RequestWrites(LedgerBase):
             params,
         )
 
+    def spread_run_costs(self, ended: str) -> None:
+        """Inside harvest's transaction: a job's cost as a whole (`ended`.run_cost_usd: a Ray job's GPU
+        time) is shared evenly by the requests it answered (succeeded or failed with a line), on top of
+        their token cost; its unanswered requests, sent again in another job, bear none of it."""
+        requests, answered = self.table("llm_batch_requests"), f"({sql(R.SUCCEEDED)}, {FAILED})"
+        by_a_line = "coalesce(q.failure_kind, '') not in ('gave_up', 'batch_failed')"  # not failed by the job's end
+        self.con.execute(
+            f"""update {requests} r set cost_usd = coalesce(r.cost_usd, 0) + s.share,
+                  uncached_cost_usd = coalesce(r.uncached_cost_usd, 0) + s.share
+                from (select q.job_id, cast(any_value(e.run_cost_usd) / count(*) as decimal(18, 9)) as share  -- the cost columns' type
+                      from {requests} q join {ended} e using (job_id)
+                      where e.run_cost_usd is not null and q.status in {answered} and {by_a_line} group by q.job_id) s
+                where r.job_id = s.job_id and r.status in {answered} and {by_a_line.replace("q.", "r.")}"""
+        )
+
     def void_unanswered(self, ended: str, priced: bool) -> None:
         """Inside harvest's transaction: queued requests of the jobs of `ended` (job_id, status, error,
         void_reason, backoff_seconds) that the batch ended without settling go back to the queue

@@ -144,6 +144,7 @@ def settle(
             "error_file_id": [s.error_file_id for _, s in jobs],
             "void_reason": pa.array(reasons, pa.string()),
             "backoff_seconds": pa.array(backoffs, pa.int64()),
+            "run_cost_usd": pa.array([s.run_cost_usd for _, s in jobs], pa.float64()),
         }
     )
     con.register(Scratch.ended, ended)
@@ -223,6 +224,8 @@ def settle(
                 return
             batch_failures.fail_named_lines(ledger)
             batch_failures.settle_batch_failures(ledger, price is not None)
+            if any(state.run_cost_usd is not None for _, state in jobs):  # a Ray job priced per GPU-hour
+                ledger.spread_run_costs(Scratch.ended)
             # Requests a batch ended without answering (batch-level failure, lost lines) were never
             # settled by the provider: they go back to the queue without using up an attempt.
             ledger.void_unanswered(Scratch.ended, priced=price is not None)

@@ -37,7 +37,7 @@ from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import JobStatus, RequestStatus, sql
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import crashpoints, outcomes
-from dbt_llm_batch.pipeline.concurrency import AUTO_START, AdaptiveConcurrency
+from dbt_llm_batch.pipeline.concurrency import AdaptiveConcurrency, describe
 from dbt_llm_batch.pipeline.progress import Progress
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchState, Provider
@@ -48,6 +48,7 @@ from dbt_llm_batch.providers.realtime_transport import RETRYABLE, FatalReply, Lo
 OVERLOAD = {429, 503, 529}
 
 FLUSH_SECONDS = 0.2  # most time between an answer arriving and its commit to the ledger
+ENGINE_READ_SECONDS = 1.0  # llm_concurrency='auto': how often the engine's /metrics is read while sending
 FETCH_ROWS = 1000  # request bodies read from DuckDB at a time
 MAX_RETRY_DELAY = 30.0
 REQUEST_GRACE_SECONDS = 30.0  # a request started before the deadline may take this much longer
@@ -189,13 +190,14 @@ async def _send_all(
         return queue.pop()
 
     # llm_concurrency = 'auto': as many workers as the bound, of which the controller lets `limit` send.
-    # It starts at 16, the fixed default of earlier versions: a hosted API takes that many, and an engine's
-    # knee is rarely below it, so the climb costs a run little.
-    adaptive = (
-        AdaptiveConcurrency(upper=provider.config.concurrency, start=AUTO_START)
-        if provider.config.adaptive_concurrency
-        else None
-    )
+    # It starts where the engine's /metrics says it has room (a hosted API says nothing: at 16, the fixed
+    # default of earlier versions, which a hosted API takes), and hears the engine's load while sending.
+    loop = asyncio.get_running_loop()
+    adaptive = None
+    if provider.config.adaptive_concurrency:
+        load = await loop.run_in_executor(None, provider.engine_load)
+        adaptive = AdaptiveConcurrency.for_run(provider.config.max_concurrency, load.room if load else None)
+    workers_count = adaptive.upper if adaptive is not None else provider.config.concurrency
     sending = 0
     slot_freed = asyncio.Condition()
 
@@ -245,9 +247,17 @@ async def _send_all(
         # Committed (on the writer's thread, after the groups before it) before the request is sent again.
         await loop.run_in_executor(pool, writer.mark_lost, custom_id)
 
-    loop = asyncio.get_running_loop()
+    async def read_engine_load() -> None:
+        # The engine's gauges about once a second (on the default executor: the writer's thread is busy).
+        while True:
+            await asyncio.sleep(ENGINE_READ_SECONDS)
+            load = await loop.run_in_executor(None, provider.engine_load)
+            if load is not None and adaptive is not None:
+                adaptive.engine_said(load.running, load.waiting)
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm_realtime_writer") as pool:
-        workers = asyncio.gather(*(worker() for _ in range(provider.config.concurrency)))
+        workers = asyncio.gather(*(worker() for _ in range(workers_count)))
+        reader = asyncio.create_task(read_engine_load()) if adaptive and adaptive.engine_room else None
         try:
             while not workers.done():
                 await asyncio.wait([workers], timeout=FLUSH_SECONDS)
@@ -256,11 +266,10 @@ async def _send_all(
                     progress.update(outcome.answered + outcome.given_up)
             await workers  # re-raise a worker's error
             if adaptive is not None:
-                log.info(
-                    f"{provider.name}: llm_concurrency 'auto' settled at {adaptive.limit} request(s) in flight "
-                    f"(bound {adaptive.upper}; {adaptive.backoffs} back-off(s) on overload)"
-                )
+                log.info(f"{provider.name}: llm_concurrency 'auto' settled at {describe(adaptive)}")
         finally:
+            if reader is not None:
+                reader.cancel()
             await loop.run_in_executor(pool, writer.write, writer.take())
             for transport in transports:
                 await transport.aclose()

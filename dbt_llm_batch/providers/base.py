@@ -19,6 +19,7 @@ from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.embeddings import EmbeddingModel
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.providers.calls import CallBudget
+from dbt_llm_batch.providers.engine_load import EngineLoad
 from dbt_llm_batch.sql import literal
 
 # Columns every provider's `outcomes_sql` must produce, one row per result line:
@@ -117,6 +118,9 @@ class BatchState:
     token_limit: bool = False  # failed on the provider's enqueued-token limit: resubmit after a back-off
     results_gone: bool = False  # set by poll (archived) or download_results: results could no longer be fetched
     requests_done: int | None = None  # requests the provider has finished either way, from its counts (progress)
+    # What the batch cost as a whole, beyond its requests' tokens: a Ray job's run time x GPUs x the user's
+    # price per GPU-hour (llm_gpu_hour_usd). Set once it ended; settle spreads it over the requests it answered.
+    run_cost_usd: float | None = None
 
 
 class Provider(ABC):
@@ -284,6 +288,11 @@ class Provider(ABC):
     @abstractmethod
     def realtime_transports(self) -> list:
         """Transports (providers/realtime_transport.py) to send realtime requests through."""
+
+    def engine_load(self) -> EngineLoad | None:
+        """What the server says of its own load (providers/engine_load.py), for llm_concurrency='auto';
+        None: it says nothing (a hosted API). Blocking (HTTP): call it from a thread."""
+        return None
 
     @abstractmethod
     def realtime_result_line(self, custom_id: str, status: int, text: str) -> str:

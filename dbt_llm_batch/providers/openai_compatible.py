@@ -15,6 +15,7 @@ from typing import Any
 from dbt_llm_batch import config_values
 from dbt_llm_batch.config_keys import Key
 from dbt_llm_batch.errors import ConfigError
+from dbt_llm_batch.providers.engine_load import EngineLoad, read_engine_load
 from dbt_llm_batch.providers.openai_chat import OpenAIChatProvider
 
 
@@ -81,6 +82,10 @@ class OpenAICompatibleProvider(OpenAIChatProvider):
                 f"{var} is not set (named by llm_api_key_env): export it in the shell that runs "
                 f"dbt, or drop llm_api_key_env if the engine needs no key"
             )
+
+    def engine_load(self) -> EngineLoad | None:
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        return read_engine_load(self.base_urls, key)
 
     def realtime_transports(self) -> list:
         from dbt_llm_batch.providers.engine_http import engine_transports

@@ -37,6 +37,28 @@ ENDED = ("STOPPED", "SUCCEEDED", "FAILED")  # ray.job_submission.JobStatus.is_te
 ENTRYPOINT = "python -m dbt_llm_batch.providers.ray_job"
 
 
+NO_ADDRESS = (
+    "llm_provider 'ray' needs the cluster's address: set llm_ray_address = 'http://HEAD:8265' in the model's "
+    f"config, or export {ADDRESS_ENV_VARS[0]}"
+)
+NO_STORAGE = (
+    "llm_provider 'ray' needs llm_ray_storage: a path or URI (e.g. 's3://bucket/prefix') that this machine "
+    "writes and every node of the cluster reads; the request and result files go there"
+)
+
+
+def environment_address() -> str | None:
+    return next((os.environ[v] for v in ADDRESS_ENV_VARS if os.environ.get(v)), None)
+
+
+def job_client_class():
+    try:
+        from ray.job_submission import JobSubmissionClient
+    except ImportError as exc:
+        raise ConfigError("llm_provider 'ray' needs Ray's job client: pip install 'dbt-llm-batch[ray]'") from exc
+    return JobSubmissionClient
+
+
 class RayJobsError(Exception):
     """An answer of the Ray Jobs REST API other than success, with its HTTP status (the Ray client raises
     a RuntimeError that names it in its text: 'Request failed with status code 404: ...')."""
@@ -123,6 +145,19 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
                     256,
                     "request lines per block: a block's answers are written (and harvestable) when it ends",
                 ),
+                Key(
+                    "llm_gpu_hour_usd",
+                    "number >= 0",
+                    None,
+                    "the price of one GPU-hour of the engines: a job costs its run time (Ray's start to end) x "
+                    "`llm_gpus` x this, spread evenly over the requests it answered (added to any per-token price)",
+                ),
+                Key(
+                    "llm_gpus",
+                    "integer 1-100000",
+                    1,
+                    "the GPUs the engines in `llm_base_url` hold while a job runs (with `llm_gpu_hour_usd`)",
+                ),
             )
         },
     }
@@ -131,23 +166,34 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
     @classmethod
     def parse_options(cls, values: dict[str, Any], errors: list[str]) -> dict[str, Any]:
         """The engines' keys (OpenAICompatibleProvider), then the Ray keys: address (http(s) URL, or None:
-        the environment's at call time), storage (None: required to submit, said then), runtime_env,
-        tasks and rows per task."""
+        the environment's at call time), storage (required), runtime_env, tasks and rows per task. Every
+        problem goes into `errors`, so a model with several is told them all in one error, before anything
+        is submitted (an address missing from the environment too: check_credentials says it again
+        with the engines' key at call time, when a run, the poller or another model's run needs it)."""
         options = super().parse_options(values, errors)
         address = values["llm_ray_address"]
         if address is not None and not (isinstance(address, str) and address.startswith(("http://", "https://"))):
             errors.append(
                 f"llm_ray_address must be the dashboard's http(s) URL, e.g. 'http://head:8265', got {address!r}"
             )
+        elif address is None and not environment_address():
+            errors.append(NO_ADDRESS)
         storage = values["llm_ray_storage"]
-        if storage is not None and not (isinstance(storage, str) and ("://" in storage or storage.startswith("/"))):
+        if storage is None:
+            errors.append(NO_STORAGE)
+        elif not (isinstance(storage, str) and ("://" in storage or storage.startswith("/"))):
             errors.append(
                 f"llm_ray_storage must be an absolute path or a URI (e.g. 's3://bucket/prefix'), got {storage!r}"
             )
         runtime_env = values["llm_ray_runtime_env"]
         if runtime_env is not None and not isinstance(runtime_env, dict):
             errors.append(f"llm_ray_runtime_env must be a dict (a Ray runtime environment), got {runtime_env!r}")
-        for key, most in (("llm_ray_tasks", 1024), ("llm_ray_rows_per_task", 100_000)):
+        gpu_hour = values["llm_gpu_hour_usd"]
+        if gpu_hour is not None and (
+            isinstance(gpu_hour, bool) or not isinstance(gpu_hour, int | float) or gpu_hour < 0
+        ):
+            errors.append(f"llm_gpu_hour_usd must be a number >= 0 (US dollars per GPU-hour), got {gpu_hour!r}")
+        for key, most in (("llm_ray_tasks", 1024), ("llm_ray_rows_per_task", 100_000), ("llm_gpus", 100_000)):
             n = values[key]
             if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= most):
                 errors.append(f"{key} must be an integer from 1 to {most}, got {n!r}")
@@ -158,6 +204,8 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
             "ray_runtime_env": runtime_env,
             "ray_tasks": values["llm_ray_tasks"],
             "ray_rows_per_task": values["llm_ray_rows_per_task"],
+            "gpu_hour_usd": gpu_hour,
+            "gpus": values["llm_gpus"],
         }
 
     def __init__(self, config):
@@ -166,42 +214,38 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
 
     @property
     def address(self) -> str:
-        found = self.config.options.get("ray_address") or next(
-            (os.environ[v] for v in ADDRESS_ENV_VARS if os.environ.get(v)), None
-        )
+        found = self.config.options.get("ray_address") or environment_address()
         if not found:
-            raise ConfigError(
-                "llm_provider 'ray' needs the cluster's address: set llm_ray_address = 'http://HEAD:8265' in the "
-                f"model's config, or export {ADDRESS_ENV_VARS[0]}"
-            )
+            raise ConfigError(NO_ADDRESS)
         return found
 
     @property
     def storage(self) -> str:
         storage = self.config.options.get("ray_storage")
         if not storage:
-            raise ConfigError(
-                "llm_provider 'ray' needs llm_ray_storage: a path or URI (e.g. 's3://bucket/prefix') that this "
-                "machine writes and every node of the cluster reads; the request and result files go there"
-            )
+            raise ConfigError(NO_STORAGE)
         return storage
 
     @property
     def client(self):
         if self._client is None:
-            try:
-                from ray.job_submission import JobSubmissionClient
-            except ImportError as exc:
-                raise ConfigError(
-                    "llm_provider 'ray' needs Ray's job client: pip install 'dbt-llm-batch[ray]'"
-                ) from exc
-            address = self.address
-            self._client = ray_call(f"connect to Ray at {address}", lambda: JobSubmissionClient(address))
+            client_class, address = job_client_class(), self.address
+            self._client = ray_call(f"connect to Ray at {address}", lambda: client_class(address))
         return self._client
 
     def check_credentials(self) -> None:
-        super().check_credentials()  # the engines' key variable, if llm_api_key_env names one
-        self.address  # noqa: B018 (raises the ConfigError naming what to set)
+        """What a Ray job needs from this machine's environment, every missing piece in one error: the
+        engines' key variable (if llm_api_key_env names one), the cluster's address, Ray's job client."""
+        problems = []
+        for check in (super().check_credentials, lambda: self.address, job_client_class):
+            try:
+                check()
+            except ConfigError as exc:
+                problems.append(str(exc))
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
+        if problems:
+            raise ConfigError("llm_provider 'ray' cannot submit:\n  - " + "\n  - ".join(problems))
 
     def request_line_sql(self) -> str:
         return spliced_line_sql(
@@ -286,7 +330,16 @@ class RayBatchProvider(OpenAICompatibleProvider, BatchProvider):
             error=failure(info.message) if status == "FAILED" else None,
             requests_done=done,
             output_file_id=self.folder(batch_id) + "/" + ray_job.OUTPUT,
+            run_cost_usd=self.run_cost(info.start_time, info.end_time) if status in ENDED else None,
         )
+
+    def run_cost(self, start_ms: int | None, end_ms: int | None) -> float | None:
+        """The job's GPU time at the user's price: (end - start) x llm_gpus x llm_gpu_hour_usd (Ray's
+        JobInfo times are Unix milliseconds). None without a price, or when Ray did not record both."""
+        price = self.config.options.get("gpu_hour_usd")
+        if price is None or not start_ms or not end_ms:
+            return None
+        return max(0, end_ms - start_ms) / 3_600_000 * self.config.options["gpus"] * price
 
     def download_results(self, state, batch_id, directory):
         """Every finished part file, joined into one local output file (none: the job wrote nothing)."""

@@ -22,6 +22,7 @@ the test fixtures fail a test that hit one). The CLI is in cli.py.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import importlib
 import json
@@ -38,6 +39,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .answers import Faults
 from .caching import PromptCache
+from .engine import EngineBatch
 from .stats import Counters
 
 # Faces are imported by name when an Emulator is built: they import the shared
@@ -162,6 +164,7 @@ class Emulator:
         self.prompt_cache = PromptCache()
         self.log_requests = False  # the CLI turns this on; never logs headers
         self.realtime_latency = 0.0  # seconds a realtime answer takes (outside the lock: requests overlap)
+        self.engine: EngineBatch | None = None  # a self-hosted engine's batch and /metrics (emulate_engine)
         self._lock = threading.RLock()  # one lock: handlers are short and state is shared
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -260,6 +263,12 @@ class Emulator:
                 if face.owns(batch_id):
                     return face.expire_results(batch_id)
             raise KeyError(batch_id)
+
+    def emulate_engine(self, batch: int, kv_room: float) -> EngineBatch:
+        """Answer realtime requests as a vLLM engine with `--max-num-seqs batch` whose KV cache holds
+        `kv_room` requests, and serve its `GET /metrics` (sandbox/engine.py)."""
+        self.engine = EngineBatch(batch, kv_room)
+        return self.engine
 
     def add_fault(self, **kw: Any) -> dict:
         """See answers.Faults.add. An `endpoint` is a route key as in stats(), e.g. "POST /v1/batches"."""
@@ -368,6 +377,8 @@ class Emulator:
         url = urlsplit(raw_path)
         if url.path.startswith("/_emulator/"):
             return self._control(method, url.path, body)
+        if self.engine is not None and (method, url.path) == ("GET", "/metrics"):
+            return Reply(200, self.engine.metrics_page(), "text/plain; version=0.0.4; charset=utf-8")
         req = Request(method, url.path, dict(parse_qsl(url.query)), headers, body)
         with self._lock:
             self._tick()
@@ -505,8 +516,10 @@ class _Handler(BaseHTTPRequestHandler):
         if reply.cut == "disconnect":  # like a reset connection: no status line at all
             self.close_connection = True
             return
-        if emulator.realtime_latency and urlsplit(self.path).path in REALTIME_PATHS:
-            time.sleep(emulator.realtime_latency)  # a model takes a while; other requests proceed meanwhile
+        if urlsplit(self.path).path in REALTIME_PATHS and (emulator.realtime_latency or emulator.engine):
+            # A model takes a while; other requests proceed meanwhile (an engine's batch: up to its size).
+            with emulator.engine.place() if emulator.engine else contextlib.nullcontext():
+                time.sleep(emulator.realtime_latency)
         self.send_response(reply.status)
         self.send_header("Content-Type", reply.content_type)
         self.send_header("Content-Length", str(len(reply.body)))

@@ -111,3 +111,99 @@ def test_halving_floors_at_one_and_the_bound_caps_the_climb():
         fast.finished(t)
         assert fast.limit <= 5
     assert fast.limit == 5
+
+
+# --- started and steered by what the engine says (its /metrics, providers/engine_load.py) ----------------
+
+
+def simulate_engine(slots: int, requests: int, ctl: AdaptiveConcurrency | None, fixed: int = 0) -> float:
+    """An engine like vLLM as the controller sees it: `slots` sequences in its batch (--max-num-seqs),
+    a queue behind it, and a request that needs `ARRIVE` seconds (HTTP, tokenizing, its grammar) from
+    the client's send before it can take a slot, while a queued one takes a freed slot at once. Every
+    second the controller (if any) reads the engine's gauges, as pipeline/realtime.py does. Returns
+    completions per second; deterministic (simulated time)."""
+    now, sent, done, in_flight, running = 0.0, 0, 0, 0, 0
+    events: list[tuple[float, int, str]] = []  # (time, sequence, 'arrive' | 'finish')
+    queued: list[int] = []
+    next_reading = 1.0
+    limit = (lambda: ctl.limit) if ctl else (lambda: fixed)
+
+    def take_slot(rid: int) -> None:
+        nonlocal running
+        running += 1
+        heapq.heappush(events, (now + 1.0 * (1 + 0.5 * running / slots), rid, "finish"))
+
+    while done < requests:
+        while sent < requests and in_flight < limit():
+            in_flight += 1
+            heapq.heappush(events, (now + ARRIVE, sent, "arrive"))
+            sent += 1
+        now, rid, kind = heapq.heappop(events)
+        if ctl is not None and now >= next_reading:
+            ctl.engine_said(running, len(queued))
+            next_reading = now + 1.0
+        if kind == "arrive":
+            if running < slots:
+                take_slot(rid)
+            else:
+                queued.append(rid)
+            continue
+        running, in_flight, done = running - 1, in_flight - 1, done + 1
+        if queued:
+            take_slot(queued.pop(0))
+        if ctl is not None:
+            ctl.finished(now)
+    return done / now
+
+
+ARRIVE = 0.15  # a slot left empty for this long after a sequence ends, unless a request waits for it
+
+
+def test_auto_starts_where_the_engine_has_room_and_reaches_0_9_of_the_best_fixed_in_300_rows():
+    """The local engine's case (benchmarks/engine_batch.py): 64 slots, a KV cache with room for 142,
+    a run of 300 rows. Climbing from 16 (what 'auto' did, and still does against a server that says
+    nothing) reaches 0.85x of the best fixed number here; starting at the engine's room, then coming
+    down to its batch plus a refill queue, reaches 0.9x."""
+    best = max(simulate_engine(64, 300, None, fixed=c) for c in (16, 32, 48, 64, 80, 96, 128, 300))
+    blind = simulate_engine(64, 300, AdaptiveConcurrency.for_run(None, None))
+    told = AdaptiveConcurrency.for_run(None, engine_room=142)
+    rate = simulate_engine(64, 300, told)
+    assert blind < 0.9 * best, (blind, best)  # the case this fixes
+    assert rate >= 0.9 * best, (rate, best)
+    assert told.first_limit == 142 and told.engine_batch == 64 and told.limit == 96  # 64 + 32 to refill it
+
+
+def test_requests_waiting_in_the_engine_bring_the_limit_down_to_its_batch_plus_half():
+    ctl = AdaptiveConcurrency.for_run(None, engine_room=200)
+    assert (ctl.limit, ctl.upper) == (200, 200)  # more room than the default bound of 64: the bound follows
+    ctl.engine_said(running=64, waiting=136)
+    assert ctl.limit == 200  # nothing answered yet: the first burst may still be waiting for its prefill
+    ctl.finished(0.0)
+    ctl.engine_said(running=64, waiting=0)
+    assert ctl.limit == 200  # nothing waits for a place: the batch is not full
+    ctl.engine_said(running=60, waiting=130)
+    assert (ctl.limit, ctl.engine_batch) == (90, 60)
+    ctl.engine_said(running=64, waiting=30)  # a reading caught the batch larger: the limit follows it up
+    assert (ctl.limit, ctl.engine_batch) == (96, 64)
+    ctl.engine_said(running=50, waiting=2)  # a smaller batch later (sequences ending): the ceiling stays
+    assert ctl.limit == 96
+    t = 0.0
+    for _ in range(2000):  # throughput that keeps rising: probes climb, but never past the engine's ceiling
+        t += 1.0 / (ctl.limit * 10)
+        ctl.finished(t)
+        assert ctl.limit <= 96
+
+
+def test_where_auto_starts_and_its_bound():
+    assert (lambda c: (c.limit, c.upper))(AdaptiveConcurrency.for_run(None, None)) == (16, 64)  # says nothing
+    assert (lambda c: (c.limit, c.upper))(AdaptiveConcurrency.for_run(None, 20)) == (20, 64)
+    assert (lambda c: (c.limit, c.upper))(AdaptiveConcurrency.for_run(32, 142)) == (32, 32)  # the user's bound
+    assert (lambda c: (c.limit, c.upper))(AdaptiveConcurrency.for_run(3, None)) == (3, 3)
+
+
+def test_an_overload_still_halves_a_limit_the_engine_set():
+    ctl = AdaptiveConcurrency.for_run(None, engine_room=142)
+    ctl.finished(0.0)
+    ctl.engine_said(running=64, waiting=10)
+    ctl.finished(0.1, overloaded=True)
+    assert (ctl.limit, ctl.backoffs) == (48, 1)
