@@ -88,8 +88,14 @@ class Recorder:
         return {
             "steps": self.step_seconds,
             "statements": [
-                {"step": step, "sql": sql, "calls": e["calls"], "seconds": e["seconds"], "ops": dict(e["ops"]),
-                 "rows": e["rows"]}
+                {
+                    "step": step,
+                    "sql": sql,
+                    "calls": e["calls"],
+                    "seconds": e["seconds"],
+                    "ops": dict(e["ops"]),
+                    "rows": e["rows"],
+                }
                 for (step, sql), e in self.stats.items()
             ],
         }
@@ -179,8 +185,10 @@ def print_profile(result: dict, top: int) -> None:
 def print_compare(small: dict, large: dict, top: int) -> None:
     """Each step's and each statement's time at both row counts and their growth against the rows'."""
     rows_growth = large["rows"] / small["rows"]
-    print(f"{small['rows']:,} -> {large['rows']:,} rows ({rows_growth:.0f}x); peak RSS "
-          f"{small['peak_rss_mb']:.0f} -> {large['peak_rss_mb']:.0f} MB")
+    print(
+        f"{small['rows']:,} -> {large['rows']:,} rows ({rows_growth:.0f}x); peak RSS "
+        f"{small['peak_rss_mb']:.0f} -> {large['peak_rss_mb']:.0f} MB"
+    )
     index = {(s["step"], s["sql"]): s for s in small["statements"]}
     for step_name, seconds in large["steps"].items():
         before = small["steps"].get(step_name, 0.0)
