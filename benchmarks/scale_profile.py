@@ -61,7 +61,9 @@ class Recorder:
         self.directory = directory
         self.step = "setup"
         self.lock = threading.Lock()
-        self.stats: dict = defaultdict(lambda: {"calls": 0, "seconds": 0.0, "ops": defaultdict(float), "rows": {}})
+        self.stats: dict = defaultdict(
+            lambda: {"calls": 0, "seconds": 0.0, "spilled_mb": 0.0, "ops": defaultdict(float), "rows": {}}
+        )
         self.step_seconds: dict = {}
 
     def record(self, sql: str, seconds: float) -> tuple:
@@ -75,11 +77,14 @@ class Recorder:
         """The operators of DuckDB's profile of the statement just run (get_profiling_information)."""
         ops: list = []
         try:
-            operators(json.loads(profile), ops)
+            tree = json.loads(profile)
         except ValueError:
             return
+        operators(tree, ops)
+        spilled = (tree.get("system") or {}).get("total_bytes_spilled") or 0
         with self.lock:
             entry = self.stats[statement]
+            entry["spilled_mb"] += spilled / 1e6
             for timing, name, rows in ops:
                 entry["ops"][name] += timing
                 entry["rows"][name] = max(entry["rows"].get(name, 0), rows)
@@ -93,6 +98,7 @@ class Recorder:
                     "sql": sql,
                     "calls": e["calls"],
                     "seconds": e["seconds"],
+                    "spilled_mb": e["spilled_mb"],
                     "ops": dict(e["ops"]),
                     "rows": e["rows"],
                 }
@@ -178,7 +184,7 @@ def print_profile(result: dict, top: int) -> None:
         print(f"\n== {step_name}: {seconds:.2f} s, statements {sum(s['seconds'] for s in rows):.2f} s")
         for s in rows[:top]:
             ops = sorted(s["ops"].items(), key=lambda kv: -kv[1])[:3]
-            print(f"  {s['seconds']:7.2f} s x{s['calls']:<3} {s['sql'][:110]}")
+            print(f"  {s['seconds']:7.2f} s x{s['calls']:<3} spilled {s['spilled_mb']:,.0f} MB  {s['sql'][:100]}")
             print("            " + ", ".join(f"{name} {t:.2f} s ({s['rows'].get(name, 0):,} rows)" for name, t in ops))
 
 
@@ -196,7 +202,11 @@ def print_compare(small: dict, large: dict, top: int) -> None:
         rows = sorted((s for s in large["statements"] if s["step"] == step_name), key=lambda s: -s["seconds"])
         for s in rows[:top]:
             was = index.get((s["step"], s["sql"]), {"seconds": 0.0})["seconds"]
-            print(f"  {was:7.2f} -> {s['seconds']:7.2f} s ({s['seconds'] / max(was, 1e-9):5.1f}x) {s['sql'][:100]}")
+            spilled = s.get("spilled_mb", 0.0)
+            print(
+                f"  {was:7.2f} -> {s['seconds']:7.2f} s ({s['seconds'] / max(was, 1e-9):5.1f}x) "
+                f"spilled {spilled:,.0f} MB  {s['sql'][:100]}"
+            )
             ops = sorted(s["ops"].items(), key=lambda kv: -kv[1])[:3]
             was_ops = index.get((s["step"], s["sql"]), {"ops": {}})["ops"]
             print("            " + ", ".join(f"{name} {was_ops.get(name, 0):.2f} -> {t:.2f} s" for name, t in ops))
