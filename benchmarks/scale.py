@@ -3,6 +3,8 @@ to a plain-DuckDB baseline timed in the same process, so the ratios hold on a no
 
     .venv/bin/python benchmarks/scale.py               # 1,000,000 rows, 3 rounds, plus peak memory at 100k and 1M
     .venv/bin/python benchmarks/scale.py --rows 100000 --no-memory --repeat 1
+    .venv/bin/python benchmarks/scale.py --rows 10000000 --repeat 2 --rounds-memory-limit 4GB --temp-directory /tmp/spill
+        # 3 rounds at 1M, 2 at 10M, and each step's growth between them (against the rows' 10x)
 
 (a) plan + ledger insert + JSONL write   vs  COPY (SELECT ...) TO ... (FORMAT json) of the same lines
     and next to its floor: the least the ledger's invariants ask, in plain DuckDB (each row's md5
@@ -235,13 +237,15 @@ def floor_noop(con, config, source: str) -> int:
     return new
 
 
-def run_once(n: int, memory_limit: str | None = None) -> dict:
+def run_once(n: int, memory_limit: str | None = None, temp_directory: str | None = None) -> dict:
     config = parse_config(RAW_CONFIG)
     figures = {"rows": n}
     with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_bench_") as directory:
         con = duckdb.connect(os.path.join(directory, "bench.duckdb"))
         if memory_limit:  # DuckDB caches pages up to its limit (80% of RAM by default); cap it to see the need
             con.execute(f"set memory_limit = '{memory_limit}'")
+        if temp_directory:  # where DuckDB spills what outgrows memory_limit (a dbt-duckdb `settings` key too)
+            con.execute(f"set temp_directory = '{temp_directory}'")
         con.execute(f"create table src as {SOURCE.format(n=n)}")
         figures["input_mb"] = con.execute("select sum(strlen(prompt)) / 1e6 from src").fetchall()[0][0]
         con.execute(f"create temp table {plan.INPUT} as select * from src")
@@ -420,6 +424,37 @@ def report(rounds: list[dict]) -> None:
     )
 
 
+def growth_report(small: list[dict], large: list[dict]) -> None:
+    """Each step's median time at both row counts, its growth against the rows', and its floor's."""
+    med = lambda rounds, k: statistics.median(f[k] for f in rounds)  # noqa: E731
+    rows = large[0]["rows"] / small[0]["rows"]
+    print(
+        f"growth from {small[0]['rows']:,} ({len(small)} rounds) to {large[0]['rows']:,} rows ({len(large)} rounds), "
+        f"{rows:.0f}x the rows (the aim: at most {rows * 1.1:.1f}x):"
+    )
+    steps = {
+        "(a) plan + ledger + request files": ("a_plugin_s", "a_floor_s", "a_baseline_s", None),
+        "(b) ingest + typed columns": ("b_plugin_s", "b_floor_s", "b_baseline_s", None),
+        "(c) a run with nothing new": ("c_noop_s", "c_floor_s", None, ("c_empty_s", "c_floor_empty_s")),
+    }
+    for name, (plugin, floor, baseline, empty) in steps.items():
+
+        def cost(rounds, key, minus):  # (c) is the difference from the run of a model selecting no rows
+            return statistics.median(f[key] - (f[minus] if minus else 0) for f in rounds)
+
+        p0, p1 = cost(small, plugin, empty and empty[0]), cost(large, plugin, empty and empty[0])
+        f0, f1 = cost(small, floor, empty and empty[1]), cost(large, floor, empty and empty[1])
+        line = f"{name}: {p0:.2f} -> {p1:.2f} s ({p1 / p0:.1f}x); its floor {f0:.2f} -> {f1:.2f} s ({f1 / f0:.1f}x)"
+        if baseline:
+            line += (
+                f"; baseline {med(small, baseline):.2f} -> {med(large, baseline):.2f} s "
+                f"({med(large, baseline) / med(small, baseline):.1f}x); plugin over floor "
+                f"{p0 / f0:.2f}x -> {p1 / f1:.2f}x"
+            )
+        print(line, flush=True)
+    print(f"peak RSS of this process {max_rss_mb():.0f} MB")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -433,10 +468,20 @@ def main() -> int:
         default="1GB",
         help="DuckDB memory_limit for the (d) runs (default 1GB; 'none' for DuckDB's default)",
     )
+    parser.add_argument("--rounds-memory-limit", default=None, help="DuckDB memory_limit of the (a)-(c) rounds")
+    parser.add_argument("--temp-directory", default=None, help="DuckDB temp_directory of every round (spills)")
+    parser.add_argument(
+        "--growth-from",
+        type=int,
+        default=1_000_000,
+        help="with --rows above it, rounds at this count first "
+        "(--growth-repeat of them) and each step's growth between the two (0: none)",
+    )
+    parser.add_argument("--growth-repeat", type=int, default=3)
     args = parser.parse_args()
     limit = None if args.memory_limit == "none" else args.memory_limit
     if args.child:  # (d): a fresh process, so max RSS belongs to this row count alone
-        print(json.dumps(run_once(args.rows, limit)))
+        print(json.dumps(run_once(args.rows, limit, args.temp_directory)))
         return 0
     if args.dedup_only:
         dedup_report(args.rows, args.repeat)
@@ -447,10 +492,11 @@ def main() -> int:
     if not args.no_memory:
         # Children first: Linux keeps a process's max RSS across execve, so a child started after
         # this process grew would report this process's peak instead of its own.
-        for n in sorted({100_000, args.rows}):
+        for n in sorted({100_000, args.rows} | ({args.growth_from} if args.rows > args.growth_from > 0 else set())):
             out = (
                 subprocess.run(
-                    [sys.executable, __file__, "--rows", str(n), "--child", "--memory-limit", args.memory_limit],
+                    [sys.executable, __file__, "--rows", str(n), "--child", "--memory-limit", args.memory_limit]
+                    + (["--temp-directory", args.temp_directory] if args.temp_directory else []),
                     check=True,
                     capture_output=True,
                     text=True,
@@ -465,7 +511,15 @@ def main() -> int:
                 f"(input prompts {f['input_mb']:.0f} MB; DuckDB memory_limit {args.memory_limit})",
                 flush=True,
             )
-    report([run_once(args.rows) for _ in range(args.repeat)])
+    rounds_settings = (args.rounds_memory_limit, args.temp_directory)
+    if args.growth_from and args.rows > args.growth_from:
+        small = [run_once(args.growth_from, *rounds_settings) for _ in range(args.growth_repeat)]
+        report(small)
+        large = [run_once(args.rows, *rounds_settings) for _ in range(args.repeat)]
+        report(large)
+        growth_report(small, large)
+        return 0  # (e) at 10M rows is its own run: --dedup-only
+    report([run_once(args.rows, *rounds_settings) for _ in range(args.repeat)])
     dedup_report(args.rows, args.repeat)
     return 0
 

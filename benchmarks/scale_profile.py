@@ -1,0 +1,237 @@
+"""Statement profile of benchmarks/scale.py's steps (not a test): which statements a step runs, the
+time of each, and DuckDB's own profile of the slowest ones (their costliest operators), so a step
+that grows faster than its rows can be traced to the statement and the operator that do.
+
+    .venv/bin/python benchmarks/scale_profile.py --rows 1000000
+    .venv/bin/python benchmarks/scale_profile.py --rows 10000000 --memory-limit 4GB --json /tmp/p10m.json
+    .venv/bin/python benchmarks/scale_profile.py --compare /tmp/p1m.json /tmp/p10m.json
+
+The real code gets a connection wrapped by `ProfiledConnection`: every `execute` is timed and, with
+DuckDB's JSON profiling on, its operator tree is read back after it ends. Statements are grouped by
+their text with literals blanked, per step. Shares within one run are robust to other work on the
+machine; `--compare` sets two runs side by side with each statement's growth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+
+import duckdb
+
+sys.path.insert(0, os.path.dirname(__file__))
+import scale  # noqa: E402  (the benchmark's own steps, run here unchanged)
+
+from dbt_llm_batch.config import parse_config  # noqa: E402
+from dbt_llm_batch.ledger import Ledger  # noqa: E402
+from dbt_llm_batch.pipeline import merge, plan, runner  # noqa: E402
+
+
+def statement_shape(sql: str) -> str:
+    """The statement with literals and whitespace runs blanked, so each run of one statement groups."""
+    text = re.sub(r"'(?:[^']|'')*'", "?", sql)
+    text = re.sub(r"\b\d+\b", "N", text)
+    return " ".join(text.split())[:160]
+
+
+def operators(node: dict, out: list) -> None:
+    """Every operator of a DuckDB JSON profile (names differ across DuckDB versions)."""
+    for top in node.get("operator", []):  # DuckDB 2.x: the plan under "operator"
+        operators(top, out)
+    name = node.get("operator_name") or node.get("name")
+    timing = node.get("operator_timing", node.get("timing"))
+    if name and timing is not None:
+        rows = node.get("operator_cardinality", node.get("intermediate_rows", 0))
+        out.append((float(timing), name.strip(), int(rows or 0)))
+    for child in node.get("children", []):
+        operators(child, out)
+
+
+class Recorder:
+    """The statements of one run, per step, with their times and costliest operators."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.step = "setup"
+        self.lock = threading.Lock()
+        self.stats: dict = defaultdict(
+            lambda: {"calls": 0, "seconds": 0.0, "spilled_mb": 0.0, "ops": defaultdict(float), "rows": {}}
+        )
+        self.step_seconds: dict = {}
+
+    def record(self, sql: str, seconds: float) -> tuple:
+        with self.lock:
+            entry = self.stats[(self.step, statement_shape(sql))]
+            entry["calls"] += 1
+            entry["seconds"] += seconds
+        return (self.step, statement_shape(sql))
+
+    def record_operators(self, statement: tuple, profile: str) -> None:
+        """The operators of DuckDB's profile of the statement just run (get_profiling_information)."""
+        ops: list = []
+        try:
+            tree = json.loads(profile)
+        except ValueError:
+            return
+        operators(tree, ops)
+        spilled = (tree.get("system") or {}).get("total_bytes_spilled") or 0
+        with self.lock:
+            entry = self.stats[statement]
+            entry["spilled_mb"] += spilled / 1e6
+            for timing, name, rows in ops:
+                entry["ops"][name] += timing
+                entry["rows"][name] = max(entry["rows"].get(name, 0), rows)
+
+    def as_json(self) -> dict:
+        return {
+            "steps": self.step_seconds,
+            "statements": [
+                {
+                    "step": step,
+                    "sql": sql,
+                    "calls": e["calls"],
+                    "seconds": e["seconds"],
+                    "spilled_mb": e["spilled_mb"],
+                    "ops": dict(e["ops"]),
+                    "rows": e["rows"],
+                }
+                for (step, sql), e in self.stats.items()
+            ],
+        }
+
+
+class ProfiledConnection:
+    """A DuckDB connection whose `execute` is timed and profiled; all else is passed through."""
+
+    def __init__(self, con, recorder: Recorder):
+        self._con = con
+        self._recorder = recorder
+        con.execute("pragma enable_profiling = 'no_output'")
+
+    def execute(self, sql, *args, **kwargs):
+        start = time.perf_counter()
+        result = self._con.execute(sql, *args, **kwargs)
+        seconds = time.perf_counter() - start
+        self._recorder.record_operators(
+            self._recorder.record(sql, seconds), self._con.get_profiling_information(format="json")
+        )
+        return self if result is self._con else result
+
+    def cursor(self):
+        return ProfiledConnection(self._con.cursor(), self._recorder)
+
+    def __getattr__(self, name):
+        return getattr(self._con, name)
+
+
+def profiled_round(n: int, memory_limit: str | None, temp_directory: str | None) -> dict:
+    """One round of scale.run_once's (a), (b), (c), the real code on a profiled connection."""
+    config = parse_config(scale.RAW_CONFIG)
+    with tempfile.TemporaryDirectory(prefix="dbt_llm_batch_profile_") as directory:
+        recorder = Recorder(directory)
+        raw = duckdb.connect(os.path.join(directory, "bench.duckdb"))
+        if memory_limit:
+            raw.execute(f"set memory_limit = '{memory_limit}'")
+        if temp_directory:
+            raw.execute(f"set temp_directory = '{temp_directory}'")
+        raw.execute(f"create table src as {scale.SOURCE.format(n=n)}")
+        raw.execute(f"create temp table {plan.INPUT} as select * from src")
+        Ledger(raw, "main", "main.bench").migrate()
+        con = ProfiledConnection(raw, recorder)
+
+        def step(name, fn):
+            recorder.step = name
+            start = time.perf_counter()
+            result = fn()
+            recorder.step_seconds[name] = time.perf_counter() - start
+            print(f"{name}: {recorder.step_seconds[name]:.2f} s", flush=True)
+            return result
+
+        step("a_baseline", lambda: scale.baseline_copy(raw, directory))
+        step("a_plugin", lambda: scale.plan_and_write(con, config, directory))
+        recorder.step = "setup"
+        scale.write_results(raw, directory)
+        merge.merge(Ledger(raw, "main", "main.bench"), config, "main.bench", plan.describe(raw, plan.INPUT), True)
+        step("b_baseline", lambda: scale.baseline_ingest(raw, scale.result_paths(directory)))
+        step("b_plugin", lambda: scale.ingest(con, config, directory))
+
+        def run(sql):
+            return runner.run_model(
+                con, schema="main", identifier="bench", target="main.bench", raw_config=scale.RAW_CONFIG, sql=sql
+            )
+
+        step("c_empty", lambda: run("select * from src where false"))
+        step("c_noop", lambda: run("select * from src"))
+        step("c_floor", lambda: scale.floor_noop(raw, config, "select * from src"))
+        result = recorder.as_json()
+        result["rows"] = n
+        result["peak_rss_mb"] = scale.max_rss_mb()
+        raw.close()
+    return result
+
+
+def print_profile(result: dict, top: int) -> None:
+    print(f"rows {result['rows']:,}, peak RSS {result['peak_rss_mb']:.0f} MB")
+    for step_name, seconds in result["steps"].items():
+        rows = sorted((s for s in result["statements"] if s["step"] == step_name), key=lambda s: -s["seconds"])
+        print(f"\n== {step_name}: {seconds:.2f} s, statements {sum(s['seconds'] for s in rows):.2f} s")
+        for s in rows[:top]:
+            ops = sorted(s["ops"].items(), key=lambda kv: -kv[1])[:3]
+            print(f"  {s['seconds']:7.2f} s x{s['calls']:<3} spilled {s['spilled_mb']:,.0f} MB  {s['sql'][:100]}")
+            print("            " + ", ".join(f"{name} {t:.2f} s ({s['rows'].get(name, 0):,} rows)" for name, t in ops))
+
+
+def print_compare(small: dict, large: dict, top: int) -> None:
+    """Each step's and each statement's time at both row counts and their growth against the rows'."""
+    rows_growth = large["rows"] / small["rows"]
+    print(
+        f"{small['rows']:,} -> {large['rows']:,} rows ({rows_growth:.0f}x); peak RSS "
+        f"{small['peak_rss_mb']:.0f} -> {large['peak_rss_mb']:.0f} MB"
+    )
+    index = {(s["step"], s["sql"]): s for s in small["statements"]}
+    for step_name, seconds in large["steps"].items():
+        before = small["steps"].get(step_name, 0.0)
+        print(f"\n== {step_name}: {before:.2f} -> {seconds:.2f} s ({seconds / max(before, 1e-9):.1f}x)")
+        rows = sorted((s for s in large["statements"] if s["step"] == step_name), key=lambda s: -s["seconds"])
+        for s in rows[:top]:
+            was = index.get((s["step"], s["sql"]), {"seconds": 0.0})["seconds"]
+            spilled = s.get("spilled_mb", 0.0)
+            print(
+                f"  {was:7.2f} -> {s['seconds']:7.2f} s ({s['seconds'] / max(was, 1e-9):5.1f}x) "
+                f"spilled {spilled:,.0f} MB  {s['sql'][:100]}"
+            )
+            ops = sorted(s["ops"].items(), key=lambda kv: -kv[1])[:3]
+            was_ops = index.get((s["step"], s["sql"]), {"ops": {}})["ops"]
+            print("            " + ", ".join(f"{name} {was_ops.get(name, 0):.2f} -> {t:.2f} s" for name, t in ops))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--memory-limit", default=None, help="DuckDB memory_limit (default: DuckDB's)")
+    parser.add_argument("--temp-directory", default=None, help="DuckDB temp_directory (where it spills)")
+    parser.add_argument("--json", help="write the profile here as JSON (for --compare)")
+    parser.add_argument("--top", type=int, default=8, help="statements shown per step")
+    parser.add_argument("--compare", nargs=2, metavar=("SMALL.json", "LARGE.json"))
+    args = parser.parse_args()
+    if args.compare:
+        with open(args.compare[0]) as a, open(args.compare[1]) as b:
+            print_compare(json.load(a), json.load(b), args.top)
+        return 0
+    result = profiled_round(args.rows, args.memory_limit, args.temp_directory)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh)
+    print_profile(result, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
