@@ -10,7 +10,7 @@ from decimal import Decimal
 
 from helpers import PRICE
 
-from .world import MODELS, ModelState, World
+from .world import MODELS, NULLABLE, ModelState, World
 
 MILLION = Decimal(1_000_000)
 FACE_TOKENS = {"openai": ("prompt_tokens", "completion_tokens"), "anthropic": ("input_tokens", "output_tokens")}
@@ -157,6 +157,21 @@ def table_invariants(project, world: World, logical: str) -> list[str]:
         )
         if nulls:
             broken.append(f"no succeeded row with NULL where its answer has a value, in {model}: {nulls}")
+    # A value is stored as answered: a nullable string's JSON null is SQL NULL (never the text 'null'),
+    # a string is its text (never with its JSON quotes), a date-time is that instant.
+    typed = {"note": "json_extract_string(r.answer, '$.note')", "due": "cast(r.answer ->> '$.due' as timestamptz)"}
+    differs = " or ".join(f"t.{c} is distinct from {v}" for c, v in typed.items() if _is_column(project, model, c))
+    if differs:
+        wrong = project.query(
+            f"""select t.{key}, {", ".join(c for c in typed if _is_column(project, model, c))} from main.{model} t
+                join (select fingerprint, any_value(answer) as answer from main.llm_batch_requests
+                      where status = 'succeeded' group by 1) r on r.fingerprint = t.llm_fingerprint
+                where t.llm_status = 'succeeded' and ({differs}) limit 5"""
+        )
+        if wrong:
+            broken.append(
+                f"a succeeded row holds each value as answered (null as NULL, text unquoted), in {model}: {wrong}"
+            )
     over = project.query(
         f"""with t as (select llm_fingerprint, sum(llm_cost_usd) as cost from main.{model} group by 1),
                  l as (select fingerprint, sum(cost_usd) as cost from main.llm_batch_requests group by 1)
@@ -191,7 +206,7 @@ def after_calm_finish(project, world: World) -> list[str]:
         state, model = world.models[logical], world.table(logical)
         has_variant = any(c[0] == "llm_variant" for c in project.query(f"describe main.{model}"))
         variant = "llm_variant" if has_variant else "'default'"
-        nulls = " or ".join(f"{c} is null" for c in world.output_columns(logical))
+        nulls = " or ".join(f"{c} is null" for c in world.output_columns(logical) if c not in NULLABLE)
         null_rows = project.query(
             f"select {state.key}, {variant} from main.{model} where llm_status = 'succeeded' and ({nulls}) limit 5"
         )

@@ -22,9 +22,9 @@ from .world import FIRST_MODEL, MODELS, OTHER_MODEL, VARIANT_CONFIGS, World, wri
 
 SELECT = ("-s", "tag:mb", "--threads", "4")
 # Project budgets (var llm_batch_max_cost_usd) a run may have: at the test prices one model's 8 rows
-# are estimated at about $0.002-0.006 (the ceiling of 60 output tokens), so these let none, some or all
-# models of a run through, depending on what is in flight.
-BUDGETS = (0.002, 0.005, 0.01, 0.03)
+# are estimated at about $0.002-0.006 (the ceiling of 60 output tokens), so on a first run these let
+# one or two of the three through; later, it depends on what is in flight.
+BUDGETS = (0.003, 0.006, 0.01)
 # Faults of a provider's submission: before the handler (nothing happened at the
 # provider) or after it (the batch exists, the client sees an error).
 FAULTS = (
@@ -57,14 +57,14 @@ class Step:
 
 
 def plan(seed: int, steps: int, world: World) -> list[Step]:
-    """`steps` steps drawn from `seed`; the first is a run, with or without a fault. `world` is copied,
-    not changed."""
+    """`steps` steps drawn from `seed`; the first is a run, with a fault, a budget or neither. `world`
+    is copied, not changed."""
     rng = random.Random(seed)
     world = _copy(world)
     out: list[Step] = []
     kinds, weights = zip(*KINDS.items(), strict=True)
     while len(out) < steps:
-        kind = rng.choices(kinds, weights)[0] if out else rng.choice(["run", "fault_run"])
+        kind = rng.choices(kinds, weights)[0] if out else rng.choice(["run", "fault_run", "budget_run"])
         if kind == "fault_run":
             fault = rng.choice(FAULTS)
             out.append(Step(kind, f"fault {_fault_text(fault)} (twice), then dbt run", {"fault": fault}))
@@ -205,7 +205,7 @@ def apply(step: Step, project, emulator, world: World, tmp: Path) -> tuple[World
         project.release_database()
         requests = _requests(project)
         result = project.dbt("run", *SELECT, "--vars", f"{{llm_batch_max_cost_usd: {limit}}}", expect_ok=False)
-        note = _outcome(result)
+        note = outcome(result)
         refused = {r.node.name for r in result.result.results if "refusing to submit" in str(r.message or "")}
         project.release_database()
         broken = budget_kept(project, world, limit, requests, refused)
@@ -230,7 +230,7 @@ def apply(step: Step, project, emulator, world: World, tmp: Path) -> tuple[World
                 broken += _rename_run(project, world, before)
     elif step.kind == "poll":
         note = _poll(project, tmp)
-    return world, note, broken
+    return world, note, broken + no_traceback(note)
 
 
 def _rename_run(project, world: World, before: World) -> list[str]:
@@ -254,14 +254,34 @@ def _requests(project) -> dict[str, tuple[str, str, object]]:
 
 
 def _run(project, *flags: str, select: str = "tag:mb") -> str:
-    return _outcome(project.dbt("run", "-s", select, "--threads", "4", *flags, expect_ok=False))
+    return outcome(project.dbt("run", "-s", select, "--threads", "4", *flags, expect_ok=False))
 
 
-def _outcome(result) -> str:
+TRACEBACK = "Python traceback"
+
+
+def outcome(result) -> str:
+    """A dbt run's outcome for the step's note: '' when it succeeded, else each failed model's message;
+    a message that is a Python traceback is marked (TRACEBACK, and its last line): an error a user sees
+    says how to fix it (dbt_llm_batch.errors), never a traceback."""
     if result.success:
         return ""
-    failed = [f"{r.node.name}: {str(r.message)[:200]}" for r in result.result.results if r.status == "error"]
+    failed = []
+    for r in result.result.results if result.result else ():
+        if r.status == "error":
+            message = str(r.message)
+            if "Traceback (most recent call last)" in message:
+                last = message.strip().splitlines()[-1].strip()
+                failed.append(f"{r.node.name}: {TRACEBACK}: {last[:200]}")
+            else:
+                failed.append(f"{r.node.name}: {message[:200]}")
     return "dbt run failed: " + ("; ".join(failed) or repr(result.exception))
+
+
+def no_traceback(note: str) -> list[str]:
+    if TRACEBACK not in note:
+        return []
+    return [f"a run that fails says why, never with a Python traceback: {note}"]
 
 
 def _crash(project, point: str, tmp: Path) -> str:

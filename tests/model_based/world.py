@@ -6,7 +6,8 @@ Three llm_batch models over one seed of tickets, at test prices:
 - `mb_twin` (OpenAI) asking the same requests as mb_triage's default variant while their prompts,
   providers and model names agree (shared requests across models, `llm_dedup = 'ledger'` for both);
   an edit may move either to another model name, or mb_twin to Anthropic;
-- `mb_extract` (Anthropic) with a nested output (a STRUCT holding a LIST, and an integer), its own
+- `mb_extract` (Anthropic) with a nested output (a STRUCT holding a LIST, an integer, a date-time and a
+  nullable string), its own
   requests (no `llm_dedup = 'ledger'`: a rename without `llm_ledger_identity` warns before paying again).
   An edit may rename its file, keeping its ledger identity or not.
 """
@@ -28,7 +29,11 @@ EXTRACT_OUTPUT = {
         "required": ["name", "topics"],
     },
     "effort": "integer",
+    # A date-time (TIMESTAMP WITH TIME ZONE) and a nullable string: JSON null is SQL NULL, a string its text.
+    "due": {"type": "string", "format": "date-time"},
+    "note": {"type": ["string", "null"]},
 }
+NULLABLE = {"note"}  # output columns whose NULL is an answer (JSON null), not a lost value
 # Another model name at the same test price, for the model switch (the billing check prices by face).
 OTHER_MODEL = {"openai": "gpt-test-2", "anthropic": "claude-test-2"}
 FIRST_MODEL = {"openai": "gpt-test", "anthropic": "claude-test"}
