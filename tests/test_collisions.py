@@ -200,3 +200,31 @@ def test_a_run_waits_for_another_model_s_brief_harvest_holding_its_lock(ledger, 
     with pytest.raises(LockHeldError):  # a run's lock: another run is refused at once, as before
         ModelLock(ledger, owner="this-host:2:run").acquire()
     assert len(waits) == 1
+
+
+def test_two_takers_of_a_free_lock_at_once_one_is_refused_without_a_traceback(ledger):
+    """dbt's threads: a model's run and another model's harvest of its shared requests (shared.py)
+    take the same model's lock at once. The second reads the lock free, the first commits its row,
+    the second's insert then meets that row: it looks again and is refused as by a live holder (the
+    model-based test, seed 130 step 10, ended a run with DuckDB's "Duplicate key" traceback)."""
+    first = ModelLock(Ledger(ledger.con.cursor(), "main", ledger.model), owner="host-a:101:aaaa")
+    second_ledger = Ledger(ledger.con.cursor(), "main", ledger.model)
+    second = ModelLock(second_ledger, owner="host-b:202:bbbb")
+
+    class FirstTakesItMeanwhile:  # the second's connection, with the first's commit before its insert
+        def __init__(self, con):
+            self.con, self.done = con, False
+
+        def execute(self, sql, params=None):
+            if sql.startswith("insert into") and "llm_batch_locks" in sql and not self.done:
+                self.done = True
+                first.acquire()
+            return self.con.execute(sql, params or [])
+
+        def __getattr__(self, name):
+            return getattr(self.con, name)
+
+    second_ledger.con = FirstTakesItMeanwhile(second_ledger.con)
+    with pytest.raises(LockHeldError, match="is being run by host-a:101:aaaa"):
+        second.acquire()
+    assert ledger.con.execute("select owner from main.llm_batch_locks").fetchall() == [("host-a:101:aaaa",)]

@@ -103,7 +103,9 @@ class ModelLock:
         for attempt in range(20):
             try:
                 return self._try_acquire()
-            except duckdb.TransactionException:  # a concurrent taker committed first: look again
+            # A concurrent taker committed first: look again. Its row is a write conflict while it is
+            # open, and a duplicate key once committed after this transaction read the lock free.
+            except (duckdb.TransactionException, duckdb.ConstraintException):
                 if attempt == 19:
                     raise
                 time.sleep(0.05 * (attempt + 1))

@@ -5,11 +5,12 @@ all hold), so a failure names every invariant it breaks at once."""
 from __future__ import annotations
 
 import collections
+import json
 from decimal import Decimal
 
 from helpers import PRICE
 
-from .world import MODELS, World
+from .world import MODELS, NULLABLE, ModelState, World
 
 MILLION = Decimal(1_000_000)
 FACE_TOKENS = {"openai": ("prompt_tokens", "completion_tokens"), "anthropic": ("input_tokens", "output_tokens")}
@@ -36,7 +37,7 @@ def after_step(project, emulator, world: World, reported: set[str] | None = None
     broken: list[str] = []
     billed = emulator.billed()
     project.release_database()
-    broken += billed_twice(project, billed, set() if reported is None else reported)
+    broken += billed_twice(project, billed, set() if reported is None else reported, world)
     stored = {r[0] for r in project.query("select custom_id from main.llm_batch_results")}
     ledger_cost = project.query("select coalesce(sum(cost_usd), 0) from main.llm_batch_requests")[0][0]
     paid = billed_cost(billed)
@@ -45,7 +46,29 @@ def after_step(project, emulator, world: World, reported: set[str] | None = None
         broken.append(f"the ledger's costs equal what was billed once harvested: ledger {ledger_cost}, billed {paid}")
     for model in MODELS:
         broken += table_invariants(project, world, model)
+    broken += answered_by_its_provider(project, world, emulator)
     return broken
+
+
+def renamed_repaid(project, world: World, lines: list[dict]) -> bool:
+    """One request billed once per ledger identity of mb_extract, after a rename of its file that did
+    not keep llm_ledger_identity: the new identity's first run pays again, as the warning says it
+    does (rename_warned checks the warning). Twice under one identity is still billed twice."""
+    state = world.models["mb_extract"]
+    if not state.dropped_identities:
+        return False
+    lineage = {*state.dropped_identities, state.ledger_name()}
+    ids = [x.get("custom_id") for x in lines]
+    if None in ids:
+        return False
+    senders = dict(
+        project.query(
+            f"select custom_id, model from main.llm_batch_requests where custom_id in ({', '.join('?' * len(ids))})",
+            ids,
+        )
+    )
+    names = [senders.get(c) for c in ids]
+    return all(n in lineage for n in names) and len(set(names)) == len(names)
 
 
 def urgent_reask(project, lines: list[dict]) -> bool:
@@ -67,7 +90,7 @@ def urgent_reask(project, lines: list[dict]) -> bool:
     )
 
 
-def billed_twice(project, billed: list[dict], reported: set[str]) -> list[str]:
+def billed_twice(project, billed: list[dict], reported: set[str], world: World) -> list[str]:
     """Requests (by the body asked) the sandbox billed more than once, each with the ledger's word on
     the lines that paid it: the model and variant that sent each, and whether one custom_id went twice
     (one model sent one request twice) or two custom_ids carry one request (two claims of one request)."""
@@ -77,7 +100,10 @@ def billed_twice(project, billed: list[dict], reported: set[str]) -> list[str]:
     twice = {
         r: lines
         for r, lines in by_request.items()
-        if len(lines) > 1 and r not in reported and not urgent_reask(project, lines)
+        if len(lines) > 1
+        and r not in reported
+        and not urgent_reask(project, lines)
+        and not renamed_repaid(project, world, lines)
     }
     if not twice:
         return []
@@ -103,9 +129,10 @@ def billed_twice(project, billed: list[dict], reported: set[str]) -> list[str]:
     ]
 
 
-def table_invariants(project, world: World, model: str) -> list[str]:
+def table_invariants(project, world: World, logical: str) -> list[str]:
     broken: list[str] = []
-    key = world.models[model].key
+    key = world.models[logical].key
+    model = world.table(logical)
     if not project.query(f"select 1 from information_schema.tables where table_name = '{model}'"):
         return broken
     has_variant = any(c[0] == "llm_variant" for c in project.query(f"describe main.{model}"))
@@ -118,7 +145,7 @@ def table_invariants(project, world: World, model: str) -> list[str]:
     # documented): NULL there is checked after a calm finish, when every row has its current answer.
     lost = " or ".join(
         f"(t.{c} is null and coalesce(json_type(r.answer, '$.{c}'), 'NULL') <> 'NULL')"
-        for c in world.output_columns(model)
+        for c in world.output_columns(logical)
         if _is_column(project, model, c)
     )
     if lost:
@@ -130,6 +157,21 @@ def table_invariants(project, world: World, model: str) -> list[str]:
         )
         if nulls:
             broken.append(f"no succeeded row with NULL where its answer has a value, in {model}: {nulls}")
+    # A value is stored as answered: a nullable string's JSON null is SQL NULL (never the text 'null'),
+    # a string is its text (never with its JSON quotes), a date-time is that instant.
+    typed = {"note": "json_extract_string(r.answer, '$.note')", "due": "cast(r.answer ->> '$.due' as timestamptz)"}
+    differs = " or ".join(f"t.{c} is distinct from {v}" for c, v in typed.items() if _is_column(project, model, c))
+    if differs:
+        wrong = project.query(
+            f"""select t.{key}, {", ".join(c for c in typed if _is_column(project, model, c))} from main.{model} t
+                join (select fingerprint, any_value(answer) as answer from main.llm_batch_requests
+                      where status = 'succeeded' group by 1) r on r.fingerprint = t.llm_fingerprint
+                where t.llm_status = 'succeeded' and ({differs}) limit 5"""
+        )
+        if wrong:
+            broken.append(
+                f"a succeeded row holds each value as answered (null as NULL, text unquoted), in {model}: {wrong}"
+            )
     over = project.query(
         f"""with t as (select llm_fingerprint, sum(llm_cost_usd) as cost from main.{model} group by 1),
                  l as (select fingerprint, sum(cost_usd) as cost from main.llm_batch_requests group by 1)
@@ -145,9 +187,9 @@ def _is_column(project, model: str, column: str) -> bool:
     return any(c[0] == column for c in project.query(f"describe main.{model}"))
 
 
-def shared_table_costs(project) -> list[str]:
+def shared_table_costs(project, world: World) -> list[str]:
     """Across the models, the rows of one request together carry at most its cost."""
-    union = " union all ".join(f"select llm_fingerprint, llm_cost_usd from main.{m}" for m in MODELS)
+    union = " union all ".join(f"select llm_fingerprint, llm_cost_usd from main.{world.table(m)}" for m in MODELS)
     over = project.query(
         f"""with t as (select llm_fingerprint, sum(llm_cost_usd) as cost from ({union}) group by 1),
                  l as (select fingerprint, sum(cost_usd) as cost from main.llm_batch_requests group by 1)
@@ -160,11 +202,11 @@ def shared_table_costs(project) -> list[str]:
 def after_calm_finish(project, world: World) -> list[str]:
     """Every selected row landed: one succeeded row per (key, current variant) in each model."""
     broken: list[str] = []
-    for model in MODELS:
-        state = world.models[model]
+    for logical in MODELS:
+        state, model = world.models[logical], world.table(logical)
         has_variant = any(c[0] == "llm_variant" for c in project.query(f"describe main.{model}"))
         variant = "llm_variant" if has_variant else "'default'"
-        nulls = " or ".join(f"{c} is null" for c in world.output_columns(model))
+        nulls = " or ".join(f"{c} is null" for c in world.output_columns(logical) if c not in NULLABLE)
         null_rows = project.query(
             f"select {state.key}, {variant} from main.{model} where llm_status = 'succeeded' and ({nulls}) limit 5"
         )
@@ -174,11 +216,108 @@ def after_calm_finish(project, world: World) -> list[str]:
             (k, v, s) for k, v, s in project.query(f"select {state.key}, {variant}, llm_status from main.{model}")
         )
         offset = 1000 if state.key == "ticket_no" else 0
-        want = collections.Counter((i + offset, v, "succeeded") for i in world.rows for v in world.variants_of(model))
+        want = collections.Counter((i + offset, v, "succeeded") for i in world.rows for v in world.variants_of(logical))
         if got != want:
             missing, extra = want - got, got - want
             broken.append(
                 f"after a calm finish every selected row of {model} landed once, succeeded: "
                 f"missing {sorted(missing)[:6]} ({sum(missing.values())}), extra {sorted(extra)[:6]} ({sum(extra.values())})"
             )
+        # After a provider or model switch, the rows show the current model's answers, not the old one's.
+        wrong = [
+            (v, m, n)
+            for v, m, n in project.query(f"select {variant}, llm_model, count(*) from main.{model} group by all")
+            if m != world.llm_model_of(logical, v)
+        ]
+        if wrong:
+            broken.append(
+                f"after a calm finish every row of {model} is answered by its variant's current model: "
+                f"(variant, llm_model, rows) {sorted(wrong)}"
+            )
     return broken
+
+
+def sandbox_models(emulator) -> dict[str, set[str]]:
+    """batch_id -> the model names its requests asked, as the sandbox received them."""
+    faces = {f.name: f for f in emulator.faces}
+    asked: dict[str, set[str]] = {}
+    for batch in emulator.batches():
+        if batch.get("type") == "message_batch":
+            face = faces["anthropic"]
+            job = face.jobs.get(batch["id"]) or face.deleted[batch["id"]]  # deleted: still the sandbox's record
+            asked[batch["id"]] = {r["params"]["model"] for r in job.requests}
+        elif batch.get("input_file_id"):
+            lines = emulator.file_bytes(batch["input_file_id"]).decode().splitlines()
+            asked[batch["id"]] = {json.loads(x)["body"]["model"] for x in lines if x.strip()}
+    return asked
+
+
+def answered_by_its_provider(project, world: World, emulator) -> list[str]:
+    """A row answered in a batch names a model that batch asked: an answer from before a provider or
+    model switch is never merged as the new model's (#30 brief: provider and model switch)."""
+    asked = sandbox_models(emulator)
+    broken = []
+    for model in MODELS:
+        table = world.table(model)
+        if not project.query(f"select 1 from information_schema.tables where table_name = '{table}'"):
+            continue
+        rows = project.query(
+            f"select llm_batch_id, llm_model, count(*) from main.{table} "
+            "where llm_route = 'batch' and llm_batch_id is not null group by all"
+        )
+        wrong = [(b, m, n) for b, m, n in rows if m not in asked.get(b, set())]
+        if wrong:
+            broken.append(
+                f"a row answered in a batch names a model that batch asked, in {table}: "
+                f"(batch, llm_model, rows) {wrong[:4]} (asked: {[sorted(asked.get(b, ())) for b, _, _ in wrong[:4]]})"
+            )
+    return broken
+
+
+def budget_kept(project, world: World, limit: float, before: dict, refused: set[str]) -> list[str]:
+    """After a run with var llm_batch_max_cost_usd = `limit` (dbt threads 4): what the run committed
+    (requests it put in flight) plus what stayed in flight through it fits the budget, and a model the
+    budget refused sent nothing. `before`: custom_id -> (model, status, estimate) before the run."""
+    broken: list[str] = []
+    after = project.query("select custom_id, model, status, estimated_cost_usd, route from main.llm_batch_requests")
+    in_flight = [(c, m, e) for c, m, s, e, _ in after if s == "queued"]
+    sent_now = [(c, m, e) for c, m, e in in_flight if before.get(c, (None, None))[1] != "queued"]
+    committed = sum((e or Decimal(0) for _, _, e in in_flight), Decimal(0))
+    if sent_now and committed > Decimal(str(limit)):
+        by_model = collections.Counter(m for _, m, _ in sent_now)
+        broken.append(
+            f"a run never commits past llm_batch_max_cost_usd = {limit}: {committed} estimated in flight after "
+            f"it, of which this run sent {dict(by_model)}"
+        )
+    names = {world.table(m): world.models[m].ledger_name() for m in MODELS}
+    for node in refused:
+        name = names.get(node, f"main.{node}")
+        # Recorded by this run, or put in flight by it (a request sent again keeps its custom_id).
+        sent = [
+            (c[:10], s, r)
+            for c, m, s, _, r in after
+            if m == name and (c not in before or (s == "queued" and before[c][1] != "queued"))
+        ]
+        if sent:
+            broken.append(f"a model the budget refused sends nothing: {node} sent {sent[:4]} ({len(sent)})")
+    return broken
+
+
+def rename_warned(world: World, old: ModelState, before: dict, log: str) -> list[str]:
+    """The run after mb_extract's file was renamed. Without llm_ledger_identity, when the old identity
+    had answers or requests in flight and the new one has none: the run's log says so before paying
+    again and names the setting that keeps them. With it: no such warning (nothing is re-paid: the
+    billing check)."""
+    state = world.models["mb_extract"]
+    new, previous = state.ledger_name(), old.ledger_name()
+    had = any(m == previous and s in ("succeeded", "queued") for m, s, _ in before.values())
+    fresh = not any(m == new for m, _, _ in before.values())
+    warned = f"{new}: first run of this model" in log
+    if state.identity is None and new != previous and had and fresh:
+        if not (warned and f"llm_ledger_identity = '{previous}'" in log):
+            return [
+                f"a rename without llm_ledger_identity warns before paying again: no warning for {new} naming {previous}"
+            ]
+    if state.identity is not None and warned:
+        return [f"a rename keeping llm_ledger_identity = {state.identity!r} warns of nothing: {new} warned"]
+    return []

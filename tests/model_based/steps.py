@@ -17,9 +17,14 @@ from pathlib import Path
 
 from dbt_llm_batch.pipeline.crashpoints import POINTS
 
-from .world import MODELS, VARIANT_CONFIGS, World, write_models, write_seed
+from .invariants import budget_kept, rename_warned
+from .world import FIRST_MODEL, MODELS, OTHER_MODEL, VARIANT_CONFIGS, World, write_models, write_seed
 
 SELECT = ("-s", "tag:mb", "--threads", "4")
+# Project budgets (var llm_batch_max_cost_usd) a run may have: at the test prices one model's 8 rows
+# are estimated at about $0.002-0.006 (the ceiling of 60 output tokens), so on a first run these let
+# one or two of the three through; later, it depends on what is in flight.
+BUDGETS = (0.003, 0.006, 0.01)
 # Faults of a provider's submission: before the handler (nothing happened at the
 # provider) or after it (the batch exists, the client sees an error).
 FAULTS = (
@@ -34,6 +39,7 @@ KINDS = {  # kind -> weight in the draw
     "complete": 3,
     "advance": 1,
     "fault_run": 3,
+    "budget_run": 2,
     "crash": 2,
     "edit": 4,
     "new_rows": 2,
@@ -51,17 +57,20 @@ class Step:
 
 
 def plan(seed: int, steps: int, world: World) -> list[Step]:
-    """`steps` steps drawn from `seed`; the first is a run, with or without a fault. `world` is copied,
-    not changed."""
+    """`steps` steps drawn from `seed`; the first is a run, with a fault, a budget or neither. `world`
+    is copied, not changed."""
     rng = random.Random(seed)
     world = _copy(world)
     out: list[Step] = []
     kinds, weights = zip(*KINDS.items(), strict=True)
     while len(out) < steps:
-        kind = rng.choices(kinds, weights)[0] if out else rng.choice(["run", "fault_run"])
+        kind = rng.choices(kinds, weights)[0] if out else rng.choice(["run", "fault_run", "budget_run"])
         if kind == "fault_run":
             fault = rng.choice(FAULTS)
             out.append(Step(kind, f"fault {_fault_text(fault)} (twice), then dbt run", {"fault": fault}))
+        elif kind == "budget_run":
+            limit = rng.choice(BUDGETS)
+            out.append(Step(kind, f"dbt run --vars '{{llm_batch_max_cost_usd: {limit}}}'", {"limit": limit}))
         elif kind == "crash":
             point = rng.choice(POINTS)
             out.append(Step(kind, f"dbt run in a subprocess, SIGKILLed at {point}", {"point": point}))
@@ -84,16 +93,38 @@ def plan(seed: int, steps: int, world: World) -> list[Step]:
                 world.rows[i] = "urgent" if rng.random() < 0.3 else "normal"
             out.append(Step(kind, f"new seed rows {first}, {first + 1}, then dbt seed", world=_copy(world)))
         else:
-            line = _edit(rng, world)
-            out.append(Step("edit", line, world=_copy(world)))
+            # One or two edits between runs, as a user makes them; an edit that needs a run of its own
+            # (an output change's --full-refresh, a rename's first run) has it right after.
+            lines = [_edit(rng, world) for _ in range(rng.choice([1, 2]))]
+            out.append(Step("edit", "; ".join(lines), {"edits": lines}, world=_copy(world)))
     return out
 
 
 def _edit(rng: random.Random, world: World) -> str:
     """Change `world` by one edit a user makes between runs; returns what it did."""
     triage = world.models["mb_triage"]
-    choices = ["prompt", "output", "key", "variant_add", "variant_remove", "variant_rename"]
+    choices = ["prompt", "output", "key", "variant_add", "variant_remove", "variant_rename", "switch", "rename"]
     what = rng.choice(choices)
+    if what == "switch":
+        model = rng.choice(["mb_triage", "mb_twin", "mb_twin"])
+        state = world.models[model]
+        if model == "mb_twin" and rng.random() < 0.5:
+            state.provider = "anthropic" if state.provider == "openai" else "openai"
+            state.llm_model = FIRST_MODEL[state.provider]
+            return f"edit: {model} switched provider to {state.provider} ({state.llm_model})"
+        first = FIRST_MODEL[state.provider]
+        state.llm_model = OTHER_MODEL[state.provider] if state.llm_model == first else first
+        return f"edit: {model} switched model to {state.llm_model}"
+    if what == "rename":
+        state = world.models["mb_extract"]
+        old = state.file
+        state.file = "mb_extract_r" if old == "mb_extract" else "mb_extract"
+        if rng.random() < 0.5:
+            state.identity = state.ledger_name() if state.identity else f"main.{old}"
+            return f"edit: file of mb_extract renamed {old} -> {state.file}, llm_ledger_identity kept, then dbt run"
+        state.dropped_identities += (state.identity or f"main.{old}",)
+        state.identity = None
+        return f"edit: file of mb_extract renamed {old} -> {state.file}, no llm_ledger_identity, then dbt run"
     if what == "prompt":
         version = 1 + max(s.version for s in world.models.values())
         models = rng.choice([["mb_triage"], ["mb_twin"], ["mb_extract"], ["mb_triage", "mb_twin"]])
@@ -143,12 +174,15 @@ def _fault_text(fault: dict) -> str:
 # -- carrying a step out -----------------------------------------------------------------------
 
 
-def apply(step: Step, project, emulator, world: World, tmp: Path) -> tuple[World, str]:
-    """Carry `step` out; returns the World after it and a note of what happened (the plan's line plus
-    an outcome a replay wants to see: a dbt run that failed, where a crash died, a poll's exit code)."""
+def apply(step: Step, project, emulator, world: World, tmp: Path) -> tuple[World, str, list[str]]:
+    """Carry `step` out; returns the World after it, a note of what happened (the plan's line plus
+    an outcome a replay wants to see: a dbt run that failed, where a crash died, a poll's exit code),
+    and the broken invariants of the step's own kind (a budget run's, a rename's)."""
+    before = world
     if step.world is not None:
         world = step.world
     note = ""
+    broken: list[str] = []
     if step.kind in ("run", "reparse_run"):
         flags = ("--no-partial-parse",) if step.kind == "reparse_run" else ()
         note = _run(project, *flags)
@@ -166,6 +200,16 @@ def apply(step: Step, project, emulator, world: World, tmp: Path) -> tuple[World
                 "expired",
             ):
                 emulator.advance(batch["id"])
+    elif step.kind == "budget_run":
+        limit = step.args["limit"]
+        project.release_database()
+        requests = _requests(project)
+        result = project.dbt("run", *SELECT, "--vars", f"{{llm_batch_max_cost_usd: {limit}}}", expect_ok=False)
+        note = outcome(result)
+        refused = {r.node.name for r in result.result.results if "refusing to submit" in str(r.message or "")}
+        project.release_database()
+        broken = budget_kept(project, world, limit, requests, refused)
+        note += f" refused: {', '.join(sorted(refused)) or 'none'}"
     elif step.kind == "fault_run":
         # Twice: the provider stays flaky for both models that may create a batch there in this run
         # (dbt's threads decide which one creates first).
@@ -179,20 +223,65 @@ def apply(step: Step, project, emulator, world: World, tmp: Path) -> tuple[World
         project.dbt("seed", "-s", "mb_tickets")
     elif step.kind == "edit":
         write_models(project, world)
-        if "--full-refresh" in step.line:
-            model = step.line.split()[1]
-            note = _run(project, "--full-refresh", select=model)
+        for line in step.args["edits"]:
+            if "--full-refresh" in line:
+                note += _run(project, "--full-refresh", select=world.table(line.split()[1]))
+            elif line.startswith("edit: file"):
+                broken += _rename_run(project, world, before)
     elif step.kind == "poll":
         note = _poll(project, tmp)
-    return world, note
+    return world, note, broken + no_traceback(note)
+
+
+def _rename_run(project, world: World, before: World) -> list[str]:
+    """The first run after mb_extract's file was renamed, and what its log says about the rename."""
+    log = project.root / "logs" / "dbt.log"
+    start = log.stat().st_size if log.exists() else 0
+    project.release_database()
+    requests = _requests(project)
+    _run(project)
+    with log.open(errors="replace") as f:
+        f.seek(start)
+        return rename_warned(world, before.models["mb_extract"], requests, f.read())
+
+
+def _requests(project) -> dict[str, tuple[str, str, object]]:
+    """custom_id -> (ledger model, status, estimated cost): the ledger's requests now."""
+    if not project.query("select 1 from information_schema.tables where table_name = 'llm_batch_requests'"):
+        return {}
+    rows = project.query("select custom_id, model, status, estimated_cost_usd from main.llm_batch_requests")
+    return {c: (m, s, e) for c, m, s, e in rows}
 
 
 def _run(project, *flags: str, select: str = "tag:mb") -> str:
-    result = project.dbt("run", "-s", select, "--threads", "4", *flags, expect_ok=False)
+    return outcome(project.dbt("run", "-s", select, "--threads", "4", *flags, expect_ok=False))
+
+
+TRACEBACK = "Python traceback"
+
+
+def outcome(result) -> str:
+    """A dbt run's outcome for the step's note: '' when it succeeded, else each failed model's message;
+    a message that is a Python traceback is marked (TRACEBACK, and its last line): an error a user sees
+    says how to fix it (dbt_llm_batch.errors), never a traceback."""
     if result.success:
         return ""
-    failed = [f"{r.node.name}: {str(r.message)[:200]}" for r in result.result.results if r.status == "error"]
+    failed = []
+    for r in result.result.results if result.result else ():
+        if r.status == "error":
+            message = str(r.message)
+            if "Traceback (most recent call last)" in message:
+                last = message.strip().splitlines()[-1].strip()
+                failed.append(f"{r.node.name}: {TRACEBACK}: {last[:200]}")
+            else:
+                failed.append(f"{r.node.name}: {message[:200]}")
     return "dbt run failed: " + ("; ".join(failed) or repr(result.exception))
+
+
+def no_traceback(note: str) -> list[str]:
+    if TRACEBACK not in note:
+        return []
+    return [f"a run that fails says why, never with a Python traceback: {note}"]
 
 
 def _crash(project, point: str, tmp: Path) -> str:

@@ -1,11 +1,15 @@
 """The modelled project: what the test believes the dbt project is (rows, each model's config), and the
 files that say it to dbt.
 
-Three llm_batch models over one seed of tickets, every one with `llm_dedup = 'ledger'` at test prices:
+Three llm_batch models over one seed of tickets, at test prices:
 - `mb_triage` (OpenAI) with variants (at first 'claude' on Anthropic), urgent rows sent realtime;
-- `mb_twin` (OpenAI) asking the same requests as mb_triage's default variant while their prompts agree
-  (shared requests across models);
-- `mb_extract` (Anthropic) with a nested output (a STRUCT holding a LIST, and an integer).
+- `mb_twin` (OpenAI) asking the same requests as mb_triage's default variant while their prompts,
+  providers and model names agree (shared requests across models, `llm_dedup = 'ledger'` for both);
+  an edit may move either to another model name, or mb_twin to Anthropic;
+- `mb_extract` (Anthropic) with a nested output (a STRUCT holding a LIST, an integer, a date-time and a
+  nullable string), its own
+  requests (no `llm_dedup = 'ledger'`: a rename without `llm_ledger_identity` warns before paying again).
+  An edit may rename its file, keeping its ledger identity or not.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ EXTRACT_OUTPUT = {
         "required": ["name", "topics"],
     },
     "effort": "integer",
+    # A date-time (TIMESTAMP WITH TIME ZONE) and a nullable string: JSON null is SQL NULL, a string its text.
+    "due": {"type": "string", "format": "date-time"},
+    "note": {"type": ["string", "null"]},
 }
+NULLABLE = {"note"}  # output columns whose NULL is an answer (JSON null), not a lost value
+# Another model name at the same test price, for the model switch (the billing check prices by face).
+OTHER_MODEL = {"openai": "gpt-test-2", "anthropic": "claude-test-2"}
+FIRST_MODEL = {"openai": "gpt-test", "anthropic": "claude-test"}
 # A variant's config by the name the generator gives it (the name is what a rename changes).
 VARIANT_CONFIGS = {
     "claude": {"llm_provider": "anthropic", "llm_model": "claude-test"},
@@ -43,6 +54,16 @@ class ModelState:
     extra_column: bool = False  # a 'summary' output column (mb_triage and mb_twin only)
     variants: dict[str, dict] = dataclasses.field(default_factory=dict)  # name -> config
     key: str = "id"  # unique_key: 'id' or 'ticket_no' (= id + 1000)
+    provider: str = "openai"
+    llm_model: str = "gpt-test"
+    file: str = ""  # the model's .sql file and table name ('' until World.initial sets it)
+    identity: str | None = None  # llm_ledger_identity, set by a rename that keeps it
+    # Ledger identities this model had before a rename that did not keep them: their requests are
+    # paid again under the new name (after the warning), and their batches are no one's to harvest.
+    dropped_identities: tuple[str, ...] = ()
+
+    def ledger_name(self) -> str:
+        return self.identity or f"main.{self.file}"
 
 
 @dataclasses.dataclass
@@ -52,7 +73,8 @@ class World:
 
     @classmethod
     def initial(cls, rows: int = 8) -> World:
-        world = cls(models={m: ModelState() for m in MODELS})
+        world = cls(models={m: ModelState(file=m) for m in MODELS})
+        world.models["mb_extract"].provider, world.models["mb_extract"].llm_model = "anthropic", "claude-test"
         world.models["mb_triage"].variants = {"claude": dict(VARIANT_CONFIGS["claude"])}
         # mb_twin starts at mb_triage's prompt version: their requests are shared from the first run.
         for i in range(rows):
@@ -61,6 +83,13 @@ class World:
 
     def variants_of(self, model: str) -> set[str]:
         return {"default", *self.models[model].variants}
+
+    def table(self, model: str) -> str:
+        return self.models[model].file
+
+    def llm_model_of(self, model: str, variant: str) -> str:
+        """The model name that answers `variant` of `model` now (a variant's own llm_model, else the model's)."""
+        return self.models[model].variants.get(variant, {}).get("llm_model", self.models[model].llm_model)
 
     def output_columns(self, model: str) -> list[str]:
         if model == "mb_extract":
@@ -80,19 +109,23 @@ def model_sql(world: World, model: str) -> str:
     state = world.models[model]
     if model == "mb_extract":
         config = {
-            "llm_provider": "anthropic",
-            "llm_model": "claude-test",
+            "llm_provider": state.provider,
+            "llm_model": state.llm_model,
             "llm_output": EXTRACT_OUTPUT,
             "llm_system": f"Extract the contact and the effort (v{state.version}).",
         }
         prompt = "'Extract from: ' || body"
     else:
         output = dict(TRIAGE_OUTPUT, **({"summary": "text"} if state.extra_column else {}))
-        config = {"llm_provider": "openai", "llm_model": "gpt-test", "llm_output": output}
+        config = {"llm_provider": state.provider, "llm_model": state.llm_model, "llm_output": output}
         # The twin's prompt equals mb_triage's while their versions agree: one request for both.
         config["llm_system"] = system_of("mb_triage", state.version)
         prompt = "'Ticket: ' || body"
-    config.update(llm_dedup="ledger", llm_max_tokens=60, llm_price_table="main.llm_prices")
+    config.update(llm_max_tokens=60, llm_price_table="main.llm_prices")
+    if model != "mb_extract":
+        config["llm_dedup"] = "ledger"
+    if state.identity:
+        config["llm_ledger_identity"] = state.identity
     if model == "mb_triage":
         config["llm_realtime_when"] = "priority = 'urgent'"
         if state.variants:
@@ -111,14 +144,23 @@ def write_project(project, world: World) -> None:
     """The project as `world` says; the integration project's own models are removed (a quicker parse)."""
     for folder in ("batch", "local", "extraction", "evaluation"):
         shutil.rmtree(project.root / "models" / folder, ignore_errors=True)
-    project.write("seeds/llm_prices.csv", PRICES)
+    others = "".join(
+        line.replace(f",{FIRST_MODEL[p]},", f",{OTHER_MODEL[p]},") + "\n"
+        for line in PRICES.splitlines()
+        for p in FIRST_MODEL
+        if line.startswith(f"{p},{FIRST_MODEL[p]},")
+    )
+    project.write("seeds/llm_prices.csv", PRICES + others)
     write_models(project, world)
     write_seed(project, world)
 
 
 def write_models(project, world: World) -> None:
+    """Each model's file under its current name; a renamed model's old file is gone."""
+    for old in (project.root / "models" / "mb").glob("*.sql"):
+        old.unlink()
     for model in MODELS:
-        project.write(f"models/mb/{model}.sql", model_sql(world, model))
+        project.write(f"models/mb/{world.table(model)}.sql", model_sql(world, model))
 
 
 def write_seed(project, world: World) -> None:
