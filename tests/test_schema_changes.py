@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from conftest import failure_messages
-from helpers import TRIAGE_OUTPUT, TRIAGE_SYSTEM, expected_answer, triage_model
+from helpers import TRIAGE_OUTPUT, batch_input_lines, TRIAGE_SYSTEM, expected_answer, triage_model
 
 MODEL = "models/triage.sql"
 
@@ -122,3 +122,45 @@ def test_a_dry_run_build_of_models_that_never_ran_is_green_on_their_empty_tables
     assert emulator.stats()["calls"] == {}
     project.dbt("run", "-s", "ticket_triage")  # a real run afterwards sends and fills the same table
     assert len(emulator.batches()) == 1
+
+
+def answers(project, *fields: str) -> dict:
+    """The table's answer columns `fields` and cost, by ticket."""
+    cols = ", ".join(fields)
+    return {r[0]: r[1:] for r in project.query(f"select ticket_id, {cols}, llm_cost_usd from main.triage order by 1")}
+
+
+def test_a_removed_output_field_pays_nothing_and_adding_it_back_pays_nothing(project, emulator):
+    """Removing a field keeps every held answer (its request asked a wider schema, which holds the
+    fields asked now): nothing is sent, the other columns and costs stay as they were. Adding the
+    field back asks nothing either: the first requests asked it."""
+    answered(project, emulator)
+    before = answers(project, "category", "urgent")
+    narrower = {k: v for k, v in TRIAGE_OUTPUT.items() if k != "summary"}
+    project.write(MODEL, model_with(narrower, "on_schema_change = 'sync_all_columns',"))
+    project.dbt("run", "-s", "triage")
+    assert len(emulator.batches()) == 1, "a removed field asks no row again"
+    assert "summary" not in columns(project)
+    assert answers(project, "category", "urgent") == before, "the held answers and their costs are kept"
+    project.write(MODEL, model_with(TRIAGE_OUTPUT))
+    project.dbt("run", "-s", "triage")
+    assert len(emulator.batches()) == 1, "the field added back was asked by the first requests"
+    assert project.query("select count(summary) from main.triage") == [(6,)]
+
+
+def test_a_removed_field_of_an_evaluation_variant_pays_nothing(project, emulator):
+    """Each variant's answers are its own: removing a field from the model (both variants ask it)
+    sends nothing for either variant."""
+    variants = "llm_variants = {'terse': {'llm_system': 'Answer tersely.'}},"
+    project.dbt("seed")
+    emulator.auto_advance_seconds = 0.05
+    project.write(MODEL, model_with(TRIAGE_OUTPUT, variants))
+    project.dbt("run", "-s", "triage")
+    assert sum(len(batch_input_lines(emulator, b)) for b in emulator.batches()) == 12
+    narrower = {k: v for k, v in TRIAGE_OUTPUT.items() if k != "urgent"}
+    project.write(MODEL, model_with(narrower, variants))
+    project.dbt("run", "-s", "triage")
+    assert sum(len(batch_input_lines(emulator, b)) for b in emulator.batches()) == 12, "nothing asked again"
+    assert project.query(
+        "select llm_variant, count(*) filter (where llm_status = 'succeeded') from main.triage group by 1 order by 1"
+    ) == [("default", 6), ("terse", 6)]
