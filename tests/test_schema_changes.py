@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from conftest import failure_messages
-from helpers import TRIAGE_OUTPUT, batch_input_lines, TRIAGE_SYSTEM, expected_answer, triage_model
+from helpers import TRIAGE_OUTPUT, TRIAGE_SYSTEM, batch_input_lines, expected_answer, triage_model
 
 MODEL = "models/triage.sql"
 

@@ -120,4 +120,3 @@ def adopt(ledger: Ledger, config: ModelConfig) -> int:
             "every field asked now): nothing is asked again for them"
         )
     return moved
-
