@@ -49,16 +49,16 @@ def wider_prefixes(ledger: Ledger, config: ModelConfig) -> list[str]:
     prefixes = []
     for (text,) in recorded:
         schema = json.loads(text) if text else None
-        if is_wider(schema, current):
+        if isinstance(schema, dict) and holds_every_field(schema, current):
             prefixes.append(config.fingerprint_prefix_asking(schema))
     return prefixes
 
 
-def is_wider(schema, current: dict) -> bool:
+def holds_every_field(schema: dict, current: dict) -> bool:
     """Whether an answer asked with `schema` holds every field of `current`: an object schema of the
     same form whose properties include each of current's, each the same (current itself included:
     a row answer moved away by an earlier run goes back when the removed field is added back)."""
-    if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict):
+    if not isinstance(schema.get("properties"), dict):
         return False
     held, needed = schema["properties"], current["properties"]
     same_form = {k: v for k, v in schema.items() if k not in ("properties", "required")} == {
