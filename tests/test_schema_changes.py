@@ -7,9 +7,25 @@ from __future__ import annotations
 import json
 
 from conftest import failure_messages
-from helpers import TRIAGE_OUTPUT, TRIAGE_SYSTEM, batch_input_lines, expected_answer, triage_model
+from helpers import TRIAGE_OUTPUT, TRIAGE_SYSTEM, batch_input_lines, expected_answer, sorted_batches, triage_model
 
 MODEL = "models/triage.sql"
+TRIAGE_PROPERTIES = {
+    "category": {"type": "string", "enum": TRIAGE_OUTPUT["category"]},
+    "summary": {"type": "string"},
+    "urgent": {"type": "boolean"},
+}
+
+
+def schema_of(properties: dict) -> dict:
+    """The JSON schema a request asks with these fields (in name order, all required)."""
+    names = sorted(properties)
+    return {
+        "type": "object",
+        "properties": {n: properties[n] for n in names},
+        "required": names,
+        "additionalProperties": False,
+    }
 
 
 def model_with(output: dict, extra: str = "", select_extra: str = "") -> str:
@@ -43,17 +59,7 @@ def test_an_added_output_field_is_a_new_column_filled_in_the_same_run(project, e
     project.write(MODEL, model_with(wider))
     project.dbt("run", "-s", "triage")  # no --full-refresh: the column is added and asked in this run
     assert "language" in columns(project)
-    schema = {
-        "type": "object",
-        "properties": {
-            "category": {"type": "string", "enum": TRIAGE_OUTPUT["category"]},
-            "language": {"type": "string"},
-            "summary": {"type": "string"},
-            "urgent": {"type": "boolean"},
-        },
-        "required": ["category", "language", "summary", "urgent"],
-        "additionalProperties": False,
-    }
+    schema = schema_of({**TRIAGE_PROPERTIES, "language": {"type": "string"}})
     rows = project.query("select ticket_id, prompt, language, llm_status from main.triage order by 1")
     assert len(rows) == 6
     for _, prompt, language, status in rows:
@@ -164,3 +170,46 @@ def test_a_removed_field_of_an_evaluation_variant_pays_nothing(project, emulator
     assert project.query(
         "select llm_variant, count(*) filter (where llm_status = 'succeeded') from main.triage group by 1 order by 1"
     ) == [("default", 6), ("terse", 6)]
+
+
+def test_a_field_removed_while_its_batch_is_in_flight_is_answered_by_that_batch(project, emulator):
+    """The first run leaves its batch in flight (no llm_wait_seconds); the run after a field's removal
+    sends nothing (the batch in flight asks every field asked now) and the run after the batch ends
+    merges its answers. One request per row (llm_dedup = false): each row's own answer moves."""
+    project.dbt("seed")
+
+    def write(output: dict) -> None:
+        model = triage_model(extra_config="llm_dedup = false,")
+        project.write(MODEL, model.replace(json.dumps(TRIAGE_OUTPUT), json.dumps(output)))
+
+    write(TRIAGE_OUTPUT)
+    project.dbt("run", "-s", "triage")
+    write({k: v for k, v in TRIAGE_OUTPUT.items() if k != "urgent"})
+    project.dbt("run", "-s", "triage")
+    assert len(emulator.batches()) == 1, "the batch in flight answers the narrower llm_output"
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert len(emulator.batches()) == 1
+    rows = project.query("select prompt, category, summary, llm_status, llm_cost_usd from main.triage")
+    assert len(rows) == 6
+    for prompt, category, summary, status, cost in rows:
+        answer = json.loads(expected_answer(TRIAGE_SYSTEM, prompt, schema_of(TRIAGE_PROPERTIES)))
+        assert (category, summary, status) == (answer["category"], answer["summary"], "succeeded")
+        assert cost > 0, "each row costs what its request cost"
+
+
+def test_a_field_whose_enum_changed_is_not_held(project, emulator):
+    """A field whose own schema changed is another field: the rows are asked again (the answers held
+    were constrained by the old enum), and the table shows the new answers."""
+    answered(project, emulator)
+    labels = [*TRIAGE_OUTPUT["category"], "security"]
+    project.write(MODEL, model_with({**TRIAGE_OUTPUT, "category": labels}))
+    project.dbt("run", "-s", "triage")
+    last = sorted_batches(emulator)[-1]
+    lines = batch_input_lines(emulator, last)
+    assert len(emulator.batches()) == 2 and len(lines) == 6
+    asked = lines[0]["body"]["response_format"]["json_schema"]["schema"]["properties"]["category"]
+    assert asked["enum"] == labels
+    schema = schema_of({**TRIAGE_PROPERTIES, "category": {"type": "string", "enum": labels}})
+    for prompt, category in project.query("select prompt, category from main.triage"):
+        assert category == json.loads(expected_answer(TRIAGE_SYSTEM, prompt, schema))["category"]
