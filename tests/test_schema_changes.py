@@ -7,7 +7,15 @@ from __future__ import annotations
 import json
 
 from conftest import failure_messages
-from helpers import TRIAGE_OUTPUT, TRIAGE_SYSTEM, batch_input_lines, expected_answer, sorted_batches, triage_model
+from helpers import (
+    TRIAGE_OUTPUT,
+    TRIAGE_SYSTEM,
+    batch_input_lines,
+    expected_answer,
+    log_text,
+    sorted_batches,
+    triage_model,
+)
 
 MODEL = "models/triage.sql"
 TRIAGE_PROPERTIES = {
@@ -144,6 +152,8 @@ def test_a_removed_output_field_pays_nothing_and_adding_it_back_pays_nothing(pro
     before = answers(project, "category", "urgent")
     narrower = {k: v for k, v in TRIAGE_OUTPUT.items() if k != "summary"}
     project.write(MODEL, model_with(narrower, "on_schema_change = 'sync_all_columns',"))
+    project.dbt("run", "-s", "triage", "--vars", "{llm_batch_dry_run: true}")
+    assert "main.triage: DRY RUN: would submit 0 request(s)" in log_text(project), "the dry run says so too"
     project.dbt("run", "-s", "triage")
     assert len(emulator.batches()) == 1, "a removed field asks no row again"
     assert "summary" not in columns(project)

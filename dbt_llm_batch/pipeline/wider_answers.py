@@ -67,10 +67,11 @@ def holds_every_field(schema: dict, current: dict) -> bool:
     return same_form and all(held.get(name) == spec for name, spec in needed.items())
 
 
-def adopt(ledger: Ledger, config: ModelConfig) -> int:
+def adopt(ledger: Ledger, config: ModelConfig, dry: bool = False) -> int:
     """Move to their current fingerprint the row answers (of the pass's variant) that answer selected
-    rows with a wider schema (the module's docstring); returns how many. Scratch.desired must hold
-    the pass's rows; when this returns more than 0 they are to be built again (their answer_id)."""
+    rows with a schema holding every field asked now (the module's docstring); returns how many.
+    Scratch.desired holds the pass's rows: the moved rows' answer_id is set there, so the plan
+    takes them as answered. `dry` (a dry run): only that, the ledger is not written."""
     prefixes = wider_prefixes(ledger, config)
     if not prefixes:
         return 0
@@ -111,10 +112,15 @@ def adopt(ledger: Ledger, config: ModelConfig) -> int:
             ).fetchall()[0][0]
 
     try:
-        moved = retry_on_conflict(write)
+        moved = (
+            con.execute(f"select count(*) from {Scratch.wider}").fetchall()[0][0] if dry else retry_on_conflict(write)
+        )
+        con.execute(
+            f"update {Scratch.desired} d set answer_id = w.custom_id from {Scratch.wider} w where d.key = w.key"
+        )
     finally:
         con.execute(f"drop table if exists {Scratch.wider}")
-    if moved:
+    if moved and not dry:
         log.info(
             f"{ledger.model}: {moved} row(s) keep the answer they hold from an earlier llm_output (it has "
             "every field asked now): nothing is asked again for them"
