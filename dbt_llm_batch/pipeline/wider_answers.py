@@ -9,8 +9,9 @@ checked against the schema it was asked with (outcomes.settle reads the job's re
 So before planning, each selected row without an answer under its current fingerprint takes the
 row answer its own key holds under such a schema (its request succeeded or in flight, with the
 fingerprint the model's config gives with that schema in place of the current one): the row answer
-is moved to the current fingerprint and prompt hash, pointing at the same request, and marked not
-merged, so the merge writes the row again (a column added back is filled from the stored answer).
+is moved to the current fingerprint and prompt hash, pointing at the same request, and marked
+superseded if it was merged, so the merge writes the row again (a column added back is filled from the
+stored answer; the run line counts it as rewritten from the ledger, not as new).
 Moved, not copied: the request answers as many rows as before, so a row's cost stays its request's
 (merge._share). Adding the field back finds the same request again (its fingerprint is then the
 current one): nothing is asked.
@@ -105,7 +106,9 @@ def adopt(ledger: Ledger, config: ModelConfig, dry: bool = False) -> int:
     def write() -> int:
         with transaction(con):
             return con.execute(
-                f"""update {answers} a set fingerprint = w.fingerprint, prompt_hash = w.prompt_hash, emitted = null
+                f"""update {answers} a set fingerprint = w.fingerprint, prompt_hash = w.prompt_hash,
+                        -- shown once: written again by the merge, as 'rewritten from the ledger', not new
+                        emitted = case when a.emitted = 'merged' then 'superseded' else a.emitted end
                     from {Scratch.wider} w
                     where a.model = ? and a.variant = ? and a.key = w.key and a.custom_id = w.custom_id""",
                 [ledger.model, ledger.variant],
