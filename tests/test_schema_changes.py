@@ -1,6 +1,6 @@
 """on_schema_change for llm_batch models (pipeline/schema_change.py, docs/schema-changes.md): an edited
 SELECT or llm_output changes the table in the run that sees it, with no manual full refresh, and every
-message names the model."""
+message names the model. A removed output field asks nothing again (pipeline/wider_answers.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,18 @@ import json
 
 from conftest import failure_messages
 from helpers import (
+    PRICES,
     TRIAGE_OUTPUT,
     TRIAGE_SYSTEM,
+    batch_counts,
     batch_input_lines,
+    billed_cost,
+    dup_model,
     expected_answer,
     log_text,
     sorted_batches,
     triage_model,
+    write_rows,
 )
 
 MODEL = "models/triage.sql"
@@ -223,3 +228,29 @@ def test_a_field_whose_enum_changed_is_not_held(project, emulator):
     schema = schema_of({**TRIAGE_PROPERTIES, "category": {"type": "string", "enum": labels}})
     for prompt, category in project.query("select prompt, category from main.triage"):
         assert category == json.loads(expected_answer(TRIAGE_SYSTEM, prompt, schema))["category"]
+
+
+def test_rows_sharing_a_request_keep_their_shares_of_its_cost_when_a_field_is_removed(project, emulator):
+    """Rows asking the same request (llm_dedup, the default) share its cost; after a field's removal
+    nothing is sent, and each row keeps its answer and its share (the shares still add up to what the
+    sandbox billed)."""
+    project.write("seeds/llm_prices.csv", PRICES)
+    write_rows(project, {1: 1, 2: 1, 3: 2})  # rows 1 and 2 ask the same question
+
+    def write(output: dict) -> None:
+        project.write("models/dup.sql", dup_model("openai", extra=f"llm_output = {json.dumps(output)},"))
+
+    def shown() -> dict:
+        return {r[0]: r[1:] for r in project.query("select id, topic, llm_status, llm_cost_usd from main.dup")}
+
+    write({"topic": "text", "severe": "boolean"})
+    project.dbt("run", "-s", "dup")
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup")
+    before = shown()
+    assert sum(batch_counts(emulator)) == 2 and {s for _, s, _ in before.values()} == {"succeeded"}
+    assert sum(c for _, _, c in before.values()) == billed_cost(emulator, "openai")
+    write({"topic": "text"})
+    project.dbt("run", "-s", "dup")
+    assert sum(batch_counts(emulator)) == 2, "nothing asked again"
+    assert shown() == before
