@@ -85,14 +85,17 @@ def adopt(ledger: Ledger, config: ModelConfig, dry: bool = False) -> int:
     live = sql_in((RequestStatus.SUCCEEDED, *IN_FLIGHT))
     text = plan.fingerprinted_text_sql(config, "i.")
     # Rows whose answer build_desired found under the current fingerprint (answer_id) are left out
-    # unread; the others are looked up under each wider fingerprint of their prompt.
+    # unread, and so are keys with no row answer at all (new rows); the others are looked up under
+    # each such schema's fingerprint of their prompt.
     con.execute(
         f"""create or replace temp table {Scratch.wider} as
             select c.key, c.fingerprint, c.prompt_hash, arg_max(a.custom_id, r.queued_at) as custom_id
             from (select d.key, d.fingerprint, d.prompt_hash, md5(w.prefix || {text}) as wider
-                  from {Scratch.desired} d join {Scratch.input} i on i.rowid = d.row_id,
-                       (select unnest($prefixes) as prefix) w
-                  where d.has_prompt and d.answer_id is null) c
+                  from (select * from {Scratch.desired} d
+                        where d.has_prompt and d.answer_id is null
+                          and d.key in (select key from {answers} where model = $model and variant = $variant)) d
+                       join {Scratch.input} i on i.rowid = d.row_id,
+                       (select unnest($prefixes) as prefix) w) c
                  join {answers} a on a.model = $model and a.variant = $variant and a.key = c.key
                  join {requests} r on r.custom_id = a.custom_id and r.fingerprint = c.wider
             where r.status in {live}
