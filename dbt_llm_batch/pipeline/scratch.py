@@ -49,7 +49,7 @@ class Scratch:
     TABLES = (
         "input", "prices", "rekey", "desired", "unsendable", "deferred", "plan", "realtime_plan",
         "sent", "outcomes", "batch_failed", "emit", "rekey_rows", "candidates", "answered", "history", "plan_members",
-        "taken",
+        "wider", "taken",
         "run_plan", "run_realtime", "run_members", "run_sent",
     )  # fmt: skip
 
