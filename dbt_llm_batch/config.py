@@ -173,6 +173,11 @@ class ModelConfig:
         """Hash of the constant part; a row's fingerprint is md5(prefix || prompt), computed in SQL."""
         return _prefix_hash(self.answer_defining_fields())
 
+    def fingerprint_prefix_asking(self, schema: dict) -> str:
+        """The prefix this config would have with `schema` as its output schema (wider_answers.py: the
+        requests asked with a recorded wider schema)."""
+        return _prefix_hash({**self.answer_defining_fields(), "output_schema": schema})
+
 
 def _prefix_hash(fields: dict) -> str:
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))

@@ -1,15 +1,44 @@
 """on_schema_change for llm_batch models (pipeline/schema_change.py, docs/schema-changes.md): an edited
 SELECT or llm_output changes the table in the run that sees it, with no manual full refresh, and every
-message names the model."""
+message names the model. A removed output field asks nothing again (pipeline/wider_answers.py)."""
 
 from __future__ import annotations
 
 import json
 
 from conftest import failure_messages
-from helpers import TRIAGE_OUTPUT, TRIAGE_SYSTEM, expected_answer, triage_model
+from helpers import (
+    PRICES,
+    TRIAGE_OUTPUT,
+    TRIAGE_SYSTEM,
+    batch_counts,
+    batch_input_lines,
+    billed_cost,
+    dup_model,
+    expected_answer,
+    log_text,
+    sorted_batches,
+    triage_model,
+    write_rows,
+)
 
 MODEL = "models/triage.sql"
+TRIAGE_PROPERTIES = {
+    "category": {"type": "string", "enum": TRIAGE_OUTPUT["category"]},
+    "summary": {"type": "string"},
+    "urgent": {"type": "boolean"},
+}
+
+
+def schema_of(properties: dict) -> dict:
+    """The JSON schema a request asks with these fields (in name order, all required)."""
+    names = sorted(properties)
+    return {
+        "type": "object",
+        "properties": {n: properties[n] for n in names},
+        "required": names,
+        "additionalProperties": False,
+    }
 
 
 def model_with(output: dict, extra: str = "", select_extra: str = "") -> str:
@@ -43,17 +72,7 @@ def test_an_added_output_field_is_a_new_column_filled_in_the_same_run(project, e
     project.write(MODEL, model_with(wider))
     project.dbt("run", "-s", "triage")  # no --full-refresh: the column is added and asked in this run
     assert "language" in columns(project)
-    schema = {
-        "type": "object",
-        "properties": {
-            "category": {"type": "string", "enum": TRIAGE_OUTPUT["category"]},
-            "language": {"type": "string"},
-            "summary": {"type": "string"},
-            "urgent": {"type": "boolean"},
-        },
-        "required": ["category", "language", "summary", "urgent"],
-        "additionalProperties": False,
-    }
+    schema = schema_of({**TRIAGE_PROPERTIES, "language": {"type": "string"}})
     rows = project.query("select ticket_id, prompt, language, llm_status from main.triage order by 1")
     assert len(rows) == 6
     for _, prompt, language, status in rows:
@@ -122,3 +141,116 @@ def test_a_dry_run_build_of_models_that_never_ran_is_green_on_their_empty_tables
     assert emulator.stats()["calls"] == {}
     project.dbt("run", "-s", "ticket_triage")  # a real run afterwards sends and fills the same table
     assert len(emulator.batches()) == 1
+
+
+def answers(project, *fields: str) -> dict:
+    """The table's answer columns `fields` and cost, by ticket."""
+    cols = ", ".join(fields)
+    return {r[0]: r[1:] for r in project.query(f"select ticket_id, {cols}, llm_cost_usd from main.triage order by 1")}
+
+
+def test_a_removed_output_field_pays_nothing_and_adding_it_back_pays_nothing(project, emulator):
+    """Removing a field keeps every held answer (its request asked a wider schema, which holds the
+    fields asked now): nothing is sent, the other columns and costs stay as they were. Adding the
+    field back asks nothing either: the first requests asked it."""
+    answered(project, emulator)
+    before = answers(project, "category", "urgent")
+    narrower = {k: v for k, v in TRIAGE_OUTPUT.items() if k != "summary"}
+    project.write(MODEL, model_with(narrower, "on_schema_change = 'sync_all_columns',"))
+    project.dbt("run", "-s", "triage", "--vars", "{llm_batch_dry_run: true}")
+    assert "main.triage: DRY RUN: would submit 0 request(s)" in log_text(project), "the dry run says so too"
+    project.dbt("run", "-s", "triage")
+    assert len(emulator.batches()) == 1, "a removed field asks no row again"
+    assert "summary" not in columns(project)
+    assert answers(project, "category", "urgent") == before, "the held answers and their costs are kept"
+    project.write(MODEL, model_with(TRIAGE_OUTPUT))
+    project.dbt("run", "-s", "triage")
+    assert len(emulator.batches()) == 1, "the field added back was asked by the first requests"
+    assert project.query("select count(summary) from main.triage") == [(6,)]
+
+
+def test_a_removed_field_of_an_evaluation_variant_pays_nothing(project, emulator):
+    """Each variant's answers are its own: removing a field from the model (both variants ask it)
+    sends nothing for either variant."""
+    variants = "llm_variants = {'terse': {'llm_system': 'Answer tersely.'}},"
+    project.dbt("seed")
+    emulator.auto_advance_seconds = 0.05
+    project.write(MODEL, model_with(TRIAGE_OUTPUT, variants))
+    project.dbt("run", "-s", "triage")
+    assert sum(len(batch_input_lines(emulator, b)) for b in emulator.batches()) == 12
+    narrower = {k: v for k, v in TRIAGE_OUTPUT.items() if k != "urgent"}
+    project.write(MODEL, model_with(narrower, variants))
+    project.dbt("run", "-s", "triage")
+    assert sum(len(batch_input_lines(emulator, b)) for b in emulator.batches()) == 12, "nothing asked again"
+    assert project.query(
+        "select llm_variant, count(*) filter (where llm_status = 'succeeded') from main.triage group by 1 order by 1"
+    ) == [("default", 6), ("terse", 6)]
+
+
+def test_a_field_removed_while_its_batch_is_in_flight_is_answered_by_that_batch(project, emulator):
+    """The first run leaves its batch in flight (no llm_wait_seconds); the run after a field's removal
+    sends nothing (the batch in flight asks every field asked now) and the run after the batch ends
+    merges its answers. One request per row (llm_dedup = false): each row's own answer moves."""
+    project.dbt("seed")
+
+    def write(output: dict) -> None:
+        model = triage_model(extra_config="llm_dedup = false,")
+        project.write(MODEL, model.replace(json.dumps(TRIAGE_OUTPUT), json.dumps(output)))
+
+    write(TRIAGE_OUTPUT)
+    project.dbt("run", "-s", "triage")
+    write({k: v for k, v in TRIAGE_OUTPUT.items() if k != "urgent"})
+    project.dbt("run", "-s", "triage")
+    assert len(emulator.batches()) == 1, "the batch in flight answers the narrower llm_output"
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert len(emulator.batches()) == 1
+    rows = project.query("select prompt, category, summary, llm_status, llm_cost_usd from main.triage")
+    assert len(rows) == 6
+    for prompt, category, summary, status, cost in rows:
+        answer = json.loads(expected_answer(TRIAGE_SYSTEM, prompt, schema_of(TRIAGE_PROPERTIES)))
+        assert (category, summary, status) == (answer["category"], answer["summary"], "succeeded")
+        assert cost > 0, "each row costs what its request cost"
+
+
+def test_a_field_whose_enum_changed_is_not_held(project, emulator):
+    """A field whose own schema changed is another field: the rows are asked again (the answers held
+    were constrained by the old enum), and the table shows the new answers."""
+    answered(project, emulator)
+    labels = [*TRIAGE_OUTPUT["category"], "security"]
+    project.write(MODEL, model_with({**TRIAGE_OUTPUT, "category": labels}))
+    project.dbt("run", "-s", "triage")
+    last = sorted_batches(emulator)[-1]
+    lines = batch_input_lines(emulator, last)
+    assert len(emulator.batches()) == 2 and len(lines) == 6
+    asked = lines[0]["body"]["response_format"]["json_schema"]["schema"]["properties"]["category"]
+    assert asked["enum"] == labels
+    schema = schema_of({**TRIAGE_PROPERTIES, "category": {"type": "string", "enum": labels}})
+    for prompt, category in project.query("select prompt, category from main.triage"):
+        assert category == json.loads(expected_answer(TRIAGE_SYSTEM, prompt, schema))["category"]
+
+
+def test_rows_sharing_a_request_keep_their_shares_of_its_cost_when_a_field_is_removed(project, emulator):
+    """Rows asking the same request (llm_dedup, the default) share its cost; after a field's removal
+    nothing is sent, and each row keeps its answer and its share (the shares still add up to what the
+    sandbox billed)."""
+    project.write("seeds/llm_prices.csv", PRICES)
+    write_rows(project, {1: 1, 2: 1, 3: 2})  # rows 1 and 2 ask the same question
+
+    def write(output: dict) -> None:
+        project.write("models/dup.sql", dup_model("openai", extra=f"llm_output = {json.dumps(output)},"))
+
+    def shown() -> dict:
+        return {r[0]: r[1:] for r in project.query("select id, topic, llm_status, llm_cost_usd from main.dup")}
+
+    write({"topic": "text", "severe": "boolean"})
+    project.dbt("run", "-s", "dup")
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup")
+    before = shown()
+    assert sum(batch_counts(emulator)) == 2 and {s for _, s, _ in before.values()} == {"succeeded"}
+    assert sum(c for _, _, c in before.values()) == billed_cost(emulator, "openai")
+    write({"topic": "text"})
+    project.dbt("run", "-s", "dup")
+    assert sum(batch_counts(emulator)) == 2, "nothing asked again"
+    assert shown() == before

@@ -49,6 +49,7 @@ from dbt_llm_batch.pipeline import (
     tempdirs,
     validate,
     variants,
+    wider_answers,
 )
 from dbt_llm_batch.pipeline.pool import Pool
 from dbt_llm_batch.pipeline.report import RunSummary
@@ -206,6 +207,7 @@ class ModelRun:
         self.ledger.finalize_exhausted(self.config.max_attempts)
         stored = [p.variant for p in self.passes]
         report.dropped_removed_variants(self.ledger.model, self.ledger.drop_deferred_of_removed_variants(stored))
+        self.keep_wider_answers()
         if full_refresh:  # rebuilt from the ledger, nothing paid for: only rows that cannot be sent fail
             self.reject_unsendable()
             return
@@ -223,6 +225,15 @@ class ModelRun:
     def dry_run_report(self) -> None:
         """Plan and estimate every pass only: no provider call, no ledger row, no table change."""
         send.send(self.state, self.passes, dry=True)
+
+    def keep_wider_answers(self) -> None:
+        """Each pass's rows answered under a wider output schema keep that answer (wider_answers.py):
+        a removed output field is not asked again. Before planning; their answer_id stays NULL, so
+        the plan looks them up among the row answers, where they are now."""
+        for p in self.passes:
+            self.enter(p)
+            wider_answers.adopt(self.ledger, p.config)
+        self.enter(self.passes[0])
 
     def reject_unsendable(self) -> None:
         """Each pass's rows that can never be sent fail alone (empty, over the context window, ...)."""

@@ -7,7 +7,8 @@ what happens to the table's columns, before anything is sent:
 - `append_new_columns` (the default; dbt's default `'ignore'` is read as it, since dbt sets it on every
   model): the columns the model gained are added, NULL until the merge writes them. An output field is
   in the request's fingerprint, so the same run asks for it. Columns the model lost stay in the table
-  with the values they had (NULL in rows written later). A column whose type changed fails the run, as
+  with the values they had (NULL in rows written later). A removed output field asks nothing: the
+  answers held were asked with every field still asked (wider_answers.py). A column whose type changed fails the run, as
   dbt's own `append_new_columns` leaves types alone.
 - `sync_all_columns`: the new columns are added, the lost ones dropped, a changed type is cast (a value
   that does not cast is NULL until the merge rewrites its row).

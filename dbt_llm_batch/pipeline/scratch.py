@@ -34,6 +34,7 @@ class Scratch:
     candidates = "__llm_candidates"  # selected rows without an answer or a request in flight (plan.build_plan)
     answered = "__llm_answered"  # with dedup: the stored request answering each candidate's prompt (plan.build_plan)
     plan_members = "__llm_plan_members"  # rows answered by a request of another row (plan.build_plan)
+    wider = "__llm_wider"  # row answers asked with a wider output schema, moved to the current one (wider_answers)
     taken = "__llm_taken"  # with llm_dedup = 'ledger': planned requests another model sends (sharing.claim_shared)
     realtime_plan = "__llm_realtime_plan"  # the plan's realtime rows (runner: ModelRun.split_realtime)
     sent = "__llm_sent"  # which plan rows went into which request file, at which line (request_files)
@@ -48,7 +49,7 @@ class Scratch:
     TABLES = (
         "input", "prices", "rekey", "desired", "unsendable", "deferred", "plan", "realtime_plan",
         "sent", "outcomes", "batch_failed", "emit", "rekey_rows", "candidates", "answered", "history", "plan_members",
-        "taken",
+        "wider", "taken",
         "run_plan", "run_realtime", "run_members", "run_sent",
     )  # fmt: skip
 

@@ -34,6 +34,7 @@ from dbt_llm_batch.pipeline import (
     tempdirs,
     validate,
     variants,
+    wider_answers,
 )
 from dbt_llm_batch.pipeline.passes import Pass, enter
 from dbt_llm_batch.pipeline.pool import Pool
@@ -127,6 +128,7 @@ def plan_pass(state: RunState, p: Pass, dry: bool) -> Planned:
     unsendable = 0
     if dry:  # rows a real run would fail before sending are kept out of the plan, not recorded
         unsendable = validate.reject_unsendable(ledger, p.config, state.input_columns, record=False)
+        wider_answers.adopt(ledger, p.config, dry=True)  # rows a real run answers from a wider llm_output
     else:
         state.summary.rejected_prompts += plan.reject_empty_prompts(ledger, Scratch.input, state.input_columns)
         state.summary.rejected_prompts += validate.reject_unsendable(ledger, p.config, state.input_columns)
