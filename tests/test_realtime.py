@@ -41,6 +41,19 @@ def table(project) -> dict[int, tuple]:
     return {r[0]: r[1:] for r in rows}
 
 
+def run_and_expect_every_row_answered_once(project, engine) -> None:
+    """Seed, run the triage model, and check that each of its 6 rows holds the sandbox's answer to its own
+    prompt, from one request each."""
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    texts = prompts(project)
+    rows = table(project)
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    for ticket_id, (category, urgent, summary, status, *_) in rows.items():
+        assert status == "succeeded" and (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, texts[ticket_id])
+    assert engine.stats()["realtime_requests"]["openai"] == 6
+
+
 def test_urgent_rows_go_realtime_in_the_same_run_and_never_into_a_batch(project, emulator, provider):
     project.write("models/triage.sql", triage_model(provider=provider, extra_config=URGENT))
     project.dbt("seed")
@@ -485,14 +498,7 @@ def test_auto_concurrency_answers_every_row_and_backs_off_on_429(project, replic
         "llm_concurrency = 4", "llm_concurrency = 'auto', llm_max_concurrency = 3"
     )
     project.write("models/triage.sql", model)
-    project.dbt("seed")
-    project.dbt("run", "-s", "triage")
-    texts = prompts(project)
-    rows = table(project)
-    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
-    for ticket_id, (category, urgent, summary, status, *_) in rows.items():
-        assert status == "succeeded" and (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, texts[ticket_id])
-    assert engine.stats()["realtime_requests"]["openai"] == 6
+    run_and_expect_every_row_answered_once(project, engine)
     log = log_text(project)
     settled = re.search(
         r"llm_concurrency 'auto' settled at (\d+) request\(s\) in flight \(started at 3, bound 3; "
@@ -516,14 +522,7 @@ def test_auto_starts_where_the_engine_has_room_and_comes_down_to_its_batch(proje
     batch = engine.emulate_engine(batch=2, kv_room=8.6)
     engine.realtime_latency = 0.3
     project.write("models/triage.sql", self_hosted_model([engine.openai_base_url]).replace("llm_concurrency = 4, ", ""))
-    project.dbt("seed")
-    project.dbt("run", "-s", "triage")
-    texts = prompts(project)
-    rows = table(project)
-    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
-    for ticket_id, (category, urgent, summary, status, *_) in rows.items():
-        assert status == "succeeded" and (category, urgent, summary) == expected_triage(TRIAGE_SYSTEM, texts[ticket_id])
-    assert engine.stats()["realtime_requests"]["openai"] == 6
+    run_and_expect_every_row_answered_once(project, engine)
     assert batch.peak_in_engine == 6  # all 6 sent at once: the engine said it has room for 8
     assert batch.metrics_reads >= 2  # once before sending, then while sending
     log = log_text(project)
