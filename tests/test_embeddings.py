@@ -8,6 +8,7 @@ The workload: rows `id, prompt` whose texts repeat (`text <n>`), embedded throug
 from __future__ import annotations
 
 import collections
+import json
 from decimal import Decimal
 
 import pytest
@@ -156,10 +157,24 @@ def test_ten_thousand_rows_30_percent_repeated_are_packed_embedded_once_each_and
     assert docs.query("select count(*) from main.llm_batch_requests where status = 'succeeded'") == [(7000,)]
     assert docs.query("select count(*) from main.llm_batch_requests where status = 'failed'") == [(failed,)]
     assert sum(r[3] for r in rows.values()) == billed_cost(emulator) > 0
-    # Packed: 7,000 requests in a handful of lines (at most 2,048 inputs and 150,000 estimated tokens each),
-    # against 7,000 lines of one input each.
+    # The saving is shown as answers' are: the batch discount is half of the realtime price.
+    (cost, saved, dedup_saved), *_ = docs.query(
+        "select sum(cost_usd), sum(savings_usd), sum(dedup_saved_usd) from main.llm_batch_costs"
+    )
+    assert cost == sum(r[3] for r in rows.values()) and saved == cost and dedup_saved > 0
+    # Packed: the requests in a handful of lines (at most 2,048 inputs and 150,000 estimated tokens each),
+    # against one line per input sent without packing (counted in the files the sandbox received: the
+    # 7,000 distinct texts, the expired batch's unanswered ones again, the failed line's again).
     lines = emulator.stats()["request_lines"]
-    print(f"\nrequest lines: {lines} packed against 7000 unpacked (ratio {7000 / lines:.0f}x)")
+    sent = [
+        json.loads(line)
+        for b in emulator.batches()
+        for line in emulator.file_bytes(b["input_file_id"]).splitlines()
+        if line.strip()
+    ]
+    inputs = sum(len(line["body"]["input"]) for line in sent)
+    assert len(sent) == lines and inputs == 7000 + len(pending) + failed
+    print(f"\nrequest lines: {lines} packed against {inputs} unpacked (ratio {inputs / lines:.0f}x)")
     assert lines <= 9  # the first batch's lines, the expired ones' again, the failed line's again
 
 

@@ -43,7 +43,10 @@ FOCUS_ALLOWED = {
     "ServiceCategory": {"AI and Machine Learning"},  # (of 18; the only one an LLM call is)
     "ServiceSubcategory": {"Generative AI"},  # (under AI and Machine Learning)
 }
+# The specification's attributes/datetime_format.md ('YYYY-MM-DDTHH:mm:ssZ', UTC) and numeric_format.md
+# (an integer, a decimal or E notation "mEn"; no sign for a positive value, no thousands separator).
 FOCUS_DATETIME = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")
+FOCUS_NUMERIC = re.compile(r"^-?\d+(\.\d+)?(E-?\d+)?$")
 FAILING_TICKET = "charged twice"  # ticket 1's body: its triage request answers an error line
 
 
@@ -106,11 +109,13 @@ def check_focus_export(project: Project, focus_path: Path) -> None:
             if kind["allows_nulls"] == "False":
                 assert value != "", column
             if value and kind["data_type"] == "Decimal":
-                Decimal(value)
+                assert FOCUS_NUMERIC.match(value), (column, value)
             if value and kind["data_type"] == "Date/Time":
                 assert FOCUS_DATETIME.match(value), (column, value)
-            if value and kind["data_type"] == "JSON":
-                json.loads(value)
+            if value and kind["data_type"] == "JSON":  # attributes/key_value_format.md: an object of scalars
+                parsed = json.loads(value)
+                assert isinstance(parsed, dict), (column, value)
+                assert all(not isinstance(v, dict | list) for v in parsed.values()), (column, value)
             if column in FOCUS_ALLOWED:
                 assert value in FOCUS_ALLOWED[column], (column, value)
         assert row["ChargeClass"] == ""  # not a correction
@@ -173,7 +178,15 @@ def check_report_in_browser(project: Project, html_path: Path) -> None:
             drawn = {div_id: chart(div_id) for div_id in charts}
             kpi = {
                 k: page.eval_on_selector(f"#{k}", "e => [e.dataset.value, e.textContent]")
-                for k in ("total-cost", "total-realtime", "saved-batch", "saved-caching", "saved-dedup", "committed")
+                for k in (
+                    "total-cost",
+                    "total-realtime",
+                    "total-saved",
+                    "saved-batch",
+                    "saved-caching",
+                    "saved-dedup",
+                    "committed",
+                )
             }
             pick = page.eval_on_selector("#pick-0", "e => [e.dataset.variant, e.textContent]")
         finally:
@@ -211,6 +224,7 @@ def check_report_in_browser(project: Project, html_path: Path) -> None:
     for key, value in {
         "total-cost": cost,
         "total-realtime": realtime,
+        "total-saved": realtime - cost,
         "saved-batch": batch,
         "saved-caching": caching,
         "saved-dedup": dedup,
@@ -222,11 +236,12 @@ def check_report_in_browser(project: Project, html_path: Path) -> None:
 
     by_day = views(
         project,
-        """select sum(cost_usd), sum(coalesce(realtime_cost_usd, cost_usd)) from main.llm_batch_costs
+        """select day, sum(cost_usd), sum(coalesce(realtime_cost_usd, cost_usd)) from main.llm_batch_costs
            where cost_usd is not null group by day order by day""",
     )
-    assert close(ys("chart-spend-by-day")[0], [c for c, _ in by_day])
-    assert close(ys("chart-spend-by-day")[1], [r for _, r in by_day])
+    assert [str(x)[:10] for x in drawn["chart-spend-by-day"]["traces"][0]["x"]] == [str(d) for d, _, _ in by_day]
+    assert close(ys("chart-spend-by-day")[0], [c for _, c, _ in by_day])
+    assert close(ys("chart-spend-by-day")[1], [r for *_, r in by_day])
     by_model = views(
         project,
         """select model, coalesce(nullif(variant, ''), 'default') as v, sum(cost_usd),
@@ -257,6 +272,7 @@ def check_report_in_browser(project: Project, html_path: Path) -> None:
     )
     assert failures and drawn["chart-failures"]["traces"][0]["x"] == [k for k, _, _ in failures]
     assert close(ys("chart-failures")[0], [f for _, f, _ in failures])
+    assert close(ys("chart-failures")[1], [r for *_, r in failures])
 
     # The evaluation run: one point per variant at its accuracy and cost, the cheapest near the best named.
     variants = views(
@@ -269,6 +285,11 @@ def check_report_in_browser(project: Project, html_path: Path) -> None:
     best = max(a for _, a, _ in variants)
     cheapest = min((c, v) for v, a, c in variants if a >= best - 0.02)[1]
     assert pick[0] == cheapest and f"is {cheapest} (" in pick[1]
+    # The sentence's figures: the best variant's accuracy, and the pick's accuracy and cost.
+    (pick_accuracy, pick_cost), *_ = [(a, c) for v, a, c in variants if v == cheapest]
+    best_named = re.search(r"best category_accuracy \((\w+), ([\d.]+)\)", pick[1])
+    assert best_named and {v for v, a, _ in variants if a == best} >= {best_named[1]}, pick[1]
+    assert best_named[2] == f"{best:.3f}" and f"({pick_accuracy:.3f} at {fmt_usd(pick_cost)})." in pick[1], pick[1]
 
 
 def check_served_report(project: Project, focus_path: Path) -> None:
