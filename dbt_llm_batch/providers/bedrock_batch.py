@@ -95,7 +95,9 @@ class BedrockBatchProvider(BatchProvider):
     context_windows = {"anthropic.claude-": 200_000, "us.anthropic.claude-": 200_000, "eu.anthropic.claude-": 200_000}
     default_output_tokens = AnthropicBatchProvider.default_output_tokens
     # What the capability table says (docs/providers/index.md; each is shown in docs/providers/bedrock.md).
-    structured_output = "Claude's forced tool (`tool_choice`) in the InvokeModel body; Converse `toolConfig` in realtime"
+    structured_output = (
+        "Claude's forced tool (`tool_choice`) in the InvokeModel body; Converse `toolConfig` in realtime"
+    )
     prompt_caching = "none in batch jobs (`cache_control` is dropped)"
     unfinished_batch = (
         "expires after `timeoutDurationInHours` (24 h); an expired, stopped or failed job's processed records"
