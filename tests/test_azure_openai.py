@@ -10,6 +10,7 @@ import json
 
 import openai
 import pytest
+from conftest import failure_messages
 from helpers import SANDBOX_KEY, end_backoff
 
 from dbt_llm_batch.config import parse_config
@@ -170,3 +171,15 @@ def test_over_the_deployment_quota_waits_and_resubmits_never_paying_twice(projec
     assert project.query("select count(*) from main.llm_batch_requests where status = 'failed'") == [(0,)]
     billed = collections.Counter(b["prompt"] for b in emulator.billed())
     assert sorted(billed.values()) == [1] * 10, billed
+
+
+def test_a_config_key_azure_refuses_fails_the_model_before_anything_is_sent(project, emulator):
+    """llm_azure_endpoint is the provider's own key, checked by itself when dbt parses the model's config."""
+    things, m = model(2)
+    project.write("models/things.sql", things)
+    project.write(
+        "models/m.sql", m.replace("llm_azure_model=", "llm_azure_endpoint='x.openai.azure.com', llm_azure_model=")
+    )
+    message = failure_messages(project.dbt("run", "-s", "things", "m", expect_ok=False))
+    assert "llm_azure_endpoint must be the resource's https:// URL, got 'x.openai.azure.com'" in message
+    assert emulator.stats()["calls"] == {}

@@ -13,7 +13,7 @@ from decimal import Decimal
 import boto3
 import pytest
 from conftest import failure_messages
-from helpers import TRIAGE_OUTPUT, TRIAGE_SCHEMA, kill_then_run_on, log_text
+from helpers import TRIAGE_OUTPUT, TRIAGE_SCHEMA, end_backoff, kill_then_run_on, log_text
 
 from dbt_llm_batch.sandbox import expected_answer
 
@@ -96,7 +96,7 @@ def test_a_run_submits_a_later_run_merges_every_row_at_the_billed_batch_cost(pro
     assert len(jobs(emulator)) == 1
 
 
-@pytest.mark.parametrize("end", ["Expired", "Stopped", "Failed"])
+@pytest.mark.parametrize("end", ["Expired", "Stopped"])
 def test_an_ended_job_keeps_what_it_finished_and_sends_the_rest_again(project, emulator, bedrock, end):
     write(project, bedrock, rows=200)
     run(project)
@@ -106,6 +106,33 @@ def test_an_ended_job_keeps_what_it_finished_and_sends_the_rest_again(project, e
     run(project)
     assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(100,)]
     second = jobs(emulator)[0]  # the 100 records it never processed, sent again at once
+    assert second["jobArn"] != job["jobArn"]
+    emulator.complete(second["jobArn"])
+    run(project)
+    assert_all_answered(project, 200)
+    assert_billed_once_each(emulator, 200)
+
+
+def test_a_failed_job_keeps_what_it_finished_and_sends_the_rest_again_after_a_back_off(project, emulator, bedrock):
+    """`Failed` is a job-level failure that names no record (a role S3 refuses fails every job the same
+    way): as for an OpenAI batch or a Gemini job that failed as a whole, its unprocessed records are
+    sent again after a growing back-off (given up after 3 such failures in a row), not by every run
+    while Bedrock keeps failing them."""
+    write(project, bedrock, rows=200)
+    run(project)
+    (job,) = jobs(emulator)
+    emulator.advance(job["jobArn"], "InProgress", 0.5)
+    emulator.advance(job["jobArn"], "Failed", 0.5)
+    run(project)
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(100,)]
+    assert len(jobs(emulator)) == 1, "the failed job's records were sent again at once"
+    waiting = project.query(
+        "select count(*) from main.llm_batch_requests where status = 'voided' and not_before > now()"
+    )
+    assert waiting == [(100,)]
+    end_backoff(project)
+    run(project)
+    second = jobs(emulator)[0]
     assert second["jobArn"] != job["jobArn"]
     emulator.complete(second["jobArn"])
     run(project)

@@ -10,6 +10,7 @@ import collections
 from decimal import Decimal
 
 import pytest
+from conftest import failure_messages
 from helpers import GEMINI_MODEL, assert_triage_rows_answered, end_backoff, gemini_triage_model, kill_then_run_on
 
 # Gemini's prices per million tokens (input, output), as prices.csv ships them; the Batch API takes 50 % off.
@@ -161,3 +162,13 @@ def test_a_failed_job_keeps_its_finished_results_and_resends_the_rest_after_a_ba
     billed = billed_per_prompt(emulator)
     assert len(billed) == 6 and set(billed.values()) == {1}
     assert_cost_is_what_was_billed(project, emulator)
+
+
+def test_a_config_key_gemini_refuses_fails_the_model_before_anything_is_sent(gemini_project, emulator):
+    """llm_gemini_input and the schema subset are the provider's own checks, run by dbt's parse of
+    the model's config: the message says what to write, and Gemini is never called."""
+    project = gemini_project
+    project.write("models/triage.sql", gemini_triage_model("llm_gemini_input = 'bucket',"))
+    message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
+    assert "llm_gemini_input must be one of ['auto', 'inline', 'file'], got 'bucket'" in message
+    assert emulator.stats()["calls"] == {}

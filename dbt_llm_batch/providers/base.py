@@ -112,8 +112,9 @@ class BatchState:
     error_file_id: str | None = None
     # OpenAI validation errors that name input lines: {1-based line of the request file: message}.
     line_errors: dict = field(default_factory=dict)
-    # The batch failed as a whole (OpenAI `failed`, Ray `FAILED`, Gemini JOB_STATE_FAILED): the requests it left
-    # unanswered are resubmitted after a back-off, and given up after repeated failures (batch_failures.py).
+    # The batch failed as a whole (OpenAI `failed`, Ray `FAILED`, Gemini JOB_STATE_FAILED, Bedrock `Failed`):
+    # the requests it left unanswered are resubmitted after a back-off, and given up after repeated
+    # failures (batch_failures.py).
     failed: bool = False
     token_limit: bool = False  # failed on the provider's enqueued-token limit: resubmit after a back-off
     results_gone: bool = False  # set by poll (archived) or download_results: results could no longer be fetched

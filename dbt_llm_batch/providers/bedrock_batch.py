@@ -94,6 +94,15 @@ class BedrockBatchProvider(BatchProvider):
     max_bytes_per_batch = 1_000_000_000
     context_windows = {"anthropic.claude-": 200_000, "us.anthropic.claude-": 200_000, "eu.anthropic.claude-": 200_000}
     default_output_tokens = AnthropicBatchProvider.default_output_tokens
+    # What the capability table says (docs/providers/index.md; each is shown in docs/providers/bedrock.md).
+    structured_output = (
+        "Claude's forced tool (`tool_choice`) in the InvokeModel body; Converse `toolConfig` in realtime"
+    )
+    prompt_caching = "none in batch jobs (`cache_control` is dropped)"
+    unfinished_batch = (
+        "expires after `timeoutDurationInHours` (24 h); an expired, stopped or failed job's processed records"
+        " are kept (and billed), the rest sent again (a failed job's after a back-off)"
+    )
     environment_hint = "Bedrock reads credentials, region and endpoints from the standard AWS chain"
     # Claude's stop_reason in InvokeModel bodies, and Converse's stopReason (realtime rows).
     finish_reasons = {
@@ -309,6 +318,7 @@ class BedrockBatchProvider(BatchProvider):
             # A failed job is a batch-level failure (its unanswered records back off); stopped and
             # expired ones just end: what they finished is kept, the rest is sent again.
             error=(job.get("message") or "the batch inference job failed") if status == "Failed" else None,
+            failed=status == "Failed",
             counts=counts,
             requests_done=counts.get("processedRecordCount"),
             output_file_id=f"{output}/{batch_id.rsplit('/', 1)[-1]}/",

@@ -92,6 +92,13 @@ class GeminiBatchProvider(BatchProvider):
     max_bytes_per_batch = 2_000_000_000
     # Context windows by model-name prefix (Gemini models page: 1,048,576 input tokens for 2.x/3.x).
     context_windows = {"gemini-2.": 1_048_576, "gemini-3": 1_048_576}
+    # What the capability table says (docs/providers/index.md; each is shown in docs/providers/gemini.md).
+    structured_output = "JSON Schema in `responseJsonSchema` (Gemini's subset; others refused at parse)"
+    prompt_caching = "Gemini's implicit caching of a shared prefix; cached tokens priced at the cache-read rate"
+    unfinished_batch = (
+        "expires (after about 48 h, unverified); finished requests are kept (and billed), the rest sent again;"
+        " a failed job's rest after a back-off"
+    )
     environment_hint = "Gemini reads GOOGLE_API_KEY or GEMINI_API_KEY and GOOGLE_GEMINI_BASE_URL from the environment"
     # `finishReason` of a candidate (Gemini API reference, Candidate.FinishReason).
     finish_reasons = {

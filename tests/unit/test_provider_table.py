@@ -19,3 +19,15 @@ def test_the_table_has_a_row_per_provider_of_this_package_with_its_declared_limi
     assert rows["`azure_openai`"][2] == f"{azure.max_requests_per_batch:,}"
     assert "never expires" in rows["`azure_openai`"][5]
     assert rows["`openai_compatible`"][1] == "no (self-hosted engine)"
+
+
+def test_the_cloud_batch_providers_state_each_capability_the_table_shows():
+    """Gemini, Bedrock and Azure OpenAI (issue #32) each say how they take llm_output, what their prompt
+    caching is and what becomes of a batch they did not finish: a column reading "not stated" is a
+    capability the provider never declared."""
+    from dbt_llm_batch.providers import get_provider
+
+    for name in ("gemini", "bedrock", "azure_openai"):
+        cls = get_provider(name)
+        stated = {k: getattr(cls, k) for k in ("structured_output", "prompt_caching", "unfinished_batch")}
+        assert "not stated" not in stated.values(), (name, stated)
