@@ -14,6 +14,9 @@ older one, each with its own venv, statement by statement (the same ledger state
     .venv/bin/python benchmarks/scale_profile.py --steps b --rows 100000 --repeat 3 --json /tmp/hv_now.json
     .venv/bin/python benchmarks/scale_profile.py --compare /tmp/hv_pre.json /tmp/hv_now.json
 
+`--steps r` times the whole run that harvests instead (runner.run_model with the offline provider:
+reconcile, harvest, plan nothing new, merge, report), as benchmarks/dbt_run.py's harvest step does in dbt.
+
 The real code gets a connection wrapped by `ProfiledConnection`: every `execute` is timed and, with
 DuckDB's JSON profiling on, its operator tree is read back after it ends. Statements are grouped by
 their text with literals blanked, per step. Shares within one run are robust to other work on the
@@ -195,14 +198,18 @@ def profiled_round(
         recorder.step = "setup"
         scale.write_results(raw, directory)
         merge.merge(Ledger(raw, "main", "main.bench"), config, "main.bench", plan.describe(raw, plan.INPUT), True)
-        if "b" in steps:
-            step("b_baseline", lambda: scale.baseline_ingest(raw, scale.result_paths(directory)))
-        step("b_plugin", lambda: scale.ingest(con, config, directory))
 
         def run(sql):
             return m.runner.run_model(
                 con, schema="main", identifier="bench", target="main.bench", raw_config=scale.RAW_CONFIG, sql=sql
             )
+
+        if "r" in steps:  # in place of (b): the whole run that harvests, as dbt_run.py's harvest step
+            step("r_run", lambda: offline_run(m, directory, lambda: run("select * from src")))
+        else:
+            if "b" in steps:
+                step("b_baseline", lambda: scale.baseline_ingest(raw, scale.result_paths(directory)))
+            step("b_plugin", lambda: scale.ingest(con, config, directory))
 
         if "c" in steps:
             step("c_empty", lambda: run("select * from src where false"))
@@ -213,6 +220,21 @@ def profiled_round(
         result["peak_rss_mb"] = scale.max_rss_mb()
         raw.close()
     return result
+
+
+def offline_run(m: SimpleNamespace, directory: str, fn):
+    """`fn` (a runner.run_model call) with every ModelRun given scale.py's offline provider, whose
+    result files the round wrote: the run's own work on a completed batch, no network, no sandbox."""
+    init = m.runner.ModelRun.__init__
+
+    def offline_init(self, con, config, *args, **kwargs):
+        init(self, con, config, *args, **{**kwargs, "provider": m.scale.OfflineProvider(config, directory)})
+
+    m.runner.ModelRun.__init__ = offline_init
+    try:
+        return fn()
+    finally:
+        m.runner.ModelRun.__init__ = init
 
 
 def combine_rounds(rounds: list[dict]) -> dict:
@@ -291,7 +313,12 @@ def main() -> int:
     parser.add_argument("--json", help="write the profile here as JSON (for --compare)")
     parser.add_argument("--top", type=int, default=8, help="statements shown per step")
     parser.add_argument("--compare", nargs=2, metavar=("SMALL.json", "LARGE.json"))
-    parser.add_argument("--steps", default="abc", help="the steps timed, of a, b, c (the others run untimed)")
+    parser.add_argument(
+        "--steps",
+        default="abc",
+        help="the steps timed, of a, b, c (the others run untimed); r: in place of b, the "
+        "whole run (runner.run_model) that harvests the completed batch and merges it",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="rounds, each on a fresh database")
     parser.add_argument("--tree", default=None, help="profile this checkout's package and scale.py instead")
     args = parser.parse_args()
