@@ -2,7 +2,8 @@
 files that say it to dbt.
 
 Three llm_batch models over one seed of tickets, at test prices:
-- `mb_triage` (OpenAI) with variants (at first 'claude' on Anthropic), urgent rows sent realtime;
+- `mb_triage` (OpenAI) with variants (at first 'claude' on Anthropic, answering a sample of half the
+  keys), urgent rows sent realtime;
 - `mb_twin` (OpenAI) asking the same requests as mb_triage's default variant while their prompts,
   providers and model names agree (shared requests across models, `llm_dedup = 'ledger'` for both);
   an edit may move either to another model name, or mb_twin to Anthropic;
@@ -15,6 +16,7 @@ Three llm_batch models over one seed of tickets, at test prices:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 
@@ -37,10 +39,17 @@ NULLABLE = {"note"}  # output columns whose NULL is an answer (JSON null), not a
 # Another model name at the same test price, for the model switch (the billing check prices by face).
 OTHER_MODEL = {"openai": "gpt-test-2", "anthropic": "claude-test-2"}
 FIRST_MODEL = {"openai": "gpt-test", "anthropic": "claude-test"}
-# A variant's config by the name the generator gives it (the name is what a rename changes).
+AZURE_DEPLOYMENT = "batch-test"
+# A variant's config by the name the generator gives it (the name is what a rename changes); "sample"
+# is its llm_variant_sample fraction (the share of keys it answers), which a rename carries along.
 VARIANT_CONFIGS = {
-    "claude": {"llm_provider": "anthropic", "llm_model": "claude-test"},
-    "terse": {"llm_system": "Category of the ticket, nothing else."},
+    "claude": {"llm_provider": "anthropic", "llm_model": "claude-test", "sample": 0.5},
+    # On Azure OpenAI (a Global Batch deployment, at OpenAI's test price): a third provider face.
+    "terse": {
+        "llm_system": "Category of the ticket, nothing else.",
+        "llm_provider": "azure_openai",
+        "llm_model": AZURE_DEPLOYMENT,
+    },
 }
 
 
@@ -87,6 +96,16 @@ class World:
     def table(self, model: str) -> str:
         return self.models[model].file
 
+    def answers(self, model: str, variant: str, key: int) -> bool:
+        """Whether `variant` of `model` answers the row of unique_key value `key`: every row, or for a
+        sampled variant the documented share of keys (llm_variant_sample: the first 32 bits of the
+        md5 of the ledger key, ["<key>"], below the fraction), computed apart from the plugin."""
+        fraction = self.models[model].variants.get(variant, {}).get("sample")
+        if fraction is None:
+            return True
+        digest = hashlib.md5(json.dumps([str(key)]).encode()).hexdigest()
+        return int(digest[:8], 16) / 2**32 < fraction
+
     def llm_model_of(self, model: str, variant: str) -> str:
         """The model name that answers `variant` of `model` now (a variant's own llm_model, else the model's)."""
         return self.models[model].variants.get(variant, {}).get("llm_model", self.models[model].llm_model)
@@ -129,7 +148,12 @@ def model_sql(world: World, model: str) -> str:
     if model == "mb_triage":
         config["llm_realtime_when"] = "priority = 'urgent'"
         if state.variants:
-            config["llm_variants"] = state.variants
+            config["llm_variants"] = {
+                n: {k: v for k, v in c.items() if k != "sample"} for n, c in state.variants.items()
+            }
+            sampled = {n: c["sample"] for n, c in state.variants.items() if "sample" in c}
+            if sampled:
+                config["llm_variant_sample"] = sampled
     args = ",\n    ".join(f"{k} = {json.dumps(v)}" for k, v in config.items())
     return f"""{{{{ config(
     materialized = 'llm_batch', tags = ['mb'], unique_key = {state.key!r},
@@ -150,7 +174,9 @@ def write_project(project, world: World) -> None:
         for p in FIRST_MODEL
         if line.startswith(f"{p},{FIRST_MODEL[p]},")
     )
-    project.write("seeds/llm_prices.csv", PRICES + others)
+    azure = next(line for line in PRICES.splitlines() if line.startswith(f"openai,{FIRST_MODEL['openai']},"))
+    azure = azure.replace(f"openai,{FIRST_MODEL['openai']},", f"azure_openai,{AZURE_DEPLOYMENT},") + "\n"
+    project.write("seeds/llm_prices.csv", PRICES + others + azure)
     write_models(project, world)
     write_seed(project, world)
 
