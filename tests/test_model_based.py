@@ -1,10 +1,11 @@
 """The model-based test: seeded random sequences of what happens to a project over its life (runs with
 dbt's 4 threads, also under a project budget, batches ending, provider faults before and after the
 handler, a SIGKILLed run, edits between runs (also a provider or model switch, a model's file renamed
-with or without llm_ledger_identity), new rows, polls with --then, full re-parses), over three
-llm_batch models that meet (variants on three providers, Azure OpenAI among them, one of them answering a
+with or without llm_ledger_identity), new rows, polls with --then, full re-parses), over four
+llm_batch models, three of which meet (variants on three providers, Azure OpenAI among them, one of them answering a
 sample of the keys; requests shared across models, urgent rows sent realtime, a nested output with a
-date-time and a nullable field, which the sandbox sometimes answers with a value its column cannot hold).
+date-time and a nullable field, which the sandbox sometimes answers with a value its column cannot hold),
+and an embedding model (llm_task = 'embed').
 
 After every step: no request billed twice (the sandbox's billing record, by request body), the ledger's
 costs equal what was billed once harvested, one row per (key, variant), no table row carries more than

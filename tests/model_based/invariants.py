@@ -10,7 +10,7 @@ from decimal import Decimal
 
 from helpers import PRICE
 
-from .world import MODELS, NULLABLE, ModelState, World
+from .world import EMBED_SIZE, MODELS, NULLABLE, ModelState, World
 
 MILLION = Decimal(1_000_000)
 FACE_TOKENS = {
@@ -189,6 +189,14 @@ def table_invariants(project, world: World, logical: str) -> list[str]:
         for c in world.output_columns(logical)
         if _is_column(project, model, c)
     )
+    if logical == "mb_embed":  # a vector, not a JSON answer: a succeeded row has one of its size
+        lost = ""
+        short = project.query(
+            f"""select {key} from main.{model} where llm_status = 'succeeded'
+                and (llm_embedding is null or len(llm_embedding) <> {EMBED_SIZE}) limit 5"""
+        )
+        if short:
+            broken.append(f"no succeeded row without its vector, in {model}: {short}")
     if lost:
         nulls = project.query(
             f"""select t.{key}, {variant} from main.{model} t

@@ -19,7 +19,7 @@ from pathlib import Path
 from dbt_llm_batch.pipeline.crashpoints import POINTS
 
 from .invariants import budget_kept, rename_warned
-from .world import FIRST_MODEL, MODELS, OTHER_MODEL, VARIANT_CONFIGS, World, write_models, write_seed
+from .world import EDITED, FIRST_MODEL, OTHER_MODEL, VARIANT_CONFIGS, World, write_models, write_seed
 
 SELECT = ("-s", "tag:mb", "--threads", "4")
 # Project budgets (var llm_batch_max_cost_usd) a run may have: at the test prices one model's 8 rows
@@ -156,7 +156,7 @@ def _edit(rng: random.Random, world: World) -> str:
         state.extra_column = not state.extra_column
         return f"edit: {model} output {'gains' if state.extra_column else 'loses'} 'summary', dbt run --full-refresh"
     if what == "key":
-        model = rng.choice(MODELS)
+        model = rng.choice(EDITED)
         state = world.models[model]
         state.key = "ticket_no" if state.key == "id" else "id"
         return f"edit: {model} unique_key = {state.key!r}"

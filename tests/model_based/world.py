@@ -1,12 +1,13 @@
 """The modelled project: what the test believes the dbt project is (rows, each model's config), and the
 files that say it to dbt.
 
-Three llm_batch models over one seed of tickets, at test prices:
+Four llm_batch models over one seed of tickets, at test prices:
 - `mb_triage` (OpenAI) with variants (at first 'claude' on Anthropic, answering a sample of half the
   keys), urgent rows sent realtime;
 - `mb_twin` (OpenAI) asking the same requests as mb_triage's default variant while their prompts,
   providers and model names agree (shared requests across models, `llm_dedup = 'ledger'` for both);
   an edit may move either to another model name, or mb_twin to Anthropic;
+- `mb_embed` (OpenAI, `llm_task = 'embed'`): each ticket's text as an 8-float vector, never edited;
 - `mb_extract` (Anthropic) with a nested output (a STRUCT holding a LIST, an integer, a date-time and a
   nullable string), its own
   requests (no `llm_dedup = 'ledger'`: a rename without `llm_ledger_identity` warns before paying again).
@@ -22,7 +23,9 @@ import shutil
 
 from helpers import PRICES
 
-MODELS = ("mb_triage", "mb_twin", "mb_extract")
+EDITED = ("mb_triage", "mb_twin", "mb_extract")  # the models edits draw from
+MODELS = (*EDITED, "mb_embed")
+EMBED_MODEL, EMBED_SIZE = "text-embedding-3-small", 8
 TRIAGE_OUTPUT = {"category": ["billing", "bug", "how_to", "other"], "urgent": "boolean"}
 EXTRACT_OUTPUT = {
     "contact": {
@@ -84,6 +87,7 @@ class World:
     def initial(cls, rows: int = 8) -> World:
         world = cls(models={m: ModelState(file=m) for m in MODELS})
         world.models["mb_extract"].provider, world.models["mb_extract"].llm_model = "anthropic", "claude-test"
+        world.models["mb_embed"].llm_model = EMBED_MODEL
         world.models["mb_triage"].variants = {"claude": dict(VARIANT_CONFIGS["claude"])}
         # mb_twin starts at mb_triage's prompt version: their requests are shared from the first run.
         for i in range(rows):
@@ -113,6 +117,8 @@ class World:
     def output_columns(self, model: str) -> list[str]:
         if model == "mb_extract":
             return sorted(EXTRACT_OUTPUT)
+        if model == "mb_embed":
+            return ["llm_embedding"]
         return sorted([*TRIAGE_OUTPUT, *(["summary"] if self.models[model].extra_column else [])])
 
 
@@ -126,7 +132,10 @@ def seed_csv(world: World) -> str:
 
 def model_sql(world: World, model: str) -> str:
     state = world.models[model]
-    if model == "mb_extract":
+    if model == "mb_embed":  # each ticket's text embedded (llm_task = 'embed'), in batches like the others
+        config = {"llm_task": "embed", "llm_model": state.llm_model, "llm_dimensions": EMBED_SIZE}
+        prompt = "body"
+    elif model == "mb_extract":
         config = {
             "llm_provider": state.provider,
             "llm_model": state.llm_model,
@@ -140,7 +149,9 @@ def model_sql(world: World, model: str) -> str:
         # The twin's prompt equals mb_triage's while their versions agree: one request for both.
         config["llm_system"] = system_of("mb_triage", state.version)
         prompt = "'Ticket: ' || body"
-    config.update(llm_max_tokens=60, llm_price_table="main.llm_prices")
+    if model != "mb_embed":
+        config["llm_max_tokens"] = 60
+    config["llm_price_table"] = "main.llm_prices"
     if model != "mb_extract":
         config["llm_dedup"] = "ledger"
     if state.identity:
@@ -176,7 +187,9 @@ def write_project(project, world: World) -> None:
     )
     azure = next(line for line in PRICES.splitlines() if line.startswith(f"openai,{FIRST_MODEL['openai']},"))
     azure = azure.replace(f"openai,{FIRST_MODEL['openai']},", f"azure_openai,{AZURE_DEPLOYMENT},") + "\n"
-    project.write("seeds/llm_prices.csv", PRICES + others + azure)
+    # The embedding model at the chat model's test price: the billing check prices every OpenAI line so.
+    embed = azure.replace(f"azure_openai,{AZURE_DEPLOYMENT},", f"openai,{EMBED_MODEL},")
+    project.write("seeds/llm_prices.csv", PRICES + others + azure + embed)
     write_models(project, world)
     write_seed(project, world)
 
