@@ -1,17 +1,20 @@
 """The model-based test: seeded random sequences of what happens to a project over its life (runs with
 dbt's 4 threads, also under a project budget, batches ending, provider faults before and after the
 handler, a SIGKILLed run, edits between runs (also a provider or model switch, a model's file renamed
-with or without llm_ledger_identity), new rows, polls with --then, full re-parses), over three
-llm_batch models that meet (variants on two providers, requests shared across models, urgent rows sent
-realtime, a nested output with a date-time and a nullable field).
+with or without llm_ledger_identity), new rows, polls with --then, full re-parses), over four
+llm_batch models, three of which meet (variants on three providers, Azure OpenAI among them, one of them answering a
+sample of the keys; requests shared across models, urgent rows sent realtime, a nested output with a
+date-time and a nullable field, which the sandbox sometimes answers with a value its column cannot hold),
+and an embedding model (llm_task = 'embed').
 
 After every step: no request billed twice (the sandbox's billing record, by request body), the ledger's
 costs equal what was billed once harvested, one row per (key, variant), no table row carries more than
-its request cost, no succeeded row with NULL in an output, values stored as answered, a batch's rows
+its request cost, no succeeded row with NULL in an output, values stored as answered, no succeeded
+request holding a value its column cannot hold, a batch's rows
 name a model it asked, no run ends in a traceback; a budget run's own (the committed estimate within
 the budget, a refused model sends nothing), a rename's own (the warning exactly when it pays again).
 After a calm finish (no faults, batches completed, runs until nothing is open), every selected row
-landed, answered by its variant's current model.
+landed (a sampled variant's: its sample's keys), answered by its variant's current model.
 
 A fixed list of seeds runs in CI. A longer soak: DBT_LLM_BATCH_SOAK_SEEDS=N (N more seeds, drawn from
 DBT_LLM_BATCH_SOAK_START, default 1000) and DBT_LLM_BATCH_SOAK_STEPS (steps per seed). On failure the

@@ -219,7 +219,7 @@ def settle(
 
     def write():
         with transaction(con):
-            settled[0] = ledger.settle_outcomes(Scratch.outcomes, config.max_attempts, cost)
+            settled[0] = ledger.settle_outcomes(Scratch.outcomes, config.max_attempts, cost, vectors=config.embeds)
             if source:
                 return
             batch_failures.fail_named_lines(ledger)

@@ -9,6 +9,7 @@ is the one place the run's selected rows (Scratch.desired) and the ledger's vari
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger
@@ -53,3 +54,15 @@ def enter(con, ledger: Ledger, current: Pass, input_columns, precomputed: bool) 
     ledger.variant = current.variant
     plan.build_desired(con, Scratch.input, input_columns, current.config, ledger, precomputed and current.index == 0)
     variants.sample_desired(con, current.config)
+
+
+def each(con, ledger: Ledger, passes: tuple[Pass, ...], input_columns, precomputed: bool) -> Iterator[Pass]:
+    """Each pass, entered (`enter`); once all were, the first again: its rows are the model's own,
+    built when the run started, so a model without variants enters nothing and builds nothing again."""
+    several = len(passes) > 1
+    for p in passes:
+        if several:
+            enter(con, ledger, p, input_columns, precomputed)
+        yield p
+    if several:
+        enter(con, ledger, passes[0], input_columns, precomputed)

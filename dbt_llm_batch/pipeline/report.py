@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.errors import ProviderError
+from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.log import log, warn_user
 from dbt_llm_batch.pipeline import costs
 from dbt_llm_batch.pipeline.realtime import RealtimeOutcome
+from dbt_llm_batch.providers import get_provider
 
 
 @dataclass
@@ -137,6 +140,34 @@ def dry_run(
     )
 
 
+def finish_summary(
+    s: RunSummary, ledger: Ledger, config: ModelConfig, priced: bool, started, elsewhere: dict[str, int] | None
+) -> None:
+    """The run's figures read back from the ledger once it merged: what is pending, waiting, held or
+    deferred, and what the run's harvests cost (batch rows and realtime rows apart, each under its own
+    name in the line). `priced`: the model's own pass has a price (nothing harvested is then $0, not
+    unknown); `elsewhere`: rows answered by another model's request in flight (llm_dedup = 'ledger')."""
+    s.pending = ledger.pending_count()
+    if elsewhere is not None:
+        s.pending_elsewhere = elsewhere
+    s.backed_off, s.held = ledger.waiting_counts()
+    s.deferred = ledger.deferred_count()
+    cost, realtime_cost, realtime_route = ledger.con.execute(
+        f"""select sum(cost_usd) filter (where route is distinct from 'realtime'),
+                   sum(realtime_cost_usd) filter (where route is distinct from 'realtime'),
+                   sum(cost_usd) filter (where route = 'realtime')
+            from {ledger.table("llm_batch_requests")}
+            where model = ? and completed_at >= ?""",
+        [ledger.model, started],
+    ).fetchall()[0]
+    s.realtime_route_usd = realtime_route
+    if cost is None and priced:
+        cost = realtime_cost = Decimal(0)  # nothing harvested this run
+    if get_provider(config.provider).self_hosted:
+        realtime_cost = None  # no realtime counterfactual for a self-hosted engine
+    s.cost_usd, s.realtime_usd = cost, realtime_cost
+
+
 def unavailable_message(model: str, config: ModelConfig, error: str, submitted: int, waiting: int) -> str:
     """The provider stayed down for the retry budget: what was (not) sent, and what happens next."""
     sent = f"only {submitted} request(s) were submitted" if submitted else "nothing was sent"
@@ -145,6 +176,18 @@ def unavailable_message(model: str, config: ModelConfig, error: str, submitted: 
         f"{config.retry_budget_seconds:g} ({error}); {sent} this run, open "
         f"batches stay pending, and the next run carries on ({waiting} request(s) pending or waiting)"
     )
+
+
+def unavailable(ledger: Ledger, config: ModelConfig, error: str | None, submitted: int) -> None:
+    """After the merge: say plainly that the provider stayed down (a dbt warning, which a nightly
+    job sees in its summary and --warn-error turns into a failure), or fail the run if asked."""
+    if not error:
+        return
+    waiting = ledger.pending_count() + ledger.deferred_count()
+    message = unavailable_message(ledger.model, config, error, submitted, waiting)
+    if config.on_unavailable == "error":
+        raise ProviderError(message + ". (llm_on_unavailable='error' makes this fail the run.)")
+    warn_user(message)
 
 
 def unreachable(model: str, provider_name: str, exc: Exception, count: int = 1) -> None:

@@ -21,12 +21,11 @@ Every temporary table the run makes is dropped when it ends, however it ends (sc
 from __future__ import annotations
 
 import time
-from decimal import Decimal
 
 from dbt_llm_batch.config import ModelConfig, parse_config, settle_snapshot
 from dbt_llm_batch.errors import BudgetError, ConfigError, ProviderError
 from dbt_llm_batch.ledger import Ledger, locks
-from dbt_llm_batch.log import log, warn_user
+from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import (
     budget,
     contract,
@@ -54,7 +53,6 @@ from dbt_llm_batch.pipeline import (
 from dbt_llm_batch.pipeline.pool import Pool
 from dbt_llm_batch.pipeline.report import RunSummary
 from dbt_llm_batch.pipeline.scratch import Scratch
-from dbt_llm_batch.providers import get_provider
 
 __all__ = ["ModelRun", "RunSummary", "run_model"]
 
@@ -106,11 +104,9 @@ def _run(
     for other in config.variants:  # each variant's prompt column
         plan.check_input(con, Scratch.input, other, precomputed)
     contract.enforce(con, model_contract, merge.table_columns(input_columns, config))
-    exists = merge.relation_exists(con, schema, identifier)
-    rebuild = full_refresh or not exists
-    if not rebuild:  # on_schema_change: the table follows the model's columns, before anything is sent
-        columns = merge.table_columns(input_columns, config)
-        rebuild = schema_change.apply(con, target, columns, config, name or identifier, dry_run=run.dry_run)
+    exists, rebuild = schema_change.prepare_table(  # on_schema_change, before anything is sent
+        con, schema, identifier, target, input_columns, config, full_refresh, name or identifier, run.dry_run
+    )
     if run.dry_run:  # every pass planned, then each sender's batches: as a real run would
         plan.build_desired(con, Scratch.input, input_columns, config, run.ledger, precomputed)
         run.dry_run_report()
@@ -141,10 +137,11 @@ def _run(
         lock.release()
 
     # Report.
-    run.finish_summary()
+    elsewhere = shared.waiting_elsewhere(run.ledger) if config.dedup == "ledger" else None
+    report.finish_summary(run.summary, run.ledger, config, run.passes[0].price is not None, run.started, elsewhere)
     log.info(run.summary.line())
     try:
-        run.report_unavailable()
+        report.unavailable(run.ledger, config, run.unavailable_error, run.summary.submitted)
     except ProviderError as down:
         if refused is None:
             raise
@@ -226,29 +223,23 @@ class ModelRun:
         """Plan and estimate every pass only: no provider call, no ledger row, no table change."""
         send.send(self.state, self.passes, dry=True)
 
+    def each_pass(self):
+        """Each pass entered, its selected rows and ledger variant (passes.each)."""
+        return passes.each(self.con, self.ledger, self.passes, self.input_columns, self.precomputed)
+
     def keep_wider_answers(self) -> None:
         """Each pass's rows answered under a wider output schema keep that answer (wider_answers.py):
         a removed output field is not asked again. Before planning; their answer_id stays NULL, so
         the plan looks them up among the row answers, where they are now."""
-        for p in self.passes:
-            self.enter(p)
+        for p in self.each_pass():
             wider_answers.adopt(self.ledger, p.config)
-        self.enter(self.passes[0])
 
     def reject_unsendable(self) -> None:
         """Each pass's rows that can never be sent fail alone (empty, over the context window, ...)."""
-        for p in self.passes:
-            self.enter(p)
+        for p in self.each_pass():
             self.summary.rejected_prompts += plan.reject_empty_prompts(self.ledger, Scratch.input, self.input_columns)
             self.summary.rejected_prompts += validate.reject_unsendable(self.ledger, p.config, self.input_columns)
             self.summary.rejected_prompts += validate.reject_deferred_without_prompt(self.ledger, p.config)
-        self.enter(self.passes[0])
-
-    def enter(self, current: passes.Pass) -> None:
-        """`current`'s selected rows and ledger variant (passes.enter); the first pass's are the model's
-        own, built when the run started, so a model without variants builds nothing again."""
-        if len(self.passes) > 1:
-            passes.enter(self.con, self.ledger, current, self.input_columns, self.precomputed)
 
     def harvest_open(self) -> None:
         """Reconcile what earlier runs left open, then poll and harvest every submitted batch, each
@@ -326,49 +317,11 @@ class ModelRun:
         if several and not rebuild:  # rows of removed variants go before the variants' rows are merged
             variants.drop_removed(self.ledger, self.config, target)
         total = merge.Merged(0, 0, 0)
-        for p in self.passes:
-            self.enter(p)
+        for p in self.each_pass():
             done = merge.merge(
                 self.ledger, p.config, target, self.input_columns, rebuild=rebuild, create=p.index == 0, variants=stored
             )
             total = merge.Merged(*(a + b for a, b in zip(total, done, strict=True)))
-        self.enter(self.passes[0])
         if several and rebuild:
             variants.drop_removed(self.ledger, self.config, target)
         return total
-
-    def finish_summary(self) -> None:
-        s = self.summary
-        s.pending = self.ledger.pending_count()
-        if self.config.dedup == "ledger":  # rows answered by another model's request in flight
-            s.pending_elsewhere = shared.waiting_elsewhere(self.ledger)
-        s.backed_off, s.held = self.ledger.waiting_counts()
-        s.deferred = self.ledger.deferred_count()
-        # Harvested batches' rows and realtime rows apart: each figure under its own name in the line.
-        cost, realtime_cost, realtime_route = self.con.execute(
-            f"""select sum(cost_usd) filter (where route is distinct from 'realtime'),
-                       sum(realtime_cost_usd) filter (where route is distinct from 'realtime'),
-                       sum(cost_usd) filter (where route = 'realtime')
-                from {self.ledger.table("llm_batch_requests")}
-                where model = ? and completed_at >= ?""",
-            [self.ledger.model, self.started],
-        ).fetchall()[0]
-        s.realtime_route_usd = realtime_route
-        if cost is None and self.passes[0].price is not None:
-            cost = realtime_cost = Decimal(0)  # nothing harvested this run
-        if get_provider(self.config.provider).self_hosted:
-            realtime_cost = None  # no realtime counterfactual for a self-hosted engine
-        s.cost_usd, s.realtime_usd = cost, realtime_cost
-
-    def report_unavailable(self) -> None:
-        """After the merge: say plainly that the provider stayed down (a dbt warning, which a nightly
-        job sees in its summary and --warn-error turns into a failure), or fail the run if asked."""
-        if not self.unavailable_error:
-            return
-        waiting = self.ledger.pending_count() + self.ledger.deferred_count()
-        message = report.unavailable_message(
-            self.ledger.model, self.config, self.unavailable_error, self.summary.submitted, waiting
-        )
-        if self.config.on_unavailable == "error":
-            raise ProviderError(message + ". (llm_on_unavailable='error' makes this fail the run.)")
-        warn_user(message)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from dbt_llm_batch.config import STATUS_COLUMNS, ModelConfig
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline.merge import VARIANT_COLUMN
+from dbt_llm_batch.pipeline.merge import VARIANT_COLUMN, relation_exists, table_columns
 from dbt_llm_batch.pipeline.plan import describe
 from dbt_llm_batch.sql import ident, literal
 
@@ -64,6 +64,25 @@ def changes(actual, expected) -> Changes:
             (model[k][0], table[k][1], model[k][1]) for k in sorted(model) if k in table and table[k][1] != model[k][1]
         ],
     )
+
+
+def prepare_table(
+    con,
+    schema: str,
+    identifier: str,
+    target: str,
+    input_columns,
+    config: ModelConfig,
+    full_refresh: bool,
+    model: str,
+    dry_run: bool,
+) -> tuple[bool, bool]:
+    """The run's table step, before anything is sent: (whether the model's table exists, whether this
+    run rebuilds it from the ledger). A table kept follows the model's columns (`apply`)."""
+    exists = relation_exists(con, schema, identifier)
+    if full_refresh or not exists:
+        return exists, True
+    return True, apply(con, target, table_columns(input_columns, config), config, model, dry_run=dry_run)
 
 
 def apply(con, target: str, expected, config: ModelConfig, model: str, dry_run: bool = False) -> bool:

@@ -10,10 +10,15 @@ from decimal import Decimal
 
 from helpers import PRICE
 
-from .world import MODELS, NULLABLE, ModelState, World
+from .world import EMBED_SIZE, MODELS, NULLABLE, ModelState, World
 
 MILLION = Decimal(1_000_000)
-FACE_TOKENS = {"openai": ("prompt_tokens", "completion_tokens"), "anthropic": ("input_tokens", "output_tokens")}
+FACE_TOKENS = {
+    "openai": ("prompt_tokens", "completion_tokens"),
+    "azure_openai": ("prompt_tokens", "completion_tokens"),
+    "anthropic": ("input_tokens", "output_tokens"),
+}
+FACE_PRICE = {**PRICE, "azure_openai": PRICE["openai"]}  # the Azure deployment at OpenAI's test price (world.py)
 
 
 def billed_cost(billed: list[dict]) -> Decimal:
@@ -26,7 +31,7 @@ def billed_cost(billed: list[dict]) -> Decimal:
             usage.get(k) for k in ("cached_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
         )
         tokens_in, tokens_out = (usage[k] for k in FACE_TOKENS[line["face"]])
-        price_in, price_out = PRICE[line["face"]]
+        price_in, price_out = FACE_PRICE[line["face"]]
         full = (tokens_in * price_in + tokens_out * price_out) / MILLION
         total += full if line["via"] == "realtime" else full * Decimal("0.5")
     return total
@@ -44,10 +49,29 @@ def after_step(project, emulator, world: World, reported: set[str] | None = None
     harvested = all(b["custom_id"] in stored for b in billed if b["via"] == "batch")
     if ledger_cost > paid or (harvested and ledger_cost != paid):
         broken.append(f"the ledger's costs equal what was billed once harvested: ledger {ledger_cost}, billed {paid}")
+    broken += no_unholdable_value_succeeded(project)
     for model in MODELS:
         broken += table_invariants(project, world, model)
     broken += answered_by_its_provider(project, world, emulator)
     return broken
+
+
+def no_unholdable_value_succeeded(project) -> list[str]:
+    """A value its column cannot hold (a date-time that is no instant, an integer past BIGINT: the
+    sandbox answers some, as a real model sometimes does, steps.INVALID_ANSWERS) is a failed attempt
+    with a reason, never a succeeded request whose row would show NULL (#30 item 4)."""
+    wrong = project.query(
+        """select model, custom_id[:10], answer ->> '$.due', answer ->> '$.effort' from main.llm_batch_requests
+           where status = 'succeeded' and json_valid(answer) and json_type(answer) = 'OBJECT'
+             and ((answer ->> '$.due' is not null and try_cast(answer ->> '$.due' as timestamptz) is null)
+                  or (answer ->> '$.effort' is not null and try_cast(answer ->> '$.effort' as bigint) is null))
+           limit 5"""
+    )
+    if wrong:
+        return [
+            f"a value its column cannot hold is a failed attempt, never succeeded: (model, request, due, effort) {wrong}"
+        ]
+    return []
 
 
 def renamed_repaid(project, world: World, lines: list[dict]) -> bool:
@@ -90,6 +114,22 @@ def urgent_reask(project, lines: list[dict]) -> bool:
     )
 
 
+def retried_after_failure(project, lines: list[dict]) -> bool:
+    """One request asked again after answers the ledger failed (a value its column cannot hold: the
+    provider bills the answer, the package fails the attempt and asks again under a new custom_id, up
+    to llm_max_attempts): every line but one paid an attempt the ledger records as failed."""
+    ids = [x.get("custom_id") for x in lines]
+    if None in ids or len(set(ids)) != len(ids):
+        return False
+    status = dict(
+        project.query(
+            f"select custom_id, status from main.llm_batch_requests where custom_id in ({', '.join('?' * len(ids))})",
+            ids,
+        )
+    )
+    return sum(status.get(c) != "failed" for c in ids) <= 1
+
+
 def billed_twice(project, billed: list[dict], reported: set[str], world: World) -> list[str]:
     """Requests (by the body asked) the sandbox billed more than once, each with the ledger's word on
     the lines that paid it: the model and variant that sent each, and whether one custom_id went twice
@@ -104,6 +144,7 @@ def billed_twice(project, billed: list[dict], reported: set[str], world: World) 
         and r not in reported
         and not urgent_reask(project, lines)
         and not renamed_repaid(project, world, lines)
+        and not retried_after_failure(project, lines)
     }
     if not twice:
         return []
@@ -148,6 +189,14 @@ def table_invariants(project, world: World, logical: str) -> list[str]:
         for c in world.output_columns(logical)
         if _is_column(project, model, c)
     )
+    if logical == "mb_embed":  # a vector, not a JSON answer: a succeeded row has one of its size
+        lost = ""
+        short = project.query(
+            f"""select {key} from main.{model} where llm_status = 'succeeded'
+                and (llm_embedding is null or len(llm_embedding) <> {EMBED_SIZE}) limit 5"""
+        )
+        if short:
+            broken.append(f"no succeeded row without its vector, in {model}: {short}")
     if lost:
         nulls = project.query(
             f"""select t.{key}, {variant} from main.{model} t
@@ -159,7 +208,7 @@ def table_invariants(project, world: World, logical: str) -> list[str]:
             broken.append(f"no succeeded row with NULL where its answer has a value, in {model}: {nulls}")
     # A value is stored as answered: a nullable string's JSON null is SQL NULL (never the text 'null'),
     # a string is its text (never with its JSON quotes), a date-time is that instant.
-    typed = {"note": "json_extract_string(r.answer, '$.note')", "due": "cast(r.answer ->> '$.due' as timestamptz)"}
+    typed = {"note": "json_extract_string(r.answer, '$.note')", "due": "try_cast(r.answer ->> '$.due' as timestamptz)"}
     differs = " or ".join(f"t.{c} is distinct from {v}" for c, v in typed.items() if _is_column(project, model, c))
     if differs:
         wrong = project.query(
@@ -216,7 +265,12 @@ def after_calm_finish(project, world: World) -> list[str]:
             (k, v, s) for k, v, s in project.query(f"select {state.key}, {variant}, llm_status from main.{model}")
         )
         offset = 1000 if state.key == "ticket_no" else 0
-        want = collections.Counter((i + offset, v, "succeeded") for i in world.rows for v in world.variants_of(logical))
+        want = collections.Counter(
+            (i + offset, v, "succeeded")
+            for i in world.rows
+            for v in world.variants_of(logical)
+            if world.answers(logical, v, i + offset)
+        )
         if got != want:
             missing, extra = want - got, got - want
             broken.append(

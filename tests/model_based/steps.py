@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import random
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 from dbt_llm_batch.pipeline.crashpoints import POINTS
 
 from .invariants import budget_kept, rename_warned
-from .world import FIRST_MODEL, MODELS, OTHER_MODEL, VARIANT_CONFIGS, World, write_models, write_seed
+from .world import EDITED, FIRST_MODEL, OTHER_MODEL, VARIANT_CONFIGS, World, write_models, write_seed
 
 SELECT = ("-s", "tag:mb", "--threads", "4")
 # Project budgets (var llm_batch_max_cost_usd) a run may have: at the test prices one model's 8 rows
@@ -33,6 +34,20 @@ FAULTS = (
     {"endpoint": "POST /v1/files", "status_code": 503, "when": "before"},
     {"endpoint": "POST /v1/messages/batches", "status_code": 529, "when": "before"},
 )
+# Answers a column cannot hold, as a real model sometimes gives them: each `complete` step makes the
+# sandbox answer one of mb_extract's rows so (a content fault, once) when it completes its batch. Taken
+# in turn by the plan, not drawn: a seed's plan draws the same steps as before they existed.
+INVALID_ANSWERS = (
+    ("due", "next tuesday"),
+    ("effort", 1e20),  # a JSON integer past BIGINT
+    ("due", "2026-02-30T10:00:00Z"),  # a date-time of no day
+)
+VALID_EXTRACT = {
+    "contact": {"name": "Ada", "topics": ["export"]},
+    "effort": 3,
+    "due": "2026-01-05T09:00:00Z",
+    "note": None,
+}
 KINDS = {  # kind -> weight in the draw
     "run": 4,
     "narrow_run": 2,
@@ -77,7 +92,11 @@ def plan(seed: int, steps: int, world: World) -> list[Step]:
         elif kind == "advance":
             out.append(Step(kind, "sandbox: every open batch one stage along"))
         elif kind == "complete":
-            out.append(Step(kind, "sandbox: complete every batch"))
+            n = sum(1 for s in out if s.kind == "complete")
+            field, value = INVALID_ANSWERS[n % len(INVALID_ANSWERS)]
+            row = sorted(world.rows)[(3 * n + 1) % len(world.rows)]
+            line = f"sandbox: complete every batch; mb_extract's answer for ticket {row} has {field} = {value!r} (once)"
+            out.append(Step(kind, line, {"row": row, "content": json.dumps({**VALID_EXTRACT, field: value})}))
         elif kind == "poll":
             out.append(Step(kind, "dbt-llm-batch poll --then 'dbt run -s {models}'"))
         elif kind == "narrow_run":
@@ -137,7 +156,7 @@ def _edit(rng: random.Random, world: World) -> str:
         state.extra_column = not state.extra_column
         return f"edit: {model} output {'gains' if state.extra_column else 'loses'} 'summary', dbt run --full-refresh"
     if what == "key":
-        model = rng.choice(MODELS)
+        model = rng.choice(EDITED)
         state = world.models[model]
         state.key = "ticket_no" if state.key == "id" else "id"
         return f"edit: {model} unique_key = {state.key!r}"
@@ -189,6 +208,9 @@ def apply(step: Step, project, emulator, world: World, tmp: Path) -> tuple[World
     elif step.kind == "narrow_run":
         note = _run(project, "--vars", f"{{mb_below: {step.args['below']}}}")
     elif step.kind == "complete":
+        # Fires if that row's request is in a batch completing now, else when one next completes.
+        prompt = f"Extract from: Ticket {step.args['row']}:"
+        emulator.add_fault(kind="content", prompt_contains=prompt, content=step.args["content"], times=1)
         emulator.complete_all()
     elif step.kind == "advance":
         for batch in emulator.batches():

@@ -1,11 +1,13 @@
 """The modelled project: what the test believes the dbt project is (rows, each model's config), and the
 files that say it to dbt.
 
-Three llm_batch models over one seed of tickets, at test prices:
-- `mb_triage` (OpenAI) with variants (at first 'claude' on Anthropic), urgent rows sent realtime;
+Four llm_batch models over one seed of tickets, at test prices:
+- `mb_triage` (OpenAI) with variants (at first 'claude' on Anthropic, answering a sample of half the
+  keys), urgent rows sent realtime;
 - `mb_twin` (OpenAI) asking the same requests as mb_triage's default variant while their prompts,
   providers and model names agree (shared requests across models, `llm_dedup = 'ledger'` for both);
   an edit may move either to another model name, or mb_twin to Anthropic;
+- `mb_embed` (OpenAI, `llm_task = 'embed'`): each ticket's text as an 8-float vector, never edited;
 - `mb_extract` (Anthropic) with a nested output (a STRUCT holding a LIST, an integer, a date-time and a
   nullable string), its own
   requests (no `llm_dedup = 'ledger'`: a rename without `llm_ledger_identity` warns before paying again).
@@ -15,12 +17,15 @@ Three llm_batch models over one seed of tickets, at test prices:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 
 from helpers import PRICES
 
-MODELS = ("mb_triage", "mb_twin", "mb_extract")
+EDITED = ("mb_triage", "mb_twin", "mb_extract")  # the models edits draw from
+MODELS = (*EDITED, "mb_embed")
+EMBED_MODEL, EMBED_SIZE = "text-embedding-3-small", 8
 TRIAGE_OUTPUT = {"category": ["billing", "bug", "how_to", "other"], "urgent": "boolean"}
 EXTRACT_OUTPUT = {
     "contact": {
@@ -37,10 +42,17 @@ NULLABLE = {"note"}  # output columns whose NULL is an answer (JSON null), not a
 # Another model name at the same test price, for the model switch (the billing check prices by face).
 OTHER_MODEL = {"openai": "gpt-test-2", "anthropic": "claude-test-2"}
 FIRST_MODEL = {"openai": "gpt-test", "anthropic": "claude-test"}
-# A variant's config by the name the generator gives it (the name is what a rename changes).
+AZURE_DEPLOYMENT = "batch-test"
+# A variant's config by the name the generator gives it (the name is what a rename changes); "sample"
+# is its llm_variant_sample fraction (the share of keys it answers), which a rename carries along.
 VARIANT_CONFIGS = {
-    "claude": {"llm_provider": "anthropic", "llm_model": "claude-test"},
-    "terse": {"llm_system": "Category of the ticket, nothing else."},
+    "claude": {"llm_provider": "anthropic", "llm_model": "claude-test", "sample": 0.5},
+    # On Azure OpenAI (a Global Batch deployment, at OpenAI's test price): a third provider face.
+    "terse": {
+        "llm_system": "Category of the ticket, nothing else.",
+        "llm_provider": "azure_openai",
+        "llm_model": AZURE_DEPLOYMENT,
+    },
 }
 
 
@@ -75,6 +87,7 @@ class World:
     def initial(cls, rows: int = 8) -> World:
         world = cls(models={m: ModelState(file=m) for m in MODELS})
         world.models["mb_extract"].provider, world.models["mb_extract"].llm_model = "anthropic", "claude-test"
+        world.models["mb_embed"].llm_model = EMBED_MODEL
         world.models["mb_triage"].variants = {"claude": dict(VARIANT_CONFIGS["claude"])}
         # mb_twin starts at mb_triage's prompt version: their requests are shared from the first run.
         for i in range(rows):
@@ -87,6 +100,16 @@ class World:
     def table(self, model: str) -> str:
         return self.models[model].file
 
+    def answers(self, model: str, variant: str, key: int) -> bool:
+        """Whether `variant` of `model` answers the row of unique_key value `key`: every row, or for a
+        sampled variant the documented share of keys (llm_variant_sample: the first 32 bits of the
+        md5 of the ledger key, ["<key>"], below the fraction), computed apart from the plugin."""
+        fraction = self.models[model].variants.get(variant, {}).get("sample")
+        if fraction is None:
+            return True
+        digest = hashlib.md5(json.dumps([str(key)]).encode()).hexdigest()
+        return int(digest[:8], 16) / 2**32 < fraction
+
     def llm_model_of(self, model: str, variant: str) -> str:
         """The model name that answers `variant` of `model` now (a variant's own llm_model, else the model's)."""
         return self.models[model].variants.get(variant, {}).get("llm_model", self.models[model].llm_model)
@@ -94,6 +117,8 @@ class World:
     def output_columns(self, model: str) -> list[str]:
         if model == "mb_extract":
             return sorted(EXTRACT_OUTPUT)
+        if model == "mb_embed":
+            return ["llm_embedding"]
         return sorted([*TRIAGE_OUTPUT, *(["summary"] if self.models[model].extra_column else [])])
 
 
@@ -107,7 +132,10 @@ def seed_csv(world: World) -> str:
 
 def model_sql(world: World, model: str) -> str:
     state = world.models[model]
-    if model == "mb_extract":
+    if model == "mb_embed":  # each ticket's text embedded (llm_task = 'embed'), in batches like the others
+        config = {"llm_task": "embed", "llm_model": state.llm_model, "llm_dimensions": EMBED_SIZE}
+        prompt = "body"
+    elif model == "mb_extract":
         config = {
             "llm_provider": state.provider,
             "llm_model": state.llm_model,
@@ -121,7 +149,9 @@ def model_sql(world: World, model: str) -> str:
         # The twin's prompt equals mb_triage's while their versions agree: one request for both.
         config["llm_system"] = system_of("mb_triage", state.version)
         prompt = "'Ticket: ' || body"
-    config.update(llm_max_tokens=60, llm_price_table="main.llm_prices")
+    if model != "mb_embed":
+        config["llm_max_tokens"] = 60
+    config["llm_price_table"] = "main.llm_prices"
     if model != "mb_extract":
         config["llm_dedup"] = "ledger"
     if state.identity:
@@ -129,7 +159,12 @@ def model_sql(world: World, model: str) -> str:
     if model == "mb_triage":
         config["llm_realtime_when"] = "priority = 'urgent'"
         if state.variants:
-            config["llm_variants"] = state.variants
+            config["llm_variants"] = {
+                n: {k: v for k, v in c.items() if k != "sample"} for n, c in state.variants.items()
+            }
+            sampled = {n: c["sample"] for n, c in state.variants.items() if "sample" in c}
+            if sampled:
+                config["llm_variant_sample"] = sampled
     args = ",\n    ".join(f"{k} = {json.dumps(v)}" for k, v in config.items())
     return f"""{{{{ config(
     materialized = 'llm_batch', tags = ['mb'], unique_key = {state.key!r},
@@ -150,7 +185,11 @@ def write_project(project, world: World) -> None:
         for p in FIRST_MODEL
         if line.startswith(f"{p},{FIRST_MODEL[p]},")
     )
-    project.write("seeds/llm_prices.csv", PRICES + others)
+    azure = next(line for line in PRICES.splitlines() if line.startswith(f"openai,{FIRST_MODEL['openai']},"))
+    azure = azure.replace(f"openai,{FIRST_MODEL['openai']},", f"azure_openai,{AZURE_DEPLOYMENT},") + "\n"
+    # The embedding model at the chat model's test price: the billing check prices every OpenAI line so.
+    embed = azure.replace(f"azure_openai,{AZURE_DEPLOYMENT},", f"openai,{EMBED_MODEL},")
+    project.write("seeds/llm_prices.csv", PRICES + others + azure + embed)
     write_models(project, world)
     write_seed(project, world)
 
