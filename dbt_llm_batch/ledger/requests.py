@@ -12,7 +12,7 @@ from dbt_llm_batch.errors import LedgerInvariantError
 from dbt_llm_batch.ledger.base import LedgerBase, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.claims import record_reserved
 from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT_SQL, LIVE, JobStatus, RequestStatus, sql, sql_in
-from dbt_llm_batch.sql import in_list, list_literal, literal
+from dbt_llm_batch.sql import in_list, joins_as_written, list_literal, literal
 
 R = RequestStatus
 QUEUED, DEFERRED, FAILED, VOIDED = sql(R.QUEUED), sql(R.DEFERRED), sql(R.FAILED), sql(R.VOIDED)
@@ -92,14 +92,15 @@ class RequestWrites(LedgerBase):
                 deferred = self.con.execute(
                     f"select count(*) from {requests} where model = ? and status = {DEFERRED}", [self.model]
                 ).fetchall()[0][0]
-                self.con.execute(
-                    f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
-                          row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line, variant)
-                        select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, {QUEUED}, p.row_json, now(),
-                               p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line, {variant}
-                        from {plan_rows} p join {mapping} m using (chunk)""",
-                    [self.model, *own],
-                )
+                with joins_as_written(self.con):  # the model's rows stream through (plan.plan_rows)
+                    self.con.execute(
+                        f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
+                              row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line, variant)
+                            select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, {QUEUED}, p.row_json, now(),
+                                   p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line, {variant}
+                            from {plan_rows} p join {mapping} m using (chunk)""",
+                        [self.model, *own],
+                    )
                 self.con.execute(
                     f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
                           status, request_count, created_at, updated_at, variant, output_schema)

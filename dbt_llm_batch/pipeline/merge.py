@@ -24,12 +24,12 @@ from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline.plan import key_sql
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import get_provider
-from dbt_llm_batch.sql import ident, in_list, literal
+from dbt_llm_batch.sql import ident, in_list, joins_as_written, literal
 
 DESIRED, INPUT, EMIT, EMIT_ROWS = Scratch.desired, Scratch.input, Scratch.emit, Scratch.emit_rows
 # EMIT_ROWS' columns: the input row; per selected column, whether the stored row's value is taken and
 # that value; the other columns' values (the outputs', the status columns').
-ROW, TAKE, STORED, VALUE = "__llm_row", "__llm_take_", "__llm_stored_", "__llm_value_"
+ROW, TAKE, STORED, VALUE = "_llm_row", "_llm_take_", "_llm_stored_", "_llm_value_"
 
 
 def table_columns(input_columns, config: ModelConfig) -> list[tuple[str, str]]:
@@ -134,14 +134,12 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> tuple[st
         select w.desired_row as {ROW}, {", ".join([f"s.{c}" for c in stored_columns] + narrow_values)}
         from w left join s on s.key = w.key
              left join {ledger.table("llm_batch_jobs")} j on j.job_id = w.job_id"""
-    # The selected columns are joined last, to the finished narrow rows (EMIT_ROWS, a table: its row
-    # count is known, so DuckDB builds the join's hash table over it and streams the input, prompts
-    # and all, through the probe side). Joined inside one statement with the ledger's rows, the input
-    # was the build side: a hash table of every prompt, which spilled once the prompts outgrew memory
-    # (1.7 GB at 1M rows under a 600MB limit; the statement grew 26x from 1M to 10M rows).
+    # The selected columns are joined last, to the finished narrow rows (EMIT_ROWS), which are the
+    # join's build side: the input, prompts and all, streams through (sql.joins_as_written). Joined inside one
+    # statement with the ledger's rows, the input was the build side, a hash table of every prompt.
     widen = f"""
         select {", ".join(selected + widen_values)}
-        from {EMIT_ROWS} n left join {INPUT} i on i.rowid = n.{ROW}"""
+        from {INPUT} i right join {EMIT_ROWS} n on i.rowid = n.{ROW}"""
     return narrow, widen
 
 
@@ -380,7 +378,8 @@ def merge(
             if emitting or rebuild:
                 narrow, widen = _row_selects(ledger, config, input_columns)
                 con.execute(f"create or replace temp table {EMIT_ROWS} as {narrow}")
-                con.execute(f"insert into {target} by name {widen}")
+                with joins_as_written(con):
+                    con.execute(f"insert into {target} by name {widen}")
                 con.execute(f"drop table {EMIT_ROWS}")
             refresh = None if rebuild else refresh_sql(config, target, input_columns)
             if refresh:
