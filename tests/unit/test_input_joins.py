@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 import duckdb
 import pytest
@@ -119,3 +120,22 @@ def test_the_intents_and_the_merge_stream_the_model_rows(tmp_path):
         "select count(*), count(distinct id), count(category), bool_and(prompt = repeat(md5(id::varchar), 16)) "
         "from main.bench"
     ).fetchall() == [(1000, 1000, 1000, True)]
+
+
+def test_threads_leave_the_setting_as_they_found_it(memory_con):
+    """disabled_optimizers belongs to the database, not the connection: dbt's threads (a cursor each)
+    turning it off at once must still leave it as it was."""
+    memory_con.execute("set disabled_optimizers = 'top_n'")
+
+    def work():
+        cursor = memory_con.cursor()
+        for _ in range(200):
+            with joins_as_written(cursor):
+                cursor.execute("select 1").fetchall()
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert memory_con.execute("select current_setting('disabled_optimizers')").fetchall()[0][0] == "top_n"
