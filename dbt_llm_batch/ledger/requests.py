@@ -12,7 +12,7 @@ from dbt_llm_batch.errors import LedgerInvariantError
 from dbt_llm_batch.ledger.base import LedgerBase, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.claims import record_reserved
 from dbt_llm_batch.ledger.status import BLOCKS_REPLANNING, IN_FLIGHT_SQL, LIVE, JobStatus, RequestStatus, sql, sql_in
-from dbt_llm_batch.sql import in_list, list_literal, literal
+from dbt_llm_batch.sql import in_list, joins_as_written, list_literal, literal
 
 R = RequestStatus
 QUEUED, DEFERRED, FAILED, VOIDED = sql(R.QUEUED), sql(R.DEFERRED), sql(R.FAILED), sql(R.VOIDED)
@@ -25,11 +25,16 @@ class RequestWrites(LedgerBase):
         """Inside a transaction that wrote requests: raise (so it rolls back) if a custom_id of this
         model now has two live requests (status.LIVE): deferred and in a job, or in two jobs. Either
         would be sent, and billed, twice."""
+        # Grouped by the custom_id's hash first (8 bytes a request, not a 40-character string: at ten
+        # million requests the string grouping outgrew memory and grew 40x from a million); only the
+        # requests whose hash is there twice (a second live request, or a hash collision) are then
+        # grouped by custom_id itself, so the answer is exact.
+        live = f"""from {self.table("llm_batch_requests")} where model = $model and status in {sql_in(LIVE)}"""
         twice = self.con.execute(
-            f"""select custom_id from {self.table("llm_batch_requests")}
-                where model = ? and status in {sql_in(LIVE)}
+            f"""select custom_id {live}
+                  and hash(custom_id) in (select hash(custom_id) as h {live} group by h having count(*) > 1)
                 group by custom_id having count(*) > 1 order by custom_id limit 3""",
-            [self.model],
+            {"model": self.model},
         ).fetchall()
         if twice:
             raise LedgerInvariantError(
@@ -92,14 +97,15 @@ class RequestWrites(LedgerBase):
                 deferred = self.con.execute(
                     f"select count(*) from {requests} where model = ? and status = {DEFERRED}", [self.model]
                 ).fetchall()[0][0]
-                self.con.execute(
-                    f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
-                          row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line, variant)
-                        select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, {QUEUED}, p.row_json, now(),
-                               p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line, {variant}
-                        from {plan_rows} p join {mapping} m using (chunk)""",
-                    [self.model, *own],
-                )
+                with joins_as_written(self.con):  # the model's rows stream through (plan.plan_rows)
+                    self.con.execute(
+                        f"""insert into {requests} (custom_id, model, key, fingerprint, seq, job_id, status,
+                              row_json, queued_at, estimated_cost_usd, estimated_input_tokens, route, file_line, variant)
+                            select p.custom_id, ?, p.key, p.fingerprint, p.seq, m.job_id, {QUEUED}, p.row_json, now(),
+                                   p.estimated_cost_usd, p.estimated_input_tokens, p.route, p.line, {variant}
+                            from {plan_rows} p join {mapping} m using (chunk)""",
+                        [self.model, *own],
+                    )
                 self.con.execute(
                     f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
                           status, request_count, created_at, updated_at, variant, output_schema)

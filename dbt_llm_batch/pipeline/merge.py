@@ -24,9 +24,12 @@ from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline.plan import key_sql
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import get_provider
-from dbt_llm_batch.sql import ident, in_list, literal
+from dbt_llm_batch.sql import ident, in_list, joins_as_written, literal
 
-DESIRED, INPUT, EMIT = Scratch.desired, Scratch.input, Scratch.emit
+DESIRED, INPUT, EMIT, EMIT_ROWS = Scratch.desired, Scratch.input, Scratch.emit, Scratch.emit_rows
+# EMIT_ROWS' columns: the input row; per selected column, whether the stored row's value is taken and
+# that value; the other columns' values (the outputs', the status columns').
+ROW, TAKE, STORED, VALUE = "_llm_row", "_llm_take_", "_llm_stored_", "_llm_value_"
 
 
 def table_columns(input_columns, config: ModelConfig) -> list[tuple[str, str]]:
@@ -56,8 +59,10 @@ def relation_exists(con, schema: str, name: str) -> bool:
 TEXT_ROUND_TRIP = ("BIT",)
 
 
-def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
-    """The table's rows for the winners in EMIT, with named columns (inserted by name). Selected
+def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> tuple[str, str]:
+    """The table's rows for the winners in EMIT, with named columns (inserted by name), in two
+    statements: `narrow`, every column but the selected ones, for EMIT_ROWS; `widen`, EMIT_ROWS with
+    the selected columns (the input's, or the stored row's), the rows to insert. Selected
     columns come from the request's stored row, read back with json_transform, which keeps every
     value exact (a DECIMAL(38,9) included); a column the stored row lacks (the SELECT gained it
     since) comes from the key's current row. Incremental runs and full refreshes use the same rule.
@@ -71,7 +76,7 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
     same_row = "false"
     if dict(input_columns).get(config.prompt_column, "").upper() == "VARCHAR":
         same_row = "d.has_prompt and d.fingerprint = r.fingerprint"
-    selected, from_stored = [], []
+    selected, from_stored, stored_columns = [], [], []
     for n, (name, typ) in enumerate(input_columns):
         stored = f"x.stored.{ident(name)}"
         if typ in TEXT_ROUND_TRIP:
@@ -82,11 +87,12 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
         # NULL for both): the JSON is read again for those alone, not parsed a second time for every row.
         path = literal("$." + json.dumps(name))
         take = f"{current}({stored} is not null or json_exists(x.stored_json, {path}))"
-        from_stored += [f"{take} as take_{n}", f"{stored} as stored_{n}"]
-        selected.append(f"case when s.take_{n} then s.stored_{n} else i.{ident(name)} end as {ident(name)}")
+        from_stored += [f"{take} as {TAKE}{n}", f"{stored} as {STORED}{n}"]
+        stored_columns += [f"{TAKE}{n}", f"{STORED}{n}"]
+        selected.append(f"case when n.{TAKE}{n} then n.{STORED}{n} else i.{ident(name)} end as {ident(name)}")
     outputs = []
     for name, value in _output_values(config):
-        outputs.append(f"case when w.status = {sql(RequestStatus.SUCCEEDED)} then {value} end as {ident(name)}")
+        outputs.append((f"case when w.status = {sql(RequestStatus.SUCCEEDED)} then {value} end", name))
     model_literal = literal(config.model)
     status_values = [
         "w.status",
@@ -104,13 +110,16 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
         _share("w.realtime_cost_usd"),
         "case when w.reused then 'reused' when w.job_id is not null then coalesce(w.route, 'batch') end",
     ]
-    status = [f"{value} as {ident(name)}" for value, (name, _) in zip(status_values, STATUS_COLUMNS, strict=True)]
+    status = [(value, name) for value, (name, _) in zip(status_values, STATUS_COLUMNS, strict=True)]
     if config.variant_name is not None:
-        status.append(f"{literal(config.variant_name)} as llm_variant")
+        status.append((literal(config.variant_name), VARIANT_COLUMN[0]))
+    # EMIT_ROWS names them by position: an output column may have any name (one of EMIT_ROWS' own).
+    narrow_values = [f"{value} as {VALUE}{n}" for n, (value, _) in enumerate(outputs + status)]
+    widen_values = [f"n.{VALUE}{n} as {ident(name)}" for n, (_, name) in enumerate(outputs + status)]
     requests = ledger.table("llm_batch_requests")
     # The stored rows (wide JSON) are read, parsed and joined only for the winners that need them: a
     # wide column carried through the joins of every winner was most of a large merge.
-    return f"""
+    narrow = f"""
         with w as (
             select r.* exclude (key, row_json), e.key, e.reused, e.sharing, e.share_rank, e.row_json as own_row_json,
                    d.row_id as desired_row, coalesce({same_row}, false) as same_row
@@ -122,10 +131,16 @@ def _row_select(ledger: Ledger, config: ModelConfig, input_columns) -> str:
                          json_transform(coalesce(w.own_row_json, r.row_json), {literal(structure)}) as stored
                   from w join {requests} r on r.custom_id = w.custom_id and r.is_final
                   where not w.same_row) x)
-        select {", ".join(selected + outputs + status)}
+        select w.desired_row as {ROW}, {", ".join([f"s.{c}" for c in stored_columns] + narrow_values)}
         from w left join s on s.key = w.key
-             left join {ledger.table("llm_batch_jobs")} j on j.job_id = w.job_id
-             left join {INPUT} i on i.rowid = w.desired_row"""
+             left join {ledger.table("llm_batch_jobs")} j on j.job_id = w.job_id"""
+    # The selected columns are joined last, to the finished narrow rows (EMIT_ROWS), which are the
+    # join's build side: the input, prompts and all, streams through (sql.joins_as_written). Joined inside one
+    # statement with the ledger's rows, the input was the build side, a hash table of every prompt.
+    widen = f"""
+        select {", ".join(selected + widen_values)}
+        from {INPUT} i right join {EMIT_ROWS} n on i.rowid = n.{ROW}"""
+    return narrow, widen
 
 
 def finish_reason_sql() -> str:
@@ -361,7 +376,11 @@ def merge(
             elif emitting:
                 con.execute(f"delete from {target} where {shown} and {target_key} in (select key from {EMIT})")
             if emitting or rebuild:
-                con.execute(f"insert into {target} by name {_row_select(ledger, config, input_columns)}")
+                narrow, widen = _row_selects(ledger, config, input_columns)
+                con.execute(f"create or replace temp table {EMIT_ROWS} as {narrow}")
+                with joins_as_written(con):
+                    con.execute(f"insert into {target} by name {widen}")
+                con.execute(f"drop table {EMIT_ROWS}")
             refresh = None if rebuild else refresh_sql(config, target, input_columns)
             if refresh:
                 con.execute(refresh)

@@ -601,7 +601,8 @@ def plan_rows(config: ModelConfig, columns, plan: str = PLAN, where: str | None 
     `where`: only the plan rows it selects (over `p`: one variant's rows of the run's plan, variants.py).
     `sent`: only the rows written to request files (request_files.SENT), with their file (`chunk`) and
     `line`: joined to the plan before the input, so the rows' JSON is built after the last join, not
-    carried through one (about a tenth of the intents' request insert at a million rows)."""
+    carried through one (about a tenth of the intents' request insert at a million rows). The input is
+    the join's probe side when run under sql.joins_as_written (Ledger.write_intents' insert of the requests is)."""
     rows = f"{plan} p"
     plan_row = "p.rowid as plan_row, "
     if sent is not None:
@@ -611,4 +612,4 @@ def plan_rows(config: ModelConfig, columns, plan: str = PLAN, where: str | None 
         plan_row = ""
     return f"""(select p.*, {plan_row}coalesce(p.deferred_prompt, {prompt_text_sql(config, columns, "i.")}) as prompt,
                        coalesce(p.deferred_row_json, {row_json_sql(columns, "i.")}) as row_json
-                from {rows} left join {INPUT} i on i.rowid = p.row_id{f" where {where}" if where else ""})"""
+                from {INPUT} i right join {rows} on i.rowid = p.row_id{f" where {where}" if where else ""})"""

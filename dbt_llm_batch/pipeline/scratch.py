@@ -41,6 +41,7 @@ class Scratch:
     outcomes = "__llm_outcomes"  # each harvested request's outcome (outcomes.settle)
     batch_failed = "__llm_batch_failed"  # unanswered requests of failed batches (batch_failures)
     emit = "__llm_emit"  # the ledger rows the merge writes to the model's table (merge)
+    emit_rows = "__llm_emit_rows"  # those rows' columns but the selected ones, while they are written (merge)
     # With evaluation variants, every variant's pass is planned before anything is sent (variants.py):
     run_plan = "__llm_run_plan"  # each pass's batch requests, with its pass and variant
     run_realtime = "__llm_run_realtime"  # each pass's realtime requests, likewise
@@ -48,7 +49,7 @@ class Scratch:
     run_sent = "__llm_run_sent"  # which run_plan rows went into which sender's request file, at which line
     TABLES = (
         "input", "prices", "rekey", "desired", "unsendable", "deferred", "plan", "realtime_plan",
-        "sent", "outcomes", "batch_failed", "emit", "rekey_rows", "candidates", "answered", "history", "plan_members",
+        "sent", "outcomes", "batch_failed", "emit", "emit_rows", "rekey_rows", "candidates", "answered", "history", "plan_members",
         "wider", "taken",
         "run_plan", "run_realtime", "run_members", "run_sent",
     )  # fmt: skip
