@@ -254,3 +254,38 @@ def test_rows_sharing_a_request_keep_their_shares_of_its_cost_when_a_field_is_re
     project.dbt("run", "-s", "dup")
     assert sum(batch_counts(emulator)) == 2, "nothing asked again"
     assert shown() == before
+
+
+# -- Added fields: only they are asked (pipeline/added_fields.py) ---------------------------------
+
+
+def asked_schemas(emulator, batch: dict) -> list[dict]:
+    """The output schema of each request line of `batch`."""
+    return [line["body"]["response_format"]["json_schema"]["schema"] for line in batch_input_lines(emulator, batch)]
+
+
+def request_costs(project) -> dict:
+    """Each ledger request's cost, by custom_id."""
+    return dict(project.query("select custom_id, cost_usd from main.llm_batch_requests where cost_usd is not null"))
+
+
+def test_an_added_field_asks_only_for_it_and_each_row_pays_both_shares(project, emulator):
+    """Each answered row is asked only the added field (one request per row, its schema that field
+    alone), the column is filled in the run, the other columns stay as they were, and each row's
+    cost is its first request's plus its new one's (the table's costs add up to the ledger's)."""
+    answered(project, emulator)
+    before = answers(project, "category", "summary", "urgent")
+    project.write(MODEL, model_with({**TRIAGE_OUTPUT, "language": "text"}))
+    project.dbt("run", "-s", "triage")
+    batches = sorted_batches(emulator)
+    assert len(batches) == 2
+    delta = schema_of({"language": {"type": "string"}})
+    assert asked_schemas(emulator, batches[1]) == [delta] * 6, "only the added field is asked"
+    after = answers(project, "category", "summary", "urgent", "language")
+    rows = dict(project.query("select ticket_id, prompt from main.triage"))
+    for ticket, (category, summary, urgent, language, cost) in after.items():
+        assert (category, summary, urgent) == before[ticket][:3], "the fields held are not asked again"
+        assert language == json.loads(expected_answer(TRIAGE_SYSTEM, rows[ticket], delta))["language"]
+        assert cost > before[ticket][3], "the row pays its first request and its share of the new one"
+    assert sum(c for *_, c in after.values()) == sum(request_costs(project).values())
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]

@@ -22,7 +22,9 @@ from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.errors import BudgetError
 from dbt_llm_batch.ledger import Ledger, locks
 from dbt_llm_batch.log import log
+from dbt_llm_batch import output_schema
 from dbt_llm_batch.pipeline import (
+    added_fields,
     budget,
     costs,
     plan,
@@ -36,14 +38,16 @@ from dbt_llm_batch.pipeline import (
     variants,
     wider_answers,
 )
-from dbt_llm_batch.pipeline.passes import Pass, enter
+from dbt_llm_batch.pipeline.passes import Pass, added_passes, enter
 from dbt_llm_batch.pipeline.pool import Pool
 from dbt_llm_batch.pipeline.report import RunSummary
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import BatchProvider, get_provider
 from dbt_llm_batch.sql import literal
 
-Sender = tuple[str, str]  # (provider, model): one OpenAI batch file holds one model's requests
+# (provider, model, and an added-fields pass's schema): one OpenAI batch file holds one model's
+# requests, and a job records the one schema its answers are checked against (added_fields.py).
+Sender = tuple[str, str, str | None]
 
 
 @dataclasses.dataclass
@@ -86,13 +90,19 @@ def send(state: RunState, passes: tuple[Pass, ...], dry: bool = False) -> None:
     held, until = state.ledger.backed_off()
     if held and not dry:  # the model's, all passes together: said once
         report.backed_off(state.model, held, until)
+    added_fields.start(state.con)
     planned = [plan_pass(state, p, dry) for p in passes]
+    # Rows holding some of the output fields asked now are asked the others by passes of their own.
+    added = added_passes(state.con, passes)
+    planned += [plan_pass(state, p, dry) for p in added]
+    passes += added
     if len(passes) > 1:  # the model's own selected rows again, for the steps after (merge, wait)
         enter(state.con, state.ledger, passes[0], state.input_columns, state.precomputed)
     senders: dict[Sender, list[int]] = {}  # in the order the passes first name them
     for p, pl in zip(passes, planned, strict=True):
         if pl.requests > pl.realtime[0] and issubclass(get_provider(p.config.provider), BatchProvider):
-            senders.setdefault((p.config.provider, p.config.model), []).append(p.index)
+            schema = None if p.delta is None else output_schema.recorded(p.config.output_json_schema())
+            senders.setdefault((p.config.provider, p.config.model, schema), []).append(p.index)
     variants.start_sent(state.con)
     with contextlib.ExitStack() as stack:
         directory = None if dry else stack.enter_context(tempdirs.private_dir())
@@ -117,6 +127,12 @@ def send(state: RunState, passes: tuple[Pass, ...], dry: bool = False) -> None:
                 f"select * exclude (pass_index) from {Scratch.run_realtime} where pass_index = {p.index}"
             )
             send_realtime(state, p)
+    if added:  # the answers to the fields just asked (in flight, or in realtime answered) join their rows'
+        for p in passes[: len(passes) - len(added)]:
+            enter(state.con, state.ledger, p, state.input_columns, state.precomputed)
+            added_fields.prepare(state.ledger, p.config, again=True)
+        if len(passes) > 1:
+            enter(state.con, state.ledger, passes[0], state.input_columns, state.precomputed)
     state.ledger.variant = passes[0].variant
 
 
@@ -135,6 +151,8 @@ def plan_pass(state: RunState, p: Pass, dry: bool) -> Planned:
         state.summary.rejected_prompts += validate.reject_deferred_without_prompt(ledger, p.config)
         if p.config.dedup is not None:  # rows that stopped asking a request in flight stop sharing its cost
             ledger.unmap_superseded(Scratch.desired)
+    if p.delta is None:  # rows holding some of the fields asked now are asked only the others
+        added_fields.prepare(ledger, p.config, dry)
     output = costs.output_estimate(ledger, p.config)  # what build_plan's estimate counts
     if p.config.dedup_defaulted_off and not state.said_dedup_off:
         state.said_dedup_off = True
@@ -229,7 +247,7 @@ def write_sender_files(
     its passes together, so each sender's files take what the earlier ones left."""
     out: list[list[request_files.RequestFile]] = []
     taken = (0, 0, 0)  # batches, requests, estimated input tokens written for earlier senders
-    for sender, ((provider_name, _), indexes) in enumerate(senders.items()):
+    for sender, ((provider_name, _, _), indexes) in enumerate(senders.items()):
         provider_cls = get_provider(provider_name)
         assert issubclass(provider_cls, BatchProvider)  # senders are batch providers only
         path = None
@@ -456,7 +474,7 @@ def report_dry(state: RunState, passes, planned: list[Planned], estimates, writt
     state.summary.estimated_usd = total
     if state.default.variant_name is None:
         return
-    for sender, (provider_name, llm_model) in enumerate(senders):
+    for sender, (provider_name, llm_model, _) in enumerate(senders):
         if files[sender]:
             log.info(
                 f"{state.model}: DRY RUN: {provider_name} ({llm_model}) would get "
