@@ -62,8 +62,8 @@ def applies(config: ModelConfig) -> bool:
 
 def subset_schemas(ledger: Ledger, config: ModelConfig) -> list[dict]:
     """The recorded schemas (llm_batch_jobs.output_schema, this model's; with llm_dedup = 'ledger' any
-    model's) of the same form as `config`'s whose fields are some of its fields, each the same, and
-    not all of them; most fields first."""
+    model's) of the same form as `config`'s that hold some of its fields (the same name with the same
+    schema) but not all of them; those holding the most first."""
     current = config.output_json_schema()
     if current is None or not applies(config):
         return []
@@ -75,20 +75,23 @@ def subset_schemas(ledger: Ledger, config: ModelConfig) -> list[dict]:
     found = []
     for (text,) in recorded:
         schema = json.loads(text) if text else None
-        if isinstance(schema, dict) and _is_part_of(schema, current):
+        if isinstance(schema, dict) and _same_form(schema, current) and 0 < len(held_fields(config, schema)) < len(
+            current["properties"]
+        ):
             found.append(schema)
-    return sorted(found, key=lambda s: -len(s["properties"]))
+    return sorted(found, key=lambda s: -len(held_fields(config, s)))
 
 
-def _is_part_of(schema: dict, current: dict) -> bool:
-    held = schema.get("properties")
-    if not isinstance(held, dict) or not held:
-        return False
-    same_form = {k: v for k, v in schema.items() if k not in ("properties", "required")} == {
-        k: v for k, v in current.items() if k not in ("properties", "required")
-    }
-    needed = current["properties"]
-    return same_form and len(held) < len(needed) and all(needed.get(name) == spec for name, spec in held.items())
+def _same_form(schema: dict, current: dict) -> bool:
+    return isinstance(schema.get("properties"), dict) and {
+        k: v for k, v in schema.items() if k not in ("properties", "required")
+    } == {k: v for k, v in current.items() if k not in ("properties", "required")}
+
+
+def held_fields(config: ModelConfig, base: dict) -> set[str]:
+    """The current fields an answer asked with `base` holds: the same name with the same schema (a
+    field whose enum or type changed is another field, not held)."""
+    return {c.name for c in config.output_columns if base["properties"].get(c.name) == c.json_schema}
 
 
 def delta_config(config: ModelConfig, missing: tuple[str, ...]) -> ModelConfig:
@@ -104,7 +107,8 @@ def delta_config(config: ModelConfig, missing: tuple[str, ...]) -> ModelConfig:
 
 def missing_fields(config: ModelConfig, base: dict) -> tuple[str, ...]:
     """The current fields an answer asked with `base` does not hold, in name order."""
-    return tuple(sorted(c.name for c in config.output_columns if c.name not in base["properties"]))
+    held = held_fields(config, base)
+    return tuple(sorted(c.name for c in config.output_columns if c.name not in held))
 
 
 def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool = False) -> list[tuple[str, ...]]:
@@ -128,7 +132,7 @@ def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool 
     text = plan.fingerprinted_text_sql(config, "i.")
     options = [
         {
-            "n": len(s["properties"]),
+            "n": len(held_fields(config, s)),
             "base": config.fingerprint_prefix_asking(s),
             "delta": delta_config(config, missing_fields(config, s)).fingerprint_prefix(),
             "missing": list(missing_fields(config, s)),
