@@ -75,8 +75,10 @@ def subset_schemas(ledger: Ledger, config: ModelConfig) -> list[dict]:
     found = []
     for (text,) in recorded:
         schema = json.loads(text) if text else None
-        if isinstance(schema, dict) and _same_form(schema, current) and 0 < len(held_fields(config, schema)) < len(
-            current["properties"]
+        if (
+            isinstance(schema, dict)
+            and _same_form(schema, current)
+            and 0 < len(held_fields(config, schema)) < len(current["properties"])
         ):
             found.append(schema)
     return sorted(found, key=lambda s: -len(held_fields(config, s)))

@@ -77,7 +77,7 @@ def added_passes(con, base: tuple[Pass, ...]) -> tuple[Pass, ...]:
     listed them in Scratch.added_rows): one per variant and set of missing fields, numbered after `base`."""
     found = con.execute(f"select distinct variant, missing from {Scratch.added_rows} order by all").fetchall()
     by_variant = {p.variant: p for p in base if p.delta is None}
-    out = []
+    out: list[Pass] = []
     for variant, missing in found:
         owner = by_variant[variant]
         fields = tuple(missing)

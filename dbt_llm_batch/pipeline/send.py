@@ -18,11 +18,11 @@ import os
 from decimal import Decimal
 from typing import Any
 
+from dbt_llm_batch import output_schema
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.errors import BudgetError
 from dbt_llm_batch.ledger import Ledger, locks
 from dbt_llm_batch.log import log
-from dbt_llm_batch import output_schema
 from dbt_llm_batch.pipeline import (
     added_fields,
     budget,
