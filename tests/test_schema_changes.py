@@ -276,6 +276,8 @@ def test_an_added_field_asks_only_for_it_and_each_row_pays_both_shares(project, 
     answered(project, emulator)
     before = answers(project, "category", "summary", "urgent")
     project.write(MODEL, model_with({**TRIAGE_OUTPUT, "language": "text"}))
+    project.dbt("run", "-s", "triage", "--vars", "{llm_batch_dry_run: true}")
+    assert "main.triage: DRY RUN: would submit 6 request(s)" in log_text(project), "the dry run says so too"
     project.dbt("run", "-s", "triage")
     batches = sorted_batches(emulator)
     assert len(batches) == 2
@@ -289,6 +291,9 @@ def test_an_added_field_asks_only_for_it_and_each_row_pays_both_shares(project, 
         assert cost > before[ticket][3], "the row pays its first request and its share of the new one"
     assert sum(c for *_, c in after.values()) == sum(request_costs(project).values())
     assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+    assert project.query("select sum(rows_answered), sum(cost_usd) from main.llm_batch_costs") == [
+        (6, sum(request_costs(project).values()))
+    ], "six rows answered now, both requests' costs counted"
 
 
 def test_a_field_added_while_the_batch_is_in_flight_is_asked_after_it_merges(project, emulator):
@@ -388,3 +393,32 @@ def test_an_added_nested_field_is_asked_alone_as_one_unit(project, emulator):
         expected = json.loads(expected_answer(TRIAGE_SYSTEM, prompt, json.loads(asked)))["contact"]
         assert (name, channels) == (expected["name"], expected["channels"])
         assert category is not None
+
+
+def test_rows_sharing_a_request_in_flight_are_asked_the_added_field_once_and_share_both_costs(project, emulator):
+    """Rows asking the same request (llm_dedup) whose batch is in flight when a field is added: the
+    batch merges first, then the added field is asked once for them (one request per distinct
+    prompt), and each row's cost is its share of both requests (the shares add up to the bill)."""
+    project.write("seeds/llm_prices.csv", PRICES)
+    write_rows(project, {1: 1, 2: 1, 3: 2})  # rows 1 and 2 ask the same question
+
+    def write(output: dict) -> None:
+        project.write("models/dup.sql", dup_model("openai", extra=f"llm_output = {json.dumps(output)},"))
+
+    write({"topic": "text", "severe": "boolean"})
+    project.dbt("run", "-s", "dup")
+    write({"topic": "text", "severe": "boolean", "language": "text"})
+    project.dbt("run", "-s", "dup")
+    assert batch_counts(emulator) == [2], "the rows wait for their batch in flight"
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup")
+    assert batch_counts(emulator) == [2, 2], "then the added field, once per distinct prompt"
+    delta = schema_of({"language": {"type": "string"}})
+    assert asked_schemas(emulator, sorted_batches(emulator)[1]) == [delta] * 2
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup")
+    rows = project.query("select id, topic, language, llm_status, llm_cost_usd from main.dup order by id")
+    assert [r[3] for r in rows] == ["succeeded"] * 3 and all(r[1] and r[2] for r in rows)
+    assert rows[0][1:3] == rows[1][1:3], "the rows sharing both requests show the same answer"
+    assert sum(r[4] for r in rows) == billed_cost(emulator, "openai")
+    assert rows[2][4] > rows[0][4], "row 3 pays its two requests alone; rows 1 and 2 split theirs"

@@ -45,6 +45,7 @@ from dbt_llm_batch.ledger.status import IN_FLIGHT, RequestStatus, sql, sql_in
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import plan
 from dbt_llm_batch.pipeline.scratch import Scratch
+from dbt_llm_batch.sql import literal
 
 ADDED, ADDED_ROWS, DESIRED = Scratch.added, Scratch.added_rows, Scratch.desired
 
@@ -183,15 +184,17 @@ def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool 
             f"update {DESIRED} d set answer_id = a.base_id from {ADDED} a where d.key = a.key and a.delta_id is null"
         )
         waiting = con.execute(f"select count(*) from {ADDED} where not base_succeeded").fetchall()[0][0]
+        con.execute(
+            f"""insert into {ADDED_ROWS} select $variant, key, missing, base_succeeded from {ADDED}
+                where delta_id is null""",
+            {"variant": ledger.variant},
+        )
         asked = [
             tuple(m)
             for (m,) in con.execute(
-                f"""insert into {ADDED_ROWS} select $variant, key, missing from {ADDED}
-                    where base_succeeded and delta_id is null returning missing""",
-                {"variant": ledger.variant},
+                f"select distinct missing from {ADDED_ROWS} where variant = ? and asked order by 1", [ledger.variant]
             ).fetchall()
         ]
-        asked = sorted(set(asked))
     finally:
         con.execute(f"drop table if exists {ADDED}")
     if attached and not dry:
@@ -232,9 +235,11 @@ def _attach(ledger: Ledger, dry: bool) -> int:
 
 
 def start(con) -> None:
-    """An empty Scratch.added_rows: the rows each added-fields pass of the run asks, by variant and
-    missing fields (filled by each pass's `prepare`)."""
-    con.execute(f"create or replace temp table {ADDED_ROWS} (variant varchar, key varchar, missing varchar[])")
+    """An empty Scratch.added_rows: the rows each added-fields pass of the run asks (`asked`), by
+    variant and missing fields, and the rows waiting for their base in flight (filled by `prepare`)."""
+    con.execute(
+        f"create or replace temp table {ADDED_ROWS} (variant varchar, key varchar, missing varchar[], asked boolean)"
+    )
 
 
 def keep_rows(con, variant: str, missing: tuple[str, ...]) -> None:
@@ -242,6 +247,14 @@ def keep_rows(con, variant: str, missing: tuple[str, ...]) -> None:
     pass asks (Scratch.added_rows)."""
     con.execute(
         f"""delete from {DESIRED} where key not in
-            (select key from {ADDED_ROWS} where variant = $variant and missing = $missing)""",
+            (select key from {ADDED_ROWS} where variant = $variant and missing = $missing and asked)""",
         {"variant": variant, "missing": list(missing)},
     )
+
+
+def not_held(variant: str) -> str:
+    """SQL: the pass's selected rows (Scratch.desired) other than those `prepare` gave to an
+    added-fields pass or keeps waiting for their base in flight (Ledger.unmap_superseded must not take
+    their base's row answer away: it answers the fields they hold)."""
+    return f"""(select * from {DESIRED}
+                where key not in (select key from {ADDED_ROWS} where variant = {literal(variant)}))"""

@@ -75,7 +75,9 @@ def each(con, ledger: Ledger, passes: tuple[Pass, ...], input_columns, precomput
 def added_passes(con, base: tuple[Pass, ...]) -> tuple[Pass, ...]:
     """The added-fields passes of the rows the `base` passes' plans left to them (added_fields.prepare
     listed them in Scratch.added_rows): one per variant and set of missing fields, numbered after `base`."""
-    found = con.execute(f"select distinct variant, missing from {Scratch.added_rows} order by all").fetchall()
+    found = con.execute(
+        f"select distinct variant, missing from {Scratch.added_rows} where asked order by all"
+    ).fetchall()
     by_variant = {p.variant: p for p in base if p.delta is None}
     out: list[Pass] = []
     for variant, missing in found:

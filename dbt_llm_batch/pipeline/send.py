@@ -145,14 +145,16 @@ def plan_pass(state: RunState, p: Pass, dry: bool) -> Planned:
     if dry:  # rows a real run would fail before sending are kept out of the plan, not recorded
         unsendable = validate.reject_unsendable(ledger, p.config, state.input_columns, record=False)
         wider_answers.adopt(ledger, p.config, dry=True)  # rows a real run answers from a wider llm_output
+        if p.delta is None:  # rows holding some of the fields asked now are asked only the others
+            added_fields.prepare(ledger, p.config, dry=True)
     else:
         state.summary.rejected_prompts += plan.reject_empty_prompts(ledger, Scratch.input, state.input_columns)
         state.summary.rejected_prompts += validate.reject_unsendable(ledger, p.config, state.input_columns)
         state.summary.rejected_prompts += validate.reject_deferred_without_prompt(ledger, p.config)
-        if p.config.dedup is not None:  # rows that stopped asking a request in flight stop sharing its cost
-            ledger.unmap_superseded(Scratch.desired)
-    if p.delta is None:  # rows holding some of the fields asked now are asked only the others
-        added_fields.prepare(ledger, p.config, dry)
+        if p.delta is None:  # rows holding some of the fields asked now are asked only the others
+            added_fields.prepare(ledger, p.config)
+            if p.config.dedup is not None:  # rows that stopped asking a request in flight stop sharing its cost
+                ledger.unmap_superseded(added_fields.not_held(p.variant))
     output = costs.output_estimate(ledger, p.config)  # what build_plan's estimate counts
     if p.config.dedup_defaulted_off and not state.said_dedup_off:
         state.said_dedup_off = True
