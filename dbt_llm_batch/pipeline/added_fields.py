@@ -158,7 +158,7 @@ def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool 
                 select c.key,
                        arg_max({{'fingerprint': c.fingerprint, 'prompt_hash': c.prompt_hash, 'missing': c.missing,
                                  'delta_fp': c.delta_fp, 'base_id': a.custom_id,
-                                 'succeeded': r.status = {sql(RequestStatus.SUCCEEDED)}}},
+                                 'base_answered': r.status = {sql(RequestStatus.SUCCEEDED)}}},
                                (c.n, r.status = {sql(RequestStatus.SUCCEEDED)}, r.queued_at)) as b
                 from c join {answers} a on a.model = $model and a.variant = $variant and a.key = c.key
                        join {requests} r on r.custom_id = a.custom_id and r.fingerprint = c.base_fp
@@ -168,7 +168,7 @@ def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool 
                                     and x.fingerprint = c.fingerprint and y.status in {live})
                 group by c.key)
             select k.key, k.b.fingerprint as fingerprint, k.b.prompt_hash as prompt_hash, k.b.missing as missing,
-                   k.b.base_id as base_id, k.b.succeeded as base_succeeded,
+                   k.b.base_id as base_id, k.b.base_answered as base_succeeded,
                    (select arg_max(x.custom_id, y.queued_at) from {answers} x join {requests} y using (custom_id)
                     where x.model = $model and x.variant = $variant and x.key = k.key
                       and x.fingerprint = k.b.delta_fp and y.fingerprint = k.b.delta_fp and y.status in {live})

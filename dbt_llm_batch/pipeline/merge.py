@@ -275,8 +275,8 @@ def _winners(
             select x.custom_id, x.model, x.key, x.variant, s.sharing,
                    row_number() over (partition by x.custom_id order by x.model, x.key, x.variant) as share_rank
             from (select * from {answers} where {sharing}) x join shared s using (custom_id))
-        select w.custom_id, w.key, w.variant, w.emitted, w.reused, w.row_json, w.base_custom_id,
-               coalesce(k.sharing, 1) as sharing, coalesce(k.share_rank, 1) as share_rank,
+        select w.custom_id, w.key, w.variant, w.emitted, w.reused, w.row_json,
+               coalesce(k.sharing, 1) as sharing, coalesce(k.share_rank, 1) as share_rank, w.base_custom_id,
                coalesce(b.sharing, 1) as base_sharing, coalesce(b.share_rank, 1) as base_share_rank
         from w left join ranked k on k.custom_id = w.custom_id and k.model = {model} and k.key = w.key
                                      and k.variant = w.variant
