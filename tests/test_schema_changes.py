@@ -422,3 +422,18 @@ def test_rows_sharing_a_request_in_flight_are_asked_the_added_field_once_and_sha
     assert rows[0][1:3] == rows[1][1:3], "the rows sharing both requests show the same answer"
     assert sum(r[4] for r in rows) == billed_cost(emulator, "openai")
     assert rows[2][4] > rows[0][4], "row 3 pays its two requests alone; rows 1 and 2 split theirs"
+
+
+def test_a_failed_added_field_request_retries_only_that_field(project, emulator):
+    """A request asking the added field that fails (a server error on its line) is tried again with
+    the added field alone; the row's held fields are never asked again."""
+    answered(project, emulator)
+    (subject,) = project.query("select subject from main.triage order by ticket_id limit 1")[0]
+    emulator.add_fault(prompt_contains=subject, status_code=500, message="Upstream failure.", times=1)
+    project.write(MODEL, model_with({**TRIAGE_OUTPUT, "language": "text"}))
+    project.dbt("run", "-s", "triage")  # waits for its batch, then sends the failed line again
+    delta = schema_of({"language": {"type": "string"}})
+    later = sorted_batches(emulator)[1:]
+    assert [len(asked_schemas(emulator, b)) for b in later] == [6, 1], "the failed line alone, again"
+    assert all(s == delta for b in later for s in asked_schemas(emulator, b))
+    assert project.query("select count(language) from main.triage where llm_status = 'succeeded'") == [(6,)]

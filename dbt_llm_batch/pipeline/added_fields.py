@@ -117,7 +117,7 @@ def missing_fields(config: ModelConfig, base: dict) -> tuple[str, ...]:
 def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool = False) -> list[tuple[str, ...]]:
     """For the pass's selected rows (Scratch.desired) that hold a subset of the current fields: attach
     live delta answers (combined row answers), hold rows whose base is in flight, and list in
-    Scratch.added_rows (key, missing) the rows asked a delta now. Returns each distinct set of
+    Scratch.added_rows the rows asked a delta now (`asked`) and those waiting. Returns each distinct set of
     missing fields asked (one added-fields pass each). `dry`: the ledger is not written. `again`: after
     the run sent its added-fields passes (their answers are attached; what was said is not said again)."""
     schemas = subset_schemas(ledger, config)
