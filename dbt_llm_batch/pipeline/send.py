@@ -1,9 +1,11 @@
 """What a run sends, for every pass at once (ARCHITECTURE.md, "The run", steps 6 to 9).
 
 The one path of every model: a model without variants is a run with one pass (pipeline/passes.py).
-Every pass is planned first (its plan kept in the run's tables, variants.stash_pass); then the
-passes' batch requests are written into one set of request files per *sender* (provider and model),
-each line rendered with its own pass's config; before anything is sent, every sending pass's provider
+Every pass is planned first (its plan kept in the run's tables, variants.stash_pass), then the
+added-fields passes its planning left (rows asked only the output fields added since their answer,
+added_fields.py); then the passes' batch requests are written into one set of request files per
+*sender* (provider and model; an added-fields pass's schema too), each line rendered with its own
+pass's config; before anything is sent, every sending pass's provider
 key and then the budget (once, for the whole run) are checked; then each sender's files are
 submitted; what did not fit waits as deferred, each pass's own; then each pass's realtime rows.
 Which requests a job holds is submit.Submitted's answer alone, so a request is never both deferred
