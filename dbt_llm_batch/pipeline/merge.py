@@ -130,7 +130,10 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> tuple[st
                    b.realtime_cost_usd as base_realtime_cost_usd, b.input_tokens as base_input_tokens,
                    b.output_tokens as base_output_tokens
             from {EMIT} e join {requests} r on r.custom_id = e.custom_id and r.is_final
-                 left join {requests} b on b.custom_id = e.base_custom_id
+                 -- only the base requests (usually none), narrow: no hash table of every request
+                 left join (select custom_id, answer, cost_usd, realtime_cost_usd, input_tokens, output_tokens
+                            from {requests} where custom_id in (select base_custom_id from {EMIT})) b
+                           on b.custom_id = e.base_custom_id
                  left join {DESIRED} d on d.key = e.key),
         s as (
             select x.key, {", ".join(from_stored)}
