@@ -126,7 +126,7 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> tuple[st
                    -- a combined answer (added_fields.py): the fields added since its base, over the base's
                    case when b.custom_id is null then r.answer
                         else cast(json_merge_patch(b.answer, r.answer) as varchar) end as answer,
-                   e.base_custom_id, e.base_sharing, e.base_share_rank, b.cost_usd as base_cost_usd,
+                   e.base_custom_id, e.base_sharing, e.base_share_rank, e.base_reused, b.cost_usd as base_cost_usd,
                    b.realtime_cost_usd as base_realtime_cost_usd, b.input_tokens as base_input_tokens,
                    b.output_tokens as base_output_tokens
             from {EMIT} e join {requests} r on r.custom_id = e.custom_id and r.is_final
@@ -217,7 +217,7 @@ def _share(column: str, sharing: str = "w.sharing", rank: str = "w.share_rank", 
 def _combined_share(column: str) -> str:
     """A row's part of its request's cost `column`, plus, for a combined answer (added_fields.py), its
     part of the base request's (shared among the rows it answered, as before the fields were added)."""
-    base = _share(f"w.base_{column}", "w.base_sharing", "w.base_share_rank", "false")
+    base = _share(f"w.base_{column}", "w.base_sharing", "w.base_share_rank", "w.base_reused")
     return f"({_share(f'w.{column}')} + case when w.base_custom_id is null then 0 else {base} end)"
 
 
@@ -280,12 +280,17 @@ def _winners(
             from (select * from {answers} where {sharing}) x join shared s using (custom_id))
         select w.custom_id, w.key, w.variant, w.emitted, w.reused, w.row_json,
                coalesce(k.sharing, 1) as sharing, coalesce(k.share_rank, 1) as share_rank, w.base_custom_id,
-               coalesce(b.sharing, 1) as base_sharing, coalesce(b.share_rank, 1) as base_share_rank
+               coalesce(b.sharing, 1) as base_sharing, coalesce(b.share_rank, 1) as base_share_rank,
+               coalesce(ba.reused, false) as base_reused
         from w left join ranked k on k.custom_id = w.custom_id and k.model = {model} and k.key = w.key
                                      and k.variant = w.variant
                -- a combined answer (added_fields.py): its base request's cost is shared as before
                left join ranked b on b.custom_id = w.base_custom_id and b.model = {model} and b.key = w.key
-                                     and b.variant = w.variant"""
+                                     and b.variant = w.variant
+               -- a base answered from the ledger (reused) cost this row nothing
+               left join (select custom_id, key, variant, bool_or(reused) as reused from {answers}
+                          where model = {model} and custom_id in (select base_custom_id from w) group by all) ba
+                         on ba.custom_id = w.base_custom_id and ba.key = w.key and ba.variant = w.variant"""
 
 
 def _compression(name: str, typ: str, config: ModelConfig) -> str:
