@@ -72,7 +72,7 @@ def test_an_added_output_field_is_a_new_column_filled_in_the_same_run(project, e
     project.write(MODEL, model_with(wider))
     project.dbt("run", "-s", "triage")  # no --full-refresh: the column is added and asked in this run
     assert "language" in columns(project)
-    schema = schema_of({**TRIAGE_PROPERTIES, "language": {"type": "string"}})
+    schema = schema_of({"language": {"type": "string"}})  # only the added field is asked (added_fields.py)
     rows = project.query("select ticket_id, prompt, language, llm_status from main.triage order by 1")
     assert len(rows) == 6
     for _, prompt, language, status in rows:
@@ -213,21 +213,21 @@ def test_a_field_removed_while_its_batch_is_in_flight_is_answered_by_that_batch(
         assert cost > 0, "each row costs what its request cost"
 
 
-def test_a_field_whose_enum_changed_is_not_held(project, emulator):
-    """A field whose own schema changed is another field: the rows are asked again (the answers held
-    were constrained by the old enum), and the table shows the new answers."""
+def test_a_field_whose_enum_changed_is_asked_alone(project, emulator):
+    """A field whose own schema changed is another field: the answers held were constrained by the
+    old enum, so that field is asked again, alone (added_fields.py); the other fields are kept."""
     answered(project, emulator)
+    before = answers(project, "summary", "urgent")
     labels = [*TRIAGE_OUTPUT["category"], "security"]
     project.write(MODEL, model_with({**TRIAGE_OUTPUT, "category": labels}))
     project.dbt("run", "-s", "triage")
     last = sorted_batches(emulator)[-1]
-    lines = batch_input_lines(emulator, last)
-    assert len(emulator.batches()) == 2 and len(lines) == 6
-    asked = lines[0]["body"]["response_format"]["json_schema"]["schema"]["properties"]["category"]
-    assert asked["enum"] == labels
-    schema = schema_of({**TRIAGE_PROPERTIES, "category": {"type": "string", "enum": labels}})
+    assert len(emulator.batches()) == 2
+    schema = schema_of({"category": {"type": "string", "enum": labels}})
+    assert asked_schemas(emulator, last) == [schema] * 6, "only the changed field is asked"
     for prompt, category in project.query("select prompt, category from main.triage"):
         assert category == json.loads(expected_answer(TRIAGE_SYSTEM, prompt, schema))["category"]
+    assert {k: v[:2] for k, v in answers(project, "summary", "urgent").items()} == {k: v[:2] for k, v in before.items()}
 
 
 def test_rows_sharing_a_request_keep_their_shares_of_its_cost_when_a_field_is_removed(project, emulator):
@@ -254,3 +254,186 @@ def test_rows_sharing_a_request_keep_their_shares_of_its_cost_when_a_field_is_re
     project.dbt("run", "-s", "dup")
     assert sum(batch_counts(emulator)) == 2, "nothing asked again"
     assert shown() == before
+
+
+# -- Added fields: only they are asked (pipeline/added_fields.py) ---------------------------------
+
+
+def asked_schemas(emulator, batch: dict) -> list[dict]:
+    """The output schema of each request line of `batch`."""
+    return [line["body"]["response_format"]["json_schema"]["schema"] for line in batch_input_lines(emulator, batch)]
+
+
+def request_costs(project) -> dict:
+    """Each ledger request's cost, by custom_id."""
+    return dict(project.query("select custom_id, cost_usd from main.llm_batch_requests where cost_usd is not null"))
+
+
+def test_an_added_field_asks_only_for_it_and_each_row_pays_both_shares(project, emulator):
+    """Each answered row is asked only the added field (one request per row, its schema that field
+    alone), the column is filled in the run, the other columns stay as they were, and each row's
+    cost is its first request's plus its new one's (the table's costs add up to the ledger's)."""
+    answered(project, emulator)
+    before = answers(project, "category", "summary", "urgent")
+    project.write(MODEL, model_with({**TRIAGE_OUTPUT, "language": "text"}))
+    project.dbt("run", "-s", "triage", "--vars", "{llm_batch_dry_run: true}")
+    assert "main.triage: DRY RUN: would submit 6 request(s)" in log_text(project), "the dry run says so too"
+    project.dbt("run", "-s", "triage")
+    batches = sorted_batches(emulator)
+    assert len(batches) == 2
+    delta = schema_of({"language": {"type": "string"}})
+    assert asked_schemas(emulator, batches[1]) == [delta] * 6, "only the added field is asked"
+    after = answers(project, "category", "summary", "urgent", "language")
+    rows = dict(project.query("select ticket_id, prompt from main.triage"))
+    for ticket, (category, summary, urgent, language, cost) in after.items():
+        assert (category, summary, urgent) == before[ticket][:3], "the fields held are not asked again"
+        assert language == json.loads(expected_answer(TRIAGE_SYSTEM, rows[ticket], delta))["language"]
+        assert cost > before[ticket][3], "the row pays its first request and its share of the new one"
+    assert sum(c for *_, c in after.values()) == sum(request_costs(project).values())
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+    assert project.query("select sum(rows_answered), sum(cost_usd) from main.llm_batch_costs") == [
+        (6, sum(request_costs(project).values()))
+    ], "six rows answered now, both requests' costs counted"
+
+
+def test_a_field_added_while_the_batch_is_in_flight_is_asked_after_it_merges(project, emulator):
+    """The first run leaves its batch in flight; the run after a field is added asks nothing (the
+    batch answers the other fields); the run after the batch ends merges it and asks only the added
+    field; the run after that fills the column. One request per row (llm_dedup = false)."""
+    project.dbt("seed")
+
+    def write(output: dict) -> None:
+        model = triage_model(extra_config="llm_dedup = false,")
+        project.write(MODEL, model.replace(json.dumps(TRIAGE_OUTPUT), json.dumps(output)))
+
+    write(TRIAGE_OUTPUT)
+    project.dbt("run", "-s", "triage")
+    write({**TRIAGE_OUTPUT, "language": "text"})
+    project.dbt("run", "-s", "triage")
+    assert len(emulator.batches()) == 1, "the rows wait for the batch in flight"
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(category), count(language) from main.triage") == [(6, 0)], "merged first"
+    batches = sorted_batches(emulator)
+    delta = schema_of({"language": {"type": "string"}})
+    assert len(batches) == 2 and asked_schemas(emulator, batches[1]) == [delta] * 6, "then only the added field"
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert len(emulator.batches()) == 2
+    for prompt, category, language, status in project.query(
+        "select prompt, category, language, llm_status from main.triage"
+    ):
+        held = json.loads(expected_answer(TRIAGE_SYSTEM, prompt, schema_of(TRIAGE_PROPERTIES)))
+        assert (category, status) == (held["category"], "succeeded")
+        assert language == json.loads(expected_answer(TRIAGE_SYSTEM, prompt, delta))["language"]
+
+
+def test_each_variant_is_asked_only_its_added_field(project, emulator):
+    """Each variant's answers are its own: adding a field asks each variant's rows for it alone."""
+    variants = "llm_variants = {'terse': {'llm_system': 'Answer tersely.'}},"
+    project.dbt("seed")
+    emulator.auto_advance_seconds = 0.05
+    project.write(MODEL, model_with(TRIAGE_OUTPUT, variants))
+    project.dbt("run", "-s", "triage")
+    before = {r[:2]: r[2:] for r in project.query("select ticket_id, llm_variant, category, summary from main.triage")}
+    project.write(MODEL, model_with({**TRIAGE_OUTPUT, "language": "text"}, variants))
+    project.dbt("run", "-s", "triage")
+    delta = schema_of({"language": {"type": "string"}})
+    later = [s for b in sorted_batches(emulator)[1:] for s in asked_schemas(emulator, b)]
+    assert later == [delta] * 12, "6 rows of each variant, asked the added field alone"
+    rows = project.query("select ticket_id, llm_variant, category, summary, language, prompt from main.triage")
+    assert {r[:2]: r[2:4] for r in rows} == before, "the fields held are kept, per variant"
+    systems = {"default": TRIAGE_SYSTEM, "terse": "Answer tersely."}
+    for _, variant, _, _, language, prompt in rows:
+        assert language == json.loads(expected_answer(systems[variant], prompt, delta))["language"]
+
+
+def test_urgent_rows_are_asked_their_added_field_in_realtime(project, emulator):
+    """Rows on the realtime path (llm_realtime_when) are asked only the added field, in realtime, and
+    the column is filled in that run: the realtime job records the field's schema alone."""
+    urgent = "llm_realtime_when = 'true',"
+    project.dbt("seed")
+    project.write(MODEL, model_with(TRIAGE_OUTPUT, urgent))
+    project.dbt("run", "-s", "triage")
+    assert emulator.stats()["realtime_requests"]["openai"] == 6 and emulator.batches() == []
+    project.write(MODEL, model_with({**TRIAGE_OUTPUT, "language": "text"}, urgent))
+    project.dbt("run", "-s", "triage")
+    assert emulator.stats()["realtime_requests"]["openai"] == 12 and emulator.batches() == []
+    delta = schema_of({"language": {"type": "string"}})
+    jobs = project.query("select output_schema from main.llm_batch_jobs order by created_at")
+    assert [json.loads(s) for (s,) in jobs][1:] == [delta]
+    for prompt, category, language, status in project.query(
+        "select prompt, category, language, llm_status from main.triage"
+    ):
+        held = json.loads(expected_answer(TRIAGE_SYSTEM, prompt, schema_of(TRIAGE_PROPERTIES)))
+        assert (category, status) == (held["category"], "succeeded")
+        assert language == json.loads(expected_answer(TRIAGE_SYSTEM, prompt, delta))["language"]
+
+
+CONTACT = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "channels": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "channels"],
+    "additionalProperties": False,
+}
+
+
+def test_an_added_nested_field_is_asked_alone_as_one_unit(project, emulator):
+    """A nested field is a top-level unit: adding it asks it alone, and fills its STRUCT column."""
+    answered(project, emulator)
+    project.write(MODEL, model_with({**TRIAGE_OUTPUT, "contact": CONTACT}))
+    project.dbt("run", "-s", "triage")
+    batches = sorted_batches(emulator)
+    assert len(batches) == 2
+    (asked,) = {json.dumps(s, sort_keys=True) for s in asked_schemas(emulator, batches[1])}
+    assert list(json.loads(asked)["properties"]) == ["contact"]
+    for prompt, name, channels, category in project.query(
+        "select prompt, contact.name, contact.channels, category from main.triage"
+    ):
+        expected = json.loads(expected_answer(TRIAGE_SYSTEM, prompt, json.loads(asked)))["contact"]
+        assert (name, channels) == (expected["name"], expected["channels"])
+        assert category is not None
+
+
+def test_rows_sharing_a_request_in_flight_are_asked_the_added_field_once_and_share_both_costs(project, emulator):
+    """Rows asking the same request (llm_dedup) whose batch is in flight when a field is added: the
+    batch merges first, then the added field is asked once for them (one request per distinct
+    prompt), and each row's cost is its share of both requests (the shares add up to the bill)."""
+    project.write("seeds/llm_prices.csv", PRICES)
+    write_rows(project, {1: 1, 2: 1, 3: 2})  # rows 1 and 2 ask the same question
+
+    def write(output: dict) -> None:
+        project.write("models/dup.sql", dup_model("openai", extra=f"llm_output = {json.dumps(output)},"))
+
+    write({"topic": "text", "severe": "boolean"})
+    project.dbt("run", "-s", "dup")
+    write({"topic": "text", "severe": "boolean", "language": "text"})
+    project.dbt("run", "-s", "dup")
+    assert batch_counts(emulator) == [2], "the rows wait for their batch in flight"
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup")
+    assert batch_counts(emulator) == [2, 2], "then the added field, once per distinct prompt"
+    delta = schema_of({"language": {"type": "string"}})
+    assert asked_schemas(emulator, sorted_batches(emulator)[1]) == [delta] * 2
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup")
+    rows = project.query("select id, topic, language, llm_status, llm_cost_usd from main.dup order by id")
+    assert [r[3] for r in rows] == ["succeeded"] * 3 and all(r[1] and r[2] for r in rows)
+    assert rows[0][1:3] == rows[1][1:3], "the rows sharing both requests show the same answer"
+    assert sum(r[4] for r in rows) == billed_cost(emulator, "openai")
+    assert rows[2][4] > rows[0][4], "row 3 pays its two requests alone; rows 1 and 2 split theirs"
+
+
+def test_a_failed_added_field_request_retries_only_that_field(project, emulator):
+    """A request asking the added field that fails (a server error on its line) is tried again with
+    the added field alone; the row's held fields are never asked again."""
+    answered(project, emulator)
+    (subject,) = project.query("select subject from main.triage order by ticket_id limit 1")[0]
+    emulator.add_fault(prompt_contains=subject, status_code=500, message="Upstream failure.", times=1)
+    project.write(MODEL, model_with({**TRIAGE_OUTPUT, "language": "text"}))
+    project.dbt("run", "-s", "triage")  # waits for its batch, then sends the failed line again
+    delta = schema_of({"language": {"type": "string"}})
+    later = sorted_batches(emulator)[1:]
+    assert [len(asked_schemas(emulator, b)) for b in later] == [6, 1], "the failed line alone, again"
+    assert all(s == delta for b in later for s in asked_schemas(emulator, b))
+    assert project.query("select count(language) from main.triage where llm_status = 'succeeded'") == [(6,)]

@@ -262,6 +262,11 @@ MIGRATIONS += [
     # requests not sent yet. No table changes.
     (25, []),
 ]
+MIGRATIONS += [
+    # base_custom_id: a row answer made of two requests (pipeline/added_fields.py): its own request
+    # answers the output fields added since the request named here, which answers the others.
+    (26, ["alter table {s}.llm_batch_row_answers add column if not exists base_custom_id varchar"]),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users

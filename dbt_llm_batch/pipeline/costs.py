@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
+from dbt_llm_batch import output_schema
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import RequestStatus, sql
@@ -50,14 +51,18 @@ class OutputEstimate:
 
 
 def output_estimate(ledger: Ledger, config: ModelConfig) -> OutputEstimate:
-    """The model's expected and ceiling output tokens per request (llm_budget_basis picks the basis)."""
+    """The model's expected and ceiling output tokens per request (llm_budget_basis picks the basis),
+    from the answers asked with `config`'s output schema (or before schemas were recorded): a request
+    asking only the fields added since (added_fields.py) expects the output of those alone."""
     ceiling = config.max_tokens or DEFAULT_OUTPUT_ESTIMATE
     percentile, history = ledger.con.execute(
         f"""select quantile_cont(output_tokens, {OUTPUT_PERCENTILE}), count(*)
             from (select output_tokens from {ledger.table("llm_batch_requests")}
                   where model = ? and status = {sql(RequestStatus.SUCCEEDED)} and output_tokens is not null
+                    and coalesce(job_id, '') not in (select job_id from {ledger.table("llm_batch_jobs")}
+                                       where output_schema is distinct from ? and output_schema is not null)
                   order by completed_at desc limit {OUTPUT_HISTORY})""",
-        [ledger.model],
+        [ledger.model, output_schema.recorded(config.output_json_schema())],
     ).fetchall()[0]
     expected = min(ceiling, math.ceil(percentile)) if history else ceiling
     return OutputEstimate(expected, ceiling, history, expected if config.budget_basis == "expected" else ceiling)

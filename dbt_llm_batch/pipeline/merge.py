@@ -98,16 +98,16 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> tuple[st
         "w.status",
         "w.error",
         finish_reason_sql(),
-        "w.input_tokens",
-        "w.output_tokens",
+        "w.input_tokens + coalesce(w.base_input_tokens, 0)",
+        "w.output_tokens + coalesce(w.base_output_tokens, 0)",
         f"coalesce(j.llm_model, {model_literal})",
         "j.batch_id",
         "w.fingerprint",
         "w.completed_at",
         "w.cached_tokens",
         "w.cache_write_tokens",
-        _share("w.cost_usd"),
-        _share("w.realtime_cost_usd"),
+        _combined_share("cost_usd"),
+        _combined_share("realtime_cost_usd"),
         "case when w.reused then 'reused' when w.job_id is not null then coalesce(w.route, 'batch') end",
     ]
     status = [(value, name) for value, (name, _) in zip(status_values, STATUS_COLUMNS, strict=True)]
@@ -121,9 +121,19 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> tuple[st
     # wide column carried through the joins of every winner was most of a large merge.
     narrow = f"""
         with w as (
-            select r.* exclude (key, row_json), e.key, e.reused, e.sharing, e.share_rank, e.row_json as own_row_json,
-                   d.row_id as desired_row, coalesce({same_row}, false) as same_row
+            select r.* exclude (key, row_json, answer), e.key, e.reused, e.sharing, e.share_rank, e.row_json as own_row_json,
+                   d.row_id as desired_row, coalesce({same_row}, false) as same_row,
+                   -- a combined answer (added_fields.py): the fields added since its base, over the base's
+                   case when b.custom_id is null then r.answer
+                        else cast(json_merge_patch(b.answer, r.answer) as varchar) end as answer,
+                   e.base_custom_id, e.base_sharing, e.base_share_rank, e.base_reused, b.cost_usd as base_cost_usd,
+                   b.realtime_cost_usd as base_realtime_cost_usd, b.input_tokens as base_input_tokens,
+                   b.output_tokens as base_output_tokens
             from {EMIT} e join {requests} r on r.custom_id = e.custom_id and r.is_final
+                 -- only the base requests (usually none), narrow: no hash table of every request
+                 left join (select custom_id, answer, cost_usd, realtime_cost_usd, input_tokens, output_tokens
+                            from {requests} where custom_id in (select base_custom_id from {EMIT})) b
+                           on b.custom_id = e.base_custom_id
                  left join {DESIRED} d on d.key = e.key),
         s as (
             select x.key, {", ".join(from_stored)}
@@ -191,17 +201,24 @@ def _output_values(config: ModelConfig) -> list[tuple[str, str]]:
     return [(col.name, output_schema.value_sql(col.name, col.json_schema, "w.answer")) for col in config.output_columns]
 
 
-def _share(column: str) -> str:
+def _share(column: str, sharing: str = "w.sharing", rank: str = "w.share_rank", reused: str = "w.reused") -> str:
     """A row's part of its request's cost: a request's cost is split equally among the rows it
     answered when it was harvested (the first `remainder` rows take one billionth of a dollar more,
     so the parts add up to the cost exactly); a reused row (answered later from the ledger) costs $0."""
     units = f"cast({column} * 1000000000 as hugeint)"
-    part = f"({units} // w.sharing + case when w.share_rank <= {units} % w.sharing then 1 else 0 end)"
+    part = f"({units} // {sharing} + case when {rank} <= {units} % {sharing} then 1 else 0 end)"
     # A request answering one row (most of them) is that row's cost as is: no division to make.
     return (
-        f"case when w.reused then 0 when w.sharing = 1 then {column} "
+        f"case when {reused} then 0 when {sharing} = 1 then {column} "
         f"else cast({part} / 1000000000 as decimal(18, 9)) end"
     )
+
+
+def _combined_share(column: str) -> str:
+    """A row's part of its request's cost `column`, plus, for a combined answer (added_fields.py), its
+    part of the base request's (shared among the rows it answered, as before the fields were added)."""
+    base = _share(f"w.base_{column}", "w.base_sharing", "w.base_share_rank", "w.base_reused")
+    return f"({_share(f'w.{column}')} + case when w.base_custom_id is null then 0 else {base} end)"
 
 
 def _winners(
@@ -238,11 +255,11 @@ def _winners(
         ).fetchall()[0][0]
     )
     if single:
-        won = f"""select key, custom_id, variant, emitted, reused, row_json from {answers}
+        won = f"""select key, custom_id, variant, emitted, reused, row_json, base_custom_id from {answers}
                   where model = {model} and variant = {literal(variant)} and ({own_answer or f"key in ({keys_sql})"})
                     and custom_id in (select custom_id from {requests} where is_final)"""
     else:
-        won = f"""select x.key, x.custom_id, x.variant, x.emitted, x.reused, x.row_json
+        won = f"""select x.key, x.custom_id, x.variant, x.emitted, x.reused, x.row_json, x.base_custom_id
                   from (select a.key, arg_max(a.rowid, ({rank})) as won
                         from {answers} a join {requests} r using (custom_id) left join {DESIRED} d on d.key = a.key
                         where a.model = {model} and a.variant = {literal(variant)} and r.is_final and a.key in ({keys_sql})
@@ -255,16 +272,25 @@ def _winners(
         with w as ({won}),
         shared as (
             select custom_id, count(*) as sharing from {answers}
-            where {sharing} and custom_id in (select custom_id from w)
+            where {sharing} and (custom_id in (select custom_id from w) or custom_id in (select base_custom_id from w))
             group by custom_id having count(*) > 1),
         ranked as (
             select x.custom_id, x.model, x.key, x.variant, s.sharing,
                    row_number() over (partition by x.custom_id order by x.model, x.key, x.variant) as share_rank
             from (select * from {answers} where {sharing}) x join shared s using (custom_id))
         select w.custom_id, w.key, w.variant, w.emitted, w.reused, w.row_json,
-               coalesce(k.sharing, 1) as sharing, coalesce(k.share_rank, 1) as share_rank
+               coalesce(k.sharing, 1) as sharing, coalesce(k.share_rank, 1) as share_rank, w.base_custom_id,
+               coalesce(b.sharing, 1) as base_sharing, coalesce(b.share_rank, 1) as base_share_rank,
+               coalesce(ba.reused, false) as base_reused
         from w left join ranked k on k.custom_id = w.custom_id and k.model = {model} and k.key = w.key
-                                     and k.variant = w.variant"""
+                                     and k.variant = w.variant
+               -- a combined answer (added_fields.py): its base request's cost is shared as before
+               left join ranked b on b.custom_id = w.base_custom_id and b.model = {model} and b.key = w.key
+                                     and b.variant = w.variant
+               -- a base answered from the ledger (reused) cost this row nothing
+               left join (select custom_id, key, variant, bool_or(reused) as reused from {answers}
+                          where model = {model} and custom_id in (select base_custom_id from w) group by all) ba
+                         on ba.custom_id = w.base_custom_id and ba.key = w.key and ba.variant = w.variant"""
 
 
 def _compression(name: str, typ: str, config: ModelConfig) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.pipeline import plan, variants
+from dbt_llm_batch.pipeline import added_fields, plan, variants
 from dbt_llm_batch.pipeline.pool import Pool
 from dbt_llm_batch.pipeline.scratch import Scratch
 
@@ -26,6 +26,8 @@ class Pass:
     config: ModelConfig
     price: dict | None
     pool: Pool = dataclasses.field(repr=False, compare=False)
+    # An added-fields pass (added_fields.py): the output fields it asks, of the rows holding the others.
+    delta: tuple[str, ...] | None = None
 
     @property
     def variant(self) -> str:
@@ -54,6 +56,8 @@ def enter(con, ledger: Ledger, current: Pass, input_columns, precomputed: bool) 
     ledger.variant = current.variant
     plan.build_desired(con, Scratch.input, input_columns, current.config, ledger, precomputed and current.index == 0)
     variants.sample_desired(con, current.config)
+    if current.delta is not None:
+        added_fields.keep_rows(con, current.variant, current.delta)
 
 
 def each(con, ledger: Ledger, passes: tuple[Pass, ...], input_columns, precomputed: bool) -> Iterator[Pass]:
@@ -66,3 +70,19 @@ def each(con, ledger: Ledger, passes: tuple[Pass, ...], input_columns, precomput
         yield p
     if several:
         enter(con, ledger, passes[0], input_columns, precomputed)
+
+
+def added_passes(con, base: tuple[Pass, ...]) -> tuple[Pass, ...]:
+    """The added-fields passes of the rows the `base` passes' plans left to them (added_fields.prepare
+    listed them in Scratch.added_rows): one per variant and set of missing fields, numbered after `base`."""
+    found = con.execute(
+        f"select distinct variant, missing from {Scratch.added_rows} where asked order by all"
+    ).fetchall()
+    by_variant = {p.variant: p for p in base if p.delta is None}
+    out: list[Pass] = []
+    for variant, missing in found:
+        owner = by_variant[variant]
+        fields = tuple(missing)
+        config = added_fields.delta_config(owner.config, fields)
+        out.append(Pass(len(base) + len(out), config, owner.price, owner.pool, delta=fields))
+    return tuple(out)

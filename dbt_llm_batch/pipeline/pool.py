@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dbt_llm_batch import output_schema
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.pipeline import costs
 from dbt_llm_batch.providers import get_provider
@@ -32,7 +33,8 @@ class Pool:
 
     @staticmethod
     def _config_key(config: ModelConfig) -> tuple:
-        return ("config", config.variant)
+        # An added-fields pass's config (added_fields.py) renders and records its own output schema.
+        return ("config", config.variant, output_schema.recorded(config.output_json_schema()))
 
     def client(self, config: ModelConfig):
         """`config`'s client (the model's own or a variant's): its provider with its provider keys."""

@@ -35,6 +35,8 @@ class Scratch:
     answered = "__llm_answered"  # with dedup: the stored request answering each candidate's prompt (plan.build_plan)
     plan_members = "__llm_plan_members"  # rows answered by a request of another row (plan.build_plan)
     wider = "__llm_wider"  # row answers asked with a wider output schema, moved to the current one (wider_answers)
+    added = "__llm_added"  # rows holding an answer to some of the output fields, and what is added (added_fields)
+    added_rows = "__llm_added_rows"  # the rows each added-fields pass asks, by pass (added_fields)
     taken = "__llm_taken"  # with llm_dedup = 'ledger': planned requests another model sends (sharing.claim_shared)
     realtime_plan = "__llm_realtime_plan"  # the plan's realtime rows (runner: ModelRun.split_realtime)
     sent = "__llm_sent"  # which plan rows went into which request file, at which line (request_files)
@@ -50,7 +52,7 @@ class Scratch:
     TABLES = (
         "input", "prices", "rekey", "desired", "unsendable", "deferred", "plan", "realtime_plan",
         "sent", "outcomes", "batch_failed", "emit", "emit_rows", "rekey_rows", "candidates", "answered", "history", "plan_members",
-        "wider", "taken",
+        "wider", "added", "added_rows", "taken",
         "run_plan", "run_realtime", "run_members", "run_sent",
     )  # fmt: skip
 

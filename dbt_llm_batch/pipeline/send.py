@@ -1,9 +1,11 @@
 """What a run sends, for every pass at once (ARCHITECTURE.md, "The run", steps 6 to 9).
 
 The one path of every model: a model without variants is a run with one pass (pipeline/passes.py).
-Every pass is planned first (its plan kept in the run's tables, variants.stash_pass); then the
-passes' batch requests are written into one set of request files per *sender* (provider and model),
-each line rendered with its own pass's config; before anything is sent, every sending pass's provider
+Every pass is planned first (its plan kept in the run's tables, variants.stash_pass), then the
+added-fields passes its planning left (rows asked only the output fields added since their answer,
+added_fields.py); then the passes' batch requests are written into one set of request files per
+*sender* (provider and model; an added-fields pass's schema too), each line rendered with its own
+pass's config; before anything is sent, every sending pass's provider
 key and then the budget (once, for the whole run) are checked; then each sender's files are
 submitted; what did not fit waits as deferred, each pass's own; then each pass's realtime rows.
 Which requests a job holds is submit.Submitted's answer alone, so a request is never both deferred
@@ -18,11 +20,13 @@ import os
 from decimal import Decimal
 from typing import Any
 
+from dbt_llm_batch import output_schema
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.errors import BudgetError
 from dbt_llm_batch.ledger import Ledger, locks
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import (
+    added_fields,
     budget,
     costs,
     plan,
@@ -36,14 +40,16 @@ from dbt_llm_batch.pipeline import (
     variants,
     wider_answers,
 )
-from dbt_llm_batch.pipeline.passes import Pass, enter
+from dbt_llm_batch.pipeline.passes import Pass, added_passes, enter
 from dbt_llm_batch.pipeline.pool import Pool
 from dbt_llm_batch.pipeline.report import RunSummary
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import BatchProvider, get_provider
 from dbt_llm_batch.sql import literal
 
-Sender = tuple[str, str]  # (provider, model): one OpenAI batch file holds one model's requests
+# (provider, model, and an added-fields pass's schema): one OpenAI batch file holds one model's
+# requests, and a job records the one schema its answers are checked against (added_fields.py).
+Sender = tuple[str, str, str | None]
 
 
 @dataclasses.dataclass
@@ -86,13 +92,19 @@ def send(state: RunState, passes: tuple[Pass, ...], dry: bool = False) -> None:
     held, until = state.ledger.backed_off()
     if held and not dry:  # the model's, all passes together: said once
         report.backed_off(state.model, held, until)
+    added_fields.start(state.con)
     planned = [plan_pass(state, p, dry) for p in passes]
+    # Rows holding some of the output fields asked now are asked the others by passes of their own.
+    added = added_passes(state.con, passes)
+    planned += [plan_pass(state, p, dry) for p in added]
+    passes += added
     if len(passes) > 1:  # the model's own selected rows again, for the steps after (merge, wait)
         enter(state.con, state.ledger, passes[0], state.input_columns, state.precomputed)
     senders: dict[Sender, list[int]] = {}  # in the order the passes first name them
     for p, pl in zip(passes, planned, strict=True):
         if pl.requests > pl.realtime[0] and issubclass(get_provider(p.config.provider), BatchProvider):
-            senders.setdefault((p.config.provider, p.config.model), []).append(p.index)
+            schema = None if p.delta is None else output_schema.recorded(p.config.output_json_schema())
+            senders.setdefault((p.config.provider, p.config.model, schema), []).append(p.index)
     variants.start_sent(state.con)
     with contextlib.ExitStack() as stack:
         directory = None if dry else stack.enter_context(tempdirs.private_dir())
@@ -117,6 +129,12 @@ def send(state: RunState, passes: tuple[Pass, ...], dry: bool = False) -> None:
                 f"select * exclude (pass_index) from {Scratch.run_realtime} where pass_index = {p.index}"
             )
             send_realtime(state, p)
+    if added:  # the answers to the fields just asked (in flight, or in realtime answered) join their rows'
+        for p in passes[: len(passes) - len(added)]:
+            enter(state.con, state.ledger, p, state.input_columns, state.precomputed)
+            added_fields.prepare(state.ledger, p.config, again=True)
+        if len(passes) > 1:
+            enter(state.con, state.ledger, passes[0], state.input_columns, state.precomputed)
     state.ledger.variant = passes[0].variant
 
 
@@ -129,12 +147,16 @@ def plan_pass(state: RunState, p: Pass, dry: bool) -> Planned:
     if dry:  # rows a real run would fail before sending are kept out of the plan, not recorded
         unsendable = validate.reject_unsendable(ledger, p.config, state.input_columns, record=False)
         wider_answers.adopt(ledger, p.config, dry=True)  # rows a real run answers from a wider llm_output
+        if p.delta is None:  # rows holding some of the fields asked now are asked only the others
+            added_fields.prepare(ledger, p.config, dry=True)
     else:
         state.summary.rejected_prompts += plan.reject_empty_prompts(ledger, Scratch.input, state.input_columns)
         state.summary.rejected_prompts += validate.reject_unsendable(ledger, p.config, state.input_columns)
         state.summary.rejected_prompts += validate.reject_deferred_without_prompt(ledger, p.config)
-        if p.config.dedup is not None:  # rows that stopped asking a request in flight stop sharing its cost
-            ledger.unmap_superseded(Scratch.desired)
+        if p.delta is None:  # rows holding some of the fields asked now are asked only the others
+            added_fields.prepare(ledger, p.config)
+            if p.config.dedup is not None:  # rows that stopped asking a request in flight stop sharing its cost
+                ledger.unmap_superseded(added_fields.not_held(p.variant))
     output = costs.output_estimate(ledger, p.config)  # what build_plan's estimate counts
     if p.config.dedup_defaulted_off and not state.said_dedup_off:
         state.said_dedup_off = True
@@ -229,7 +251,7 @@ def write_sender_files(
     its passes together, so each sender's files take what the earlier ones left."""
     out: list[list[request_files.RequestFile]] = []
     taken = (0, 0, 0)  # batches, requests, estimated input tokens written for earlier senders
-    for sender, ((provider_name, _), indexes) in enumerate(senders.items()):
+    for sender, ((provider_name, _, _), indexes) in enumerate(senders.items()):
         provider_cls = get_provider(provider_name)
         assert issubclass(provider_cls, BatchProvider)  # senders are batch providers only
         path = None
@@ -456,7 +478,7 @@ def report_dry(state: RunState, passes, planned: list[Planned], estimates, writt
     state.summary.estimated_usd = total
     if state.default.variant_name is None:
         return
-    for sender, (provider_name, llm_model) in enumerate(senders):
+    for sender, (provider_name, llm_model, _) in enumerate(senders):
         if files[sender]:
             log.info(
                 f"{state.model}: DRY RUN: {provider_name} ({llm_model}) would get "

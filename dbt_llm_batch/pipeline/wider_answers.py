@@ -19,7 +19,7 @@ current one): nothing is asked.
 The schemas looked at are those this model's jobs were asked with (llm_batch_jobs.output_schema,
 recorded per job since ledger version 18; with llm_dedup = 'ledger' any model's). A field whose own
 schema changed (an enum, a type) is another field: such a schema does not hold it, and the rows are
-asked again for every field, as are rows whose schema gained a field. Not for llm_output_format =
+asked that field alone, as are rows whose schema gained a field (added_fields.py). Not for llm_output_format =
 'json' (the table would show the removed field inside the whole answer), free text or embeddings.
 """
 

@@ -1,0 +1,260 @@
+"""Added output fields: a row holding an answer to some of the fields asked now is asked only the others.
+
+A request's fingerprint covers its output schema as a whole, so adding a field to `llm_output` (or
+changing one field's own schema: an enum, a type, which makes it another field) gives every row a new
+fingerprint. Yet a row whose answer was asked with a schema S whose fields are a subset of the fields
+asked now (each with the same own schema; the rest of the fingerprint the same:
+config.fingerprint_prefix_asking) holds those fields already. Such a row is asked only the missing
+fields: one request per row (dedup as usual), with the *delta* schema (the current schema restricted
+to the missing fields; strict-mode valid, nested fields a top-level unit), whose fingerprint is the one
+the config gives with that schema (`delta_config`). Its job records the delta schema, so its answer is
+checked against it (outcomes.settle) and a failed attempt retries only the delta.
+
+The row answer under the current fingerprint is then *combined*: it points at the delta request and
+names the base request in `base_custom_id` (ledger v26). The merge reads each field from the JSON of
+both answers (the delta's fields over the base's) and the row's cost is the delta's share plus the
+base's share (merge._row_select). The base row answer stays where it was, so the base request answers
+as many rows as before and its cost is split as before.
+
+Each run, per pass, before planning (`prepare`), for the selected rows without a live answer under
+their current fingerprint:
+- a row whose base succeeded and whose delta request is live (succeeded or in flight) gets its
+  combined row answer: the delta's row answer (written under the delta fingerprint when it was
+  planned) moves to the current fingerprint with its base named (so a run that waits for its batch
+  fills the column in that run; `attach` is run again after sending);
+- a row whose base is still in flight waits: nothing is asked (the base merges first, then its
+  missing fields are asked);
+- a row whose base succeeded and has no live delta needs it: it is in the rows of an added-fields pass
+  (a `Pass` with `delta`, its config the delta config, its variant the row's), planned, sent (its own
+  batch: a job records one schema) and realtime-routed like any other.
+Of several such schemas a row holds, the one with the most fields is its base. A base superseded later
+(a prompt edit) is under another prompt: the row is asked everything again (the normal path).
+
+Not for llm_output_format = 'json', free text, embeddings, or a model with few-shot examples (their
+outputs show every field): those rows are asked again for every field, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from dbt_llm_batch.config import ModelConfig
+from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
+from dbt_llm_batch.ledger.status import IN_FLIGHT, RequestStatus, sql, sql_in
+from dbt_llm_batch.log import log
+from dbt_llm_batch.pipeline import plan
+from dbt_llm_batch.pipeline.scratch import Scratch
+from dbt_llm_batch.sql import literal
+
+ADDED, ADDED_ROWS, DESIRED = Scratch.added, Scratch.added_rows, Scratch.desired
+
+
+def applies(config: ModelConfig) -> bool:
+    """Whether a row of `config` can be asked only its missing fields (the module's docstring)."""
+    return (
+        config.structured
+        and not config.embeds
+        and config.output_format != "json"
+        and not config.examples
+        and len(config.output_columns) > 1
+    )
+
+
+def subset_schemas(ledger: Ledger, config: ModelConfig) -> list[dict]:
+    """The recorded schemas (llm_batch_jobs.output_schema, this model's; with llm_dedup = 'ledger' any
+    model's) of the same form as `config`'s that hold some of its fields (the same name with the same
+    schema) but not all of them; those holding the most first."""
+    current = config.output_json_schema()
+    if current is None or not applies(config):
+        return []
+    scope = "" if config.dedup == "ledger" else "where model = ?"
+    recorded = ledger.con.execute(
+        f"select distinct output_schema from {ledger.table('llm_batch_jobs')} {scope}",
+        [] if scope == "" else [ledger.model],
+    ).fetchall()
+    found = []
+    for (text,) in recorded:
+        schema = json.loads(text) if text else None
+        if (
+            isinstance(schema, dict)
+            and _same_form(schema, current)
+            and 0 < len(held_fields(config, schema)) < len(current["properties"])
+        ):
+            found.append(schema)
+    return sorted(found, key=lambda s: -len(held_fields(config, s)))
+
+
+def _same_form(schema: dict, current: dict) -> bool:
+    return isinstance(schema.get("properties"), dict) and {
+        k: v for k, v in schema.items() if k not in ("properties", "required")
+    } == {k: v for k, v in current.items() if k not in ("properties", "required")}
+
+
+def held_fields(config: ModelConfig, base: dict) -> set[str]:
+    """The current fields an answer asked with `base` holds: the same name with the same schema (a
+    field whose enum or type changed is another field, not held)."""
+    return {c.name for c in config.output_columns if base["properties"].get(c.name) == c.json_schema}
+
+
+def delta_config(config: ModelConfig, missing: tuple[str, ...]) -> ModelConfig:
+    """`config` asking only the output fields `missing` (its schema: the current one restricted to
+    them; its fingerprint prefix: the config's with that schema)."""
+    assert config.output is not None
+    return dataclasses.replace(
+        config,
+        output={name: spec for name, spec in config.output.items() if name in missing},
+        output_columns=tuple(c for c in config.output_columns if c.name in missing),
+    )
+
+
+def missing_fields(config: ModelConfig, base: dict) -> tuple[str, ...]:
+    """The current fields an answer asked with `base` does not hold, in name order."""
+    held = held_fields(config, base)
+    return tuple(sorted(c.name for c in config.output_columns if c.name not in held))
+
+
+def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool = False) -> list[tuple[str, ...]]:
+    """For the pass's selected rows (Scratch.desired) that hold a subset of the current fields: attach
+    live delta answers (combined row answers), hold rows whose base is in flight, and list in
+    Scratch.added_rows the rows asked a delta now (`asked`) and those waiting. Returns each distinct set of
+    missing fields asked (one added-fields pass each). `dry`: the ledger is not written. `again`: after
+    the run sent its added-fields passes (their answers are attached; what was said is not said again)."""
+    schemas = subset_schemas(ledger, config)
+    if not schemas:
+        return []
+    con = ledger.con
+    answers, requests = ledger.table("llm_batch_row_answers"), ledger.table("llm_batch_requests")
+    live = sql_in((RequestStatus.SUCCEEDED, *IN_FLIGHT))
+    # The rows without a live answer under their current fingerprint: answer_id (the row answer
+    # build_desired read the fingerprint from) NULL, or its request failed, voided or waiting (few).
+    unanswered = f"""d.has_prompt and (d.answer_id is null or d.answer_id in
+                     (select custom_id from {requests} where status not in {live} and custom_id is not null))"""
+    if not con.execute(f"select exists (select 1 from {DESIRED} d where {unanswered})").fetchall()[0][0]:
+        return []  # every selected row is answered or in flight under its fingerprint (a run with nothing new)
+    text = plan.fingerprinted_text_sql(config, "i.")
+    options = [
+        {
+            "n": len(held_fields(config, s)),
+            "base": config.fingerprint_prefix_asking(s),
+            "delta": delta_config(config, missing_fields(config, s)).fingerprint_prefix(),
+            "missing": list(missing_fields(config, s)),
+        }
+        for s in schemas
+    ]
+    # Those rows with some row answer of their key (new rows have none): their
+    # fingerprints under each subset schema (base) and its delta, the base chosen with the most fields.
+    con.execute(
+        f"""create or replace temp table {ADDED} as
+            with c as (
+                select d.key, d.fingerprint, d.prompt_hash, o.n, o.missing,
+                       md5(o.base || {text}) as base_fp, md5(o.delta || {text}) as delta_fp
+                from (select * from {DESIRED} d
+                      where {unanswered}
+                        and d.key in (select key from {answers} where model = $model and variant = $variant)) d
+                     join {Scratch.input} i on i.rowid = d.row_id,
+                     (select unnest($options) as o)),
+            based as (
+                select c.key,
+                       arg_max({{'fingerprint': c.fingerprint, 'prompt_hash': c.prompt_hash, 'missing': c.missing,
+                                 'delta_fp': c.delta_fp, 'base_id': a.custom_id,
+                                 'base_answered': r.status = {sql(RequestStatus.SUCCEEDED)}}},
+                               (c.n, r.status = {sql(RequestStatus.SUCCEEDED)}, r.queued_at)) as b
+                from c join {answers} a on a.model = $model and a.variant = $variant and a.key = c.key
+                       join {requests} r on r.custom_id = a.custom_id and r.fingerprint = c.base_fp
+                where r.status in {live}
+                  and not exists (select 1 from {answers} x join {requests} y using (custom_id)
+                                  where x.model = $model and x.variant = $variant and x.key = c.key
+                                    and x.fingerprint = c.fingerprint and y.status in {live})
+                group by c.key)
+            select k.key, k.b.fingerprint as fingerprint, k.b.prompt_hash as prompt_hash, k.b.missing as missing,
+                   k.b.base_id as base_id, k.b.base_answered as base_succeeded,
+                   (select arg_max(x.custom_id, y.queued_at) from {answers} x join {requests} y using (custom_id)
+                    where x.model = $model and x.variant = $variant and x.key = k.key
+                      and x.fingerprint = k.b.delta_fp and y.fingerprint = k.b.delta_fp and y.status in {live})
+                       as delta_id
+            from based k""",
+        {"options": options, "model": ledger.model, "variant": ledger.variant},
+    )
+    try:
+        attached = _attach(ledger, dry)
+        # The other rows are not asked every field by their own pass: they wait for their base, or are
+        # asked the delta by an added-fields pass. Their base blocks replanning (plan.build_plan).
+        con.execute(
+            f"update {DESIRED} d set answer_id = a.base_id from {ADDED} a where d.key = a.key and a.delta_id is null"
+        )
+        waiting = con.execute(f"select count(*) from {ADDED} where not base_succeeded").fetchall()[0][0]
+        con.execute(
+            f"""insert into {ADDED_ROWS} select $variant, key, missing, base_succeeded from {ADDED}
+                where delta_id is null""",
+            {"variant": ledger.variant},
+        )
+        asked = [
+            tuple(m)
+            for (m,) in con.execute(
+                f"select distinct missing from {ADDED_ROWS} where variant = ? and asked order by 1", [ledger.variant]
+            ).fetchall()
+        ]
+    finally:
+        con.execute(f"drop table if exists {ADDED}")
+    if attached and not dry:
+        log.info(
+            f"{ledger.model}: {attached} row(s) combine the answer they held with the answer to the fields "
+            "added since (only those were asked)"
+        )
+    if waiting and not again:
+        log.info(
+            f"{ledger.model}: {waiting} row(s) wait for their batch in flight (asked before output fields were "
+            "added): it is merged first, then only the added fields are asked"
+        )
+    return asked
+
+
+def _attach(ledger: Ledger, dry: bool) -> int:
+    """Move each live delta's row answer (Scratch.added) to its row's current fingerprint, naming its base."""
+    con = ledger.con
+    answers = ledger.table("llm_batch_row_answers")
+    ready = f"(select * from {ADDED} where base_succeeded and delta_id is not null)"
+    if dry:
+        moved = con.execute(f"select count(*) from {ready}").fetchall()[0][0]
+    else:
+
+        def write() -> int:
+            with transaction(con):
+                return con.execute(
+                    f"""update {answers} a set fingerprint = w.fingerprint, prompt_hash = w.prompt_hash,
+                            base_custom_id = w.base_id
+                        from {ready} w
+                        where a.model = ? and a.variant = ? and a.key = w.key and a.custom_id = w.delta_id""",
+                    [ledger.model, ledger.variant],
+                ).fetchall()[0][0]
+
+        moved = retry_on_conflict(write)
+    con.execute(f"update {DESIRED} d set answer_id = w.delta_id from {ready} w where d.key = w.key")
+    return moved
+
+
+def start(con) -> None:
+    """An empty Scratch.added_rows: the rows each added-fields pass of the run asks (`asked`), by
+    variant and missing fields, and the rows waiting for their base in flight (filled by `prepare`)."""
+    con.execute(
+        f"create or replace temp table {ADDED_ROWS} (variant varchar, key varchar, missing varchar[], asked boolean)"
+    )
+
+
+def keep_rows(con, variant: str, missing: tuple[str, ...]) -> None:
+    """Keep in Scratch.desired (an added-fields pass's, built with its delta config) only the rows that
+    pass asks (Scratch.added_rows)."""
+    con.execute(
+        f"""delete from {DESIRED} where key not in
+            (select key from {ADDED_ROWS} where variant = $variant and missing = $missing and asked)""",
+        {"variant": variant, "missing": list(missing)},
+    )
+
+
+def not_held(variant: str) -> str:
+    """SQL: the pass's selected rows (Scratch.desired) other than those `prepare` gave to an
+    added-fields pass or keeps waiting for their base in flight (Ledger.unmap_superseded must not take
+    their base's row answer away: it answers the fields they hold)."""
+    return f"""(select * from {DESIRED}
+                where key not in (select key from {ADDED_ROWS} where variant = {literal(variant)}))"""
