@@ -133,60 +133,68 @@ def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool 
     if not con.execute(f"select exists (select 1 from {DESIRED} d where {unanswered})").fetchall()[0][0]:
         return []  # every selected row is answered or in flight under its fingerprint (a run with nothing new)
     text = plan.fingerprinted_text_sql(config, "i.")
-    options = [
-        {
-            "n": len(held_fields(config, s)),
-            "base": config.fingerprint_prefix_asking(s),
-            "delta": delta_config(config, missing_fields(config, s)).fingerprint_prefix(),
-            "missing": list(missing_fields(config, s)),
-        }
-        for s in schemas
-    ]
-    # Those rows with some row answer of their key (new rows have none): their
-    # fingerprints under each subset schema (base) and its delta, the base chosen with the most fields.
+    options = [{"held": sorted(held_fields(config, s)), "prefix": config.fingerprint_prefix_asking(s)} for s in schemas]
+    current = sorted(c.name for c in config.output_columns)
+    # Those rows with some row answer of their key (new rows have none): their parts, the live requests
+    # of their key asked with one of those schemas (the prompt the same: the fingerprint the config
+    # gives with that schema), each holding that schema's fields. Each current field is held by the
+    # newest part holding it (a succeeded one over one in flight); the row's parts are those holding a
+    # field, its missing fields the current ones none holds.
     con.execute(
         f"""create or replace temp table {ADDED} as
             with c as (
-                select d.key, d.fingerprint, d.prompt_hash, o.n, o.missing,
-                       md5(o.base || {text}) as base_fp, md5(o.delta || {text}) as delta_fp
+                select d.key, d.fingerprint, d.prompt_hash, o.held, md5(o.prefix || {text}) as part_fp
                 from (select * from {DESIRED} d
                       where {unanswered}
                         and d.key in (select key from {answers} where model = $model and variant = $variant)) d
                      join {Scratch.input} i on i.rowid = d.row_id,
                      (select unnest($options) as o)),
-            based as (
-                select c.key,
-                       arg_max({{'fingerprint': c.fingerprint, 'prompt_hash': c.prompt_hash, 'missing': c.missing,
-                                 'delta_fp': c.delta_fp, 'base_id': a.custom_id,
-                                 'base_answered': r.status = {sql(RequestStatus.SUCCEEDED)}}},
-                               (c.n, r.status = {sql(RequestStatus.SUCCEEDED)}, r.queued_at)) as b
+            parts as (
+                select c.key, c.fingerprint, c.prompt_hash, c.held, a.custom_id,
+                       r.status = {sql(RequestStatus.SUCCEEDED)} as succeeded, r.queued_at
                 from c join {answers} a on a.model = $model and a.variant = $variant and a.key = c.key
-                       join {requests} r on r.custom_id = a.custom_id and r.fingerprint = c.base_fp
+                       join {requests} r on r.custom_id = a.custom_id and r.fingerprint = c.part_fp
                 where r.status in {live}
                   and not exists (select 1 from {answers} x join {requests} y using (custom_id)
                                   where x.model = $model and x.variant = $variant and x.key = c.key
-                                    and x.fingerprint = c.fingerprint and y.status in {live})
-                group by c.key)
-            select k.key, k.b.fingerprint as fingerprint, k.b.prompt_hash as prompt_hash, k.b.missing as missing,
-                   k.b.base_id as base_id, k.b.base_answered as base_succeeded,
-                   (select arg_max(x.custom_id, y.queued_at) from {answers} x join {requests} y using (custom_id)
-                    where x.model = $model and x.variant = $variant and x.key = k.key
-                      and x.fingerprint = k.b.delta_fp and y.fingerprint = k.b.delta_fp and y.status in {live})
-                       as delta_id
-            from based k""",
-        {"options": options, "model": ledger.model, "variant": ledger.variant},
+                                    and x.fingerprint = c.fingerprint and y.status in {live})),
+            holders as (
+                select key, field, arg_max({{'custom_id': custom_id, 'succeeded': succeeded, 'queued_at': queued_at,
+                                              'fingerprint': fingerprint, 'prompt_hash': prompt_hash}},
+                                            (succeeded, queued_at)) as p
+                from (select *, unnest(held) as field from parts) group by key, field),
+            rows as (
+                select key, any_value(p.fingerprint) as fingerprint, any_value(p.prompt_hash) as prompt_hash,
+                       list(field) as held, arg_max(p.custom_id, (p.queued_at, p.custom_id)) as own_id,
+                       arg_max(p.succeeded, (p.queued_at, p.custom_id)) as own_succeeded,
+                       count(distinct p.custom_id) filter (where not p.succeeded) as unfinished,
+                       list(distinct {{'queued_at': p.queued_at, 'custom_id': p.custom_id}}) as part_ids
+                from holders group by key),
+            missed as (
+                select r.*,
+                       (select coalesce(list(f order by f), []::varchar[]) from (select unnest($current) as f) m
+                        where not list_contains(r.held, m.f)) as missing,
+                       -- the earlier parts, oldest first (the merge reads each field from the newest holding it)
+                       (select list(t.p.custom_id order by t.p.queued_at, t.p.custom_id)
+                        from (select unnest(r.part_ids) as p) t where t.p.custom_id <> r.own_id) as base_ids
+                from rows r)
+            select key, fingerprint, prompt_hash, own_id, missing, base_ids,
+                   -- every field held, the earlier parts answered (the own one may be in flight): combined now
+                   len(missing) = 0 and unfinished = case when own_succeeded then 0 else 1 end as ready,
+                   -- some fields missing and every part answered: asked them alone
+                   len(missing) > 0 and unfinished = 0 as asked
+            from missed""",
+        {"options": options, "current": current, "model": ledger.model, "variant": ledger.variant},
     )
     try:
         attached = _attach(ledger, dry)
-        # The other rows are not asked every field by their own pass: they wait for their base, or are
-        # asked the delta by an added-fields pass. Their base blocks replanning (plan.build_plan).
+        # The other rows are not asked every field by their own pass: they wait for their parts in
+        # flight, or are asked the missing fields by an added-fields pass. Their newest part blocks
+        # replanning (plan.build_plan).
+        con.execute(f"update {DESIRED} d set answer_id = a.own_id from {ADDED} a where d.key = a.key and not a.ready")
+        waiting = con.execute(f"select count(*) from {ADDED} where not ready and not asked").fetchall()[0][0]
         con.execute(
-            f"update {DESIRED} d set answer_id = a.base_id from {ADDED} a where d.key = a.key and a.delta_id is null"
-        )
-        waiting = con.execute(f"select count(*) from {ADDED} where not base_succeeded").fetchall()[0][0]
-        con.execute(
-            f"""insert into {ADDED_ROWS} select $variant, key, missing, base_succeeded from {ADDED}
-                where delta_id is null""",
+            f"""insert into {ADDED_ROWS} select $variant, key, missing, asked from {ADDED} where not ready""",
             {"variant": ledger.variant},
         )
         asked = [
@@ -211,10 +219,11 @@ def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool 
 
 
 def _attach(ledger: Ledger, dry: bool) -> int:
-    """Move each live delta's row answer (Scratch.added) to its row's current fingerprint, naming its base."""
+    """Give each row holding every field (Scratch.added `ready`) its combined row answer: its newest
+    part's row answer moves to the row's current fingerprint, naming the earlier parts."""
     con = ledger.con
     answers = ledger.table("llm_batch_row_answers")
-    ready = f"(select * from {ADDED} where base_succeeded and delta_id is not null)"
+    ready = f"(select * from {ADDED} where ready)"
     if dry:
         moved = con.execute(f"select count(*) from {ready}").fetchall()[0][0]
     else:
@@ -223,14 +232,16 @@ def _attach(ledger: Ledger, dry: bool) -> int:
             with transaction(con):
                 return con.execute(
                     f"""update {answers} a set fingerprint = w.fingerprint, prompt_hash = w.prompt_hash,
-                            base_custom_id = w.base_id
+                            base_custom_ids = w.base_ids,
+                            -- a part shown before under another fingerprint is written again by the merge
+                            emitted = case when a.emitted = 'merged' then 'superseded' else a.emitted end
                         from {ready} w
-                        where a.model = ? and a.variant = ? and a.key = w.key and a.custom_id = w.delta_id""",
+                        where a.model = ? and a.variant = ? and a.key = w.key and a.custom_id = w.own_id""",
                     [ledger.model, ledger.variant],
                 ).fetchall()[0][0]
 
         moved = retry_on_conflict(write)
-    con.execute(f"update {DESIRED} d set answer_id = w.delta_id from {ready} w where d.key = w.key")
+    con.execute(f"update {DESIRED} d set answer_id = w.own_id from {ready} w where d.key = w.key")
     return moved
 
 
