@@ -6,7 +6,6 @@ here is a finding, not an expected failure."""
 from __future__ import annotations
 
 import json
-from decimal import Decimal
 
 import pytest
 from conftest import failure_messages
@@ -14,7 +13,6 @@ from helpers import (
     TRIAGE_OUTPUT,
     TRIAGE_SYSTEM,
     batch_input_lines,
-    command,
     expected_answer,
     kill_then_run_on,
     sorted_batches,
@@ -80,29 +78,6 @@ def table(project, *cols: str) -> dict:
     return {r[0]: r[1:] for r in project.query(f"select ticket_id, {', '.join(cols)} from main.triage order by 1")}
 
 
-def test_two_fields_added_at_once_are_asked_together_once_per_row(project, emulator):
-    answered(project, emulator)
-    project.write(MODEL, model({**WIDER, "priority_score": "integer"}))
-    project.dbt("run", "-s", "triage")
-    delta = schema_of("language", "priority_score")
-    assert asked(emulator)[1:] == [[delta] * 6]
-    for prompt, language, score in project.query("select prompt, language, priority_score from main.triage"):
-        answer = expected(prompt, delta)
-        assert (language, score) == (answer["language"], answer["priority_score"])
-
-
-def test_a_field_added_with_a_prompt_edit_asks_each_row_once_with_every_field(project, emulator):
-    """The edit supersedes the held answers: each row is asked the whole schema, once (no delta too)."""
-    answered(project, emulator)
-    project.write(MODEL, model(WIDER, system=TRIAGE_SYSTEM + " Be brief."))
-    project.dbt("run", "-s", "triage")
-    full = schema_of("category", "summary", "urgent", "language")
-    assert asked(emulator)[1:] == [[full] * 6], "one request per row, every field"
-    for prompt, category, language in project.query("select prompt, category, language from main.triage"):
-        answer = expected(prompt, full, TRIAGE_SYSTEM + " Be brief.")
-        assert (category, language) == (answer["category"], answer["language"])
-
-
 def test_an_added_field_reverted_while_its_request_is_in_flight_then_added_again(project, emulator):
     """Revert while the delta batch is in flight: nothing is sent, rows keep their answers. Adding the
     field again after the delta ended asks nothing more: its answers are held."""
@@ -143,16 +118,6 @@ def test_an_old_field_removed_while_the_delta_is_in_flight_asks_nothing_more(pro
         assert category == expected(prompt, schema_of("category", "summary", "urgent"))["category"]
 
 
-def test_a_full_refresh_after_an_added_field_asks_nothing_and_keeps_both_answers(project, emulator):
-    answered(project, emulator)
-    project.write(MODEL, model(WIDER))
-    project.dbt("run", "-s", "triage")
-    after = table(project, "category", "summary", "urgent", "language", "llm_cost_usd", "llm_status")
-    project.dbt("run", "-s", "triage", "--full-refresh")
-    assert len(asked(emulator)) == 2, "a full refresh rebuilds from the ledger"
-    assert table(project, "category", "summary", "urgent", "language", "llm_cost_usd", "llm_status") == after
-
-
 def test_on_schema_change_fail_with_an_added_field_sends_nothing_and_names_the_model(project, emulator):
     answered(project, emulator)
     project.write(MODEL, model(WIDER, "on_schema_change = 'fail',"))
@@ -167,27 +132,6 @@ def test_a_budget_below_the_deltas_estimate_refuses_and_sends_nothing(project, e
     message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
     assert "triage" in message and "llm_max_cost_usd" in message
     assert len(asked(emulator)) == 1
-
-
-def test_a_delta_answer_missing_the_added_field_is_retried_with_the_delta_alone(project, emulator):
-    """A content fault answers the delta line with the OLD fields (no `language`): the answer does
-    not match the delta schema, so it fails and is retried with the added field alone."""
-    answered(project, emulator)
-    (subject,) = project.query("select subject from main.triage order by ticket_id limit 1")[0]
-    emulator.add_fault(
-        kind="content",
-        prompt_contains=subject,
-        content=json.dumps({"category": "bug", "summary": "x", "urgent": True}),
-        times=1,
-    )
-    project.write(MODEL, model(WIDER))
-    project.dbt("run", "-s", "triage")
-    delta = schema_of("language")
-    later = asked(emulator)[1:]
-    assert all(s == delta for b in later for s in b)
-    assert [len(b) for b in later] == [6, 1], "the bad line alone, again"
-    for prompt, language, status in project.query("select prompt, language, llm_status from main.triage"):
-        assert status == "succeeded" and language == expected(prompt, delta)["language"]
 
 
 CONTACT = {
@@ -222,41 +166,6 @@ def test_a_key_added_inside_a_struct_field_asks_that_field_alone(project, emulat
         assert email is not None and cost > before[key][3]
 
 
-def test_the_full_refresh_hint_for_a_struct_with_an_added_key_sends_what_it_says(project, emulator):
-    """Under the default (append_new_columns) a key added inside `contact` is a type change: the run
-    fails and suggests `dbt run --full-refresh`, which it says "sends nothing". Following the hint
-    must then send nothing, or the hint must not promise it (the new key has no answer anywhere)."""
-    answered(project, emulator, {**TRIAGE_OUTPUT, "contact": CONTACT})
-    project.write(MODEL, model({**TRIAGE_OUTPUT, "contact": CONTACT_WITH_EMAIL}))
-    message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
-    assert "triage: columns of" in message and "dbt run --full-refresh -s triage" in message
-    project.dbt("run", "-s", "triage", "--full-refresh")
-    sent = sum(len(b) for b in asked(emulator)[1:])
-    assert sent == 0 or "sends nothing" not in message, f"the hint says it sends nothing; it sent {sent} request(s)"
-    assert emulator.stats()["realtime_requests"]["openai"] == 0
-    assert project.query("select count(contact.email), count(category) from main.triage") == [(0, 6)]
-    project.dbt("run", "-s", "triage")  # the next run asks `contact` alone and fills it
-    assert [sorted(s["properties"]) for s in asked(emulator)[1]] == [["contact"]] * 6
-    assert project.query("select count(contact.email), count(category) from main.triage") == [(6, 6)]
-
-
-def test_costs_and_progress_count_a_row_once_after_a_delta(project, emulator):
-    """After the delta: llm_batch_progress counts 6 keys succeeded (not 12) and none pending; the
-    table's cost per row is its base share plus its delta share, adding up to the ledger."""
-    answered(project, emulator)
-    base = table(project, "llm_cost_usd")
-    project.write(MODEL, model(WIDER))
-    project.dbt("run", "-s", "triage")
-    progress = project.query(
-        "select keys_succeeded, keys_failed, rows_pending from main.llm_batch_progress where model like '%triage'"
-    )
-    assert progress == [(6, 0, 0)], progress
-    costs = project.query("select sum(cost_usd) from main.llm_batch_requests")[0][0]
-    after = table(project, "llm_cost_usd")
-    assert sum(c for (c,) in after.values()) == costs
-    assert all(after[k][0] > base[k][0] for k in base)
-
-
 @pytest.mark.parametrize("point", ["after_create"])  # between the delta batch's create and its ledger record
 def test_a_run_killed_in_the_deltas_run_bills_each_delta_once(project, emulator, tmp_path, point):
     """SIGKILL at a crash point of the run that asks the added field; the later runs finish it."""
@@ -269,164 +178,6 @@ def test_a_run_killed_in_the_deltas_run_bills_each_delta_once(project, emulator,
     assert project.query("select count(language), count(category) from main.triage where llm_status = 'succeeded'") == [
         (6, 6)
     ]
-
-
-def test_a_field_added_to_two_models_sharing_prompts_under_ledger_dedup_is_asked_once(project, emulator):
-    """Two models with the same rows and llm_dedup = 'ledger', run together under --threads 4: the
-    added field is asked once per distinct prompt (6 lines in all, not 12), and both tables fill it
-    (the run after, for the model whose rows share the other's request sent in the same run)."""
-    dedup = "llm_dedup = 'ledger',"
-    project.dbt("seed")
-    emulator.auto_advance_seconds = 0.05
-    project.write(MODEL, model(TRIAGE_OUTPUT, dedup))
-    project.write("models/triage_copy.sql", model(TRIAGE_OUTPUT, dedup))
-    project.dbt("run", "--threads", "4", "-s", "triage", "triage_copy")
-    project.dbt("run", "--threads", "4", "-s", "triage", "triage_copy")  # the copy merges the shared answers
-    assert sum(len(b) for b in asked(emulator)) == 6
-    for name in ("triage", "triage_copy"):
-        assert project.query(f"select count(category) from main.{name}") == [(6,)], name
-    project.write(MODEL, model(WIDER, dedup))
-    project.write("models/triage_copy.sql", model(WIDER, dedup))
-    project.dbt("run", "--threads", "4", "-s", "triage", "triage_copy")
-    project.dbt("run", "--threads", "4", "-s", "triage", "triage_copy")  # a model sharing a request sent
-    # by the other model in the same run is answered by a later run (docs/costs.md), as for the first run
-    later = [s for b in asked(emulator)[1:] for s in b]
-    assert later == [schema_of("language")] * len(later) and len(later) == 6, len(later)
-    for name in ("triage", "triage_copy"):
-        assert project.query(f"select count(language), count(category) from main.{name}") == [(6, 6)], name
-
-
-def test_a_field_added_while_the_other_models_rows_wait_for_the_shared_answer_asks_only_it(project, emulator):
-    """llm_dedup = 'ledger': the copy's rows were mapped to the first model's request (answered, not yet
-    merged into the copy) when a field is added to both. The held answer is in the ledger, so the copy
-    is asked only the added field (and shares the first model's delta): 6 lines in all, not 12."""
-    dedup = "llm_dedup = 'ledger',"
-    project.dbt("seed")
-    emulator.auto_advance_seconds = 0.05
-    project.write(MODEL, model(TRIAGE_OUTPUT, dedup))
-    project.write("models/triage_copy.sql", model(TRIAGE_OUTPUT, dedup))
-    project.dbt("run", "--threads", "4", "-s", "triage", "triage_copy")
-    assert sum(len(b) for b in asked(emulator)) == 6
-    project.write(MODEL, model(WIDER, dedup))
-    project.write("models/triage_copy.sql", model(WIDER, dedup))
-    project.dbt("run", "--threads", "4", "-s", "triage", "triage_copy")
-    later = [sorted(s["properties"]) for b in asked(emulator)[1:] for s in b]
-    assert later == [["language"]] * 6, later
-
-
-def test_a_prompt_edit_while_the_delta_is_in_flight_shows_the_new_answers_only(project, emulator):
-    """Delta in flight, then the prompt (llm_system) is edited: every row is asked every field once
-    with the new prompt; after both batches end the table shows the new prompt's answers only."""
-    answered_no_wait(project, emulator)
-    project.write(MODEL, model(WIDER, wait=False))
-    project.dbt("run", "-s", "triage")
-    edited = TRIAGE_SYSTEM + " Be brief."
-    project.write(MODEL, model(WIDER, wait=False, system=edited))
-    project.dbt("run", "-s", "triage")
-    emulator.complete_all()
-    project.dbt("run", "-s", "triage")
-    full = schema_of("category", "summary", "urgent", "language")
-    assert [sorted(s["properties"]) for s in asked(emulator)[2]] == [sorted(full["properties"])] * 6
-    assert len(asked(emulator)) == 3
-    for prompt, category, summary, language, status in project.query(
-        "select prompt, category, summary, language, llm_status from main.triage"
-    ):
-        answer = expected(prompt, full, edited)
-        assert (category, summary, language, status) == (
-            answer["category"],
-            answer["summary"],
-            answer["language"],
-            "succeeded",
-        )
-
-
-def test_a_row_whose_first_answer_failed_is_asked_every_field_when_a_field_is_added(project, emulator):
-    """A row that failed for good holds no answer: adding a field asks it every field, the others the
-    added field alone."""
-    project.dbt("seed")
-    (subject,) = project.query("select subject from main.support_tickets order by ticket_id limit 1")[0]
-    emulator.add_fault(prompt_contains=subject, status_code=500, message="Upstream failure.", times=1)
-    answered_extra = "llm_max_attempts = 1,"
-    emulator.auto_advance_seconds = 0.05
-    project.write(MODEL, model(TRIAGE_OUTPUT, answered_extra))
-    project.dbt("run", "-s", "triage")
-    assert project.query("select llm_status, count(*) from main.triage group by 1 order by 1") == [
-        ("failed", 1),
-        ("succeeded", 5),
-    ]
-    project.write(MODEL, model(WIDER, answered_extra))
-    project.dbt("run", "-s", "triage")
-    later = sorted(tuple(sorted(s["properties"])) for b in asked(emulator)[1:] for s in b)
-    assert later == sorted([("category", "language", "summary", "urgent")] + [("language",)] * 5), later
-    assert project.query(
-        "select count(*) filter (where llm_status = 'succeeded' and language is not null) from main.triage"
-    ) == [(6,)]
-
-
-def test_a_field_renamed_asks_only_the_new_name(project, emulator):
-    """urgent -> is_urgent in one edit: the held category and summary are kept; only is_urgent is asked."""
-    answered(project, emulator)
-    renamed = {k: v for k, v in TRIAGE_OUTPUT.items() if k != "urgent"} | {"is_urgent": "boolean"}
-    project.write(MODEL, model(renamed, "on_schema_change = 'sync_all_columns',"))
-    project.dbt("run", "-s", "triage")
-    assert [sorted(s["properties"]) for b in asked(emulator)[1:] for s in b] == [["is_urgent"]] * 6
-    assert project.query("select count(is_urgent), count(category) from main.triage") == [(6, 6)]
-
-
-def test_status_counts_each_row_once_after_a_delta(project, emulator, capsys):
-    """`dbt-llm-batch status` after a delta: 6 rows succeeded for triage, none pending."""
-    answered(project, emulator)
-    project.write(MODEL, model(WIDER))
-    project.dbt("run", "-s", "triage")
-    rc, out, _ = command(project, capsys, "status", "--json")
-    assert rc == 0
-    data = json.loads(out)
-    (progress,) = data["progress"]
-    assert (progress["keys_succeeded"], progress["keys_failed"], progress["rows_pending"]) == (6, 0, 0)
-    (costs,) = data["costs"]
-    assert (costs["rows_answered"], costs["requests_succeeded"]) == (6, 12)
-    assert project.query("select sum(llm_cost_usd) from main.triage")[0][0] == Decimal(costs["cost_usd"])
-
-
-def test_an_added_field_on_anthropic_asks_only_it_through_the_tool_schema(project, emulator):
-    """The same through Anthropic's face: the delta job records the added field alone, the sandbox
-    billed 6 + 6 requests, and the column holds the answers to the delta schema."""
-    project.dbt("seed")
-    emulator.auto_advance_seconds = 0.05
-    text = triage_model(provider="anthropic", extra_config="llm_wait_seconds = 60,")
-    project.write(MODEL, text)
-    project.dbt("run", "-s", "triage")
-    project.write(MODEL, text.replace(json.dumps(TRIAGE_OUTPUT), json.dumps(WIDER)))
-    project.dbt("run", "-s", "triage")
-    assert len(emulator.billed()) == 12
-    jobs = [
-        json.loads(x) for (x,) in project.query("select output_schema from main.llm_batch_jobs order by created_at")
-    ]
-    assert jobs[1:] == [schema_of("language")]
-    for prompt, language, category in project.query("select prompt, language, category from main.triage"):
-        assert language == expected(prompt, schema_of("language"))["language"]
-        assert category == expected(prompt, schema_of("category", "summary", "urgent"))["category"]
-
-
-def test_a_delta_that_failed_for_good_then_reverted_shows_the_held_answer_again(project, emulator):
-    """The delta of one row fails for good (llm_max_attempts = 1): that row is 'failed' (docs). The user
-    removes the field again: the row holds an answer to every field asked now, so it is shown
-    'succeeded' with its held answer, and nothing is sent."""
-    answered(project, emulator, extra="llm_max_attempts = 1,")
-    before = table(project, "category", "summary", "urgent", "llm_status")
-    (subject,) = project.query("select subject from main.triage order by ticket_id limit 1")[0]
-    emulator.add_fault(prompt_contains=subject, status_code=500, message="Upstream failure.", times=None)
-    project.write(MODEL, model(WIDER, "llm_max_attempts = 1,"))
-    project.dbt("run", "-s", "triage")
-    assert project.query("select llm_status, count(*) from main.triage group by 1 order by 1") == [
-        ("failed", 1),
-        ("succeeded", 5),
-    ]
-    sent = len(emulator.billed())
-    project.write(MODEL, model(TRIAGE_OUTPUT, "llm_max_attempts = 1,"))
-    project.dbt("run", "-s", "triage")
-    assert len(emulator.billed()) == sent and len(asked(emulator)) == 2, "nothing asked again"
-    assert table(project, "category", "summary", "urgent", "llm_status") == before
 
 
 def test_a_variant_whose_prompt_changes_with_the_added_field_asks_it_everything(project, emulator):
@@ -568,3 +319,30 @@ def test_a_variant_cannot_add_a_field_of_its_own(project, emulator):
     message = failure_messages(project.dbt("run", "-s", "triage", expect_ok=False))
     assert "triage" in message and "llm_output" in message, message
     assert emulator.batches() == [] and emulator.stats()["realtime_requests"]["openai"] == 0
+
+
+def test_a_field_added_while_the_other_models_rows_wait_for_the_shared_answer_asks_only_it(project, emulator):
+    """llm_dedup = 'ledger': the copy's rows were mapped to the first model's request (answered, not yet
+    merged into the copy) when a field is added to both. The held answer is in the ledger, so the copy
+    is asked only the added field (and shares the first model's delta): 6 lines in all, not 12."""
+    dedup = "llm_dedup = 'ledger',"
+    project.dbt("seed")
+    emulator.auto_advance_seconds = 0.05
+    project.write(MODEL, model(TRIAGE_OUTPUT, dedup))
+    project.write("models/triage_copy.sql", model(TRIAGE_OUTPUT, dedup))
+    project.dbt("run", "--threads", "4", "-s", "triage", "triage_copy")
+    assert sum(len(b) for b in asked(emulator)) == 6
+    project.write(MODEL, model(WIDER, dedup))
+    project.write("models/triage_copy.sql", model(WIDER, dedup))
+    project.dbt("run", "--threads", "4", "-s", "triage", "triage_copy")
+    later = [sorted(s["properties"]) for b in asked(emulator)[1:] for s in b]
+    assert later == [["language"]] * 6, later
+    # A model sharing a request the other sent in the same run is answered by a later run
+    # (docs/costs.md): both tables then show the held fields and the added one, nothing asked again.
+    project.dbt("run", "--threads", "4", "-s", "triage", "triage_copy")
+    assert sum(len(b) for b in asked(emulator)) == 12
+    for name in ("triage", "triage_copy"):
+        assert project.query(f"select count(language), count(category) from main.{name}") == [(6, 6)], name
+    held = {k: v for k, v in table(project, "category", "summary", "language").items()}
+    copy = {r[0]: r[1:] for r in project.query("select ticket_id, category, summary, language from main.triage_copy")}
+    assert copy == held

@@ -218,11 +218,12 @@ def _combined_share(column: str) -> str:
 
 def _parts_sql(requests: str) -> str:
     """SQL CTEs over EMIT's combined answers (added_fields.py: a row answer naming the earlier requests
-    it is made of, `base_parts`, oldest first; its own request is the newest part): `based`, per key,
+    it is made of besides its own request, `base_parts`): `based`, per key,
     the sum of the row's shares of the earlier requests' costs (each shared among the rows it answered,
     as before the fields were added; nothing for a part the row reused from the ledger) and their
-    tokens; `fields`, per key, the combined answer: each top-level field from the newest part holding
-    it (a field whose own schema changed since is asked again, so the newer part holds the current one)."""
+    tokens; `fields`, per key, the combined answer: each top-level field from the newest part (queued
+    last) holding it (a field whose own schema changed since is asked again: the newer part holds the
+    current one)."""
     share = {
         c: _share(f"r.{c}", "p.part.sharing", "p.part.share_rank", "p.part.reused")
         for c in ("cost_usd", "realtime_cost_usd")
@@ -238,10 +239,11 @@ def _parts_sql(requests: str) -> str:
             from parts p join {requests} r on r.custom_id = p.part.custom_id group by p.key),
         fields as (
             select key, cast(json_group_object(k, v) as varchar) as answer
-            from (select x.key, f.k, arg_max(json_extract(x.answer, '$.' || to_json(f.k)), x.n) as v
-                  from (select p.key, p.n, r.answer from parts p join {requests} r on r.custom_id = p.part.custom_id
+            from (select x.key, f.k, arg_max(json_extract(x.answer, '$.' || to_json(f.k)), (x.queued_at, x.custom_id)) as v
+                  from (select p.key, r.custom_id, r.queued_at, r.answer
+                        from parts p join {requests} r on r.custom_id = p.part.custom_id
                         union all
-                        select e.key, len(e.base_parts) + 1, r.answer
+                        select e.key, r.custom_id, r.queued_at, r.answer
                         from {EMIT} e join {requests} r on r.custom_id = e.custom_id
                         where e.base_parts is not null) x,
                        unnest(json_keys(x.answer)) f(k)
@@ -308,14 +310,15 @@ def _winners(
                    row_number() over (partition by x.custom_id order by x.model, x.key, x.variant) as share_rank
             from (select * from {answers} where {sharing}) x join shared s using (custom_id)),
         -- a combined answer's earlier parts (added_fields.py), in order: each request's cost shared as
-        -- before; a part answered from the ledger (reused) cost this row nothing
+        -- before; a part answered from the ledger (reused, or another row's request) cost this row nothing
         part as (
             select key, variant, unnest(base_custom_ids) as custom_id, generate_subscripts(base_custom_ids, 1) as n
             from w where base_custom_ids is not null),
         parts as (
             select p.key, p.variant,
                    list({{'custom_id': p.custom_id, 'sharing': coalesce(b.sharing, 1),
-                          'share_rank': coalesce(b.share_rank, 1), 'reused': coalesce(ba.reused, false)}}
+                          -- a part of another row's (llm_dedup: no row answer of this key) was reused too
+                          'share_rank': coalesce(b.share_rank, 1), 'reused': coalesce(ba.reused, true)}}
                         order by p.n) as base_parts
             from part p
                  left join ranked b on b.custom_id = p.custom_id and b.model = {model} and b.key = p.key
