@@ -281,17 +281,19 @@ def test_rows_answered_in_realtime_are_asked_their_added_field_in_a_batch(projec
     assert project.query("select count(language), count(category) from main.triage") == [(6, 6)]
 
 
-def test_an_old_field_removed_after_a_delta_asks_nothing(project, emulator):
-    """language added (answered), then summary removed: every field asked now is held (category and
-    urgent in the first answer, language in the delta), so nothing is sent and the values stay."""
+def test_old_fields_removed_after_a_delta_asks_nothing(project, emulator):
+    """language and priority_score added (answered), then summary and urgent removed: every field asked
+    now is held (category in the first answer, the others in the delta, which holds more of them), so
+    nothing is sent and the values and costs stay."""
     answered(project, emulator)
-    project.write(MODEL, model(WIDER))
+    added = {**WIDER, "priority_score": "integer"}
+    project.write(MODEL, model(added))
     project.dbt("run", "-s", "triage")
-    held = table(project, "category", "urgent", "language", "llm_cost_usd")
-    project.write(MODEL, model({k: v for k, v in WIDER.items() if k != "summary"}))
+    held = table(project, "category", "language", "priority_score", "llm_cost_usd")
+    project.write(MODEL, model({k: v for k, v in added.items() if k not in ("summary", "urgent")}))
     project.dbt("run", "-s", "triage")
     assert len(asked(emulator)) == 2, [sorted(s["properties"]) for s in asked(emulator)[-1]]
-    assert table(project, "category", "urgent", "language", "llm_cost_usd") == held
+    assert table(project, "category", "language", "priority_score", "llm_cost_usd") == held
 
 
 def test_a_second_field_added_while_the_first_delta_is_in_flight_asks_only_it(project, emulator):
