@@ -32,8 +32,11 @@ their current fingerprint and with some parts:
   pass (a `Pass` with `delta`, its config the delta config, its variant the row's), planned, sent (its
   own batch: a job records one schema) and realtime-routed like any other.
 A part superseded later (a prompt edit) is under another prompt: the row is asked everything again
-(the normal path). Parts are the key's own row answers' requests: with llm_dedup = 'ledger', a row
-whose rows were never mapped to the other model's request (it was sent in the same run) holds nothing.
+(the normal path). A row's parts are found as the plan's dedup finds a prompt's requests: its key's
+row answers', and with llm_dedup on the model's requests of that prompt (with 'ledger', any model's:
+rows the other model's request answered before they were mapped to it hold its fields too). A part
+of another row's costs this row nothing, as a reused answer does; the row answer combined is one of
+its key's own (the newest): a row whose parts are all other rows' is asked as usual.
 
 Not for llm_output_format = 'json', free text, embeddings, or a model with few-shot examples (their
 outputs show every field): those rows are asked again for every field, as before.
@@ -115,7 +118,7 @@ def delta_config(config: ModelConfig, missing: tuple[str, ...]) -> ModelConfig:
 
 def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool = False) -> list[tuple[str, ...]]:
     """For the pass's selected rows (Scratch.desired) that hold a subset of the current fields: attach
-    live delta answers (combined row answers), hold rows whose base is in flight, and list in
+    the combined answers of rows holding every field, hold rows with a part in flight, and list in
     Scratch.added_rows the rows asked a delta now (`asked`) and those waiting. Returns each distinct set of
     missing fields asked (one added-fields pass each). `dry`: the ledger is not written. `again`: after
     the run sent its added-fields passes (their answers are attached; what was said is not said again)."""
