@@ -267,6 +267,19 @@ MIGRATIONS += [
     # answers the output fields added since the request named here, which answers the others.
     (26, ["alter table {s}.llm_batch_row_answers add column if not exists base_custom_id varchar"]),
 ]
+MIGRATIONS += [
+    # base_custom_ids: a row answer made of several requests (pipeline/added_fields.py): the earlier
+    # parts, oldest first, each answering some of the fields; its own request is the newest part.
+    # Replaces base_custom_id (one earlier part), whose value becomes the list's only element.
+    (
+        27,
+        [
+            "alter table {s}.llm_batch_row_answers add column if not exists base_custom_ids varchar[]",
+            "update {s}.llm_batch_row_answers set base_custom_ids = [base_custom_id] where base_custom_id is not null",
+            "alter table {s}.llm_batch_row_answers drop column if exists base_custom_id",
+        ],
+    ),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users

@@ -10,25 +10,33 @@ to the missing fields; strict-mode valid, nested fields a top-level unit), whose
 the config gives with that schema (`delta_config`). Its job records the delta schema, so its answer is
 checked against it (outcomes.settle) and a failed attempt retries only the delta.
 
-The row answer under the current fingerprint is then *combined*: it points at the delta request and
-names the base request in `base_custom_id` (ledger v26). The merge reads each field from the JSON of
-both answers (the delta's fields over the base's) and the row's cost is the delta's share plus the
-base's share (merge._row_select). The base row answer stays where it was, so the base request answers
+A row's answer is then *combined*: a list of *parts*, the live requests of its prompt asked with a
+recorded schema (its first answer, each delta since), each holding the fields of its schema that are
+current. A row holds the union of its parts' fields, each field from the newest part holding it (a
+succeeded one before one in flight), so fields added one after another, or an old field whose enum
+changed after a delta, are each asked once. The row answer under the current fingerprint is its
+newest part's, naming the earlier ones, oldest first, in `base_custom_ids` (ledger v27). The merge
+reads each field from the newest part holding it and the row's cost is the sum of its share of each
+part (merge._parts_sql). The parts' other row answers stay where they were, so each request answers
 as many rows as before and its cost is split as before.
 
 Each run, per pass, before planning (`prepare`), for the selected rows without a live answer under
-their current fingerprint:
-- a row whose base succeeded and whose delta request is live (succeeded or in flight) gets its
-  combined row answer: the delta's row answer (written under the delta fingerprint when it was
-  planned) moves to the current fingerprint with its base named (so a run that waits for its batch
-  fills the column in that run; `attach` is run again after sending);
-- a row whose base is still in flight waits: nothing is asked (the base merges first, then its
-  missing fields are asked);
-- a row whose base succeeded and has no live delta needs it: it is in the rows of an added-fields pass
-  (a `Pass` with `delta`, its config the delta config, its variant the row's), planned, sent (its own
-  batch: a job records one schema) and realtime-routed like any other.
-Of several such schemas a row holds, the one with the most fields is its base. A base superseded later
-(a prompt edit) is under another prompt: the row is asked everything again (the normal path).
+their current fingerprint and with some parts:
+- a row whose parts hold every field, the earlier ones succeeded (the newest may be in flight), gets
+  its combined row answer: the newest part's row answer moves to the current fingerprint (so a run
+  that waits for its batch fills the column in that run; `attach` is run again after sending), and
+  a removed field (its parts hold more) asks nothing;
+- a row with a part in flight and fields missing waits: nothing is asked (the part merges first, then
+  the missing fields are asked);
+- a row whose parts succeeded and miss some fields needs them: it is in the rows of an added-fields
+  pass (a `Pass` with `delta`, its config the delta config, its variant the row's), planned, sent (its
+  own batch: a job records one schema) and realtime-routed like any other.
+A part superseded later (a prompt edit) is under another prompt: the row is asked everything again
+(the normal path). A row's parts are found as the plan's dedup finds a prompt's requests: its key's
+row answers', and with llm_dedup on the model's requests of that prompt (with 'ledger', any model's:
+rows the other model's request answered before they were mapped to it hold its fields too). A part
+of another row's costs this row nothing, as a reused answer does; the row answer combined is one of
+its key's own (the newest): a row whose parts are all other rows' is asked as usual.
 
 Not for llm_output_format = 'json', free text, embeddings, or a model with few-shot examples (their
 outputs show every field): those rows are asked again for every field, as before.
@@ -108,15 +116,9 @@ def delta_config(config: ModelConfig, missing: tuple[str, ...]) -> ModelConfig:
     )
 
 
-def missing_fields(config: ModelConfig, base: dict) -> tuple[str, ...]:
-    """The current fields an answer asked with `base` does not hold, in name order."""
-    held = held_fields(config, base)
-    return tuple(sorted(c.name for c in config.output_columns if c.name not in held))
-
-
 def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool = False) -> list[tuple[str, ...]]:
     """For the pass's selected rows (Scratch.desired) that hold a subset of the current fields: attach
-    live delta answers (combined row answers), hold rows whose base is in flight, and list in
+    the combined answers of rows holding every field, hold rows with a part in flight, and list in
     Scratch.added_rows the rows asked a delta now (`asked`) and those waiting. Returns each distinct set of
     missing fields asked (one added-fields pass each). `dry`: the ledger is not written. `again`: after
     the run sent its added-fields passes (their answers are attached; what was said is not said again)."""
@@ -133,60 +135,83 @@ def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool 
     if not con.execute(f"select exists (select 1 from {DESIRED} d where {unanswered})").fetchall()[0][0]:
         return []  # every selected row is answered or in flight under its fingerprint (a run with nothing new)
     text = plan.fingerprinted_text_sql(config, "i.")
-    options = [
-        {
-            "n": len(held_fields(config, s)),
-            "base": config.fingerprint_prefix_asking(s),
-            "delta": delta_config(config, missing_fields(config, s)).fingerprint_prefix(),
-            "missing": list(missing_fields(config, s)),
-        }
-        for s in schemas
-    ]
-    # Those rows with some row answer of their key (new rows have none): their
-    # fingerprints under each subset schema (base) and its delta, the base chosen with the most fields.
+    options = [{"held": sorted(held_fields(config, s)), "prefix": config.fingerprint_prefix_asking(s)} for s in schemas]
+    current = sorted(c.name for c in config.output_columns)
+    # The rows' parts: the live requests of their prompt asked with one of those schemas (the
+    # fingerprint the config gives with that schema), each holding that schema's fields: those of
+    # their key's row answers and, as the plan's dedup reuses them (plan.build_plan), the model's
+    # (llm_dedup on) or any model's (llm_dedup = 'ledger') requests of that fingerprint. Each current
+    # field is held by the newest part holding it (a succeeded one over one in flight); the row's parts
+    # are those holding a field, its missing fields the current ones none holds.
+    if config.dedup is None:  # only the key's own: a key with no row answer (a new row) has none
+        scope, keys = (
+            "a.custom_id is not null",
+            f"and d.key in (select key from {answers} where model = $model and variant = $variant)",
+        )
+    else:
+        scope, keys = ("true" if config.dedup == "ledger" else "(a.custom_id is not null or r.model = $model)"), ""
     con.execute(
         f"""create or replace temp table {ADDED} as
             with c as (
-                select d.key, d.fingerprint, d.prompt_hash, o.n, o.missing,
-                       md5(o.base || {text}) as base_fp, md5(o.delta || {text}) as delta_fp
+                select d.key, d.fingerprint, d.prompt_hash, o.held, md5(o.prefix || {text}) as part_fp
                 from (select * from {DESIRED} d
-                      where {unanswered}
-                        and d.key in (select key from {answers} where model = $model and variant = $variant)) d
+                      where {unanswered} {keys}) d
                      join {Scratch.input} i on i.rowid = d.row_id,
                      (select unnest($options) as o)),
-            based as (
-                select c.key,
-                       arg_max({{'fingerprint': c.fingerprint, 'prompt_hash': c.prompt_hash, 'missing': c.missing,
-                                 'delta_fp': c.delta_fp, 'base_id': a.custom_id,
-                                 'base_answered': r.status = {sql(RequestStatus.SUCCEEDED)}}},
-                               (c.n, r.status = {sql(RequestStatus.SUCCEEDED)}, r.queued_at)) as b
-                from c join {answers} a on a.model = $model and a.variant = $variant and a.key = c.key
-                       join {requests} r on r.custom_id = a.custom_id and r.fingerprint = c.base_fp
-                where r.status in {live}
+            parts as (
+                select c.key, c.fingerprint, c.prompt_hash, c.held, r.custom_id,
+                       r.status = {sql(RequestStatus.SUCCEEDED)} as answered, r.queued_at,
+                       a.custom_id is not null as owned
+                from c join {requests} r on r.fingerprint = c.part_fp
+                       left join {answers} a on a.model = $model and a.variant = $variant and a.key = c.key
+                                            and a.custom_id = r.custom_id
+                where r.status in {live} and {scope}
                   and not exists (select 1 from {answers} x join {requests} y using (custom_id)
                                   where x.model = $model and x.variant = $variant and x.key = c.key
-                                    and x.fingerprint = c.fingerprint and y.status in {live})
-                group by c.key)
-            select k.key, k.b.fingerprint as fingerprint, k.b.prompt_hash as prompt_hash, k.b.missing as missing,
-                   k.b.base_id as base_id, k.b.base_answered as base_succeeded,
-                   (select arg_max(x.custom_id, y.queued_at) from {answers} x join {requests} y using (custom_id)
-                    where x.model = $model and x.variant = $variant and x.key = k.key
-                      and x.fingerprint = k.b.delta_fp and y.fingerprint = k.b.delta_fp and y.status in {live})
-                       as delta_id
-            from based k""",
-        {"options": options, "model": ledger.model, "variant": ledger.variant},
+                                    and x.fingerprint = c.fingerprint and y.status in {live})),
+            holders as (
+                select key, field, arg_max({{'custom_id': custom_id, 'answered': answered, 'queued_at': queued_at,
+                                              'fingerprint': fingerprint, 'prompt_hash': prompt_hash,
+                                              'owned': owned}},
+                                            (answered, queued_at)) as p
+                from (select *, unnest(held) as field from parts) group by key, field),
+            rows as (
+                select key, any_value(p.fingerprint) as fingerprint, any_value(p.prompt_hash) as prompt_hash,
+                       -- the row answer combined: of the newest part this key holds a row answer of
+                       list(field) as held, arg_max(p.custom_id, (p.owned, p.queued_at, p.custom_id)) as own_id,
+                       arg_max(p.answered, (p.owned, p.queued_at, p.custom_id)) as own_answered,
+                       bool_or(p.owned) as own_owned,
+                       count(distinct p.custom_id) filter (where not p.answered) as unfinished,
+                       list(distinct {{'queued_at': p.queued_at, 'custom_id': p.custom_id}}) as part_ids
+                from holders group by key),
+            missed as (
+                select r.*,
+                       (select coalesce(list(f order by f), []::varchar[]) from (select unnest($current) as f) m
+                        where not list_contains(r.held, m.f)) as missing,
+                       -- the other parts, oldest first (the merge reads each field from the newest holding it)
+                       (select list(t.p.custom_id order by t.p.queued_at, t.p.custom_id)
+                        from (select unnest(r.part_ids) as p) t where t.p.custom_id <> r.own_id) as base_ids
+                from rows r)
+            select key, fingerprint, prompt_hash, own_id, missing, base_ids,
+                   -- every field held, the earlier parts answered (the own one may be in flight): combined now
+                   len(missing) = 0 and unfinished = case when own_answered then 0 else 1 end as ready,
+                   -- some fields missing and every part answered: asked them alone
+                   len(missing) > 0 and unfinished = 0 as asked
+            from missed
+            -- every field held by parts of other rows only (no row answer of this key to combine under
+            -- the current fingerprint): left to the normal path
+            where not (len(missing) = 0 and not own_owned)""",
+        {"options": options, "current": current, "model": ledger.model, "variant": ledger.variant},
     )
     try:
         attached = _attach(ledger, dry)
-        # The other rows are not asked every field by their own pass: they wait for their base, or are
-        # asked the delta by an added-fields pass. Their base blocks replanning (plan.build_plan).
+        # The other rows are not asked every field by their own pass: they wait for their parts in
+        # flight, or are asked the missing fields by an added-fields pass. Their newest part blocks
+        # replanning (plan.build_plan).
+        con.execute(f"update {DESIRED} d set answer_id = a.own_id from {ADDED} a where d.key = a.key and not a.ready")
+        waiting = con.execute(f"select count(*) from {ADDED} where not ready and not asked").fetchall()[0][0]
         con.execute(
-            f"update {DESIRED} d set answer_id = a.base_id from {ADDED} a where d.key = a.key and a.delta_id is null"
-        )
-        waiting = con.execute(f"select count(*) from {ADDED} where not base_succeeded").fetchall()[0][0]
-        con.execute(
-            f"""insert into {ADDED_ROWS} select $variant, key, missing, base_succeeded from {ADDED}
-                where delta_id is null""",
+            f"""insert into {ADDED_ROWS} select $variant, key, missing, asked from {ADDED} where not ready""",
             {"variant": ledger.variant},
         )
         asked = [
@@ -211,10 +236,11 @@ def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool 
 
 
 def _attach(ledger: Ledger, dry: bool) -> int:
-    """Move each live delta's row answer (Scratch.added) to its row's current fingerprint, naming its base."""
+    """Give each row holding every field (Scratch.added `ready`) its combined row answer: its newest
+    part's row answer moves to the row's current fingerprint, naming the earlier parts."""
     con = ledger.con
     answers = ledger.table("llm_batch_row_answers")
-    ready = f"(select * from {ADDED} where base_succeeded and delta_id is not null)"
+    ready = f"(select * from {ADDED} where ready)"
     if dry:
         moved = con.execute(f"select count(*) from {ready}").fetchall()[0][0]
     else:
@@ -223,14 +249,16 @@ def _attach(ledger: Ledger, dry: bool) -> int:
             with transaction(con):
                 return con.execute(
                     f"""update {answers} a set fingerprint = w.fingerprint, prompt_hash = w.prompt_hash,
-                            base_custom_id = w.base_id
+                            base_custom_ids = w.base_ids,
+                            -- a part shown before under another fingerprint is written again by the merge
+                            emitted = case when a.emitted = 'merged' then 'superseded' else a.emitted end
                         from {ready} w
-                        where a.model = ? and a.variant = ? and a.key = w.key and a.custom_id = w.delta_id""",
+                        where a.model = ? and a.variant = ? and a.key = w.key and a.custom_id = w.own_id""",
                     [ledger.model, ledger.variant],
                 ).fetchall()[0][0]
 
         moved = retry_on_conflict(write)
-    con.execute(f"update {DESIRED} d set answer_id = w.delta_id from {ready} w where d.key = w.key")
+    con.execute(f"update {DESIRED} d set answer_id = w.own_id from {ready} w where d.key = w.key")
     return moved
 
 

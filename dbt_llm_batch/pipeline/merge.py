@@ -120,20 +120,16 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> tuple[st
     # The stored rows (wide JSON) are read, parsed and joined only for the winners that need them: a
     # wide column carried through the joins of every winner was most of a large merge.
     narrow = f"""
-        with w as (
+        with {_parts_sql(requests)},
+        w as (
             select r.* exclude (key, row_json, answer), e.key, e.reused, e.sharing, e.share_rank, e.row_json as own_row_json,
                    d.row_id as desired_row, coalesce({same_row}, false) as same_row,
-                   -- a combined answer (added_fields.py): the fields added since its base, over the base's
-                   case when b.custom_id is null then r.answer
-                        else cast(json_merge_patch(b.answer, r.answer) as varchar) end as answer,
-                   e.base_custom_id, e.base_sharing, e.base_share_rank, e.base_reused, b.cost_usd as base_cost_usd,
-                   b.realtime_cost_usd as base_realtime_cost_usd, b.input_tokens as base_input_tokens,
-                   b.output_tokens as base_output_tokens
+                   -- a combined answer (added_fields.py): each field from the newest of its parts holding it
+                   case when b.key is null then r.answer else f.answer end as answer,
+                   b.base_cost_usd, b.base_realtime_cost_usd, b.base_input_tokens, b.base_output_tokens
             from {EMIT} e join {requests} r on r.custom_id = e.custom_id and r.is_final
-                 -- only the base requests (usually none), narrow: no hash table of every request
-                 left join (select custom_id, answer, cost_usd, realtime_cost_usd, input_tokens, output_tokens
-                            from {requests} where custom_id in (select base_custom_id from {EMIT})) b
-                           on b.custom_id = e.base_custom_id
+                 left join based b on b.key = e.key
+                 left join fields f on f.key = e.key
                  left join {DESIRED} d on d.key = e.key),
         s as (
             select x.key, {", ".join(from_stored)}
@@ -216,9 +212,43 @@ def _share(column: str, sharing: str = "w.sharing", rank: str = "w.share_rank", 
 
 def _combined_share(column: str) -> str:
     """A row's part of its request's cost `column`, plus, for a combined answer (added_fields.py), its
-    part of the base request's (shared among the rows it answered, as before the fields were added)."""
-    base = _share(f"w.base_{column}", "w.base_sharing", "w.base_share_rank", "w.base_reused")
-    return f"({_share(f'w.{column}')} + case when w.base_custom_id is null then 0 else {base} end)"
+    parts of the earlier requests' (_parts_sql)."""
+    return f"({_share(f'w.{column}')} + coalesce(w.base_{column}, 0))"
+
+
+def _parts_sql(requests: str) -> str:
+    """SQL CTEs over EMIT's combined answers (added_fields.py: a row answer naming the earlier requests
+    it is made of besides its own request, `base_parts`): `based`, per key,
+    the sum of the row's shares of the earlier requests' costs (each shared among the rows it answered,
+    as before the fields were added; nothing for a part the row reused from the ledger) and their
+    tokens; `fields`, per key, the combined answer: each top-level field from the newest part (queued
+    last) holding it (a field whose own schema changed since is asked again: the newer part holds the
+    current one)."""
+    share = {
+        c: _share(f"r.{c}", "p.part.sharing", "p.part.share_rank", "p.part.reused")
+        for c in ("cost_usd", "realtime_cost_usd")
+    }
+    return f"""
+        parts as (
+            select e.key, unnest(e.base_parts) as part, generate_subscripts(e.base_parts, 1) as n
+            from {EMIT} e where e.base_parts is not null),
+        based as (
+            select p.key, sum({share["cost_usd"]}) as base_cost_usd,
+                   sum({share["realtime_cost_usd"]}) as base_realtime_cost_usd,
+                   sum(r.input_tokens) as base_input_tokens, sum(r.output_tokens) as base_output_tokens
+            from parts p join {requests} r on r.custom_id = p.part.custom_id group by p.key),
+        fields as (
+            select key, cast(json_group_object(k, v) as varchar) as answer
+            from (select x.key, f.k, arg_max(json_extract(x.answer, '$.' || to_json(f.k)), (x.queued_at, x.custom_id)) as v
+                  from (select p.key, r.custom_id, r.queued_at, r.answer
+                        from parts p join {requests} r on r.custom_id = p.part.custom_id
+                        union all
+                        select e.key, r.custom_id, r.queued_at, r.answer
+                        from {EMIT} e join {requests} r on r.custom_id = e.custom_id
+                        where e.base_parts is not null) x,
+                       unnest(json_keys(x.answer)) f(k)
+                  group by x.key, f.k)
+            group by key)"""
 
 
 def _winners(
@@ -255,11 +285,11 @@ def _winners(
         ).fetchall()[0][0]
     )
     if single:
-        won = f"""select key, custom_id, variant, emitted, reused, row_json, base_custom_id from {answers}
+        won = f"""select key, custom_id, variant, emitted, reused, row_json, base_custom_ids from {answers}
                   where model = {model} and variant = {literal(variant)} and ({own_answer or f"key in ({keys_sql})"})
                     and custom_id in (select custom_id from {requests} where is_final)"""
     else:
-        won = f"""select x.key, x.custom_id, x.variant, x.emitted, x.reused, x.row_json, x.base_custom_id
+        won = f"""select x.key, x.custom_id, x.variant, x.emitted, x.reused, x.row_json, x.base_custom_ids
                   from (select a.key, arg_max(a.rowid, ({rank})) as won
                         from {answers} a join {requests} r using (custom_id) left join {DESIRED} d on d.key = a.key
                         where a.model = {model} and a.variant = {literal(variant)} and r.is_final and a.key in ({keys_sql})
@@ -272,25 +302,36 @@ def _winners(
         with w as ({won}),
         shared as (
             select custom_id, count(*) as sharing from {answers}
-            where {sharing} and (custom_id in (select custom_id from w) or custom_id in (select base_custom_id from w))
+            where {sharing} and (custom_id in (select custom_id from w)
+                                 or custom_id in (select unnest(base_custom_ids) from w))
             group by custom_id having count(*) > 1),
         ranked as (
             select x.custom_id, x.model, x.key, x.variant, s.sharing,
                    row_number() over (partition by x.custom_id order by x.model, x.key, x.variant) as share_rank
-            from (select * from {answers} where {sharing}) x join shared s using (custom_id))
+            from (select * from {answers} where {sharing}) x join shared s using (custom_id)),
+        -- a combined answer's earlier parts (added_fields.py), in order: each request's cost shared as
+        -- before; a part answered from the ledger (reused, or another row's request) cost this row nothing
+        part as (
+            select key, variant, unnest(base_custom_ids) as custom_id, generate_subscripts(base_custom_ids, 1) as n
+            from w where base_custom_ids is not null),
+        parts as (
+            select p.key, p.variant,
+                   list({{'custom_id': p.custom_id, 'sharing': coalesce(b.sharing, 1),
+                          -- a part of another row's (llm_dedup: no row answer of this key) was reused too
+                          'share_rank': coalesce(b.share_rank, 1), 'reused': coalesce(ba.reused, true)}}
+                        order by p.n) as base_parts
+            from part p
+                 left join ranked b on b.custom_id = p.custom_id and b.model = {model} and b.key = p.key
+                                       and b.variant = p.variant
+                 left join (select custom_id, key, variant, bool_or(reused) as reused from {answers}
+                            where model = {model} and custom_id in (select custom_id from part) group by all) ba
+                           on ba.custom_id = p.custom_id and ba.key = p.key and ba.variant = p.variant
+            group by p.key, p.variant)
         select w.custom_id, w.key, w.variant, w.emitted, w.reused, w.row_json,
-               coalesce(k.sharing, 1) as sharing, coalesce(k.share_rank, 1) as share_rank, w.base_custom_id,
-               coalesce(b.sharing, 1) as base_sharing, coalesce(b.share_rank, 1) as base_share_rank,
-               coalesce(ba.reused, false) as base_reused
+               coalesce(k.sharing, 1) as sharing, coalesce(k.share_rank, 1) as share_rank, p.base_parts
         from w left join ranked k on k.custom_id = w.custom_id and k.model = {model} and k.key = w.key
                                      and k.variant = w.variant
-               -- a combined answer (added_fields.py): its base request's cost is shared as before
-               left join ranked b on b.custom_id = w.base_custom_id and b.model = {model} and b.key = w.key
-                                     and b.variant = w.variant
-               -- a base answered from the ledger (reused) cost this row nothing
-               left join (select custom_id, key, variant, bool_or(reused) as reused from {answers}
-                          where model = {model} and custom_id in (select base_custom_id from w) group by all) ba
-                         on ba.custom_id = w.base_custom_id and ba.key = w.key and ba.variant = w.variant"""
+               left join parts p on p.key = w.key and p.variant = w.variant"""
 
 
 def _compression(name: str, typ: str, config: ModelConfig) -> str:

@@ -223,13 +223,27 @@ def table_invariants(project, world: World, logical: str) -> list[str]:
             )
     over = project.query(
         f"""with t as (select llm_fingerprint, sum(llm_cost_usd) as cost from main.{model} group by 1),
-                 l as (select fingerprint, sum(cost_usd) as cost from main.llm_batch_requests group by 1)
-            select t.llm_fingerprint, t.cost, coalesce(l.cost, 0) from t left join l on l.fingerprint = t.llm_fingerprint
-            where t.cost > coalesce(l.cost, 0) limit 5"""
+                 l as (select fingerprint, sum(cost_usd) as cost from main.llm_batch_requests group by 1),
+                 {COMBINED_PARTS}
+            select t.llm_fingerprint, t.cost, coalesce(l.cost, 0) + coalesce(b.cost, 0)
+            from t left join l on l.fingerprint = t.llm_fingerprint left join b on b.fingerprint = t.llm_fingerprint
+            where t.cost > coalesce(l.cost, 0) + coalesce(b.cost, 0) limit 5"""
     )
     if over:
         broken.append(f"table costs never exceed what their request was billed, in {model}: {over}")
     return broken
+
+
+# A combined answer (pipeline/added_fields.py: a row asked only the fields added since its answer)
+# carries its share of its own request (the table's llm_fingerprint is that request's) and of the
+# earlier requests it is combined with (base_custom_ids): per request fingerprint, the distinct
+# earlier requests its rows are combined with may add their cost.
+COMBINED_PARTS = """b as (select fingerprint, sum(cost) as cost
+                      from (select distinct o.fingerprint, p.custom_id, p.cost_usd as cost
+                            from (select custom_id, unnest(base_custom_ids) as base from main.llm_batch_row_answers) a
+                                 join main.llm_batch_requests o on o.custom_id = a.custom_id
+                                 join main.llm_batch_requests p on p.custom_id = a.base)
+                      group by 1)"""
 
 
 def _is_column(project, model: str, column: str) -> bool:
@@ -241,9 +255,11 @@ def shared_table_costs(project, world: World) -> list[str]:
     union = " union all ".join(f"select llm_fingerprint, llm_cost_usd from main.{world.table(m)}" for m in MODELS)
     over = project.query(
         f"""with t as (select llm_fingerprint, sum(llm_cost_usd) as cost from ({union}) group by 1),
-                 l as (select fingerprint, sum(cost_usd) as cost from main.llm_batch_requests group by 1)
-            select t.llm_fingerprint, t.cost, coalesce(l.cost, 0) from t left join l on l.fingerprint = t.llm_fingerprint
-            where t.cost > coalesce(l.cost, 0) limit 5"""
+                 l as (select fingerprint, sum(cost_usd) as cost from main.llm_batch_requests group by 1),
+                 {COMBINED_PARTS}
+            select t.llm_fingerprint, t.cost, coalesce(l.cost, 0) + coalesce(b.cost, 0)
+            from t left join l on l.fingerprint = t.llm_fingerprint left join b on b.fingerprint = t.llm_fingerprint
+            where t.cost > coalesce(l.cost, 0) + coalesce(b.cost, 0) limit 5"""
     )
     return [f"the rows of one request carry at most its cost, across models: {over}"] if over else []
 

@@ -412,6 +412,29 @@ def test_a_submitted_request_of_an_older_ledger_is_rewritten_and_still_harvested
     con.close()
 
 
+def test_a_combined_answer_of_a_v26_ledger_names_its_base_in_the_list_of_parts():
+    # v27: a row answer names the earlier requests it is combined with in a list (added_fields.py);
+    # v26 named one (base_custom_id), which becomes the list's only element.
+    con = duckdb.connect()
+    Ledger(con, "main", "m").migrate(up_to=26)
+    con.execute(
+        """insert into main.llm_batch_row_answers (model, key, variant, fingerprint, custom_id, reused, created_at,
+             base_custom_id)
+           values ('m', 'k0', '', 'f1', 'delta', false, now(), 'base'), ('m', 'k1', '', 'f0', 'plain', false, now(), null)"""
+    )
+    Ledger(con, "main", "m").migrate()
+    rows = con.execute("select key, base_custom_ids from main.llm_batch_row_answers order by key").fetchall()
+    assert rows == [("k0", ["base"]), ("k1", None)]
+    columns = {
+        c
+        for (c,) in con.execute(
+            "select column_name from information_schema.columns where table_name = 'llm_batch_row_answers'"
+        ).fetchall()
+    }
+    assert "base_custom_id" not in columns
+    con.close()
+
+
 def test_migrations_are_numbered_in_the_order_they_run():
     # _migrate_once runs them in list order and records each version: a version listed after a
     # higher one would be skipped on every ledger that already has the higher one.
