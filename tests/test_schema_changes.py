@@ -4,6 +4,7 @@ message names the model. A removed output field asks nothing again (pipeline/wid
 
 from __future__ import annotations
 
+import functools
 import json
 
 from conftest import failure_messages
@@ -28,6 +29,17 @@ TRIAGE_PROPERTIES = {
     "summary": {"type": "string"},
     "urgent": {"type": "boolean"},
 }
+
+
+def write_triage_without_dedup(project, output: dict) -> None:
+    """The triage model asking `output`, one request per row (llm_dedup = false)."""
+    model = triage_model(extra_config="llm_dedup = false,")
+    project.write(MODEL, model.replace(json.dumps(TRIAGE_OUTPUT), json.dumps(output)))
+
+
+def write_dup(project, output: dict) -> None:
+    """The dup model (rows sharing requests) on openai asking `output`."""
+    project.write("models/dup.sql", dup_model("openai", extra=f"llm_output = {json.dumps(output)},"))
 
 
 def schema_of(properties: dict) -> dict:
@@ -193,9 +205,7 @@ def test_a_field_removed_while_its_batch_is_in_flight_is_answered_by_that_batch(
     merges its answers. One request per row (llm_dedup = false): each row's own answer moves."""
     project.dbt("seed")
 
-    def write(output: dict) -> None:
-        model = triage_model(extra_config="llm_dedup = false,")
-        project.write(MODEL, model.replace(json.dumps(TRIAGE_OUTPUT), json.dumps(output)))
+    write = functools.partial(write_triage_without_dedup, project)
 
     write(TRIAGE_OUTPUT)
     project.dbt("run", "-s", "triage")
@@ -237,8 +247,7 @@ def test_rows_sharing_a_request_keep_their_shares_of_its_cost_when_a_field_is_re
     project.write("seeds/llm_prices.csv", PRICES)
     write_rows(project, {1: 1, 2: 1, 3: 2})  # rows 1 and 2 ask the same question
 
-    def write(output: dict) -> None:
-        project.write("models/dup.sql", dup_model("openai", extra=f"llm_output = {json.dumps(output)},"))
+    write = functools.partial(write_dup, project)
 
     def shown() -> dict:
         return {r[0]: r[1:] for r in project.query("select id, topic, llm_status, llm_cost_usd from main.dup")}
@@ -302,9 +311,7 @@ def test_a_field_added_while_the_batch_is_in_flight_is_asked_after_it_merges(pro
     field; the run after that fills the column. One request per row (llm_dedup = false)."""
     project.dbt("seed")
 
-    def write(output: dict) -> None:
-        model = triage_model(extra_config="llm_dedup = false,")
-        project.write(MODEL, model.replace(json.dumps(TRIAGE_OUTPUT), json.dumps(output)))
+    write = functools.partial(write_triage_without_dedup, project)
 
     write(TRIAGE_OUTPUT)
     project.dbt("run", "-s", "triage")
@@ -402,8 +409,7 @@ def test_rows_sharing_a_request_in_flight_are_asked_the_added_field_once_and_sha
     project.write("seeds/llm_prices.csv", PRICES)
     write_rows(project, {1: 1, 2: 1, 3: 2})  # rows 1 and 2 ask the same question
 
-    def write(output: dict) -> None:
-        project.write("models/dup.sql", dup_model("openai", extra=f"llm_output = {json.dumps(output)},"))
+    write = functools.partial(write_dup, project)
 
     write({"topic": "text", "severe": "boolean"})
     project.dbt("run", "-s", "dup")

@@ -5,6 +5,8 @@ change the table does not allow changes nothing."""
 
 from __future__ import annotations
 
+import json
+
 from dbt_llm_batch.ledger.base import LedgerBase
 from dbt_llm_batch.ledger.status import PRE_SUBMISSION, JobStatus, sql, sql_in
 
@@ -22,6 +24,18 @@ class JobWrites(LedgerBase):
             dict(zip(("job_id", "batch_id", "status", "provider", "created_at", "llm_model"), r, strict=True))
             for r in rows
         ]
+
+    def recorded_output_schemas(self, every_model: bool) -> list[dict]:
+        """The distinct output schemas jobs were asked with (llm_batch_jobs.output_schema, recorded per
+        job since ledger version 18): this model's, or with `every_model` (llm_dedup = 'ledger') any
+        model's. Jobs are few, so this is one small query."""
+        scope = "" if every_model else "where model = ?"
+        recorded = self.con.execute(
+            f"select distinct output_schema from {self.table('llm_batch_jobs')} {scope}",
+            [] if every_model else [self.model],
+        ).fetchall()
+        schemas = [json.loads(text) if text else None for (text,) in recorded]
+        return [schema for schema in schemas if isinstance(schema, dict)]
 
     def mark_uploading(self, job_id: str) -> None:
         """intent -> uploading: the request file's upload is about to be called (no batch can exist yet)."""

@@ -45,7 +45,6 @@ outputs show every field): those rows are asked again for every field, as before
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
@@ -76,20 +75,11 @@ def subset_schemas(ledger: Ledger, config: ModelConfig) -> list[dict]:
     current = config.output_json_schema()
     if current is None or not applies(config):
         return []
-    scope = "" if config.dedup == "ledger" else "where model = ?"
-    recorded = ledger.con.execute(
-        f"select distinct output_schema from {ledger.table('llm_batch_jobs')} {scope}",
-        [] if scope == "" else [ledger.model],
-    ).fetchall()
-    found = []
-    for (text,) in recorded:
-        schema = json.loads(text) if text else None
-        if (
-            isinstance(schema, dict)
-            and _same_form(schema, current)
-            and 0 < len(held_fields(config, schema)) < len(current["properties"])
-        ):
-            found.append(schema)
+    found = [
+        schema
+        for schema in ledger.recorded_output_schemas(every_model=config.dedup == "ledger")
+        if _same_form(schema, current) and 0 < len(held_fields(config, schema)) < len(current["properties"])
+    ]
     return sorted(found, key=lambda s: -len(held_fields(config, s)))
 
 

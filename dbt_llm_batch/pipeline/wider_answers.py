@@ -25,8 +25,6 @@ asked that field alone, as are rows whose schema gained a field (added_fields.py
 
 from __future__ import annotations
 
-import json
-
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import IN_FLIGHT, RequestStatus, sql_in
@@ -42,17 +40,11 @@ def wider_prefixes(ledger: Ledger, config: ModelConfig) -> list[str]:
     current = config.output_json_schema()
     if current is None or config.embeds or config.output_format == "json":
         return []
-    scope = "" if config.dedup == "ledger" else "where model = ?"
-    recorded = ledger.con.execute(
-        f"select distinct output_schema from {ledger.table('llm_batch_jobs')} {scope}",
-        [] if scope == "" else [ledger.model],
-    ).fetchall()
-    prefixes = []
-    for (text,) in recorded:
-        schema = json.loads(text) if text else None
-        if isinstance(schema, dict) and holds_every_field(schema, current):
-            prefixes.append(config.fingerprint_prefix_asking(schema))
-    return prefixes
+    return [
+        config.fingerprint_prefix_asking(schema)
+        for schema in ledger.recorded_output_schemas(every_model=config.dedup == "ledger")
+        if holds_every_field(schema, current)
+    ]
 
 
 def holds_every_field(schema: dict, current: dict) -> bool:
