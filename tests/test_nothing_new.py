@@ -204,10 +204,19 @@ def test_full_refresh_and_a_dropped_table_do_not_skip(project, emulator, loads):
 
 
 def test_an_incremental_model_skips_once_its_filtered_selection_is_settled(project, emulator, loads):
-    """`is_incremental()` changes the compiled SQL: the first incremental run plans, the next skips."""
+    """`dbt_llm_batch.is_incremental()` changes the compiled SQL: the first incremental run plans, the
+    next skips; a new row's run plans again."""
     write_src(project, ROWS)
-    incremental = llm_model(where="{% if is_incremental() %} where u >= (select max(u) from {{ this }}) {% endif %}")
+    incremental = llm_model(
+        where="{% if dbt_llm_batch.is_incremental() %} where u >= (select max(u) from {{ this }}) {% endif %}"
+    )
+    # The second (harvesting) run is the first incremental one: the table is empty then, so its filter
+    # selects no row (and it records that); the third selects the six rows the table now holds.
     answered(project, emulator, incremental)
+    assert settled_rows(project) == [(0,)]
+    runs_normally(project, loads)
+    assert "where u >= (select max(u)" in loads[-1]
+    assert settled_rows(project) == [(6,)]
     assert_skips(project, emulator, loads)
     write_src(project, {**ROWS, 7: "row 7"}, updated={7: 2})
     runs_normally(project, loads)
