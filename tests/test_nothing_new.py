@@ -293,3 +293,45 @@ def test_the_aggregate_reads_only_the_key_and_updated_at_columns():
     scan = plan.split("Seq Scan")[1]
     assert "Projections: a, u " in scan and "body" not in plan, plan
     assert con.execute(settled.rows_sql(f"(\n{sql}\n)", config)).fetchall()[0][0] == 10
+
+
+def test_a_row_failed_with_attempts_left_is_not_complete(project, emulator, loads):
+    """An urgent row whose realtime answer was unusable (off its schema: an attempt used, two left) is
+    due for a retry: nothing is in flight or deferred, yet no signature; the next run asks it again and
+    records."""
+    write_src(project, ROWS)
+    emulator.add_fault(kind="off_schema", code="missing_required", prompt_contains="row 3", times=1)
+    project.write("models/m.sql", llm_model(OUTPUT + "llm_realtime_when='a > 0',"))
+    project.dbt("run", "-s", "m")
+    assert project.query("select status, is_final from main.llm_batch_requests where key = '[\"3\"]'") == [
+        ("failed", False)
+    ]
+    assert settled_rows(project) == []
+    runs_normally(project, loads)
+    assert project.query("select count(*) from main.m where llm_status = 'succeeded'") == [(6,)]
+    assert settled_rows(project) == [(6,)]
+    assert_skips(project, emulator, loads)
+
+
+def test_a_run_that_changed_the_table_deletes_the_signature_before_anything(project, emulator, loads):
+    """The signature a complete run recorded must not outlive a run that changes the model: here a run
+    deletes row 4 (llm_on_unselected = 'delete') and sends an edited row 3; `poll` harvests that batch
+    outside any run. With the source back as it was, the selection is the recorded one again, yet the
+    table differs: the run must plan (row 4 back, row 3's first answer), not skip."""
+    from dbt_llm_batch.ops.cli import main as cli
+
+    model = llm_model("llm_on_unselected='delete',")
+    write_src(project, ROWS)
+    answered(project, emulator, model)
+    original = table(project)
+    assert settled_rows(project) == [(6,)]
+    write_src(project, {**{a: b for a, b in ROWS.items() if a != 4}, 3: "row 3 edited"}, updated={3: 2})
+    project.dbt("run", "-s", "m")
+    assert settled_rows(project) == []
+    emulator.complete_all()
+    project.release_database()
+    assert cli(["poll", "--database", str(project.db_path)]) == 0
+    write_src(project, ROWS)
+    runs_normally(project, loads)
+    assert table(project) == original
+    assert settled_rows(project) == [(6,)]

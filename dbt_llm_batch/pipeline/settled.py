@@ -114,7 +114,13 @@ def record_if_complete(run, signature: str | None) -> bool:
     model complete (see the module's docstring); returns whether it did. `run`: the ModelRun."""
     config: ModelConfig = run.config
     ledger: Ledger = run.ledger
-    if signature is None or config.updated_at is None or run.dry_run or run.unavailable_error or run.summary.interrupted:
+    if (
+        signature is None
+        or config.updated_at is None
+        or run.dry_run
+        or run.unavailable_error
+        or run.summary.interrupted
+    ):
         return False
     if ledger.open_jobs() or ledger.pending_count() or ledger.deferred_count() or any(ledger.waiting_counts()):
         return False
