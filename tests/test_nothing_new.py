@@ -112,7 +112,9 @@ def test_a_second_run_with_nothing_new_skips_and_a_batch_in_flight_records_nothi
         ("added", 1),
         ("system", 6),  # a config edit (the fingerprint): every row
         ("sql_prompt", 6),  # the prompt edited in the SQL, no updated_at changed: every row
-        ("added_field", 6),  # #31: an added output field is asked of every row, never skipped
+        ("added_field", 6),  # #31: an added (nested) output field is asked of every row, never skipped
+        ("removed_field", 0),  # a removed output field: every row keeps its wider answer, nothing asked
+        ("column_added", 0),  # a selected column added (on_schema_change): the table gains it, nothing asked
         ("variant", 6),  # a variant added: its pass asks every row
     ],
 )
@@ -133,7 +135,12 @@ def test_each_change_re_plans_and_sends_what_it_must(project, emulator, loads, c
     elif change == "sql_prompt":
         model = llm_model(OUTPUT, prompt="'Summarise this: ' || body")
     elif change == "added_field":
-        model = llm_model(OUTPUT.replace("'summary': 'text',", "'summary': 'text', 'topic': 'text',"))
+        nested = "'contact': {'type': 'object', 'properties': {'name': {'type': 'string'}}, 'required': ['name']},"
+        model = llm_model(OUTPUT.replace("'summary': 'text',", "'summary': 'text', " + nested))
+    elif change == "removed_field":
+        model = llm_model(OUTPUT.replace(" 'sentiment': ['positive', 'negative']", ""))
+    elif change == "column_added":
+        model = model.replace("select a, u,", "select a, u, body,")
     elif change == "variant":
         model = llm_model(OUTPUT + "llm_variants={'mini': {'llm_system': 'Summarise in five words.'}},")
     project.write("models/m.sql", model)
@@ -142,6 +149,10 @@ def test_each_change_re_plans_and_sends_what_it_must(project, emulator, loads, c
     assert asked(emulator) - asked_before == sent
     project.dbt("run", "-s", "m")  # harvest and merge what was sent
     rows = {"removed": 5, "added": 7}.get(change, 6)
+    if change == "column_added":
+        assert project.query("select count(*) from main.m where body like 'row %'") == [(6,)]
+    if change == "added_field":
+        assert project.query("select count(*) from main.m where contact.name is not null") == [(6,)]
     assert settled_rows(project) == [(rows,)]
     assert "failed" not in {s for (s,) in project.query("select distinct llm_status from main.m")}
     n = asked(emulator)
