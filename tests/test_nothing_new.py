@@ -104,61 +104,78 @@ def test_a_second_run_with_nothing_new_skips_and_a_batch_in_flight_records_nothi
     assert asked(emulator) == 6
 
 
-@pytest.mark.parametrize(
-    "change, sent",
-    [
-        ("updated_at", 1),  # one row's body and updated_at change: that row is asked again
-        ("removed", 0),  # a row removed: the run goes the normal way (count and hash changed), asks nothing
-        ("added", 1),
-        ("system", 6),  # a config edit (the fingerprint): every row
-        ("sql_prompt", 6),  # the prompt edited in the SQL, no updated_at changed: every row
-        ("added_field", 6),  # #31: an added (nested) output field is asked of every row, never skipped
-        ("removed_field", 0),  # a removed output field: every row keeps its wider answer, nothing asked
-        ("column_added", 0),  # a selected column added (on_schema_change): the table gains it, nothing asked
-        ("variant", 6),  # a variant added: its pass asks every row
-    ],
-)
-def test_each_change_re_plans_and_sends_what_it_must(project, emulator, loads, change, sent):
-    write_src(project, ROWS)
-    answered(project, emulator, llm_model(OUTPUT))
+def test_each_change_re_plans_and_sends_what_it_must(project, emulator, loads):
+    """One model's life, one change at a time: each run after a change plans (loads its rows) and sends
+    what the change asks, the run that merges it records the new signature, and the next one skips."""
+    rows, updated = dict(ROWS), {}
+    model = {"output": OUTPUT, "system": "Summarise.", "extra": "", "prompt": "'Summarise: ' || body"}
+    model["columns"] = "a, u,"
+    nested = "'contact': {'type': 'object', 'properties': {'name': {'type': 'string'}}, 'required': ['name']},"
+
+    def source(change: dict, drop: tuple = (), newer: dict | None = None):
+        def apply():
+            rows.update(change)
+            for a in drop:
+                rows.pop(a)
+            updated.update(newer or {})
+            write_src(project, rows, updated)
+
+        return apply
+
+    def config(**change):
+        return lambda: model.update(change)
+
+    def current() -> str:
+        text = llm_model(model["output"] + model["extra"], prompt=model["prompt"])
+        text = text.replace("llm_system='Summarise.'", f"llm_system='{model['system']}'")
+        return text.replace("select a, u,", f"select {model['columns']}")
+
+    write_src(project, rows)
+    answered(project, emulator, current())
     assert settled_rows(project) == [(6,)]
-    asked_before = asked(emulator)
-    model = llm_model(OUTPUT)
-    if change == "updated_at":
-        write_src(project, {**ROWS, 3: "row 3 edited"}, updated={3: 2})
-    elif change == "removed":
-        write_src(project, {a: b for a, b in ROWS.items() if a != 4})
-    elif change == "added":
-        write_src(project, {**ROWS, 7: "row 7"})
-    elif change == "system":
-        model = model.replace("llm_system='Summarise.'", "llm_system='Summarise briefly.'")
-    elif change == "sql_prompt":
-        model = llm_model(OUTPUT, prompt="'Summarise this: ' || body")
-    elif change == "added_field":
-        nested = "'contact': {'type': 'object', 'properties': {'name': {'type': 'string'}}, 'required': ['name']},"
-        model = llm_model(OUTPUT.replace("'summary': 'text',", "'summary': 'text', " + nested))
-    elif change == "removed_field":
-        model = llm_model(OUTPUT.replace(" 'sentiment': ['positive', 'negative']", ""))
-    elif change == "column_added":
-        model = model.replace("select a, u,", "select a, u, body,")
-    elif change == "variant":
-        model = llm_model(OUTPUT + "llm_variants={'mini': {'llm_system': 'Summarise in five words.'}},")
-    project.write("models/m.sql", model)
-    runs_normally(project, loads)
-    emulator.complete_all()
-    assert asked(emulator) - asked_before == sent
-    project.dbt("run", "-s", "m")  # harvest and merge what was sent
-    rows = {"removed": 5, "added": 7}.get(change, 6)
-    if change == "column_added":
-        assert project.query("select count(*) from main.m where body like 'row %'") == [(6,)]
-    if change == "added_field":
-        assert project.query("select count(*) from main.m where contact.name is not null") == [(6,)]
-    assert settled_rows(project) == [(rows,)]
-    assert "failed" not in {s for (s,) in project.query("select distinct llm_status from main.m")}
-    n = asked(emulator)
-    project.dbt("run", "-s", "m")
-    assert asked(emulator) == n
-    assert f"main.m: nothing new: {rows} row(s) unchanged since" in log_text(project)
+    changes = [  # (what changes, how, requests it sends, rows selected after it)
+        ("a row's body and updated_at", source({3: "row 3 edited"}, newer={3: 2}), 1, 6),
+        ("a row removed (count and hash)", source({}, drop=(4,)), 0, 5),
+        ("a row added", source({7: "row 7"}), 1, 6),
+        ("the system prompt (the fingerprint)", config(system="Summarise briefly."), 6, 6),
+        ("the prompt edited in the SQL", config(prompt="'Summarise this: ' || body"), 6, 6),
+        # #31: an added output field is asked of every row, never skipped
+        (
+            "an added nested output field",
+            config(output=OUTPUT.replace("'summary': 'text',", f"'summary': 'text', {nested}")),
+            6,
+            6,
+        ),
+        (
+            "a removed output field: rows keep their wider answers",
+            config(output=f"llm_output = {{'summary': 'text', {nested}}},"),
+            0,
+            6,
+        ),
+        ("a selected column added (on_schema_change)", config(columns="a, u, body,"), 0, 6),
+        (
+            "a variant added: its pass asks every row",
+            config(extra="llm_variants={'mini': {'llm_system': 'In five words.'}},"),
+            6,
+            6,
+        ),
+    ]
+    for name, apply, sent, selected in changes:
+        apply()
+        asked_before = asked(emulator)
+        project.write("models/m.sql", current())
+        runs_normally(project, loads)
+        emulator.complete_all()
+        assert asked(emulator) - asked_before == sent, name
+        project.dbt("run", "-s", "m")  # harvest and merge what was sent
+        assert settled_rows(project) == [(selected,)], name
+        assert {s for (s,) in project.query("select distinct llm_status from main.m")} == {"succeeded"}, name
+        n = asked(emulator)
+        project.dbt("run", "-s", "m")
+        assert asked(emulator) == n, name
+        last_run = log_text(project).rsplit("START sql llm_batch model main.m", 1)[1]
+        assert f"main.m: nothing new: {selected} row(s) unchanged since" in last_run, name
+    assert project.query("select count(*) from main.m where body like 'row %' and contact.name is not null") == [(12,)]
 
 
 def test_any_variant_s_config_change_re_plans(project, emulator, loads):
