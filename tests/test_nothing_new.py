@@ -363,3 +363,21 @@ def test_a_run_that_changed_the_table_deletes_the_signature_before_anything(proj
     runs_normally(project, loads)
     assert table(project) == original
     assert settled_rows(project) == [(6,)]
+
+
+def test_a_broken_promise_is_skipped_until_a_full_refresh_and_the_run_after_it(project, emulator, loads):
+    """As docs/large-models.md says: a body changed without a new updated_at is not asked (the run
+    skips); a --full-refresh rebuilds from the ledger, sends nothing and records no signature (the
+    changed row has no answer for its prompt); the run after it asks that row alone."""
+    write_src(project, ROWS)
+    answered(project, emulator, llm_model())
+    write_src(project, {**ROWS, 3: "row 3 edited"})  # updated_at left as it was: the promise broken
+    assert_skips(project, emulator, loads)
+    project.dbt("run", "-s", "m", "--full-refresh")
+    assert asked(emulator) == 6 and settled_rows(project) == []
+    runs_normally(project, loads)
+    emulator.complete_all()
+    assert asked(emulator) == 7
+    project.dbt("run", "-s", "m")
+    assert project.query("select prompt from main.m where a = 3") == [("Summarise: row 3 edited",)]
+    assert settled_rows(project) == [(6,)]
