@@ -5,6 +5,8 @@ with the job's DuckDB connection. Returns a RunSummary; the run log gets one lin
 
 The story of a run (`_run`, then `ModelRun.execute`); a model without variants is a run with one
 pass (pipeline/passes.py), and every model takes the same steps:
+  (skip)     with llm_updated_at, a selection as a complete run left it: the run
+             ends before its rows are loaded                                (settled)
   validate   the config, the input's columns, the existing table           (config, plan, merge)
   lock       one writer per model                                           (ledger.locks)
   reconcile  what earlier runs and operators left: interrupted submissions,
