@@ -16,6 +16,10 @@ to a plain-DuckDB baseline timed in the same process, so the ratios hold on a no
 (c) a no-op run on the N-row ledger      vs  a run of the same model selecting no rows (alone: --noop-only)
     and next to its floor: the least a run must do to know nothing is new, in plain DuckDB (one copy
     of the selected rows with each key and prompt hash, and an anti join with the stored ones)
+(c') the same model with llm_updated_at = 'updated_at' (pipeline/settled.py): the run that records the
+    settled signature, then a run with nothing new, which skips, vs the run selecting no rows; its
+    floor is a new one, that reads no prompt: one aggregate, count(*) and sum(hash(key, updated_at)),
+    over only the key and updated_at columns of the model's SQL
 Each round runs on a fresh database file; the median ratio over the rounds is reported.
 (e) planning N rows of which 30 % repeat another row's prompt, with llm_dedup on (70 % of the requests
     sent, every row answered) vs llm_dedup = false (one request per row): planning as the run's step 6
@@ -61,7 +65,12 @@ RAW_CONFIG = {
     "llm_max_batches_in_flight": 1000,
     "llm_delete_provider_files": False,
 }  # the made-up batches have no files to delete
-SOURCE = "select i as id, repeat(md5(i::varchar), 16) as prompt from range({n}) t(i)"  # 512-character prompts
+# 512-character prompts; updated_at for (c'), llm_updated_at
+SOURCE = (
+    "select i as id, repeat(md5(i::varchar), 16) as prompt, timestamp '2026-01-01' + to_seconds(i) as updated_at "
+    "from range({n}) t(i)"
+)
+UPDATED_CONFIG = {**RAW_CONFIG, "llm_updated_at": "updated_at"}
 # (e): rows whose last digit is 0, 1 or 2 repeat the prompt of the row ending in 3 of their ten: 30 % duplicates.
 DUP_SOURCE = (
     "select i as id, repeat(md5((case when i % 10 < 3 then i - i % 10 + 3 else i end)::varchar), 16) as prompt "
@@ -237,6 +246,27 @@ def floor_noop(con, config, source: str) -> int:
     return new
 
 
+def floor_skip(con) -> int:
+    """(c') floor: one aggregate over only the key and updated_at columns of the model's rows."""
+    return con.execute("select count(*), sum(hash(id, updated_at)) from (select * from src)").fetchall()[0][0]
+
+
+def settled_runs(con, figures: dict) -> None:
+    """(c'): with llm_updated_at, the run that records the signature, then the one that skips."""
+
+    def run(sql):
+        return runner.run_model(
+            con, schema="main", identifier="bench", target="main.bench", raw_config=UPDATED_CONFIG, sql=sql
+        )
+
+    figures["c_record_s"], _ = timed(lambda: run("select * from src"))
+    figures["c_skip_s"], summary = timed(lambda: run("select * from src"))
+    assert summary.submitted == 0 and summary.merged == 0
+    assert con.execute("select count(*) from main.llm_batch_settled").fetchall()[0][0] == 1
+    figures["c_skip_floor_s"], rows = timed(lambda: floor_skip(con))
+    assert rows == figures["rows"]
+
+
 def run_once(n: int, memory_limit: str | None = None, temp_directory: str | None = None) -> dict:
     config = parse_config(RAW_CONFIG)
     figures = {"rows": n}
@@ -277,6 +307,7 @@ def run_once(n: int, memory_limit: str | None = None, temp_directory: str | None
         figures["c_floor_empty_s"], _ = timed(lambda: floor_noop(con, config, "select * from src where false"))
         figures["c_floor_s"], new = timed(lambda: floor_noop(con, config, "select * from src"))
         assert new == 0
+        settled_runs(con, figures)
     figures["peak_rss_mb"] = max_rss_mb()
     return figures
 
@@ -308,7 +339,7 @@ def noop_report(n: int, repeat: int) -> None:
             assert summary.submitted == 0 and summary.merged == 0
             return wall, time.process_time() - cpu
 
-        walls, cpus, floors = [], [], []
+        walls, cpus, floors, skips, skip_walls = [], [], [], [], []
         for _ in range(repeat):
             empty, empty_cpu = run("select * from src where false")
             noop, noop_cpu = run("select * from src")
@@ -318,16 +349,23 @@ def noop_report(n: int, repeat: int) -> None:
             floor, new = timed(lambda: floor_noop(con, config, "select * from src"))
             assert new == 0
             floors.append(floor - floor_empty)
+            settled: dict = {"rows": n}
+            settled_runs(con, settled)
+            skips.append(settled["c_skip_s"] - empty)
+            skip_walls.append(settled["c_skip_s"])
             print(
                 f"(c) no-op {noop:.2f} s - empty model {empty:.2f} s = {noop - empty:+.2f} s "
-                f"(floor {floor - floor_empty:+.2f} s)",
+                f"(floor {floor - floor_empty:+.2f} s)   (c') with llm_updated_at: recording run "
+                f"{settled['c_record_s']:.2f} s, then nothing new {settled['c_skip_s']:.3f} s - empty model = "
+                f"{settled['c_skip_s'] - empty:+.2f} s (floor {settled['c_skip_floor_s']:.3f} s)",
                 flush=True,
             )
         con.close()
     print(
         f"(c) {n:,} rows: no-op run vs empty model run: median difference {statistics.median(walls):+.2f} s "
         f"(CPU time {statistics.median(cpus):+.2f} s; median of {repeat}); its floor (one copy of the rows with keys "
-        f"and prompt hashes + an anti join with the stored ones) {statistics.median(floors):+.2f} s"
+        f"and prompt hashes + an anti join with the stored ones) {statistics.median(floors):+.2f} s; "
+        f"(c') with llm_updated_at: {statistics.median(skips):+.2f} s ({statistics.median(skip_walls):.3f} s in all)"
     )
 
 
@@ -399,7 +437,8 @@ def report(rounds: list[dict]) -> None:
             f"{f['b_baseline_s']:.2f} s = {f['b_plugin_s'] / f['b_baseline_s']:.2f}x (floor {f['b_floor_s']:.2f} s = "
             f"{f['b_floor_s'] / f['b_baseline_s']:.2f}x)   (c) no-op {f['c_noop_s']:.2f} s"
             f" - empty model {f['c_empty_s']:.2f} s = {f['c_noop_s'] - f['c_empty_s']:+.2f} s (floor "
-            f"{f['c_floor_s'] - f['c_floor_empty_s']:+.2f} s)"
+            f"{f['c_floor_s'] - f['c_floor_empty_s']:+.2f} s)   (c') with llm_updated_at {f['c_skip_s']:.3f} s "
+            f"(floor {f['c_skip_floor_s']:.3f} s)"
         )
     median = lambda values: statistics.median(values)  # noqa: E731
     print(
@@ -422,6 +461,14 @@ def report(rounds: list[dict]) -> None:
         f"keys and prompt hashes + an anti join with the stored ones) "
         f"{median([f['c_floor_s'] - f['c_floor_empty_s'] for f in rounds]):+.2f} s"
     )
+    print(
+        f"(c') with llm_updated_at, a run with nothing new vs empty model run: median difference "
+        f"{median([f['c_skip_s'] - f['c_empty_s'] for f in rounds]):+.2f} s; its floor (one aggregate over the key and "
+        f"updated_at) {median([f['c_skip_floor_s'] for f in rounds]):.3f} s, the skipping run in all "
+        f"{median([f['c_skip_s'] for f in rounds]):.3f} s; the run recording the signature "
+        f"{median([f['c_record_s'] for f in rounds]):.2f} s (the no-op run without the key "
+        f"{median([f['c_noop_s'] for f in rounds]):.2f} s)"
+    )
 
 
 def growth_report(small: list[dict], large: list[dict]) -> None:
@@ -436,6 +483,8 @@ def growth_report(small: list[dict], large: list[dict]) -> None:
         "(a) plan + ledger + request files": ("a_plugin_s", "a_floor_s", "a_baseline_s", None),
         "(b) ingest + typed columns": ("b_plugin_s", "b_floor_s", "b_baseline_s", None),
         "(c) a run with nothing new": ("c_noop_s", "c_floor_s", None, ("c_empty_s", "c_floor_empty_s")),
+        # (c') alone, not a difference: the skipping run does less than a run of a model selecting no rows
+        "(c') the same with llm_updated_at": ("c_skip_s", "c_skip_floor_s", None, None),
     }
     for name, (plugin, floor, baseline, empty) in steps.items():
 
@@ -444,7 +493,10 @@ def growth_report(small: list[dict], large: list[dict]) -> None:
 
         p0, p1 = cost(small, plugin, empty and empty[0]), cost(large, plugin, empty and empty[0])
         f0, f1 = cost(small, floor, empty and empty[1]), cost(large, floor, empty and empty[1])
-        line = f"{name}: {p0:.2f} -> {p1:.2f} s ({p1 / p0:.1f}x); its floor {f0:.2f} -> {f1:.2f} s ({f1 / f0:.1f}x)"
+        line = (
+            f"{name}: {p0:.3f} -> {p1:.3f} s ({p1 / max(p0, 1e-9):.1f}x); its floor {f0:.3f} -> {f1:.3f} s "
+            f"({f1 / max(f0, 1e-9):.1f}x)"
+        )
         if baseline:
             line += (
                 f"; baseline {med(small, baseline):.2f} -> {med(large, baseline):.2f} s "

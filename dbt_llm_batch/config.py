@@ -108,6 +108,8 @@ class ModelConfig:
     output_format: str = "columns"  # llm_output_format: not in the fingerprint (it changes no answer)
     task: str = "answer"  # llm_task: 'answer' (chat) or 'embed' (embeddings.py: one FLOAT[n] column)
     dimensions: int | None = None  # llm_dimensions as written (the vectors' size is output_columns')
+    # llm_updated_at: the selected column whose unchanged values let a run with nothing new skip (settled.py)
+    updated_at: str | None = None
 
     @property
     def embeds(self) -> bool:

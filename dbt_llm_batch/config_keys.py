@@ -289,6 +289,18 @@ RUN: tuple[Key, ...] = (
         field="on_unselected",
     ),
     Key(
+        "llm_updated_at",
+        "column name",
+        None,
+        "a selected column that changes whenever anything the prompt reads changes (dbt snapshots' `timestamp` "
+        "strategy rests on the same promise): a run whose selection, config and SQL are unchanged since a run "
+        "that left every row answered reads only the key and this column and sends nothing. SQL models only. "
+        "A row changed without a new value here is not asked again until it gets one, or the run after a "
+        "`--full-refresh` ([large models](large-models.md))",
+        text("a column name", blank_ok=False),
+        field="updated_at",
+    ),
+    Key(
         "on_schema_change",
         "`'append_new_columns'`, `'sync_all_columns'` or `'fail'` (dbt's own key)",
         "append_new_columns",

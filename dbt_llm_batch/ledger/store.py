@@ -21,6 +21,7 @@ from dbt_llm_batch.ledger.focus import FOCUS_VIEW
 from dbt_llm_batch.ledger.jobs import JobWrites
 from dbt_llm_batch.ledger.requests import RequestWrites
 from dbt_llm_batch.ledger.results import ResultWrites
+from dbt_llm_batch.ledger.settled import SettledWrites
 from dbt_llm_batch.ledger.status import (
     IN_FLIGHT,
     IN_FLIGHT_SQL,
@@ -280,6 +281,20 @@ MIGRATIONS += [
         ],
     ),
 ]
+MIGRATIONS += [
+    # llm_batch_settled: per model, the selection a run left complete (pipeline/settled.py, llm_updated_at):
+    # the hash of its config, SQL, columns and plugin version, and its rows' count and order-independent
+    # hash of (key columns, updated_at). A run whose selection still has them skips; any other run
+    # deletes the model's row before it writes anything.
+    (
+        28,
+        [
+            """create table if not exists {s}.llm_batch_settled (
+               model varchar, config_signature varchar, row_count bigint, rows_hash hugeint,
+               updated_at_column varchar, recorded_at timestamptz)""",
+        ],
+    ),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users
@@ -407,7 +422,7 @@ _MIGRATION_LOCK = threading.Lock()
 VOIDED, DEFERRED, HELD = sql(RequestStatus.VOIDED), sql(RequestStatus.DEFERRED), sql(RequestStatus.HELD)
 
 
-class Ledger(RequestWrites, JobWrites, ResultWrites, ThenCommandWrites, ClaimWrites):
+class Ledger(RequestWrites, JobWrites, ResultWrites, ThenCommandWrites, ClaimWrites, SettledWrites):
     """The state tables of one schema, seen from one dbt model: the only code that writes them."""
 
     def migrate(self, up_to: int = SCHEMA_VERSION) -> None:

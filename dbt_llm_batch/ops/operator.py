@@ -93,6 +93,7 @@ def operator_name() -> str:
 def cancel_model(con, schema: str, model: str) -> list[str]:
     """Cancel every submitted, unharvested batch of the model; returns one report line per batch."""
     ledger = resolve_model(con, schema, model)
+    ledger.forget_settled()  # rows become due again: the next run must not skip (pipeline/settled.py)
     who = operator_name()
     jobs = con.execute(
         f"""select job_id, batch_id, provider, llm_model, status from {ledger.table("llm_batch_jobs")}
@@ -165,6 +166,7 @@ def release_model(con, schema: str, model: str) -> tuple[int, int, int, int]:
     (no batch id: the provider may or may not have their batch), and in-flight ones whose job row is
     missing. Returns (held, interrupted requests, interrupted submissions, job missing)."""
     ledger = resolve_model(con, schema, model)
+    ledger.forget_settled()  # rows become due again: the next run must not skip (pipeline/settled.py)
     jobs = ledger.table("llm_batch_jobs")
     who = operator_name()
     held = ledger.release_held(who)
@@ -191,6 +193,7 @@ def requeue_model(con, schema: str, model: str) -> tuple[int, int]:
     failed before sending). Rows that failed before sending (empty, too long, not UTF-8) need their
     input fixed instead: they stay failed."""
     ledger = resolve_model(con, schema, model)
+    ledger.forget_settled()  # rows become due again: the next run must not skip (pipeline/settled.py)
     requests = ledger.table("llm_batch_requests")
     n = ledger.requeue_failed()
     unsent = con.execute(

@@ -5,6 +5,8 @@ with the job's DuckDB connection. Returns a RunSummary; the run log gets one lin
 
 The story of a run (`_run`, then `ModelRun.execute`); a model without variants is a run with one
 pass (pipeline/passes.py), and every model takes the same steps:
+  (skip)     with llm_updated_at, a selection as a complete run left it: the run
+             ends before its rows are loaded                                (settled)
   validate   the config, the input's columns, the existing table           (config, plan, merge)
   lock       one writer per model                                           (ledger.locks)
   reconcile  what earlier runs and operators left: interrupted submissions,
@@ -44,6 +46,7 @@ from dbt_llm_batch.pipeline import (
     report,
     schema_change,
     send,
+    settled,
     shared,
     tempdirs,
     validate,
@@ -80,6 +83,13 @@ def run_model(
     project = dict(project or {})
     config = parse_config(raw_config)  # first: a bad config fails before anything is touched
     project["settle_snapshot"] = settle_snapshot(raw_config, name)
+    if config.updated_at is not None and sql is None:
+        raise settled.python_model_error()
+    if config.updated_at is not None and sql is not None:  # a run with nothing new reads no prompt (settled.py)
+        project["settled_config"] = settled.config_signature(con, sql, raw_config, target, contract)
+        dry_run = config.dry_run or bool(project.get("dry_run"))
+        if not full_refresh and not dry_run and _nothing_new(con, config, schema, identifier, sql, project):
+            return RunSummary(model=identity.ledger_identity(config, schema, identifier))
     # The input first: a Python model's relation cannot be read once other results are pending here.
     work_con, rows = model_input.input_connection(con, df)
     scratch = Scratch(work_con)
@@ -92,6 +102,14 @@ def run_model(
             work_con.close()
 
 
+def _nothing_new(con, config: ModelConfig, schema: str, identifier: str, sql: str, project: dict) -> bool:
+    """Whether the model's settled selection is the current one (settled.unchanged): the run then ends."""
+    ledger = Ledger(con, config.ledger_schema or schema, identity.ledger_identity(config, schema, identifier))
+    ledger.migrate()
+    exists = settled.table_exists(con, schema, identifier)
+    return settled.unchanged(con, ledger, config, sql, project["settled_config"], exists)
+
+
 def _run(
     con, schema, identifier, target, config, full_refresh, project, model_contract=None, precomputed=False, name=None
 ) -> RunSummary:
@@ -99,10 +117,13 @@ def _run(
     they carry plan.PRECOMPUTED for `config` (load_input); `name`: the model's dbt name, if known."""
     run = ModelRun(con, config, schema, identity.ledger_identity(config, schema, identifier), project)
     run.precomputed = precomputed
+    if not run.dry_run:  # this run may change the model: no later run skips on what the ledger says now
+        run.ledger.forget_settled()
     # Validate: the selected columns against the config, and against the table an earlier run made.
     input_columns = run.input_columns = plan.check_input(con, Scratch.input, config, precomputed)
     for other in config.variants:  # each variant's prompt column
         plan.check_input(con, Scratch.input, other, precomputed)
+    settled.check_column(config, input_columns)
     contract.enforce(con, model_contract, merge.table_columns(input_columns, config))
     exists, rebuild = schema_change.prepare_table(  # on_schema_change, before anything is sent
         con, schema, identifier, target, input_columns, config, full_refresh, name or identifier, run.dry_run
@@ -133,6 +154,8 @@ def _run(
         crashpoints.reach("before_merge")
         run.summary.merged, run.summary.failed, run.summary.rewritten = run.merge(target, rebuild=rebuild)
         docs.comment_columns(con, target, config)  # what `dbt docs` shows for the llm_* columns
+        if refused is None:  # left complete: the next run with nothing new may skip (llm_updated_at)
+            settled.record_if_complete(run, project.get("settled_config"))
     finally:
         lock.release()
 

@@ -7,7 +7,8 @@ Four llm_batch models over one seed of tickets, at test prices:
 - `mb_twin` (OpenAI) asking the same requests as mb_triage's default variant while their prompts,
   providers and model names agree (shared requests across models, `llm_dedup = 'ledger'` for both);
   an edit may move either to another model name, or mb_twin to Anthropic;
-- `mb_embed` (OpenAI, `llm_task = 'embed'`): each ticket's text as an 8-float vector, never edited;
+- `mb_embed` (OpenAI, `llm_task = 'embed'`): each ticket's text as an 8-float vector, never edited; it
+  sets `llm_updated_at` (a run with nothing new skips it);
 - `mb_extract` (Anthropic) with a nested output (a STRUCT holding a LIST, an integer, a date-time and a
   nullable string), its own
   requests (no `llm_dedup = 'ledger'`: a rename without `llm_ledger_identity` warns before paying again).
@@ -126,14 +127,23 @@ def body_of(i: int) -> str:
     return f"Ticket {i}: the export of report {i % 4} fails with error {i * 13 % 97}."
 
 
+def row_version(priority: str, body: str) -> int:
+    """A ticket's `row_version`: changes whenever its row does (mb_embed's llm_updated_at)."""
+    return int(hashlib.md5(f"{priority}|{body}".encode()).hexdigest()[:7], 16)  # fits an INTEGER, as the seed infers it
+
+
 def seed_csv(world: World) -> str:
-    return "id,priority,body\n" + "".join(f'{i},{p},"{body_of(i)}"\n' for i, p in sorted(world.rows.items()))
+    return "id,priority,body,row_version\n" + "".join(
+        f'{i},{p},"{body_of(i)}",{row_version(p, body_of(i))}\n' for i, p in sorted(world.rows.items())
+    )
 
 
 def model_sql(world: World, model: str) -> str:
     state = world.models[model]
     if model == "mb_embed":  # each ticket's text embedded (llm_task = 'embed'), in batches like the others
         config = {"llm_task": "embed", "llm_model": state.llm_model, "llm_dimensions": EMBED_SIZE}
+        # A run with nothing new reads only its key and row_version (#36: pipeline/settled.py).
+        config["llm_updated_at"] = "row_version"
         prompt = "body"
     elif model == "mb_extract":
         config = {
@@ -170,7 +180,8 @@ def model_sql(world: World, model: str) -> str:
     materialized = 'llm_batch', tags = ['mb'], unique_key = {state.key!r},
     {args}
 ) }}}}
-select id, id + 1000 as ticket_no, priority, {prompt} as prompt from {{{{ ref('mb_tickets') }}}}
+select id, id + 1000 as ticket_no, priority, {prompt} as prompt{", row_version" if model == "mb_embed" else ""}
+from {{{{ ref('mb_tickets') }}}}
 where id < {{{{ var('mb_below', 1000000) }}}}
 """
 

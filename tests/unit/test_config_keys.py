@@ -48,6 +48,7 @@ CHANGES: dict[str, dict] = {
     "llm_ledger_schema": {"llm_ledger_schema": "other"},
     "llm_ledger_identity": {"llm_ledger_identity": "main.old_name"},
     "llm_on_unselected": {"llm_on_unselected": "delete"},
+    "llm_updated_at": {"llm_updated_at": "updated_at"},
     "on_schema_change": {"on_schema_change": "sync_all_columns"},
     "llm_dedup": {"llm_dedup": "ledger"},
     "llm_delete_provider_files": {"llm_delete_provider_files": False},
