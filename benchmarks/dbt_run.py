@@ -9,7 +9,7 @@ rounds, so that two versions are compared on the same machine at the same time.
 
 A tree is `label=python:checkout`: the Python whose `dbt` and dbt-llm-batch run the model, and the
 checkout the project installs as its dbt package (`packages.yml` `local:`). The sandbox is this
-checkout's, started once, the same for every tree. The model is a plain one (no variants, shared
+checkout's, started once, the same for every tree, and reset before each tree's round. The model is a plain one (no variants, shared
 requests, urgent rows or nested outputs): one enum and one boolean output, its rows generated in SQL.
 
 For each `dbt run` it prints the model's own time (dbt's run_results.json `execution_time`: what dbt
@@ -108,6 +108,9 @@ def one_round(label: str, python: str, checkout: Path, rows: int, sandbox: str) 
             "OPENAI_API_KEY": API_KEY,
         }
         dbt(python, root, env, "deps")
+        # An empty sandbox for every tree's round: it keeps every file and batch in memory (20 GB after
+        # twenty 100k-row runs), and a later round's uploads would wait on its growing heap.
+        call(sandbox, "POST", "/_emulator/reset")
         times = {"submit": dbt(python, root, env, "run")}
         call(sandbox, "POST", "/_emulator/complete_all")
         times["harvest"] = dbt(python, root, env, "run")

@@ -83,13 +83,11 @@ def run_model(
     project = dict(project or {})
     config = parse_config(raw_config)  # first: a bad config fails before anything is touched
     project["settle_snapshot"] = settle_snapshot(raw_config, name)
-    if config.updated_at is not None and sql is None:
-        raise settled.python_model_error()
-    if config.updated_at is not None and sql is not None:  # a run with nothing new reads no prompt (settled.py)
-        project["settled_config"] = settled.config_signature(con, sql, raw_config, target, contract)
-        dry_run = config.dry_run or bool(project.get("dry_run"))
-        if not full_refresh and not dry_run and _nothing_new(con, config, schema, identifier, sql, project):
-            return RunSummary(model=identity.ledger_identity(config, schema, identifier))
+    model = identity.ledger_identity(config, schema, identifier)
+    # With llm_updated_at, a run with nothing new ends here, before any prompt is read (settled.py).
+    project["settled_config"] = settled.config_signature(con, config, sql, raw_config, target, contract)
+    if settled.nothing_new(con, config, schema, identifier, model, sql, full_refresh, project):
+        return RunSummary(model=model)
     # The input first: a Python model's relation cannot be read once other results are pending here.
     work_con, rows = model_input.input_connection(con, df)
     scratch = Scratch(work_con)
@@ -100,14 +98,6 @@ def run_model(
         scratch.drop_all()  # success, error or interrupt: no scratch table is left on dbt's connection
         if work_con is not con:  # a connection input_connection opened for a Python model's rows
             work_con.close()
-
-
-def _nothing_new(con, config: ModelConfig, schema: str, identifier: str, sql: str, project: dict) -> bool:
-    """Whether the model's settled selection is the current one (settled.unchanged): the run then ends."""
-    ledger = Ledger(con, config.ledger_schema or schema, identity.ledger_identity(config, schema, identifier))
-    ledger.migrate()
-    exists = settled.table_exists(con, schema, identifier)
-    return settled.unchanged(con, ledger, config, sql, project["settled_config"], exists)
 
 
 def _run(

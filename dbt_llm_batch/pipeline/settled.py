@@ -41,11 +41,17 @@ from dbt_llm_batch.sql import ident
 KEY = "llm_updated_at"
 
 
-def config_signature(con, sql: str, raw_config: dict, target: str, contract: dict | None) -> str | None:
-    """The hash of what decides the table besides the selected rows; None when the SQL does not bind
-    (the normal path then says why)."""
+def config_signature(
+    con, config: ModelConfig, sql: str | None, raw_config: dict, target: str, contract: dict | None
+) -> str | None:
+    """The hash of what decides the table besides the selected rows; None without llm_updated_at, or
+    when the SQL does not bind (the normal path then says why). A Python model cannot set the key."""
     import duckdb
 
+    if config.updated_at is None:
+        return None
+    if sql is None:
+        raise python_model_error()
     try:
         columns = con.execute(f"describe (\n{sql}\n)").fetchall()
     except duckdb.Error:
@@ -88,6 +94,26 @@ def python_model_error() -> ConfigError:
         f"{KEY} is for SQL models only: a Python model's rows are computed by running it, so a run "
         f"cannot tell that nothing changed without reading them. Unset {KEY} on this model; nothing was sent"
     )
+
+
+def nothing_new(
+    con,
+    config: ModelConfig,
+    schema: str,
+    identifier: str,
+    model: str,
+    sql: str | None,
+    full_refresh: bool,
+    project: dict,
+) -> bool:
+    """Whether this run ends before loading the rows: llm_updated_at is set, it is no full refresh or
+    dry run, and the model's settled selection is the current one (unchanged)."""
+    signature = project.get("settled_config")
+    if signature is None or sql is None or full_refresh or config.dry_run or project.get("dry_run"):
+        return False
+    ledger = Ledger(con, config.ledger_schema or schema, model)
+    ledger.migrate()
+    return unchanged(con, ledger, config, sql, signature, merge.relation_exists(con, schema, identifier))
 
 
 def unchanged(con, ledger: Ledger, config: ModelConfig, sql: str, signature: str | None, table_exists: bool) -> bool:
@@ -150,7 +176,3 @@ def _unanswered(ledger: Ledger) -> bool:
                 on a.key = d.key and a.fingerprint = d.fingerprint)""",
         {"model": ledger.model, "variant": ledger.variant},
     ).fetchall()[0][0]
-
-
-def table_exists(con, schema: str, identifier: str) -> bool:
-    return merge.relation_exists(con, schema, identifier)
