@@ -251,16 +251,18 @@ def floor_skip(con) -> int:
     return con.execute("select count(*), sum(hash(id, updated_at)) from (select * from src)").fetchall()[0][0]
 
 
+def run_bench_model(con, sql: str, raw_config: dict | None = None):
+    """One run of the benchmark's model (main.bench) selecting `sql`, through the real runner."""
+    return runner.run_model(
+        con, schema="main", identifier="bench", target="main.bench", raw_config=raw_config or RAW_CONFIG, sql=sql
+    )
+
+
 def settled_runs(con, figures: dict) -> None:
     """(c'): with llm_updated_at, the run that records the signature, then the one that skips."""
 
-    def run(sql):
-        return runner.run_model(
-            con, schema="main", identifier="bench", target="main.bench", raw_config=UPDATED_CONFIG, sql=sql
-        )
-
-    figures["c_record_s"], _ = timed(lambda: run("select * from src"))
-    figures["c_skip_s"], summary = timed(lambda: run("select * from src"))
+    figures["c_record_s"], _ = timed(lambda: run_bench_model(con, "select * from src", UPDATED_CONFIG))
+    figures["c_skip_s"], summary = timed(lambda: run_bench_model(con, "select * from src", UPDATED_CONFIG))
     assert summary.submitted == 0 and summary.merged == 0
     assert con.execute("select count(*) from main.llm_batch_settled").fetchall()[0][0] == 1
     figures["c_skip_floor_s"], rows = timed(lambda: floor_skip(con))
@@ -296,13 +298,8 @@ def run_once(n: int, memory_limit: str | None = None, temp_directory: str | None
         figures["b_plugin_s"], _ = timed(lambda: ingest(con, config, directory))
         assert con.execute("select count(*) from main.bench where llm_status = 'succeeded'").fetchall()[0][0] == n
 
-        def run(sql):
-            return runner.run_model(
-                con, schema="main", identifier="bench", target="main.bench", raw_config=RAW_CONFIG, sql=sql
-            )
-
-        figures["c_empty_s"], _ = timed(lambda: run("select * from src where false"))
-        figures["c_noop_s"], summary = timed(lambda: run("select * from src"))
+        figures["c_empty_s"], _ = timed(lambda: run_bench_model(con, "select * from src where false"))
+        figures["c_noop_s"], summary = timed(lambda: run_bench_model(con, "select * from src"))
         assert summary.submitted == 0 and summary.merged == 0
         figures["c_floor_empty_s"], _ = timed(lambda: floor_noop(con, config, "select * from src where false"))
         figures["c_floor_s"], new = timed(lambda: floor_noop(con, config, "select * from src"))
@@ -331,11 +328,7 @@ def noop_report(n: int, repeat: int) -> None:
 
         def run(sql):
             cpu = time.process_time()
-            wall, summary = timed(
-                lambda: runner.run_model(
-                    con, schema="main", identifier="bench", target="main.bench", raw_config=RAW_CONFIG, sql=sql
-                )
-            )
+            wall, summary = timed(lambda: run_bench_model(con, sql))
             assert summary.submitted == 0 and summary.merged == 0
             return wall, time.process_time() - cpu
 
