@@ -6,6 +6,8 @@ Real dbt in-process against the sandbox."""
 
 from __future__ import annotations
 
+import shutil
+
 import duckdb
 import pytest
 from conftest import failure_messages
@@ -100,6 +102,10 @@ def test_a_second_run_with_nothing_new_skips_and_a_batch_in_flight_records_nothi
     project.dbt("run", "-s", "m")  # harvests and merges: complete
     assert settled_rows(project) == [(6,)]
     assert project.query("select count(*) from main.m where llm_status = 'succeeded'") == [(6,)]
+    assert_skips(project, emulator, loads)
+    # dbt parses from scratch (every CI checkout does): the same model still skips.
+    shutil.rmtree(project.root / "target", ignore_errors=True)
+    project.dbt("parse", "--no-partial-parse")
     assert_skips(project, emulator, loads)
     assert asked(emulator) == 6
 
