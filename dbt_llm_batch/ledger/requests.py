@@ -55,6 +55,7 @@ class RequestWrites(LedgerBase):
         members: str | None = None,
         output_schema: str | None = None,
         per_row_variant: bool = False,
+        answer_rows: str | None = None,
     ) -> dict[int, str]:
         """Record one job intent per chunk and every request ('queued') in one transaction, before the
         provider is contacted; returns {chunk: job id}. `plan_rows` has each request's `chunk` and
@@ -67,7 +68,8 @@ class RequestWrites(LedgerBase):
         (output_schema.recorded), recorded on each job. `per_row_variant`: the requests (and `members`)
         carry their evaluation variant in a `variant` column (a batch holding several variants'
         requests, pipeline/variants.py), instead of all being this ledger's `variant`; the job records
-        its variants, comma-separated.
+        its variants, comma-separated. `answer_rows`: the same requests without prompt and row (no
+        join with the input), which is all the row answers read; `plan_rows` when not given.
 
         A crash after this point leaves a trace reconciliation can follow, and nothing is ever sent
         that the ledger does not know about. One transaction for the whole plan also lets DuckDB
@@ -124,7 +126,7 @@ class RequestWrites(LedgerBase):
                 self.con.execute(
                     f"""insert into {answers} (model, key, variant, fingerprint, custom_id, reused, created_at, prompt_hash)
                         select ?, p.key, {variant}, p.fingerprint, p.custom_id, false, now(), p.prompt_hash
-                        from {plan_rows} p join {mapping} m using (chunk)""",
+                        from {answer_rows or plan_rows} p join {mapping} m using (chunk)""",
                     [self.model, *own],
                 )
                 if members is not None:

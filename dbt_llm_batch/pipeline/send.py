@@ -296,12 +296,13 @@ def _without_undersized(state: RunState, sender: int, provider_cls, files: list)
     return files[:small]
 
 
-def sender_rows(state: RunState, passes: list[Pass], lines: bool = False) -> str:
+def sender_rows(state: RunState, passes: list[Pass], lines: bool = False, written_by: int | None = None) -> str:
     """The run's plan rows of `passes` (variants.pass_rows); with `lines`, each with its request line
-    (`line_text`), rendered by its own pass's provider config."""
+    (`line_text`), rendered by its own pass's provider config; `written_by`: only those in that
+    sender's files, with their `chunk` and `line`."""
     parts = []
     for p in passes:
-        rows = variants.pass_rows(p.config, state.input_columns, p.index)
+        rows = variants.pass_rows(p.config, state.input_columns, p.index, sender=written_by)
         if lines and packed(get_provider(p.config.provider), [p]):
             # Packed lines are rendered per line from these parts (packing.py), the prompt as an input.
             pieces = get_provider(p.config.provider)(p.config).request_line_parts()  # type: ignore[attr-defined]
@@ -377,7 +378,8 @@ def submit_sender(state: RunState, sender: int, passes: list[Pass], files) -> li
         state.ledger,
         client,
         files,
-        variants.sent_rows(sender_rows(state, passes), sender),
+        sender_rows(state, passes, written_by=sender),
+        answer_rows=variants.written_plan([p.index for p in passes], sender),
         members=variants.member_rows(state.input_columns),
         per_row_variant=True,
     )

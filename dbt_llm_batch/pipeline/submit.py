@@ -51,11 +51,13 @@ def submit_chunks(
     files: list[RequestFile],
     sent_rows: str,
     members: str | None = None,
+    answer_rows: str | None = None,
     per_row_variant: bool = False,
 ) -> Submitted:
     """Submit each written request file as one batch (Submitted says which files a job holds). `sent_rows` is
     the plan's rows with the file (`chunk`) and `line` each was written to (plan.plan_rows with `sent`);
     `members` the other rows each request answers (plan.build_plan), recorded with the intents;
+    `answer_rows`: `sent_rows` without prompt and row, for the row answers (Ledger.write_intents);
     `per_row_variant`: the rows carry their evaluation variant (Ledger.write_intents)."""
     batch_ids = []
     job_ids = ledger.write_intents(
@@ -64,6 +66,7 @@ def submit_chunks(
         sent_rows,
         [f.chunk for f in files],
         members=members,
+        answer_rows=answer_rows,
         output_schema=output_schema.recorded(provider.config.output_json_schema()),
         per_row_variant=per_row_variant,
     )

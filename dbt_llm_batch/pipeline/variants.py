@@ -141,10 +141,21 @@ def share_planned(con) -> int:
     ).fetchall()[0][0]
 
 
-def pass_rows(config: ModelConfig, columns, index: int, table: str = RUN_PLAN) -> str:
+def pass_rows(config: ModelConfig, columns, index: int, table: str = RUN_PLAN, sender: int | None = None) -> str:
     """Pass `index`'s requests of the run's plan (or its realtime ones) with their prompt and row
-    (plan.plan_rows): `plan_row` is unique across the passes."""
-    return plan.plan_rows(config, columns, plan=table, where=f"p.pass_index = {int(index)}")
+    (plan.plan_rows): `plan_row` is unique across the passes. `sender`: only those written to that
+    sender's files, with their file (`chunk`) and `line`, joined before the input (plan.plan_rows' `sent`)."""
+    sent = None
+    if sender is not None:
+        sent = f"(select plan_row, chunk, line from {RUN_SENT} where sender = {int(sender)})"
+    return plan.plan_rows(config, columns, plan=table, where=f"p.pass_index = {int(index)}", sent=sent)
+
+
+def written_plan(passes, sender: int) -> str:
+    """The requests of `passes` (indexes) written to `sender`'s files: their plan rows with `plan_row`,
+    `chunk` and `line`, without prompt or row (no join with the input): what a row answer records."""
+    return f"""(select p.*, p.rowid as plan_row, s.chunk, s.line from {RUN_PLAN} p join {RUN_SENT} s on s.plan_row = p.rowid
+                where s.sender = {int(sender)} and p.pass_index in ({", ".join(str(int(i)) for i in passes)}))"""
 
 
 def member_rows(columns) -> str:
@@ -164,13 +175,6 @@ def start_sent(con) -> None:
 def record_sent(con, sender: int) -> None:
     """The rows request_files wrote for `sender` (Scratch.sent), kept for the run."""
     con.execute(f"insert into {RUN_SENT} select plan_row, chunk, line, {int(sender)} from {Scratch.sent}")
-
-
-def sent_rows(rows: str, sender: int) -> str:
-    """`rows` written to `sender`'s files, with their file (`chunk`) and `line` (plan.plan_rows with `sent`)."""
-    return (
-        f"(select p.*, s.chunk, s.line from {rows} p join {RUN_SENT} s using (plan_row) where s.sender = {int(sender)})"
-    )
 
 
 def keep_submitted(con, sender: int, first_unsent: int) -> None:
