@@ -6,7 +6,7 @@ Ledger order is the batch path's: one job and its 'queued' requests are committe
 request goes out. Answers are then kept as they arrive: every FLUSH_SECONDS the replies so far are
 stored as result lines (in the provider's batch-result format) and settled, on a connection of their
 own in a background thread, so the event loop keeps sending meanwhile. A crash loses only what
-was in flight; the next run settles what was stored and sends the rest again (runner.harvest_open).
+was in flight; the next run settles what was stored and sends the rest again (open_batches.harvest_open).
 
 Back-off: 429, 5xx and timeouts are retried after `retry-after` (or an exponential delay) while the
 run's llm_realtime_budget_seconds lasts; after that no new request starts, and what is left is

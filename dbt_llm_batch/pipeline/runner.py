@@ -10,8 +10,8 @@ pass (pipeline/passes.py), and every model takes the same steps:
   validate   the config, the input's columns, the existing table           (config, plan, merge)
   lock       one writer per model                                           (ledger.locks)
   reconcile  what earlier runs and operators left: interrupted submissions,
-             cancelled batches, files to delete at the provider             (reconcile, pool)
-  harvest    finished batches: results stored, requests settled             (harvest)
+             cancelled batches, files to delete at the provider            (open_batches, reconcile)
+  harvest    finished batches: results stored, requests settled            (open_batches, harvest)
   send       every pass planned; request files per sender; every sending
              pass's key, then the budget; submit; what waits; realtime      (send)
   (wait)     with llm_wait_seconds: poll, harvest and send again
@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 
 from dbt_llm_batch.config import ModelConfig, parse_config, settle_snapshot
-from dbt_llm_batch.errors import BudgetError, ConfigError, ProviderError
+from dbt_llm_batch.errors import BudgetError, ProviderError
 from dbt_llm_batch.ledger import Ledger, locks
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import (
@@ -34,11 +34,11 @@ from dbt_llm_batch.pipeline import (
     costs,
     crashpoints,
     docs,
-    harvest,
     identity,
     interrupt,
     merge,
     model_input,
+    open_batches,
     passes,
     plan,
     progress,
@@ -225,7 +225,7 @@ class ModelRun:
             if self.provider_unavailable():
                 return
             send.send(self.state, self.passes)
-            if self.config.wait_seconds <= 0 or not self.open_work():
+            if self.config.wait_seconds <= 0 or not open_batches.open_work(self.ledger, self.config):
                 self.provider_unavailable()  # notes whether a call of this run gave up
                 return
             self.wait(deadline)
@@ -255,31 +255,8 @@ class ModelRun:
             self.summary.rejected_prompts += validate.reject_deferred_without_prompt(self.ledger, p.config)
 
     def harvest_open(self) -> None:
-        """Reconcile what earlier runs left open, then poll and harvest every submitted batch, each
-        through the provider and model it was submitted with; then, with llm_dedup = 'ledger', the
-        other models' batches this model's rows wait on (shared.py)."""
-        if self.config.dedup == "ledger" and not self.provider_unavailable():
-            self.summary.harvested_batches += shared.harvest_shared(self.ledger, self.config)
-        jobs = self.ledger.open_jobs()
-        if not jobs:
-            return
-        reconcile.reconcile_open(self.ledger, self.pool, jobs, self.started)
-        by_sender: dict[tuple[str, str], list[dict]] = {}
-        for job in [j for j in self.ledger.open_jobs() if j["batch_id"]]:
-            by_sender.setdefault((job["provider"], job["llm_model"] or self.config.model), []).append(job)
-        for (provider_name, llm_model), jobs in by_sender.items():
-            if self.provider_unavailable():
-                break
-            try:
-                provider = self.pool.client_for_job(jobs[0])
-            except ConfigError as exc:  # its provider's key is not set: pending, the run goes on to merge
-                report.unreachable(self.ledger.model, jobs[0]["provider"], exc, len(jobs))
-                continue
-            price = self.pool.price_for_job(jobs[0])
-            stats = harvest.poll_and_harvest(self.ledger, provider, provider.config, jobs, price)
-            self.summary.harvested_batches += stats["harvested_jobs"]
-            if stats["harvested_jobs"] and price is None:
-                report.no_price(self.ledger.model, provider_name, llm_model)
+        """Reconcile and harvest what this model's rows wait on (open_batches.harvest_open)."""
+        open_batches.harvest_open(self.ledger, self.pool, self.config, self.summary, self.started)
 
     def after_harvest(self) -> None:
         """Hold what an operator's cancel left unanswered; delete stored batches' files at the provider."""
@@ -307,20 +284,13 @@ class ModelRun:
             self.after_harvest()
             open_jobs = self.ledger.open_jobs()
             waiting.update(max(0, total - self.ledger.pending_count()))
-            if not self.open_work():
+            if not open_batches.open_work(self.ledger, self.config):
                 waiting.finish()
                 return
             seconds_left = max(0, int(deadline - time.monotonic()))
             report.waiting(self.ledger.model, len(open_jobs), self.ledger.pending_count(), seconds_left)
             interrupt.sleep(min(delay, max(0.0, deadline - time.monotonic())))  # Ctrl-C ends it at once
             delay = min(delay * 2, 30.0)
-
-    def open_work(self) -> bool:
-        """Whether batches this run's rows wait on are open: its own, or (llm_dedup = 'ledger') another
-        model's holding requests that answer its rows (shared.py)."""
-        if self.ledger.open_jobs():
-            return True
-        return self.config.dedup == "ledger" and bool(shared.waiting_elsewhere(self.ledger))
 
     def merge(self, target: str, rebuild: bool) -> merge.Merged:
         """Each pass's final outcomes into the table (one row per key and variant); returns what was
