@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 from dbt_llm_batch.errors import InputError
 from dbt_llm_batch.pipeline import packing
 from dbt_llm_batch.pipeline.scratch import Scratch
+from dbt_llm_batch.sql import joins_as_written
 
 SENT = Scratch.sent
 STREAM_BATCH_ROWS = 10_000
@@ -284,13 +285,18 @@ def write_request_files(
         query = f"""select plan_row, estimated_input_tokens as tokens, estimated_cost_usd as cost,
                            {line_sql} || chr(10) as line
                     from {rows}"""
-    reader = con.sql(query).to_arrow_reader(STREAM_BATCH_ROWS)
-    try:
-        for batch in reader:
-            if not writer.take(batch):
-                break
-    finally:
-        reader.close()
-        writer.finish()
+    # The lines read each row's prompt from the input by its rowid (plan.plan_rows): with the join's
+    # sides as written, the prompts stream through it instead of filling its hash table (5 GB at ten
+    # million 512-character prompts, spilled under a memory limit). Held while the lines stream: the
+    # setting is read when the stream starts, and no other statement may run on `con` meanwhile.
+    with joins_as_written(con):
+        reader = con.sql(query).to_arrow_reader(STREAM_BATCH_ROWS)
+        try:
+            for batch in reader:
+                if not writer.take(batch):
+                    break
+        finally:
+            reader.close()
+            writer.finish()
     writer.record_sent()
     return writer.files

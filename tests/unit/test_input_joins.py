@@ -89,6 +89,11 @@ class Explaining:
         result = self._con.execute(sql, *args, **kwargs)
         return self if result is self._con else result
 
+    def sql(self, query, *args, **kwargs):
+        if f"{plan.INPUT} i" in query and "i.rowid" in query:  # the request lines, streamed (request_files)
+            self.sides["request lines"] = built_on(self._con, query)
+        return self._con.sql(query, *args, **kwargs)
+
     def cursor(self):
         return Explaining(self._con.cursor(), self.sides)
 
@@ -97,7 +102,7 @@ class Explaining:
 
 
 def test_the_intents_and_the_merge_stream_the_model_rows(tmp_path):
-    """The requests' insert and the merge's insert of 1000 rows, every row new and answered (the scale
+    """The request lines streamed to the files, the requests' insert and the merge's insert of 1000 rows, every row new and answered (the scale
     the model's rows are the probe side of their join, so no hash table holds the prompts."""
     config = parse_config(scale.RAW_CONFIG)
     raw = duckdb.connect(str(tmp_path / "bench.duckdb"))
@@ -110,9 +115,10 @@ def test_the_intents_and_the_merge_stream_the_model_rows(tmp_path):
     scale.write_results(raw, str(tmp_path))
     merge.merge(Ledger(raw, "main", "main.bench"), config, "main.bench", plan.describe(raw, plan.INPUT), True)
     scale.ingest(con, config, str(tmp_path))
-    requests, merged = "requests", "merge"
-    assert set(sides) == {requests, merged}, sides
+    requests, merged, lines = "requests", "merge", "request lines"
+    assert set(sides) == {requests, merged, lines}, sides
     # Each has its hash joins (it reads the model's rows by row id), none built over the model's rows.
+    assert sides[lines] and plan.INPUT not in sides[lines], sides
     assert sides[requests] and plan.INPUT not in sides[requests], sides
     assert sides[merged] and plan.INPUT not in sides[merged], sides
     # The rows are right: each answered key once, with its prompt and its answer.
