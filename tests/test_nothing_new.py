@@ -14,6 +14,7 @@ from conftest import failure_messages
 from helpers import log_text
 
 from dbt_llm_batch.config import parse_config
+from dbt_llm_batch.ops.cli import main as cli
 from dbt_llm_batch.pipeline import model_input, settled
 
 ROWS = {1: "row 1", 2: "row 2", 3: "row 3", 4: "row 4", 5: "row 5", 6: "row 6"}
@@ -387,3 +388,23 @@ def test_a_broken_promise_is_skipped_until_a_full_refresh_and_the_run_after_it(p
     project.dbt("run", "-s", "m")
     assert project.query("select prompt from main.m where a = 3") == [("Summarise: row 3 edited",)]
     assert settled_rows(project) == [(6,)]
+
+
+def test_a_poll_harvests_and_the_run_its_then_names_records_then_the_next_skips(project, emulator, loads, tmp_path):
+    """`poll --then` (cron's way with a batch in flight): the poll harvests it, `{models}` names this model;
+    the run the then-command starts (here in-process) merges without a provider call and records the
+    signature; the run after it skips."""
+    write_src(project, ROWS)
+    project.write("models/m.sql", llm_model())
+    project.dbt("run", "-s", "m")
+    emulator.complete_all()
+    named = tmp_path / "then.txt"
+    assert cli(["poll", "--database", str(project.db_path), "--then", f"printf '%s\\n' {{models}} > {named}"]) == 0
+    assert named.read_text() == "m\n"
+    assert settled_rows(project) == [], "harvested into the ledger, not yet merged: not complete"
+    n_calls = calls(emulator)
+    runs_normally(project, loads)  # `dbt run -s m`, as the then-command would
+    assert calls(emulator) == n_calls, "the poll harvested it: the run merges from the ledger"
+    assert project.query("select count(*) from main.m where llm_status = 'succeeded'") == [(6,)]
+    assert settled_rows(project) == [(6,)]
+    assert_skips(project, emulator, loads)
