@@ -348,3 +348,38 @@ def test_a_field_added_while_the_other_models_rows_wait_for_the_shared_answer_as
     held = {k: v for k, v in table(project, "category", "summary", "language").items()}
     copy = {r[0]: r[1:] for r in project.query("select ticket_id, category, summary, language from main.triage_copy")}
     assert copy == held
+
+
+def test_a_provider_switch_while_the_delta_is_in_flight_asks_everything_there_and_pays_the_delta_once(
+    project, emulator
+):
+    """A field added (its delta batch in flight at OpenAI), then the model moved to Anthropic before it
+    ended: the new provider is asked every field of every row (another provider's answer is not this
+    config's), the OpenAI delta is still harvested through OpenAI and costed once, and the table shows
+    one row per key with the Anthropic answers."""
+    answered_no_wait(project, emulator)
+    project.write(MODEL, model(WIDER, wait=False))
+    project.dbt("run", "-s", "triage")
+    assert asked(emulator)[-1] == [schema_of("language")] * 6
+    moved = model(WIDER, wait=False).replace("llm_provider = 'openai'", "llm_provider = 'anthropic'")
+    project.write(MODEL, moved.replace("llm_model = 'gpt-4o-mini'", "llm_model = 'claude-sonnet-4-5'"))
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    billed = emulator.billed()
+    assert len(billed) == 6 + 6 + 6, "the first answers, the delta, the new provider's: each request once"
+    assert len({(b["face"], b["custom_id"]) for b in billed}) == len(billed)
+    assert [b["face"] for b in billed[12:]] == ["anthropic"] * 6
+    every = schema_of("category", "language", "summary", "urgent")
+    rows = project.query("select prompt, category, language, llm_status from main.triage order by ticket_id")
+    assert len(rows) == 6
+    for prompt, category, language, status in rows:
+        answer = expected(prompt, every)
+        assert (status, category, language) == ("succeeded", answer["category"], answer["language"])
+    # Nothing is left open, and the ledger's cost counts each billed request once (the delta's included).
+    assert project.query("select count(*) from main.llm_batch_jobs where status not in ('completed', 'ended')") == [
+        (0,)
+    ]
+    assert project.query(
+        "select count(*), count(distinct custom_id) from main.llm_batch_requests where cost_usd > 0"
+    ) == [(18, 18)]
