@@ -287,16 +287,21 @@ def write_request_files(
                     from {rows}"""
     # The lines read each row's prompt from the input by its rowid (plan.plan_rows): with the join's
     # sides as written, the prompts stream through it instead of filling its hash table (5 GB at ten
-    # million 512-character prompts, spilled under a memory limit). Held while the lines stream: the
-    # setting is read when the stream starts, and no other statement may run on `con` meanwhile.
-    with joins_as_written(con):
-        reader = con.sql(query).to_arrow_reader(STREAM_BATCH_ROWS)
-        try:
-            for batch in reader:
-                if not writer.take(batch):
-                    break
-        finally:
-            reader.close()
-            writer.finish()
+    # million 512-character prompts, spilled under a memory limit). The statement is planned when the
+    # reader is made; the setting (the database's, not the connection's) is set and restored through a
+    # cursor, as `con` cannot run a statement while the reader holds its result open.
+    setter = con.cursor()
+    try:
+        with joins_as_written(setter):
+            reader = con.sql(query).to_arrow_reader(STREAM_BATCH_ROWS)
+    finally:
+        setter.close()
+    try:
+        for batch in reader:
+            if not writer.take(batch):
+                break
+    finally:
+        reader.close()
+        writer.finish()
     writer.record_sent()
     return writer.files
