@@ -27,9 +27,19 @@ from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.sql import ident, in_list, joins_as_written, literal
 
 DESIRED, INPUT, EMIT, EMIT_ROWS = Scratch.desired, Scratch.input, Scratch.emit, Scratch.emit_rows
-# EMIT_ROWS' columns: the input row; per selected column, whether the stored row's value is taken and
-# that value; the other columns' values (the outputs', the status columns').
-ROW, TAKE, STORED, VALUE = "_llm_row", "_llm_take_", "_llm_stored_", "_llm_value_"
+# EMIT_ROWS' columns: the input row, the key, whether the stored row is read; per selected column,
+# whether the stored row's value is taken and that value; the other columns' values (the outputs', the
+# status columns').
+ROW, KEY, NEEDS_STORED = "_llm_row", "_llm_key", "_llm_needs_stored"
+TAKE, STORED, VALUE = "_llm_take_", "_llm_stored_", "_llm_value_"
+
+
+class RowSelects(NamedTuple):
+    """The statements writing a merge's rows (_row_selects), run in this order."""
+
+    narrow: str  # SELECT: EMIT_ROWS, without the stored rows' values
+    stored: str  # UPDATE of EMIT_ROWS: the stored rows' values, for its rows that need them
+    widen: str  # SELECT: the rows to insert
 
 
 def table_columns(input_columns, config: ModelConfig) -> list[tuple[str, str]]:
@@ -59,10 +69,11 @@ def relation_exists(con, schema: str, name: str) -> bool:
 TEXT_ROUND_TRIP = ("BIT",)
 
 
-def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> tuple[str, str]:
-    """The table's rows for the winners in EMIT, with named columns (inserted by name), in two
-    statements: `narrow`, every column but the selected ones, for EMIT_ROWS; `widen`, EMIT_ROWS with
-    the selected columns (the input's, or the stored row's), the rows to insert. Selected
+def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> RowSelects:
+    """The table's rows for the winners in EMIT, with named columns (inserted by name), in three
+    statements: `narrow`, every column but the selected ones, for EMIT_ROWS; `stored`, the stored
+    rows' values of the winners that need them (an UPDATE of EMIT_ROWS, run only if some do); `widen`,
+    EMIT_ROWS with the selected columns (the input's, or the stored row's), the rows to insert. Selected
     columns come from the request's stored row, read back with json_transform, which keeps every
     value exact (a DECIMAL(38,9) included); a column the stored row lacks (the SELECT gained it
     since) comes from the key's current row. Incremental runs and full refreshes use the same rule.
@@ -76,7 +87,7 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> tuple[st
     same_row = "false"
     if dict(input_columns).get(config.prompt_column, "").upper() == "VARCHAR":
         same_row = "d.has_prompt and d.fingerprint = r.fingerprint"
-    selected, from_stored, stored_columns = [], [], []
+    selected, from_stored, stored_columns, unread = [], [], [], []
     for n, (name, typ) in enumerate(input_columns):
         stored = f"x.stored.{ident(name)}"
         if typ in TEXT_ROUND_TRIP:
@@ -89,6 +100,7 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> tuple[st
         take = f"{current}({stored} is not null or json_exists(x.stored_json, {path}))"
         from_stored += [f"{take} as {TAKE}{n}", f"{stored} as {STORED}{n}"]
         stored_columns += [f"{TAKE}{n}", f"{STORED}{n}"]
+        unread += [f"null::boolean as {TAKE}{n}", f"null::{typ} as {STORED}{n}"]  # typed as `stored`
         selected.append(f"case when n.{TAKE}{n} then n.{STORED}{n} else i.{ident(name)} end as {ident(name)}")
     outputs = []
     for name, value in _output_values(config):
@@ -118,11 +130,15 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> tuple[st
     widen_values = [f"n.{VALUE}{n} as {ident(name)}" for n, (_, name) in enumerate(outputs + status)]
     requests = ledger.table("llm_batch_requests")
     # The stored rows (wide JSON) are read, parsed and joined only for the winners that need them: a
-    # wide column carried through the joins of every winner was most of a large merge.
+    # wide column carried through the joins of every winner was most of a large merge. They are read
+    # by a second statement, only when some winner needs them: read inside this one, from the same
+    # joins, the joins' result was used twice, which DuckDB materializes (every winner's columns: at
+    # ten million rows 5.7 GB spilled, and the statement grew 47x from a million), even when no winner
+    # needs its stored row (a run merging new answers).
     narrow = f"""
         with {_parts_sql(requests)},
         w as (
-            select r.* exclude (key, row_json, answer), e.key, e.reused, e.sharing, e.share_rank, e.row_json as own_row_json,
+            select r.* exclude (key, row_json, answer), e.key, e.reused, e.sharing, e.share_rank,
                    d.row_id as desired_row, coalesce({same_row}, false) as same_row,
                    -- a combined answer (added_fields.py): each field from the newest of its parts holding it
                    case when b.key is null then r.answer else f.answer end as answer,
@@ -130,23 +146,26 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> tuple[st
             from {EMIT} e join {requests} r on r.custom_id = e.custom_id and r.is_final
                  left join based b on b.key = e.key
                  left join fields f on f.key = e.key
-                 left join {DESIRED} d on d.key = e.key),
-        s as (
-            select x.key, {", ".join(from_stored)}
-            from (select w.key, w.desired_row, coalesce(w.own_row_json, r.row_json) as stored_json,
-                         json_transform(coalesce(w.own_row_json, r.row_json), {literal(structure)}) as stored
-                  from w join {requests} r on r.custom_id = w.custom_id and r.is_final
-                  where not w.same_row) x)
-        select w.desired_row as {ROW}, {", ".join([f"s.{c}" for c in stored_columns] + narrow_values)}
-        from w left join s on s.key = w.key
-             left join {ledger.table("llm_batch_jobs")} j on j.job_id = w.job_id"""
+                 left join {DESIRED} d on d.key = e.key)
+        select w.desired_row as {ROW}, w.key as {KEY}, not w.same_row as {NEEDS_STORED},
+               {", ".join(unread + narrow_values)}
+        from w left join {ledger.table("llm_batch_jobs")} j on j.job_id = w.job_id"""
+    stored = f"""
+        update {EMIT_ROWS} n set {", ".join(f"{c} = s.{c}" for c in stored_columns)}
+        from (select x.key, {", ".join(from_stored)}
+              from (select e.key, m.{ROW} as desired_row, coalesce(e.row_json, r.row_json) as stored_json,
+                           json_transform(coalesce(e.row_json, r.row_json), {literal(structure)}) as stored
+                    from {EMIT_ROWS} m join {EMIT} e on e.key = m.{KEY}
+                         join {requests} r on r.custom_id = e.custom_id and r.is_final
+                    where m.{NEEDS_STORED}) x) s
+        where n.{KEY} = s.key"""
     # The selected columns are joined last, to the finished narrow rows (EMIT_ROWS), which are the
     # join's build side: the input, prompts and all, streams through (sql.joins_as_written). Joined inside one
     # statement with the ledger's rows, the input was the build side, a hash table of every prompt.
     widen = f"""
         select {", ".join(selected + widen_values)}
         from {INPUT} i right join {EMIT_ROWS} n on i.rowid = n.{ROW}"""
-    return narrow, widen
+    return RowSelects(narrow, stored, widen)
 
 
 def finish_reason_sql() -> str:
@@ -443,10 +462,12 @@ def merge(
             elif emitting:
                 con.execute(f"delete from {target} where {shown} and {target_key} in (select key from {EMIT})")
             if emitting or rebuild:
-                narrow, widen = _row_selects(ledger, config, input_columns)
-                con.execute(f"create or replace temp table {EMIT_ROWS} as {narrow}")
+                rows = _row_selects(ledger, config, input_columns)
+                con.execute(f"create or replace temp table {EMIT_ROWS} as {rows.narrow}")
+                if con.execute(f"select count(*) > 0 from {EMIT_ROWS} where {NEEDS_STORED}").fetchall()[0][0]:
+                    con.execute(rows.stored)
                 with joins_as_written(con):
-                    con.execute(f"insert into {target} by name {widen}")
+                    con.execute(f"insert into {target} by name {rows.widen}")
                 con.execute(f"drop table {EMIT_ROWS}")
             refresh = None if rebuild else refresh_sql(config, target, input_columns)
             if refresh:

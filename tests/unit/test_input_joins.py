@@ -67,6 +67,23 @@ def test_the_input_is_the_probe_side_as_written_and_the_setting_comes_back(memor
     assert con.execute("select current_setting('disabled_optimizers')").fetchall()[0][0] == "top_n"
 
 
+def materialized(con, query: str) -> set[str]:
+    """The CTEs of DuckDB's plan of `query` that may be materialized (their rows stored, spilling past
+    memory_limit, to be read more than once): a CTE named in a plan is one read more than once."""
+    names: set[str] = set()
+
+    def walk(node):
+        info = node.get("extra_info") or {}
+        if node.get("name", "").strip() == "CTE":  # whether it is stored is decided as it runs
+            names.add(info.get("CTE Name"))
+        for child in node.get("children", []):
+            walk(child)
+
+    for tree in json.loads(con.execute("explain (format json) " + query).fetchall()[0][1]):
+        walk(tree)
+    return names
+
+
 class Explaining:
     """A connection that, before running a statement reading the model's rows by row id, records
     the tables its hash joins are built over."""
@@ -86,6 +103,8 @@ class Explaining:
                 built = built_on(self._con, text)
             statement = "requests" if "llm_batch_requests" in sql.split("(")[0] else "merge"
             self.sides[statement] = built
+        if sql.lstrip().startswith(f"create or replace temp table {merge.EMIT_ROWS} "):
+            self.sides["winners materialized"] = materialized(self._con, sql)
         result = self._con.execute(sql, *args, **kwargs)
         return self if result is self._con else result
 
@@ -116,11 +135,14 @@ def test_the_intents_and_the_merge_stream_the_model_rows(tmp_path):
     merge.merge(Ledger(raw, "main", "main.bench"), config, "main.bench", plan.describe(raw, plan.INPUT), True)
     scale.ingest(con, config, str(tmp_path))
     requests, merged, lines = "requests", "merge", "request lines"
-    assert set(sides) == {requests, merged, lines}, sides
+    assert set(sides) == {requests, merged, lines, "winners materialized"}, sides
     # Each has its hash joins (it reads the model's rows by row id), none built over the model's rows.
     assert sides[lines] and plan.INPUT not in sides[lines], sides
     assert sides[requests] and plan.INPUT not in sides[requests], sides
     assert sides[merged] and plan.INPUT not in sides[merged], sides
+    # The merge's winners (every answered key, with its request: `w`) are joined once, not stored
+    # to be read twice (the combined answers' parts, none here, may be).
+    assert "w" not in sides["winners materialized"] and "parts" in sides["winners materialized"], sides
     # The rows are right: each answered key once, with its prompt and its answer.
     assert raw.execute(
         "select count(*), count(distinct id), count(category), bool_and(prompt = repeat(md5(id::varchar), 16)) "
