@@ -595,6 +595,12 @@ def prompt_text_sql(config: ModelConfig, columns, alias: str = "") -> str:
     return f"cast({column} as varchar)"
 
 
+def written_rows(plan: str, sent: str) -> str:
+    """The rows of `plan` written to request files (`sent`: plan_row, chunk, line), with their
+    `plan_row`, file (`chunk`) and `line`; no prompt or row (no join with the input)."""
+    return f"(select p.*, p.rowid as plan_row, s.chunk, s.line from {plan} p join {sent} s on s.plan_row = p.rowid)"
+
+
 def plan_rows(config: ModelConfig, columns, plan: str = PLAN, where: str | None = None, sent: str | None = None) -> str:
     """The plan joined back to the input: every PLAN column plus `plan_row` (the plan's row id),
     `prompt` and `row_json` (a deferred request brings its own from the ledger). A subquery, so rows are read, not copied.
@@ -606,9 +612,7 @@ def plan_rows(config: ModelConfig, columns, plan: str = PLAN, where: str | None 
     rows = f"{plan} p"
     plan_row = "p.rowid as plan_row, "
     if sent is not None:
-        rows = (
-            f"(select p.*, p.rowid as plan_row, s.chunk, s.line from {plan} p join {sent} s on s.plan_row = p.rowid) p"
-        )
+        rows = f"{written_rows(plan, sent)} p"
         plan_row = ""
     return f"""(select p.*, {plan_row}coalesce(p.deferred_prompt, {prompt_text_sql(config, columns, "i.")}) as prompt,
                        coalesce(p.deferred_row_json, {row_json_sql(columns, "i.")}) as row_json

@@ -141,21 +141,23 @@ def share_planned(con) -> int:
     ).fetchall()[0][0]
 
 
+def _sent_by(sender: int) -> str:
+    return f"(select plan_row, chunk, line from {RUN_SENT} where sender = {int(sender)})"
+
+
 def pass_rows(config: ModelConfig, columns, index: int, table: str = RUN_PLAN, sender: int | None = None) -> str:
     """Pass `index`'s requests of the run's plan (or its realtime ones) with their prompt and row
     (plan.plan_rows): `plan_row` is unique across the passes. `sender`: only those written to that
     sender's files, with their file (`chunk`) and `line`, joined before the input (plan.plan_rows' `sent`)."""
-    sent = None
-    if sender is not None:
-        sent = f"(select plan_row, chunk, line from {RUN_SENT} where sender = {int(sender)})"
+    sent = None if sender is None else _sent_by(sender)
     return plan.plan_rows(config, columns, plan=table, where=f"p.pass_index = {int(index)}", sent=sent)
 
 
 def written_plan(passes, sender: int) -> str:
-    """The requests of `passes` (indexes) written to `sender`'s files: their plan rows with `plan_row`,
-    `chunk` and `line`, without prompt or row (no join with the input): what a row answer records."""
-    return f"""(select p.*, p.rowid as plan_row, s.chunk, s.line from {RUN_PLAN} p join {RUN_SENT} s on s.plan_row = p.rowid
-                where s.sender = {int(sender)} and p.pass_index in ({", ".join(str(int(i)) for i in passes)}))"""
+    """The requests of `passes` (indexes) written to `sender`'s files (plan.written_rows), without
+    prompt or row: what a row answer records."""
+    indexes = ", ".join(str(int(i)) for i in passes)
+    return f"(select * from {plan.written_rows(RUN_PLAN, _sent_by(sender))} w where w.pass_index in ({indexes}))"
 
 
 def member_rows(columns) -> str:
