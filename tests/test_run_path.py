@@ -185,3 +185,42 @@ def test_a_run_without_variants_takes_its_figures_from_the_files_as_the_plan_cou
         assert fast == planned
     (requests, cost, files) = seen[0][0][0]
     assert (requests, files) == (4, 2) and cost > 0  # two files of two; the third waits for the cap
+
+
+def test_a_run_begins_importing_its_provider_s_sdk_before_the_work_it_overlaps(project, emulator, monkeypatch):
+    """A run that submits begins importing the SDK once its plan has rows, before the request files and
+    the upload; a run that harvests, before the fingerprints it then computes; a run with nothing to
+    send and nothing open imports nothing (providers/sdk_import.py)."""
+    from dbt_llm_batch.pipeline import plan
+    from dbt_llm_batch.providers import sdk_import
+    from dbt_llm_batch.providers.openai_batch import OpenAIBatchProvider
+
+    steps: list[str] = []
+
+    def record(owner, name: str, step) -> None:
+        real = getattr(owner, name)
+
+        def recorded(*args, **kwargs):
+            steps.append(step(args))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, recorded)
+
+    record(sdk_import, "start", lambda args: "import " + ",".join(args[0]))
+    record(plan, "build_desired", lambda args: "fingerprints")
+    record(OpenAIBatchProvider, "upload", lambda args: "upload")
+    record(OpenAIBatchProvider, "poll", lambda args: "poll")
+
+    project.dbt("seed", "-s", "support_tickets")
+    project.write("models/triage.sql", triage_model(where="where ticket_id <= 3"))
+    project.dbt("run", "-s", "triage")
+    assert steps == ["fingerprints", "import openai", "upload"]
+
+    steps.clear()
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert steps[:3] == ["import openai", "fingerprints", "poll"]
+
+    steps.clear()
+    project.dbt("run", "-s", "triage")  # nothing new, nothing open
+    assert steps == ["fingerprints"]
