@@ -4,10 +4,12 @@ A run reconciles and harvests them before it plans, and with llm_wait_seconds ag
 
 from __future__ import annotations
 
+import time
+
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.pipeline import harvest, reconcile, report, shared
+from dbt_llm_batch.pipeline import harvest, interrupt, progress, reconcile, report, shared
 from dbt_llm_batch.pipeline.pool import Pool
 from dbt_llm_batch.pipeline.report import RunSummary
 
@@ -46,3 +48,32 @@ def open_work(ledger: Ledger, config: ModelConfig) -> bool:
     if ledger.open_jobs():
         return True
     return config.dedup == "ledger" and bool(shared.waiting_elsewhere(ledger))
+
+
+def after_harvest(ledger: Ledger, pool: Pool, config: ModelConfig) -> None:
+    """Hold what an operator's cancel left unanswered; delete stored batches' files at the provider."""
+    reconcile.after_harvest(ledger, pool.client_for_job, config.delete_provider_files)
+
+
+def wait(
+    ledger: Ledger, pool: Pool, config: ModelConfig, summary: RunSummary, run_started, lock, deadline: float
+) -> None:
+    """Poll and harvest with back-off until every batch the rows wait on ended, the deadline passed
+    (llm_wait_seconds) or a provider stayed down (Pool.unavailable); `lock`: the model's, kept alive."""
+    delay = 0.5
+    total = ledger.pending_count()
+    waiting = progress.Progress(f"{ledger.model}: waiting for batches", total, "requests answered")
+    while time.monotonic() < deadline and pool.unavailable() is None:
+        if lock:
+            lock.heartbeat()
+        harvest_open(ledger, pool, config, summary, run_started)
+        after_harvest(ledger, pool, config)
+        open_jobs = ledger.open_jobs()
+        waiting.update(max(0, total - ledger.pending_count()))
+        if not open_work(ledger, config):
+            waiting.finish()
+            return
+        seconds_left = max(0, int(deadline - time.monotonic()))
+        report.waiting(ledger.model, len(open_jobs), ledger.pending_count(), seconds_left)
+        interrupt.sleep(min(delay, max(0.0, deadline - time.monotonic())))  # Ctrl-C ends it at once
+        delay = min(delay * 2, 30.0)

@@ -14,7 +14,7 @@ pass (pipeline/passes.py), and every model takes the same steps:
   harvest    finished batches: results stored, requests settled            (open_batches, harvest)
   send       every pass planned; request files per sender; every sending
              pass's key, then the budget; submit; what waits; realtime      (send)
-  (wait)     with llm_wait_seconds: poll, harvest and send again
+  (wait)     with llm_wait_seconds: poll, harvest and send again          (open_batches)
   merge      final outcomes from the ledger into the model's table          (merge)
   report     the run-log line and warnings                                  (report)
 Every temporary table the run makes is dropped when it ends, however it ends (scratch).
@@ -35,14 +35,11 @@ from dbt_llm_batch.pipeline import (
     crashpoints,
     docs,
     identity,
-    interrupt,
     merge,
     model_input,
     open_batches,
     passes,
     plan,
-    progress,
-    reconcile,
     report,
     schema_change,
     send,
@@ -263,7 +260,7 @@ class ModelRun:
 
     def after_harvest(self) -> None:
         """Hold what an operator's cancel left unanswered; delete stored batches' files at the provider."""
-        reconcile.after_harvest(self.ledger, self.pool.client_for_job, self.config.delete_provider_files)
+        open_batches.after_harvest(self.ledger, self.pool, self.config)
 
     def provider_unavailable(self) -> bool:
         """True once a provider kept failing for llm_retry_budget_seconds: the run then stops asking
@@ -276,24 +273,9 @@ class ModelRun:
         return True
 
     def wait(self, deadline: float) -> None:
-        """Poll with back-off until every open job ended or the deadline passed (llm_wait_seconds)."""
-        delay = 0.5
-        total = self.ledger.pending_count()
-        waiting = progress.Progress(f"{self.ledger.model}: waiting for batches", total, "requests answered")
-        while time.monotonic() < deadline and not self.provider_unavailable():
-            if self.lock:
-                self.lock.heartbeat()
-            self.harvest_open()
-            self.after_harvest()
-            open_jobs = self.ledger.open_jobs()
-            waiting.update(max(0, total - self.ledger.pending_count()))
-            if not open_batches.open_work(self.ledger, self.config):
-                waiting.finish()
-                return
-            seconds_left = max(0, int(deadline - time.monotonic()))
-            report.waiting(self.ledger.model, len(open_jobs), self.ledger.pending_count(), seconds_left)
-            interrupt.sleep(min(delay, max(0.0, deadline - time.monotonic())))  # Ctrl-C ends it at once
-            delay = min(delay * 2, 30.0)
+        """Poll and harvest with back-off until every open job ended or the deadline passed (llm_wait_seconds)."""
+        open_batches.wait(self.ledger, self.pool, self.config, self.summary, self.started, self.lock, deadline)
+        self.provider_unavailable()  # notes whether a provider stayed down while it waited
 
     def merge(self, target: str, rebuild: bool) -> merge.Merged:
         """Each pass's final outcomes into the table (one row per key and variant); returns what was
