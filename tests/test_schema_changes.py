@@ -305,6 +305,41 @@ def test_an_added_field_asks_only_for_it_and_each_row_pays_both_shares(project, 
     ], "six rows answered now, both requests' costs counted"
 
 
+ROWS = "select sum(rows_succeeded), sum(rows_answered), sum(requests_succeeded) from main.llm_batch_costs"
+PROGRESS = "select keys_succeeded, rows_mapped from main.llm_batch_progress"
+
+
+def test_a_row_answered_by_two_requests_is_counted_once_in_both_views(project, emulator):
+    """A combined answer (its first request's fields and the added field's request: two parts) is one
+    row: llm_batch_costs.rows_succeeded counts it once, through its current answer, as
+    llm_batch_progress.keys_succeeded does; progress maps it once. Its two requests are two requests."""
+    answered(project, emulator)
+    assert project.query(ROWS) == [(6, 6, 6)] and project.query(PROGRESS) == [(6, 6)]
+    project.write(MODEL, model_with({**TRIAGE_OUTPUT, "language": "text"}))
+    project.dbt("run", "-s", "triage")
+    assert len(sorted_batches(emulator)) == 2 and project.query("select count(language) from main.triage") == [(6,)]
+    assert project.query(ROWS) == [(6, 6, 12)], "six rows, each answered by two requests"
+    assert project.query(PROGRESS) == [(6, 6)]
+
+
+def test_a_row_whose_added_field_is_in_flight_is_counted_once(project, emulator):
+    """While the added field's request is in flight the row shows its first answer: one row succeeded,
+    mapped once (not once to its first request and once to the one in flight); and once when it lands."""
+    project.dbt("seed")
+    write_triage_without_dedup(project, TRIAGE_OUTPUT)
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    write_triage_without_dedup(project, {**TRIAGE_OUTPUT, "language": "text"})
+    project.dbt("run", "-s", "triage")  # only the added field is asked; its batch stays in flight
+    assert len(emulator.batches()) == 2 and project.query("select count(language) from main.triage") == [(0,)]
+    assert project.query(ROWS) == [(6, 6, 6)] and project.query(PROGRESS) == [(6, 6)]
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(language) from main.triage") == [(6,)]
+    assert project.query(ROWS) == [(6, 6, 12)] and project.query(PROGRESS) == [(6, 6)]
+
+
 def test_a_field_added_while_the_batch_is_in_flight_is_asked_after_it_merges(project, emulator):
     """The first run leaves its batch in flight; the run after a field is added asks nothing (the
     batch answers the other fields); the run after the batch ends merges it and asks only the added

@@ -145,3 +145,29 @@ def test_rows_answered_counts_rows_whose_current_answer_succeeded(project, emula
     project.dbt("run", "-s", "triage")
     assert project.query("select count(*) from main.llm_batch_requests where status = 'succeeded'") == [(12,)]
     assert project.query(answered) == [(6,)]  # the six rows, each once: their first answers are superseded
+
+
+def test_a_row_whose_prompt_changed_is_counted_once_in_both_views(project, emulator):
+    """A row (model, variant, key) is counted once, by its current answer: after a prompt edit its first
+    answer is superseded, not another row. llm_batch_costs.rows_succeeded (summed) is the rows the model
+    has, as llm_batch_progress.keys_succeeded says, and progress maps each row once (rows_mapped)."""
+    costs = (
+        "select sum(rows_succeeded), sum(rows_answered), sum(rows_failed), sum(rows_reused) from main.llm_batch_costs"
+    )
+    progress = "select keys_succeeded, keys_failed, rows_mapped, rows_reused from main.llm_batch_progress"
+    project.write("models/triage.sql", triage_model())
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query(costs) == [(6, 6, 0, 0)]
+    assert project.query(progress) == [(6, 0, 6, 0)]
+    project.write("models/triage.sql", triage_model(system="Triage the ticket, tersely."))
+    project.dbt("run", "-s", "triage")  # every row asked again: the table shows the first answers meanwhile
+    assert project.query(progress) == [(6, 0, 6, 0)], "six rows: answered, and mapped once though asked again"
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.llm_batch_requests where status = 'succeeded'") == [(12,)]
+    assert project.query(costs) == [(6, 6, 0, 0)], "six rows, not one per request that ever answered them"
+    assert project.query(progress) == [(6, 0, 6, 0)], "the superseded answers are no rows of the model"
+    assert project.query("select count(*) from main.triage") == [(6,)]

@@ -295,6 +295,13 @@ MIGRATIONS += [
         ],
     ),
 ]
+MIGRATIONS += [
+    # The views changed: a row (model, variant, key) is counted once, by its current answer
+    # (_CURRENT_ANSWERS): llm_batch_costs.rows_succeeded / rows_failed / rows_reused counted it once per
+    # request that ever answered it (each part of a combined answer, each prompt's answer), and
+    # llm_batch_progress.rows_mapped / rows_reused / keys_* counted superseded answers. No table changes.
+    (29, []),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users
@@ -302,6 +309,16 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 # reaches this version, rather than restated by each migration that changes them.
 _QUEUED, _SUCCEEDED, _FAILED = sql(RequestStatus.QUEUED), sql(RequestStatus.SUCCEEDED), sql(RequestStatus.FAILED)
 _WAITING = f"{sql(RequestStatus.DEFERRED)}, {sql(RequestStatus.HELD)}"
+# Each row's (model, variant, key) current answer: of its row answers with a final outcome (succeeded,
+# or failed for good) and not superseded (a later answer replaced it: another prompt, or an earlier
+# part of a combined answer once the combined one is merged), the one the table shows ('merged'), else
+# the newest (final, not merged yet). A row is counted once, through it: never once per request that
+# answered it (each part of a combined answer, each prompt's answer), whichever row answers a key has.
+_CURRENT_ANSWERS = f"""(select a.model, a.variant, a.key, a.custom_id, a.reused, r.status
+    from {{s}}.llm_batch_row_answers a join {{s}}.llm_batch_requests r using (custom_id)
+    where a.emitted is distinct from 'superseded' and r.is_final and r.status in ({_SUCCEEDED}, {_FAILED})
+    qualify row_number() over (partition by a.model, a.variant, a.key
+                               order by a.emitted is not distinct from 'merged' desc, a.created_at desc, a.custom_id desc) = 1)"""
 
 
 VIEWS = [
@@ -327,9 +344,10 @@ VIEWS = [
            coalesce(j.provider, {configured_sql("llm_provider", "r.variant")}, '') as provider,
            coalesce(j.llm_model, {configured_sql("llm_model", "r.variant")}, '') as llm_model,
            cast(coalesce(r.completed_at, r.queued_at) as date) as day,
-           -- rows (the keys the requests answered) apart from requests
-           coalesce(sum(a.row_answers) filter (where r.status = {_SUCCEEDED}), 0) as rows_succeeded,
-           coalesce(sum(a.row_answers) filter (where r.status = {_FAILED}), 0) as rows_failed,
+           -- rows apart from requests: the rows (model, variant, key) whose current answer is one of these
+           -- requests, succeeded or failed for good, each row once (summed: the rows the models have)
+           coalesce(sum(c.rows_succeeded), 0) as rows_succeeded,
+           coalesce(sum(c.rows_failed), 0) as rows_failed,
            count(*) filter (where r.status = {_QUEUED}) as rows_pending,
            sum(r.input_tokens) as input_tokens, sum(r.output_tokens) as output_tokens,
            sum(r.cached_tokens) as cache_read_tokens, sum(r.cache_write_tokens) as cache_write_tokens,
@@ -342,10 +360,11 @@ VIEWS = [
            coalesce(sum(r.possibly_billed), 0) as possibly_billed,
            sum(r.cache_write_1h_tokens) as cache_write_1h_tokens,
            -- rows whose current answer is a succeeded request (not one in flight, nor one a later answer
-           -- superseded), rows answered from the ledger (reused, no call), and what sharing saved: each
-           -- row beyond a request's first would have been a request of its own
-           coalesce(sum(a.current_answers) filter (where r.status = {_SUCCEEDED}), 0) as rows_answered,
-           coalesce(sum(a.reused), 0) as rows_reused,
+           -- superseded: rows_succeeded), rows whose current answer came from the ledger (reused, no
+           -- call), and what sharing saved: each row a billed request answered beyond its first would
+           -- have been a request of its own (every row it answered, as savings_usd counts every request)
+           coalesce(sum(c.rows_succeeded), 0) as rows_answered,
+           coalesce(sum(c.rows_reused), 0) as rows_reused,
            coalesce(sum(r.cost_usd * (a.row_answers - 1)) filter (where a.row_answers > 1), 0) as dedup_saved_usd,
            {shown_variant_sql("r.variant")} as variant,  -- the evaluation variant that asked it, as the table names it
            -- what prompt caching saved: the same requests with every input token at the input rate
@@ -354,14 +373,18 @@ VIEWS = [
            count(*) filter (where r.status = {_FAILED}) as requests_failed
     from {{s}}.llm_batch_requests r left join {{s}}.llm_batch_jobs j using (job_id)
          left join {VARIANT_NAMES} n on n.model = r.model
-         left join (select custom_id, count(*) as row_answers, count(*) filter (where reused) as reused,
-                           count(*) filter (where emitted is distinct from 'superseded') as current_answers
-                    from {{s}}.llm_batch_row_answers group by custom_id) a using (custom_id)
+         left join (select custom_id, count(*) as row_answers from {{s}}.llm_batch_row_answers
+                    group by custom_id) a using (custom_id)
+         left join (select custom_id, count(*) filter (where status = {_SUCCEEDED}) as rows_succeeded,
+                           count(*) filter (where status = {_FAILED}) as rows_failed,
+                           count(*) filter (where reused) as rows_reused
+                    from {_CURRENT_ANSWERS} group by custom_id) c using (custom_id)
     group by all""",
     f"""create or replace view {{s}}.llm_batch_progress as
     select model,
-           -- keys: the rows, through their row answers (with llm_dedup a request answers several)
-           coalesce(max(a.keys_succeeded), 0) as keys_succeeded, coalesce(max(a.keys_failed), 0) as keys_failed,
+           -- keys: the rows whose current answer succeeded or failed for good (_CURRENT_ANSWERS; with
+           -- llm_dedup a request answers several), as llm_batch_costs.rows_succeeded / rows_failed count them
+           coalesce(max(c.keys_succeeded), 0) as keys_succeeded, coalesce(max(c.keys_failed), 0) as keys_failed,
            count(*) filter (where status = {_QUEUED}) as requests_pending,
            count(*) filter (where status = {sql(RequestStatus.DEFERRED)}
                                or (status = {sql(RequestStatus.VOIDED)} and not_before > now())) as requests_waiting,
@@ -371,11 +394,12 @@ VIEWS = [
            coalesce(sum(estimated_cost_usd) filter (where status = {_QUEUED}), 0) as committed_not_billed_usd,
            sum(cost_usd) as cost_usd, sum(realtime_cost_usd) as realtime_cost_usd,
            coalesce(sum(possibly_billed), 0) as possibly_billed,
-           -- requests and rows apart: rows that share a request sent once, rows answered without a
-           -- request (reused), and what sharing saved (dedup_saved_usd, as in llm_batch_costs)
+           -- requests and rows apart: the rows mapped to a request (answered or in flight; each key once,
+           -- superseded answers left out), the rows whose current answer came without a request (reused),
+           -- and what sharing saved (dedup_saved_usd, as in llm_batch_costs)
            count(*) filter (where job_id is not null) as requests_sent,
            coalesce(max(a.rows_mapped), 0) as rows_mapped,
-           coalesce(max(a.rows_reused), 0) as rows_reused,
+           coalesce(max(c.rows_reused), 0) as rows_reused,
            coalesce(max(a.dedup_saved_usd), 0) as dedup_saved_usd,
            {shown_variant_sql("variant")} as variant,  -- per evaluation variant, as the table names it ('': no variants)
            -- rows (keys) still waiting for an answer, whichever model's request asks it: a model whose
@@ -390,15 +414,18 @@ VIEWS = [
     from (select model, variant from {{s}}.llm_batch_requests
           union select model, variant from {{s}}.llm_batch_row_answers) m
          left join {{s}}.llm_batch_requests using (model, variant)
-         left join (select a.model, a.variant, count(*) as rows_mapped, count(*) filter (where a.reused) as rows_reused,
-                           count(distinct a.key) filter (where r.is_final and r.status = {_SUCCEEDED}) as keys_succeeded,
-                           count(distinct a.key) filter (where r.is_final and r.status = {_FAILED}) as keys_failed,
+         left join (select a.model, a.variant,
+                           count(distinct a.key) filter (where a.emitted is distinct from 'superseded') as rows_mapped,
                            cast(sum(r.cost_usd) - coalesce(sum(r.cost_usd / a.sharing) filter (where not a.reused), 0)
                                 as decimal(18, 9)) as dedup_saved_usd
                     from (select *, count(*) filter (where not reused) over (partition by custom_id) as sharing
                           from {{s}}.llm_batch_row_answers) a
                          join {{s}}.llm_batch_requests r using (custom_id)
                     group by a.model, a.variant) a using (model, variant)
+         left join (select model, variant, count(*) filter (where status = {_SUCCEEDED}) as keys_succeeded,
+                           count(*) filter (where status = {_FAILED}) as keys_failed,
+                           count(*) filter (where reused) as rows_reused
+                    from {_CURRENT_ANSWERS} group by model, variant) c using (model, variant)
          left join (select model, variant, count(distinct key) as rows_pending from {{s}}.llm_batch_pending_rows
                     group by model, variant) w using (model, variant)
          left join {VARIANT_NAMES} n using (model)

@@ -435,6 +435,47 @@ def test_a_combined_answer_of_a_v26_ledger_names_its_base_in_the_list_of_parts()
     con.close()
 
 
+def test_a_v28_ledger_gets_the_views_that_count_each_row_once():
+    # v29 changed the views only: a row (model, variant, key) is counted once, by its current answer,
+    # never once per request that answered it (a prompt's answer superseded by a later one; an
+    # earlier part of a combined answer, store._CURRENT_ANSWERS). A ledger of v28 gets them.
+    con = duckdb.connect()
+    Ledger(con, "main", "m").migrate(up_to=28)
+    # What v28's views counted: every row answer of a succeeded request (costs), every row answer (progress).
+    con.execute("""create or replace view main.llm_batch_costs as
+                   select count(*) as rows_succeeded from main.llm_batch_row_answers""")
+    con.execute("""create or replace view main.llm_batch_progress as
+                   select count(*) as keys_succeeded, count(*) as rows_mapped from main.llm_batch_row_answers""")
+    con.execute(
+        """insert into main.llm_batch_requests (custom_id, model, key, fingerprint, seq, status, is_final,
+             queued_at, completed_at, cost_usd)
+           values ('old', 'm', 'k0', 'f0', 0, 'succeeded', true, now(), now(), 0.5),
+                  ('new', 'm', 'k0', 'f1', 0, 'succeeded', true, now(), now(), 0.5),
+                  ('base', 'm', 'k1', 'f0', 0, 'succeeded', true, now(), now(), 0.5),
+                  ('delta', 'm', 'k1', 'd1', 0, 'succeeded', true, now(), now(), 0.25),
+                  ('fail', 'm', 'k2', 'f1', 0, 'failed', true, now(), now(), 0.5)"""
+    )
+    con.execute(
+        """insert into main.llm_batch_row_answers (model, key, variant, fingerprint, custom_id, reused, created_at,
+             emitted, base_custom_ids)
+           values ('m', 'k0', '', 'f0', 'old', false, now() - interval 1 hour, 'superseded', null),
+                  ('m', 'k0', '', 'f1', 'new', false, now(), 'merged', null),
+                  ('m', 'k1', '', 'f0', 'base', false, now() - interval 1 hour, 'superseded', null),
+                  ('m', 'k1', '', 'f1', 'delta', false, now(), 'merged', ['base']),
+                  ('m', 'k2', '', 'f0', 'old', false, now() - interval 1 hour, 'superseded', null),
+                  ('m', 'k2', '', 'f1', 'fail', false, now(), 'merged', null)"""
+    )
+    assert con.execute("select rows_succeeded from main.llm_batch_costs").fetchall() == [(6,)]
+    Ledger(con, "main", "m").migrate()
+    assert con.execute("select max(schema_version) from main.llm_batch_meta").fetchall()[0][0] == MIGRATIONS[-1][0]
+    assert con.execute("select sum(rows_succeeded) from main.llm_batch_costs").fetchall() == [(2,)], "recreated"
+    costs = "select sum(rows_succeeded), sum(rows_failed), sum(rows_answered), sum(requests_succeeded) from main.llm_batch_costs"
+    assert con.execute(costs).fetchall() == [(2, 1, 2, 4)]
+    progress = "select keys_succeeded, keys_failed, rows_mapped, rows_reused from main.llm_batch_progress"
+    assert con.execute(progress).fetchall() == [(2, 1, 3, 0)]
+    con.close()
+
+
 def test_migrations_are_numbered_in_the_order_they_run():
     # _migrate_once runs them in list order and records each version: a version listed after a
     # higher one would be skipped on every ledger that already has the higher one.
