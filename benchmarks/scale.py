@@ -48,7 +48,6 @@ import tempfile
 import time
 
 import duckdb
-import openai  # noqa: F401 - a run imports it ahead (providers/sdk_import.py): imported here, so no step times it
 
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.ledger import Ledger

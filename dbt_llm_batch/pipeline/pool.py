@@ -17,7 +17,7 @@ import dataclasses
 from dbt_llm_batch import output_schema
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.pipeline import costs
-from dbt_llm_batch.providers import get_provider, sdk_import
+from dbt_llm_batch.providers import get_provider
 
 
 class Pool:
@@ -58,21 +58,9 @@ class Pool:
                 return variant
         return dataclasses.replace(self.default, provider=provider, model=llm_model)
 
-    def import_ahead(self, configs: list[ModelConfig]) -> None:
-        """Begin importing these configs' provider SDKs on threads of their own (sdk_import.py): the
-        run calls those providers later, after work in DuckDB the import overlaps."""
-        for config in configs:
-            sdk_import.start(get_provider(config.provider).sdk_modules)
-
-    def import_ahead_for_open_jobs(self, jobs: list[dict]) -> None:
-        """The same, for the providers a run polls its open jobs at (reconcile and harvest)."""
-        self.import_ahead([self.config_for_job(job) for job in jobs])
-
     def _get(self, key: tuple, config: ModelConfig):
         if key not in self._clients:
-            provider = get_provider(config.provider)
-            sdk_import.wait(provider.sdk_modules)  # an import begun ahead ends before the client imports it
-            client = provider(config)
+            client = get_provider(config.provider)(config)
             client.check_credentials()  # raises ConfigError: the client is not kept, asked again next time
             self._clients[key] = client
         return self._clients[key]

@@ -53,7 +53,6 @@ from dbt_llm_batch.pipeline import (
 from dbt_llm_batch.pipeline.pool import Pool
 from dbt_llm_batch.pipeline.report import RunSummary
 from dbt_llm_batch.pipeline.scratch import Scratch
-from dbt_llm_batch.providers import sdk_import
 
 __all__ = ["ModelRun", "RunSummary", "run_model"]
 
@@ -94,7 +93,6 @@ def run_model(
         return _run(work_con, schema, identifier, target, config, full_refresh, project, contract, precomputed, name)
     finally:
         scratch.drop_all()  # success, error or interrupt: no scratch table is left on dbt's connection
-        sdk_import.wait_all()  # an SDK import begun for a call the run did not make ends with the run
         if work_con is not con:  # a connection input_connection opened for a Python model's rows
             work_con.close()
 
@@ -129,7 +127,6 @@ def _run(
     lock.acquire()  # before anything is harvested, planned or sent; released also on failure
     refused = None
     try:
-        run.pool.import_ahead_for_open_jobs(run.ledger.open_jobs())  # polled after the fingerprints
         # Under the lock: the row answers the desired rows were read from (their answer_id, which
         # the plan reads) stay as they are until the run ends, unless prepare_ledger re-keys them.
         plan.build_desired(con, Scratch.input, input_columns, config, run.ledger, precomputed)

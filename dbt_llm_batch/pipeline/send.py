@@ -105,8 +105,6 @@ def send(state: RunState, passes: tuple[Pass, ...], dry: bool = False) -> None:
         if pl.requests > pl.realtime[0] and issubclass(get_provider(p.config.provider), BatchProvider):
             schema = None if p.delta is None else output_schema.recorded(p.config.output_json_schema())
             senders.setdefault((p.config.provider, p.config.model, schema), []).append(p.index)
-    if not dry:  # the providers are called after the request files and intents are written
-        state.pool.import_ahead([p.config for p, pl in zip(passes, planned, strict=True) if pl.requests])
     variants.start_sent(state.con)
     with contextlib.ExitStack() as stack:
         directory = None if dry else stack.enter_context(tempdirs.private_dir())

@@ -36,7 +36,6 @@ CLOCK_GRACE_SECONDS = 3600  # as for OpenAI: custom_ids rule out a wrong batch, 
 
 class AnthropicBatchProvider(BatchProvider):
     name = "anthropic"
-    sdk_modules = ("anthropic",)
     key_env_var = "ANTHROPIC_API_KEY"
     structured_output = "a forced tool's `input_schema`"
     prompt_caching = "`cache_control` on the system and examples prefix (llm_cache_prefix)"

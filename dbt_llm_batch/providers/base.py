@@ -139,8 +139,6 @@ class Provider(ABC):
     # A self-hosted engine: it bills nothing itself (cost comes from llm_price_table only), so there is no
     # realtime counterfactual, and a lost reply costs nothing to send again.
     self_hosted: ClassVar[bool] = False
-    # The SDK modules its client imports (providers/sdk_import.py imports them ahead of the first call)
-    sdk_modules: ClassVar[tuple[str, ...]] = ()
     min_cacheable_tokens: int = 1024  # shorter prefixes are not cached (an instance may say per model)
     # Context windows in tokens (input + output) by model-name prefix; the longest matching prefix wins.
     # llm_max_context_tokens overrides. Empty: unknown, nothing is checked.

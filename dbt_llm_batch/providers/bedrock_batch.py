@@ -86,7 +86,6 @@ def _key(name: str, type_: str, default: Any, doc: str, default_doc: str | None 
 
 class BedrockBatchProvider(BatchProvider):
     name = "bedrock"
-    sdk_modules = ("boto3",)
     key_env_var = ""  # no key: the AWS credential chain (check_credentials)
     min_requests_per_batch = MIN_RECORDS
     # "Records per batch inference job" and "Batch inference input file size" are account quotas

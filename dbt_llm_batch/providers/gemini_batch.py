@@ -84,7 +84,6 @@ def gemini_schema(node: dict) -> dict:
 
 class GeminiBatchProvider(BatchProvider):
     name = "gemini"
-    sdk_modules = ("google.genai",)
     key_env_var = "GEMINI_API_KEY"  # or GOOGLE_API_KEY, which the SDK prefers (check_credentials)
     # No per-batch request count is published; this keeps one job's results (polled inline, or one
     # file) a size a run downloads in one go.

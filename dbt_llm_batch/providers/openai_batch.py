@@ -38,7 +38,6 @@ def upload_name(token: str) -> str:
 
 class OpenAIBatchProvider(OpenAIChatProvider, BatchProvider):
     name = "openai"
-    sdk_modules = ("openai",)
     key_env_var = "OPENAI_API_KEY"
     max_requests_per_batch = 50_000
     # "up to 200 MB" (OpenAI Batch API docs): read as decimal megabytes, the lower of the two readings,
