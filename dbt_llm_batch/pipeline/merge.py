@@ -479,7 +479,7 @@ def merge(
                     f"delete from {target} where {shown} and {target_key} not in (select key from {DESIRED})"
                 ).fetchall()[0][0]
                 # Their answers are no longer shown: a run that selects them again merges them again.
-                nothing = "(select null::varchar as custom_id where false)"
+                nothing = "(select null::varchar as key, null::varchar as custom_id where false)"
                 ledger.mark_emitted(
                     nothing, f"variant = {variant} and emitted = 'merged' and key not in (select key from {DESIRED})"
                 )
