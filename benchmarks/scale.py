@@ -319,19 +319,26 @@ def run_once(n: int, memory_limit: str | None = None, temp_directory: str | None
         Ledger(con, "main", "main.bench").migrate()  # one-time setup of the ledger tables, not timed
         figures["input_rss_mb"] = max_rss_mb()  # the input relation loaded: what (d) is measured against
 
-        figures["a_baseline_s"], _ = timed(lambda: baseline_copy(con, directory))
-        figures["a_floor_s"], _ = timed(lambda: floor_plan(con, directory))
-        figures["a_design_s"], _ = timed(lambda: design_floor_plan(con, directory))
-        figures["a_plugin_s"], submitted = timed(lambda: plan_and_write(con, config, directory))
+        def step(key, fn):
+            """A timed step, then an untimed checkpoint: what one step wrote (or dropped) is not written
+            out by the next step's commit, so each starts from the same state whatever ran before it."""
+            figures[key], result = timed(fn)
+            con.execute("checkpoint")
+            return result
+
+        step("a_baseline_s", lambda: baseline_copy(con, directory))
+        step("a_floor_s", lambda: floor_plan(con, directory))
+        step("a_design_s", lambda: design_floor_plan(con, directory))
+        submitted = step("a_plugin_s", lambda: plan_and_write(con, config, directory))
         assert submitted == n
         write_results(con, directory)
         # Run 1 would have created the (empty) model table; (b) is a later run merging into it.
         merge.merge(
             Ledger(con, "main", "main.bench"), config, "main.bench", plan.describe(con, plan.INPUT), rebuild=True
         )
-        figures["b_baseline_s"], _ = timed(lambda: baseline_ingest(con, result_paths(directory)))
-        figures["b_floor_s"], _ = timed(lambda: floor_ingest(con, result_paths(directory)))
-        figures["b_plugin_s"], _ = timed(lambda: ingest(con, config, directory))
+        step("b_baseline_s", lambda: baseline_ingest(con, result_paths(directory)))
+        step("b_floor_s", lambda: floor_ingest(con, result_paths(directory)))
+        step("b_plugin_s", lambda: ingest(con, config, directory))
         assert con.execute("select count(*) from main.bench where llm_status = 'succeeded'").fetchall()[0][0] == n
 
         figures["c_empty_s"], _ = timed(lambda: run_bench_model(con, "select * from src where false"))
