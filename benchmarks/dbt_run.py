@@ -97,6 +97,49 @@ def dbt(python: str, root: Path, env: dict, *args: str) -> tuple[float, float]:
     return wall, model
 
 
+def distributions(python: str) -> set[str]:
+    """The distributions installed in a tree's environment (lower-case names)."""
+    listing = subprocess.run(
+        [
+            python,
+            "-c",
+            "import importlib.metadata as m; print(*{(d.metadata['Name'] or '').lower() for d in m.distributions()})",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return set(listing.split()) - {"", "dbt-llm-batch"}
+
+
+# Packages a run was seen loading when installed (py-spy of a 100k submit): named first in the warning.
+LOADED_WHEN_PRESENT = ("pandas", "aiohttp")
+
+
+def _loaded_first(name: str) -> tuple[bool, str]:
+    return name not in LOADED_WHEN_PRESENT, name
+
+
+def unequal_environments(trees) -> list[str]:
+    """A warning per tree whose installed packages differ from the first tree's. Libraries load optional
+    packages when they are installed, inside the timed run (pyarrow imports pandas on its first array,
+    openai its aiohttp client: about 0.3 s of a 100k submit on the 2-core machine), so such trees are not
+    compared like for like: install the same packages in each (pip install them into the older venv)."""
+    first_label, first_python, _ = trees[0]
+    first = distributions(first_python)
+    warnings = []
+    for label, python, _ in trees[1:]:
+        other = distributions(python)
+        lacks, has = sorted(first - other, key=_loaded_first), sorted(other - first, key=_loaded_first)
+        if lacks or has:
+            warnings.append(
+                f"warning: {label}'s environment lacks {len(lacks)} package(s) {first_label}'s has "
+                f"({', '.join(lacks[:15])}{', ...' if len(lacks) > 15 else ''}) and has {len(has)} it lacks "
+                f"({', '.join(has[:15])}{', ...' if len(has) > 15 else ''})"
+            )
+    return warnings
+
+
 def one_round(label: str, python: str, checkout: Path, rows: int, sandbox: str) -> dict[str, tuple[float, float]]:
     root = Path(tempfile.mkdtemp(prefix=f"bench-{label}-"))
     try:
@@ -146,6 +189,8 @@ def main() -> None:
                 break
             except OSError:
                 time.sleep(0.2)
+        for warning in unequal_environments(trees):
+            print(warning)
         print(
             f"{args.rows:,} rows, {args.repeat} round(s), trees: {', '.join(t[0] for t in trees)}; load {os.getloadavg()[0]:.2f}"
         )
