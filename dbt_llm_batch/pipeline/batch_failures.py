@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, RequestStatus, sql
 from dbt_llm_batch.log import log
+from dbt_llm_batch.pipeline import arrow_tables
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchState
 
@@ -79,14 +80,16 @@ def void_details(ledger, jobs: list[tuple[str, BatchState]]) -> tuple[list, list
     return reasons, backoffs
 
 
-def line_errors_table(jobs: list[tuple[str, BatchState]]) -> pa.Table:
+def line_errors_table(con, jobs: list[tuple[str, BatchState]]) -> pa.Table:
+    """The request lines the jobs' validation named: (job_id, line, message)."""
     rows = [(job_id, int(line), message) for job_id, state in jobs for line, message in state.line_errors.items()]
-    return pa.table(
+    return arrow_tables.from_lists(
+        con,
         {
-            "job_id": pa.array([r[0] for r in rows], pa.string()),
-            "line": pa.array([r[1] for r in rows], pa.int64()),
-            "message": pa.array([r[2] for r in rows], pa.string()),
-        }
+            "job_id": ("varchar", [r[0] for r in rows]),
+            "line": ("bigint", [r[1] for r in rows]),
+            "message": ("varchar", [r[2] for r in rows]),
+        },
     )
 
 

@@ -13,13 +13,11 @@ import dataclasses
 import os
 import time
 
-import pyarrow as pa
-
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import JobStatus
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline import crashpoints, outcomes, tempdirs
+from dbt_llm_batch.pipeline import arrow_tables, crashpoints, outcomes, tempdirs
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchProvider, BatchState
 from dbt_llm_batch.providers.calls import ProviderUnavailable, status_of
@@ -128,13 +126,14 @@ def store_lines(ledger: Ledger, downloads: list[tuple[str, str, str]]) -> None:
     to the database file rather than through DuckDB's log."""
     con = ledger.con
     results = ledger.table("llm_batch_results")
-    files = pa.table(
+    files = arrow_tables.from_lists(
+        con,
         {
-            "path": [p for _, _, p in downloads],
-            "job_id": [j for j, _, _ in downloads],
-            "source": [s for _, s, _ in downloads],
-            "has_lines": [os.path.getsize(p) > 0 for _, _, p in downloads],
-        }
+            "path": ("varchar", [p for _, _, p in downloads]),
+            "job_id": ("varchar", [j for j, _, _ in downloads]),
+            "source": ("varchar", [s for _, s, _ in downloads]),
+            "has_lines": ("boolean", [os.path.getsize(p) > 0 for _, _, p in downloads]),
+        },
     )
 
     def write():  # one statement for all files, which DuckDB reads in parallel

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 
-import pyarrow as pa
-
 from dbt_llm_batch import embeddings, output_schema
 from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, RequestStatus, sql
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline import batch_failures, costs, packing
+from dbt_llm_batch.pipeline import arrow_tables, batch_failures, costs, packing
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers.base import BatchState, Provider
 from dbt_llm_batch.sql import in_list, literal
@@ -75,7 +73,8 @@ def _validate(con, table: str, schema: dict, where: str) -> int:
                 failed["job_id"].append(job_id)
                 failed["problem"].append(problem)
     if failed["custom_id"]:
-        con.register(Scratch.schema_failures, pa.table(failed))
+        failures = arrow_tables.from_lists(con, {name: ("varchar", values) for name, values in failed.items()})
+        con.register(Scratch.schema_failures, failures)
         try:
             con.execute(
                 f"""update {table} t set problem = f.problem from {Scratch.schema_failures} f
@@ -133,22 +132,24 @@ def settle(
     con = ledger.con
     requests, results = ledger.table("llm_batch_requests"), ledger.table("llm_batch_results")
     reasons, backoffs = batch_failures.void_details(ledger, jobs)
-    ended = pa.table(
+    ended = arrow_tables.from_lists(
+        con,
         {
-            "job_id": [j for j, _ in jobs],
-            "status": [s.status for _, s in jobs],
-            "error": [s.error for _, s in jobs],
-            "plain_failure": [batch_failures.is_plain_failure(s) for _, s in jobs],
-            "line_errors": [bool(s.line_errors) for _, s in jobs],
-            "output_file_id": [s.output_file_id for _, s in jobs],
-            "error_file_id": [s.error_file_id for _, s in jobs],
-            "void_reason": pa.array(reasons, pa.string()),
-            "backoff_seconds": pa.array(backoffs, pa.int64()),
-            "run_cost_usd": pa.array([s.run_cost_usd for _, s in jobs], pa.float64()),
-        }
+            "job_id": ("varchar", [j for j, _ in jobs]),
+            "status": ("varchar", [s.status for _, s in jobs]),
+            "error": ("varchar", [s.error for _, s in jobs]),
+            "plain_failure": ("boolean", [batch_failures.is_plain_failure(s) for _, s in jobs]),
+            "line_errors": ("boolean", [bool(s.line_errors) for _, s in jobs]),
+            "output_file_id": ("varchar", [s.output_file_id for _, s in jobs]),
+            "error_file_id": ("varchar", [s.error_file_id for _, s in jobs]),
+            "void_reason": ("varchar", reasons),
+            "backoff_seconds": ("bigint", backoffs),
+            "run_cost_usd": ("double", [s.run_cost_usd for _, s in jobs]),
+        },
     )
+    line_errors = batch_failures.line_errors_table(con, jobs)
     con.register(Scratch.ended, ended)
-    con.register(Scratch.line_errors, batch_failures.line_errors_table(jobs))
+    con.register(Scratch.line_errors, line_errors)
     scope = f"job_id in (select job_id from {Scratch.ended}) {'and source = ?' if source else ''}"
     # A duplicated line must not settle a request twice (prefer a success). Duplicates are rare and
     # cheap to rule out on the stored custom_ids; ranking every line is not. Distinct custom_ids alone

@@ -29,14 +29,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import pyarrow as pa
-
 from dbt_llm_batch import output_schema
 from dbt_llm_batch.errors import ProviderError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import JobStatus, RequestStatus, sql
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline import crashpoints, outcomes
+from dbt_llm_batch.pipeline import arrow_tables, crashpoints, outcomes
 from dbt_llm_batch.pipeline.concurrency import AdaptiveConcurrency, describe
 from dbt_llm_batch.pipeline.progress import Progress
 from dbt_llm_batch.pipeline.scratch import Scratch
@@ -368,8 +366,10 @@ class ResultWriter:
             return
         self.groups += 1
         source = f"realtime-{self.groups}"
-        table = pa.table({"custom_id": [c for c, _ in lines], "raw": [raw for _, raw in lines]})
         con = self.cursor
+        table = arrow_tables.from_lists(
+            con, {"custom_id": ("varchar", [c for c, _ in lines]), "raw": ("varchar", [raw for _, raw in lines])}
+        )
         con.register(Scratch.realtime_lines, table)
         try:
             self.ledger.store_lines(self.job_id, source, Scratch.realtime_lines)

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dbt_llm_batch.errors import InputError
-from dbt_llm_batch.pipeline import packing
+from dbt_llm_batch.pipeline import arrow_tables, packing
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.sql import joins_as_written
 
@@ -134,7 +134,7 @@ class _Writer:
         sizes = np.diff(offsets)
         if lines.null_count:  # planner.build_plan fails requests without a prompt before they get here
             raise ValueError("dbt-llm-batch bug: a planned request has no request line")
-        tokens = pc.fill_null(batch.column("tokens"), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        tokens = arrow_tables.to_numpy(batch.column("tokens"), np.int64, null=0)
         rows, inputs = _members(batch)
         starts = np.concatenate(([0], np.cumsum(inputs)))
         pos = 0
@@ -226,7 +226,7 @@ class _Writer:
             self.writes.finish()
 
     def record_sent(self) -> None:
-        sent = pa.table(
+        sent = arrow_tables.from_numpy(
             {
                 "plan_row": np.concatenate(self.sent_rows) if self.sent_rows else np.array([], np.int64),
                 "chunk": np.concatenate(self.sent_chunks) if self.sent_chunks else np.array([], np.int32),
@@ -257,11 +257,11 @@ def _members(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
     """The plan rows the batch's lines carry, in line order, and how many each line carries (one, unless
     the lines are packed: a `plan_rows` list per line)."""
     if "plan_rows" not in batch.schema.names:
-        rows = batch.column("plan_row").to_numpy(zero_copy_only=False).astype(np.int64)
+        rows = arrow_tables.to_numpy(batch.column("plan_row"), np.int64)
         return rows, np.ones(len(rows), dtype=np.int64)
     lists = batch.column("plan_rows")
-    counts = pc.list_value_length(lists).to_numpy(zero_copy_only=False).astype(np.int64)
-    return lists.flatten().to_numpy(zero_copy_only=False).astype(np.int64), counts
+    counts = arrow_tables.to_numpy(pc.list_value_length(lists), np.int64)
+    return arrow_tables.to_numpy(lists.flatten(), np.int64), counts
 
 
 def write_request_files(
