@@ -1,6 +1,7 @@
 """A plain model through real `dbt run` against the sandbox (not a test): submit N rows, complete the
 batch, harvest it, and run once more with nothing new; for one or more installed trees, in alternating
-rounds, so that two versions are compared on the same machine at the same time.
+rounds (the first tree of a round rotates), so that two versions are compared on the same machine at
+the same time.
 
     .venv/bin/python benchmarks/dbt_run.py --rows 100000 --repeat 3
     .venv/bin/python benchmarks/dbt_run.py --rows 100000 --repeat 5 \\
@@ -196,7 +197,12 @@ def main() -> None:
         )
         seen: dict[str, list[dict[str, tuple[float, float]]]] = {label: [] for label, *_ in trees}
         for r in range(args.repeat):
-            for label, python, checkout in trees:  # alternating: each round runs every tree once
+            # Each round runs every tree once, and which tree goes first rotates: with a fixed order, any
+            # cost of running first after the previous round (the sandbox's and the machine's state
+            # left by the runs before) fell on the first tree named in every round. Use a multiple of
+            # the number of trees as --repeat, so each tree goes first equally often.
+            shift = r % len(trees)
+            for label, python, checkout in trees[shift:] + trees[:shift]:
                 times = one_round(label, python, checkout, args.rows, sandbox)
                 seen[label].append(times)
                 shown = "  ".join(f"{s}: model {m:.2f} s wall {w:.2f} s" for s, (w, m) in times.items())

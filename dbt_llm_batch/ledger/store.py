@@ -468,11 +468,10 @@ class Ledger(RequestWrites, JobWrites, ResultWrites, ThenCommandWrites, ClaimWri
                 f"ledger in schema {self.schema} has version {current}, newer than this "
                 f"dbt-llm-batch ({SCHEMA_VERSION}): upgrade the package"
             )
-        pending = [(v, statements) for v, statements in MIGRATIONS if current < v <= up_to]
-        # All pending migrations in one transaction: a ledger is upgraded wholly or not at all, and a
-        # fresh one (every `dbt run` of a new project) commits once instead of once per migration.
-        with transaction(self.con):
-            for version, statements in pending:
+        for version, statements in MIGRATIONS:
+            if version <= current or version > up_to:
+                continue
+            with transaction(self.con):
                 for statement in statements:
                     self.con.execute(statement.format(s=s))
                 if version == SCHEMA_VERSION:  # the views need the current tables' columns
