@@ -13,6 +13,7 @@ from decimal import Decimal
 
 import pytest
 from conftest import failure_messages
+from helpers import batch_counts
 
 SYSTEM = "Be concise. " * 42 + "Be brief"  # 512 characters
 PROMPTS = {
@@ -291,3 +292,26 @@ def test_a_billed_failed_attempt_shows_its_cost_in_the_views(costed, emulator, p
                            from main.llm_batch_costs where model = 'main.costed'""")
     assert view == [(1, 0, 133, 50, realtime / 2, realtime)]
     assert costed.query("select cost_usd from main.llm_batch_progress") == [(realtime / 2,)]
+
+
+def test_rows_pending_and_rows_without_price_count_the_rows_a_shared_request_answers(project, emulator):
+    """Three rows, two asking the same prompt (one request with llm_dedup, on by default at
+    temperature 0): llm_batch_costs counts three rows pending, then three rows without a price; it
+    counted the two requests."""
+    project.write("models/things.sql", "select * from (values (1, 'hello'), (2, 'hello'), (3, 'bye')) t(id, prompt)")
+    project.write(
+        "models/unpriced.sql",
+        """
+{{ config(materialized='llm_batch', unique_key='id', llm_model='gpt-from-the-future') }}
+select * from {{ ref('things') }}""",
+    )
+    project.dbt("run", "-s", "things", "unpriced")
+    assert batch_counts(emulator) == [2]
+    assert project.query("select sum(rows_pending) from main.llm_batch_costs") == [(3,)]
+    assert project.query("select sum(rows_pending) from main.llm_batch_progress") == [(3,)]
+    emulator.complete_all()
+    project.dbt("run", "-s", "unpriced")
+    assert project.query("select count(*) from main.unpriced where llm_status = 'succeeded'") == [(3,)]
+    assert project.query(
+        "select sum(rows_pending), sum(rows_without_price), sum(rows_succeeded) from main.llm_batch_costs"
+    ) == [(0, 3, 3)]

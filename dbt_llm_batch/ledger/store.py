@@ -301,6 +301,10 @@ MIGRATIONS += [
     # request that ever answered it (each part of a combined answer, each prompt's answer), and
     # llm_batch_progress.rows_mapped / rows_reused / keys_* counted superseded answers. No table changes.
     (29, []),
+    # The views changed: llm_batch_costs.rows_pending and rows_without_price counted requests; a
+    # request shared by several rows (llm_dedup) now counts each row it answers (its row answers; a
+    # request without any, written before row answers existed, counts one). No table changes.
+    (30, []),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -348,14 +352,20 @@ VIEWS = [
            -- requests, succeeded or failed for good, each row once (summed: the rows the models have)
            coalesce(sum(c.rows_succeeded), 0) as rows_succeeded,
            coalesce(sum(c.rows_failed), 0) as rows_failed,
-           count(*) filter (where r.status = {_QUEUED}) as rows_pending,
+           -- rows waiting for a request in flight: each row it will answer (row answers; one for a
+           -- request without any, from a ledger older than row answers)
+           coalesce(sum(coalesce(a.row_answers, 1)) filter (where r.status = {_QUEUED}), 0) as rows_pending,
            sum(r.input_tokens) as input_tokens, sum(r.output_tokens) as output_tokens,
            sum(r.cached_tokens) as cache_read_tokens, sum(r.cache_write_tokens) as cache_write_tokens,
            sum(r.cost_usd) as cost_usd, sum(r.realtime_cost_usd) as realtime_cost_usd,
            sum(r.realtime_cost_usd) - sum(r.cost_usd) as savings_usd,
            coalesce(sum(r.estimated_cost_usd) filter (where r.status = {_QUEUED}), 0) as committed_not_billed_usd,
-           count(*) filter (where r.status in ({_SUCCEEDED}, {_FAILED}) and r.job_id is not null
-                            and r.cost_usd is null) as rows_without_price,
+           -- rows whose current answer is a request sent without a known price (counted as rows_succeeded
+           -- and rows_failed count them; one for a request without row answers, as above)
+           coalesce(sum(case when a.row_answers is null then 1
+                             else coalesce(c.rows_succeeded, 0) + coalesce(c.rows_failed, 0) end)
+                    filter (where r.status in ({_SUCCEEDED}, {_FAILED}) and r.job_id is not null
+                            and r.cost_usd is null), 0) as rows_without_price,
            coalesce(r.route, 'batch') as route,
            coalesce(sum(r.possibly_billed), 0) as possibly_billed,
            sum(r.cache_write_1h_tokens) as cache_write_1h_tokens,
