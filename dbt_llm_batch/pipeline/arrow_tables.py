@@ -46,8 +46,8 @@ def from_numpy(columns: dict[str, np.ndarray]) -> pa.Table:
 
 def to_numpy(array: pa.Array, dtype, null=None) -> np.ndarray:
     """A copy of the fixed-width `array` as NumPy `dtype`; nulls become `null` (an error if None)."""
-    if array.type not in _NUMPY_TYPES:
-        raise TypeError(f"dbt-llm-batch bug: no NumPy view of Arrow type {array.type}")
+    if array.type not in _NUMPY_TYPES:  # e.g. a SUM's DECIMAL(38, 0): Arrow's safe cast fails on any loss
+        array = array.cast(_ARROW_TYPES[np.dtype(dtype)])
     start, n = array.offset, len(array)
     if n == 0:
         return np.empty(0, dtype=dtype)
