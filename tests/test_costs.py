@@ -158,8 +158,8 @@ def test_dry_run_sends_nothing_and_reports_the_estimate(costed, emulator, provid
     assert costed.query("select count(*) from main.llm_batch_requests") == [(0,)]
 
 
-def test_unknown_price_is_null_and_warned_never_zero(project, emulator):
-    project.write("models/things.sql", "select 1 as id, 'hello' as prompt")
+def submit_unpriced(project) -> None:
+    """Run `things` (written by the test) and `unpriced`, a model whose llm_model has no price."""
     project.write(
         "models/unpriced.sql",
         """
@@ -167,6 +167,11 @@ def test_unknown_price_is_null_and_warned_never_zero(project, emulator):
 select * from {{ ref('things') }}""",
     )
     project.dbt("run", "-s", "things", "unpriced")
+
+
+def test_unknown_price_is_null_and_warned_never_zero(project, emulator):
+    project.write("models/things.sql", "select 1 as id, 'hello' as prompt")
+    submit_unpriced(project)
     emulator.complete_all()
     project.dbt("run", "-s", "unpriced")
     assert project.query("select llm_status, llm_cost_usd, llm_realtime_cost_usd from main.unpriced") == [
@@ -299,13 +304,7 @@ def test_rows_pending_and_rows_without_price_count_the_rows_a_shared_request_ans
     temperature 0): llm_batch_costs counts three rows pending, then three rows without a price; it
     counted the two requests."""
     project.write("models/things.sql", "select * from (values (1, 'hello'), (2, 'hello'), (3, 'bye')) t(id, prompt)")
-    project.write(
-        "models/unpriced.sql",
-        """
-{{ config(materialized='llm_batch', unique_key='id', llm_model='gpt-from-the-future') }}
-select * from {{ ref('things') }}""",
-    )
-    project.dbt("run", "-s", "things", "unpriced")
+    submit_unpriced(project)
     assert batch_counts(emulator) == [2]
     assert project.query("select sum(rows_pending) from main.llm_batch_costs") == [(3,)]
     assert project.query("select sum(rows_pending) from main.llm_batch_progress") == [(3,)]
