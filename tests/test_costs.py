@@ -314,3 +314,24 @@ def test_rows_pending_and_rows_without_price_count_the_rows_a_shared_request_ans
     assert project.query(
         "select sum(rows_pending), sum(rows_without_price), sum(rows_succeeded) from main.llm_batch_costs"
     ) == [(0, 3, 3)]
+
+
+def test_a_row_re_asked_after_a_prompt_edit_is_pending_once(project, emulator):
+    """Three rows sent, then their prompts edited while the batch is in flight: each row is asked
+    again, and its old request stays in flight too. llm_batch_costs counts three rows pending, as
+    llm_batch_progress does; it counted six (each row once per request in flight)."""
+    project.write("models/things.sql", "select * from (values (1, 'one'), (2, 'two'), (3, 'three')) t(id, prompt)")
+    submit_unpriced(project)
+    project.write("models/things.sql", "select * from (values (1, 'uno'), (2, 'dos'), (3, 'tres')) t(id, prompt)")
+    project.dbt("run", "-s", "things", "unpriced")
+    assert batch_counts(emulator) == [3, 3]  # the old requests are still in flight
+    assert project.query("select sum(rows_pending) from main.llm_batch_costs") == [(3,)]
+    assert project.query("select sum(rows_pending) from main.llm_batch_progress") == [(3,)]
+    emulator.complete_all()
+    project.dbt("run", "-s", "unpriced")
+    assert project.query("select prompt from main.unpriced where llm_status = 'succeeded' order by id") == [
+        ("uno",),
+        ("dos",),
+        ("tres",),
+    ]
+    assert project.query("select sum(rows_pending), sum(rows_succeeded) from main.llm_batch_costs") == [(0, 3)]

@@ -305,6 +305,9 @@ MIGRATIONS += [
     # request shared by several rows (llm_dedup) now counts each row it answers (its row answers; a
     # request without any, written before row answers existed, counts one). No table changes.
     (30, []),
+    # llm_batch_costs.rows_pending counted a row re-asked after a prompt edit, with its old request
+    # still in flight, once per request; it now counts it once, by its newest request. Views only.
+    (31, []),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -323,6 +326,18 @@ _CURRENT_ANSWERS = f"""(select a.model, a.variant, a.key, a.custom_id, a.reused,
     where a.emitted is distinct from 'superseded' and r.is_final and r.status in ({_SUCCEEDED}, {_FAILED})
     qualify row_number() over (partition by a.model, a.variant, a.key
                                order by a.emitted is not distinct from 'merged' desc, a.created_at desc, a.custom_id desc) = 1)"""
+
+# Each row's (model, variant, key) newest row answer, where it is a request in flight: the request the
+# row now waits for. Read only for the rows that have a row answer in flight (the semi join), so a
+# large ledger's finished rows are not ranked. A row answered earlier and re-asked after a prompt edit
+# waits for the new request only; its old request, still in flight, answers the previous prompt.
+_PENDING_ANSWERS = f"""(select a.custom_id
+    from {{s}}.llm_batch_row_answers a join {{s}}.llm_batch_requests r using (custom_id)
+         semi join (select w.model, w.variant, w.key from {{s}}.llm_batch_row_answers w
+                    join {{s}}.llm_batch_requests q using (custom_id) where q.status = {_QUEUED}) w
+              on w.model = a.model and w.variant = a.variant and w.key = a.key
+    qualify row_number() over (partition by a.model, a.variant, a.key order by a.created_at desc, a.custom_id desc) = 1
+        and r.status = {_QUEUED})"""
 
 
 VIEWS = [
@@ -352,9 +367,11 @@ VIEWS = [
            -- requests, succeeded or failed for good, each row once (summed: the rows the models have)
            coalesce(sum(c.rows_succeeded), 0) as rows_succeeded,
            coalesce(sum(c.rows_failed), 0) as rows_failed,
-           -- rows waiting for a request in flight: each row it will answer (row answers; one for a
-           -- request without any, from a ledger older than row answers)
-           coalesce(sum(coalesce(a.row_answers, 1)) filter (where r.status = {_QUEUED}), 0) as rows_pending,
+           -- rows waiting for a request in flight: each row it will answer whose newest row answer it is
+           -- (_PENDING_ANSWERS: a row re-asked after a prompt edit counts once, by the new request); one
+           -- for a request without row answers, from a ledger older than them
+           coalesce(sum(case when a.row_answers is null then 1 else coalesce(p.rows_pending, 0) end)
+                    filter (where r.status = {_QUEUED}), 0) as rows_pending,
            sum(r.input_tokens) as input_tokens, sum(r.output_tokens) as output_tokens,
            sum(r.cached_tokens) as cache_read_tokens, sum(r.cache_write_tokens) as cache_write_tokens,
            sum(r.cost_usd) as cost_usd, sum(r.realtime_cost_usd) as realtime_cost_usd,
@@ -389,6 +406,8 @@ VIEWS = [
                            count(*) filter (where status = {_FAILED}) as rows_failed,
                            count(*) filter (where reused) as rows_reused
                     from {_CURRENT_ANSWERS} group by custom_id) c using (custom_id)
+         left join (select custom_id, count(*) as rows_pending from {_PENDING_ANSWERS} group by custom_id) p
+              using (custom_id)
     group by all""",
     f"""create or replace view {{s}}.llm_batch_progress as
     select model,
