@@ -261,6 +261,69 @@ def floor_ingest(con, paths) -> None:
     con.execute("drop table floor_out")
 
 
+def design_ledger(con) -> None:
+    """(b)'s design floor works on copies of the ledger's requests and row answers (untimed), in a
+    ledger schema of their own created by the real migrations, so its tables are declared (columns,
+    compression) as the plugin's are, and the plugin's step after it finds its own untouched."""
+    Ledger(con, "design", "main.bench").migrate()
+    for table in ("llm_batch_requests", "llm_batch_row_answers"):
+        con.execute(f"insert into design.{table} select * from main.{table}")
+    con.execute("checkpoint")
+
+
+def design_floor_ingest(con, config, paths) -> None:
+    """(b) the design's floor: what this design's harvest asks at the least, in plain DuckDB with
+    nothing between its statements: every raw line stored first (as the floor above, with the file it
+    came from), one parse of each, each request updated with its outcome (status, answer, usage, cost:
+    the design keeps a request's outcome on its ledger row), the model table written from the model's
+    rows (the current selection, with the key's answer: row answers join the two) and the typed
+    columns, and each row answer marked as the one the table shows. Over the floor above, it is what
+    the design asks beyond the invariants; the plugin over it, what the implementation adds."""
+    key = plan.row_facts_sql(config, plan.describe(con, plan.INPUT))[0]
+    con.execute("begin")
+    con.execute(
+        f"""insert into design.llm_batch_results (custom_id, model, job_id, source, raw, stored_at)
+            select json ->> 'custom_id', 'main.bench', filename, filename, json, now()
+            from read_ndjson_objects({paths}, filename = true)"""
+    )
+    con.execute("commit")
+    con.execute("begin")
+    con.execute(
+        """create or replace temp table design_outcomes as
+           select custom_id, r.response.body.choices[1].message.content as answer,
+                  r.response.body.usage.prompt_tokens as input_tokens,
+                  r.response.body.usage.completion_tokens as output_tokens
+           from (select custom_id, json_transform(raw, '{"response": {"body": {"choices":
+                   [{"message": {"content": "VARCHAR"}}], "usage": {"prompt_tokens": "BIGINT",
+                   "completion_tokens": "BIGINT"}}}}') as r from design.llm_batch_results)"""
+    )
+    con.execute(
+        """update design.llm_batch_requests q set status = 'succeeded', is_final = true, answer = o.answer,
+             input_tokens = o.input_tokens, output_tokens = o.output_tokens,
+             cost_usd = (o.input_tokens * 0.075 + o.output_tokens * 0.3) / 1e6, completed_at = now()
+           from design_outcomes o where q.custom_id = o.custom_id"""
+    )
+    con.execute("commit")
+    con.execute("begin")
+    con.execute(
+        f"""create or replace table design_model as
+            select i.*, json_extract_string(q.answer, '$.category') as category,
+                   cast(json_extract_string(q.answer, '$.score') as bigint) as score,
+                   q.status as llm_status, q.cost_usd as llm_cost_usd
+            from {plan.INPUT} i join design.llm_batch_row_answers a on a.key = {key}
+                 join design.llm_batch_requests q using (custom_id)"""
+    )
+    con.execute("update design.llm_batch_row_answers set emitted = 'merged'")
+    con.execute("commit")
+    written, parsed = con.execute(
+        "select (select count(*) from design_model), (select count(*) from design_outcomes)"
+    ).fetchall()[0]
+    assert written == parsed, (written, parsed)
+    con.execute("drop table design_outcomes")
+    con.execute("drop table design_model")
+    con.execute("drop schema design cascade")
+
+
 def floor_noop(con, config, source: str) -> int:
     """(c) floor, one side: what any run must do to know that nothing is new while keeping the model's
     rows for the rest of the run (read once: the model's SQL runs once), in plain DuckDB: one copy of
@@ -338,6 +401,8 @@ def run_once(n: int, memory_limit: str | None = None, temp_directory: str | None
         )
         step("b_baseline_s", lambda: baseline_ingest(con, result_paths(directory)))
         step("b_floor_s", lambda: floor_ingest(con, result_paths(directory)))
+        design_ledger(con)
+        step("b_design_s", lambda: design_floor_ingest(con, config, result_paths(directory)))
         step("b_plugin_s", lambda: ingest(con, config, directory))
         assert con.execute("select count(*) from main.bench where llm_status = 'succeeded'").fetchall()[0][0] == n
 
@@ -471,7 +536,7 @@ def report(rounds: list[dict]) -> None:
             f"{f['a_plugin_s'] / f['a_baseline_s']:.2f}x (floor {f['a_floor_s']:.2f} s = "
             f"{f['a_floor_s'] / f['a_baseline_s']:.2f}x, design floor {f['a_design_s']:.2f} s)   (b) plugin {f['b_plugin_s']:.2f} s / read_json baseline "
             f"{f['b_baseline_s']:.2f} s = {f['b_plugin_s'] / f['b_baseline_s']:.2f}x (floor {f['b_floor_s']:.2f} s = "
-            f"{f['b_floor_s'] / f['b_baseline_s']:.2f}x)   (c) no-op {f['c_noop_s']:.2f} s"
+            f"{f['b_floor_s'] / f['b_baseline_s']:.2f}x, design floor {f['b_design_s']:.2f} s)   (c) no-op {f['c_noop_s']:.2f} s"
             f" - empty model {f['c_empty_s']:.2f} s = {f['c_noop_s'] - f['c_empty_s']:+.2f} s (floor "
             f"{f['c_floor_s'] - f['c_floor_empty_s']:+.2f} s)   (c') with llm_updated_at {f['c_skip_s']:.3f} s "
             f"(floor {f['c_skip_floor_s']:.3f} s)"
@@ -492,7 +557,10 @@ def report(rounds: list[dict]) -> None:
         f"{median([f['b_plugin_s'] / f['b_baseline_s'] for f in rounds]):.2f}x; the floor the ledger's invariants "
         f"set (raw lines stored first + one parse into a table with the stored rows) "
         f"{median([f['b_floor_s'] / f['b_baseline_s'] for f in rounds]):.2f}x; the plugin over its floor "
-        f"{median([f['b_plugin_s'] / f['b_floor_s'] for f in rounds]):.2f}x"
+        f"{median([f['b_plugin_s'] / f['b_floor_s'] for f in rounds]):.2f}x; the design's floor (the same plus "
+        f"each request updated with its outcome, the model table from the model's rows, row answers marked) over "
+        f"the floor {median([f['b_design_s'] / f['b_floor_s'] for f in rounds]):.2f}x, the plugin over the design's "
+        f"floor {median([f['b_plugin_s'] / f['b_design_s'] for f in rounds]):.2f}x"
     )
     print(
         f"(c) no-op run on the ledger vs empty model run: median difference "
@@ -542,8 +610,9 @@ def growth_report(small: list[dict], large: list[dict]) -> None:
                 f"({med(large, baseline) / med(small, baseline):.1f}x); plugin over floor "
                 f"{p0 / f0:.2f}x -> {p1 / f1:.2f}x"
             )
-        if plugin == "a_plugin_s":
-            d0, d1 = med(small, "a_design_s"), med(large, "a_design_s")
+        if plugin in ("a_plugin_s", "b_plugin_s"):
+            design = plugin.replace("plugin", "design")
+            d0, d1 = med(small, design), med(large, design)
             line += f"; the design's floor {d0:.2f} -> {d1:.2f} s ({d1 / d0:.1f}x), plugin over it {p0 / d0:.2f}x -> {p1 / d1:.2f}x"
         print(line, flush=True)
     print(f"peak RSS of this process {max_rss_mb():.0f} MB")
