@@ -92,36 +92,30 @@ def test_urgent_rows_go_realtime_instead_of_waiting_for_another_model_s_batch(mo
     assert "pending 7 (7 row(s) wait for requests of main.dup in flight)" in log_text(models)
 
 
-def run_dup_then_twin(project) -> None:
-    """One after the other: run at once, twin finds dup's requests still being sent and its rows are
-    mapped to them by its next run (its log line says so), so the views would count them a run later."""
-    project.dbt("run", "-s", "dup")
-    project.dbt("run", "-s", "twin")
-
-
 def test_the_views_count_each_row_once_with_variants_sharing_requests_after_a_prompt_edit(models, emulator, provider):
     """`dup` has a variant and shares its default variant's requests with `twin` (llm_dedup = 'ledger');
     then dup's prompt is edited, so its default variant's rows are asked again while twin keeps the old
     answers. At every step the cost view's rows, summed over the ledger, are the progress view's keys:
-    each (model, variant, key) once, whichever model's request answers it."""
+    each (model, variant, key) once, whichever model's request answers it. Both models run at once
+    (dbt's threads): the one that claims the shared requests second waits for the other to record them."""
     variants = "llm_dedup='ledger', llm_variants={'terse': {'llm_system': 'Answer tersely.'}},"
     models.write("models/dup.sql", dup_model(provider, extra=variants))
     costs = "select sum(rows_succeeded), sum(rows_pending) from main.llm_batch_costs"
     progress = "select sum(keys_succeeded), sum(rows_pending) from main.llm_batch_progress"
 
-    run_dup_then_twin(models)
+    models.dbt("run", "-s", "dup", "twin")
     assert models.query(costs) == models.query(progress) == [(0, 3 * N)]  # dup's two variants, and twin
     emulator.complete_all()
-    run_dup_then_twin(models)
+    models.dbt("run", "-s", "dup", "twin")
     assert models.query(costs) == models.query(progress) == [(3 * N, 0)]
     assert len(emulator.billed()) == 2 * N, "twin's rows were answered by dup's default variant's requests"
 
     models.write("models/dup.sql", dup_model(provider, extra=f"llm_system='Answer briefly.', {variants}"))
-    run_dup_then_twin(models)
+    models.dbt("run", "-s", "dup", "twin")
     # dup's default rows asked again (they show their first answers meanwhile); its terse rows and twin's keep theirs
     assert models.query(costs) == models.query(progress) == [(3 * N, N)]
     emulator.complete_all()
-    run_dup_then_twin(models)
+    models.dbt("run", "-s", "dup", "twin")
     assert models.query(costs) == models.query(progress) == [(3 * N, 0)]
     assert len(emulator.billed()) == 3 * N
     assert models.query("select count(*) from main.dup") == [(2 * N,)]

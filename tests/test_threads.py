@@ -21,7 +21,7 @@ from conftest import failure_messages
 from helpers import PRICES, batch_counts, billed_cost, dup_model, log_text, write_rows
 
 from dbt_llm_batch.ledger import Ledger
-from dbt_llm_batch.pipeline import budget, plan
+from dbt_llm_batch.pipeline import budget, plan, sharing
 
 MODELS = ("spend_a", "spend_b", "spend_c")
 # One model's plan: 5 requests of about 22 estimated input tokens (prompt and request overhead) and
@@ -117,12 +117,16 @@ def test_with_one_thread_the_second_and_third_models_are_refused(spend, emulator
 
 
 def test_two_models_sharing_the_ledger_under_threads_send_each_request_once(project, emulator, monkeypatch):
+    """Both models planned before either recorded anything, and the one that claimed second does not
+    wait for the other to record them (the barrier holds that one until both planned, so waiting
+    could only end at RECORD_WAIT_SECONDS): its rows are left for its next run."""
     project.write("seeds/llm_prices.csv", PRICES)
     for name in ("dup", "dup_twin"):
         project.write(f"models/{name}.sql", dup_model("openai", extra="llm_dedup='ledger'"))
     write_rows(project, {i: i % 40 for i in range(100)})
 
     with monkeypatch.context() as patch:
+        patch.setattr(sharing, "RECORD_WAIT_SECONDS", 0)
         all_wait_after(patch, plan, "build_plan", parties=2)
         project.dbt("run", "-s", "dup", "dup_twin")
     assert sum(batch_counts(emulator)) == 40, "each shared request is sent once in the project run"
@@ -176,6 +180,60 @@ def test_a_model_planning_while_another_records_the_shared_requests_points_its_r
     emulator.complete_all()
     project.dbt("run", "-s", "dup")
     project.dbt("run", "-s", "dup_twin")
+    assert batch_counts(emulator) == [40]
+    assert_both_tables_answered_at_the_billed_cost(project, emulator)
+
+
+def test_a_model_that_claims_after_another_waits_for_its_requests_and_its_rows_are_pending_at_once(
+    project, emulator, monkeypatch
+):
+    """dup_twin claims the shared requests after dup claimed them and before dup recorded them: it asks
+    again until dup has, then points its rows at dup's requests in this same run. So its rows are
+    pending in its own model from this run on (they were left for its next run, "pending 0")."""
+    project.write("seeds/llm_prices.csv", PRICES)
+    for name in ("dup", "dup_twin"):
+        project.write(f"models/{name}.sql", dup_model("openai", extra="llm_dedup='ledger'"))
+    write_rows(project, {i: i % 40 for i in range(100)})
+    dup_claimed, twin_claimed = threading.Event(), threading.Event()
+    claim, record = Ledger.claim_requests, Ledger.write_intents
+
+    def claim_in_order(ledger, *args, **kwargs):
+        if ledger.model == "main.dup_twin":
+            assert dup_claimed.wait(timeout=120)
+            try:
+                return claim(ledger, *args, **kwargs)
+            finally:
+                twin_claimed.set()
+        try:
+            return claim(ledger, *args, **kwargs)
+        finally:
+            dup_claimed.set()
+
+    def record_after_the_twin_claimed(ledger, *args, **kwargs):
+        if ledger.model == "main.dup":  # the twin's first claim finds dup's claim, not its requests
+            assert twin_claimed.wait(timeout=120)
+        return record(ledger, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Ledger, "claim_requests", claim_in_order)
+        patch.setattr(Ledger, "write_intents", record_after_the_twin_claimed)
+        project.dbt("run", "-s", "dup", "dup_twin")
+
+    assert batch_counts(emulator) == [40]
+    assert "being sent by another model running now" not in log_text(project)
+    assert project.query(
+        """select count(*), count(distinct r.custom_id) from main.llm_batch_row_answers a
+           join main.llm_batch_requests r using (custom_id) where a.model = 'main.dup_twin' and r.model = 'main.dup'"""
+    ) == [(100, 40)], "every row of dup_twin points at dup's request for its prompt"
+    assert project.query("select model, rows_pending from main.llm_batch_progress order by model") == [
+        ("main.dup", 100),
+        ("main.dup_twin", 100),
+    ]
+    assert "main.dup_twin: submitted 0 request(s)" in log_text(project)
+    assert "pending 100 (100 row(s) wait for requests of main.dup in flight)" in log_text(project)
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup_twin")  # harvests dup's batch for its own rows
+    project.dbt("run", "-s", "dup")
     assert batch_counts(emulator) == [40]
     assert_both_tables_answered_at_the_billed_cost(project, emulator)
 

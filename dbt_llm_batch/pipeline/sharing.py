@@ -8,18 +8,27 @@ ledger/claims.py); of two runs planning one request, the second finds the first'
 
 - if the first model's request is recorded (in flight or answered), this model's rows point at it, as
   they would have had the plan seen it (members of that request, plan.build_plan's `reuse`);
-- if it is only claimed (the first run has not recorded it yet), the request leaves this plan and its
-  rows wait: the next run finds the first model's request and points them at it, or plans it again
-  if the first run did not send it after all (its claim ended with it).
+- if it is only claimed (the first run has not recorded it yet), this run claims again until it is
+  recorded (the first run records its requests before it uploads anything, seconds after its claim)
+  and then points its rows at it, so they are pending in this model from this run on. If the first
+  run has not recorded it within RECORD_WAIT_SECONDS, the request leaves this plan and its rows wait:
+  the next run finds the first model's request and points them at it. If the first run ends without
+  sending it (refused, say), its claim ends with it and this run plans it after all.
 """
 
 from __future__ import annotations
+
+import time
 
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline.scratch import Scratch
 
 PLAN, MEMBERS, TAKEN = Scratch.plan, Scratch.plan_members, Scratch.taken
+# How long a run waits for another run to record the requests it claimed, asking again every
+# CLAIM_RETRY_SECONDS. The other run records them once its request files are written: seconds.
+RECORD_WAIT_SECONDS = 30.0
+CLAIM_RETRY_SECONDS = 0.25
 
 
 def claim_shared(ledger: Ledger) -> int:
@@ -29,11 +38,17 @@ def claim_shared(ledger: Ledger) -> int:
     # The selected rows' requests. A deferred one (an earlier run's, row_id NULL) is left as the plan has
     # it: the plan does not share those with other models either, and leaving it out would drop it.
     # A request sent in realtime (an urgent row) is not answered by another model's batch in flight.
-    ledger.claim_requests(
-        f"(select fingerprint, custom_id from {PLAN} where row_id is not null)",
-        TAKEN,
-        urgent=f"(select fingerprint from {PLAN} where route = 'realtime')",
-    )
+    deadline = time.monotonic() + RECORD_WAIT_SECONDS
+    while True:
+        ledger.claim_requests(
+            f"(select fingerprint, custom_id from {PLAN} where row_id is not null)",
+            TAKEN,
+            urgent=f"(select fingerprint from {PLAN} where route = 'realtime')",
+        )
+        unrecorded = con.execute(f"select count(*) from {TAKEN} where custom_id is null").fetchall()[0][0]
+        if not unrecorded or time.monotonic() >= deadline:
+            break
+        time.sleep(CLAIM_RETRY_SECONDS)
     if not con.execute(f"select count(*) > 0 from {TAKEN}").fetchall()[0][0]:
         con.execute(f"drop table {TAKEN}")
         return 0
@@ -53,13 +68,13 @@ def claim_shared(ledger: Ledger) -> int:
         f"""delete from {MEMBERS}
             where duplicate and fingerprint in (select fingerprint from {TAKEN} where custom_id is null)"""
     )
-    waiting = con.execute(f"select count(*) from {TAKEN} where custom_id is null").fetchall()[0][0]
+    waiting = unrecorded
     con.execute(f"delete from {PLAN} where row_id is not null and fingerprint in (select fingerprint from {TAKEN})")
     con.execute(f"drop table {TAKEN}")
     if waiting:
         log.info(
             f"{ledger.model}: {waiting} request(s) are being sent by another model running now "
-            "(llm_dedup = 'ledger'), so they are not sent again: their rows are answered from that "
-            "model's request by a later run"
+            f"(llm_dedup = 'ledger') that did not record them within {RECORD_WAIT_SECONDS:.0f} s, so they are not "
+            "sent again: their rows are answered from that model's request by a later run"
         )
     return waiting
