@@ -339,8 +339,8 @@ def test_a_field_added_while_the_other_models_rows_wait_for_the_shared_answer_as
     project.dbt("run", "--threads", "4", "-s", "triage", "triage_copy")
     later = [sorted(s["properties"]) for b in asked(emulator)[1:] for s in b]
     assert later == [["language"]] * 6, later
-    # A model sharing a request the other sent in the same run is answered by a later run
-    # (docs/costs.md): both tables then show the held fields and the added one, nothing asked again.
+    # One more run: both tables show the held fields and the added one, and nothing is asked again
+    # (the model that claimed the shared requests second points its rows at the other's in its run).
     project.dbt("run", "--threads", "4", "-s", "triage", "triage_copy")
     assert sum(len(b) for b in asked(emulator)) == 12
     for name in ("triage", "triage_copy"):
