@@ -116,14 +116,19 @@ def test_with_one_thread_the_second_and_third_models_are_refused(spend, emulator
     assert "plus $0.001110 already in flight exceeds var llm_batch_max_cost_usd" in failure_messages(result)
 
 
-def test_two_models_sharing_the_ledger_under_threads_send_each_request_once(project, emulator, monkeypatch):
-    """Both models planned before either recorded anything, and the one that claimed second does not
-    wait for the other to record them (the barrier holds that one until both planned, so waiting
-    could only end at RECORD_WAIT_SECONDS): its rows are left for its next run."""
+def write_two_sharing_models(project) -> None:
+    """dup and dup_twin ask the same 40 prompts over 100 rows each, sharing requests (llm_dedup = 'ledger')."""
     project.write("seeds/llm_prices.csv", PRICES)
     for name in ("dup", "dup_twin"):
         project.write(f"models/{name}.sql", dup_model("openai", extra="llm_dedup='ledger'"))
     write_rows(project, {i: i % 40 for i in range(100)})
+
+
+def test_two_models_sharing_the_ledger_under_threads_send_each_request_once(project, emulator, monkeypatch):
+    """Both models planned before either recorded anything, and the one that claimed second does not
+    wait for the other to record them (the barrier holds that one until both planned, so waiting
+    could only end at RECORD_WAIT_SECONDS): its rows are left for its next run."""
+    write_two_sharing_models(project)
 
     with monkeypatch.context() as patch:
         patch.setattr(sharing, "RECORD_WAIT_SECONDS", 0)
@@ -145,10 +150,7 @@ def test_a_model_planning_while_another_records_the_shared_requests_points_its_r
 ):
     """The other order: dup_twin planned before dup recorded its requests (so its plan still has them),
     and claims them after: its rows point at dup's requests in this same run, nothing is sent twice."""
-    project.write("seeds/llm_prices.csv", PRICES)
-    for name in ("dup", "dup_twin"):
-        project.write(f"models/{name}.sql", dup_model("openai", extra="llm_dedup='ledger'"))
-    write_rows(project, {i: i % 40 for i in range(100)})
+    write_two_sharing_models(project)
     twin_planned, dup_recorded = threading.Event(), threading.Event()
     claim, record = Ledger.claim_requests, Ledger.write_intents
 
@@ -190,10 +192,7 @@ def test_a_model_that_claims_after_another_waits_for_its_requests_and_its_rows_a
     """dup_twin claims the shared requests after dup claimed them and before dup recorded them: it asks
     again until dup has, then points its rows at dup's requests in this same run. So its rows are
     pending in its own model from this run on (they were left for its next run, "pending 0")."""
-    project.write("seeds/llm_prices.csv", PRICES)
-    for name in ("dup", "dup_twin"):
-        project.write(f"models/{name}.sql", dup_model("openai", extra="llm_dedup='ledger'"))
-    write_rows(project, {i: i % 40 for i in range(100)})
+    write_two_sharing_models(project)
     dup_claimed, twin_claimed = threading.Event(), threading.Event()
     claim, record = Ledger.claim_requests, Ledger.write_intents
 
