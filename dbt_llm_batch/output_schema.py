@@ -317,24 +317,50 @@ def holds_format(fmt: str, value: str) -> bool:
     return day <= calendar.monthrange(year, month)[1]
 
 
-def answer_problems_sql(columns: dict[str, dict], answer: str = "answer") -> list[tuple[str, str]]:
-    """(SQL condition, SQL text of the problem) pairs, in order, that find why a structured answer
-    (the SQL expression `answer`) is unusable: not a JSON object, or a flat column's value missing,
-    of another type, not among its enum, not a date / date-time / time its column holds, or out of its
-    integer column's range. The other columns are checked by answer_validator."""
-    checks = [
-        (f"not coalesce(json_valid({answer}), false)", "'answer is not valid JSON'"),
-        (f"json_type({answer}) <> 'OBJECT'", "'answer is not a JSON object'"),
+# The facts the bulk checks read (answer_facts_sql): each is one parse of the answer, where a check
+# per field parsing it again was most of the checks' time (a million answers, two flat columns: 0.45 s
+# against 0.25 s).
+ANSWER_VALID, ANSWER_TYPES, ANSWER_TEXTS = "_llm_answer_valid", "_llm_answer_types", "_llm_answer_texts"
+
+
+def answer_facts_sql(columns: dict[str, dict], answer: str = "answer") -> list[str]:
+    """SELECT lists, in order (each reads the columns of the one before), adding the facts
+    answer_problems_sql's checks read about the structured answer `answer` (an SQL expression):
+    whether it is JSON; the JSON types of its root and of each flat column's field (NULL for a field it
+    lacks); each flat field's text. The types and texts are read only from valid JSON (reading them
+    from other text is an error)."""
+    flat = [name for name, schema in columns.items() if is_flat(schema)]
+    types = "[" + ", ".join(literal(p) for p in ["$", *(f"$.{name}" for name in flat)]) + "]"
+    texts = "[" + ", ".join(literal(f"$.{name}") for name in flat) + "]"
+    texts_sql = (
+        f"case when {ANSWER_VALID} then json_extract_string({answer}, {texts}) end" if flat else "null::varchar[]"
+    )
+    return [
+        f"coalesce(json_valid({answer}), false) as {ANSWER_VALID}",
+        f"case when {ANSWER_VALID} then json_type({answer}, {types}) end as {ANSWER_TYPES}, "
+        f"{texts_sql} as {ANSWER_TEXTS}",
     ]
-    for name, schema in columns.items():
-        if is_flat(schema):
-            checks += _flat_checks(name, schema, answer)
+
+
+def answer_problems_sql(columns: dict[str, dict]) -> list[tuple[str, str]]:
+    """(SQL condition, SQL text of the problem) pairs, in order, that find why a structured answer
+    is unusable: not a JSON object, or a flat column's value missing, of another type, not among its
+    enum, not a date / date-time / time its column holds, or out of its integer column's range. They
+    read the answer's facts (answer_facts_sql, with the same `columns`). The other columns are checked
+    by answer_validator."""
+    checks = [
+        (f"not {ANSWER_VALID}", "'answer is not valid JSON'"),
+        (f"{ANSWER_TYPES}[1] <> 'OBJECT'", "'answer is not a JSON object'"),
+    ]
+    flat = [(name, schema) for name, schema in columns.items() if is_flat(schema)]
+    for n, (name, schema) in enumerate(flat, start=1):
+        checks += _flat_checks(name, schema, jtype=f"{ANSWER_TYPES}[{n + 1}]", text=f"{ANSWER_TEXTS}[{n}]")
     return checks
 
 
-def _flat_checks(name: str, schema: dict, answer: str) -> list[tuple[str, str]]:
-    path = literal("$." + name)
-    jtype, text = f"json_type({answer}, {path})", f"json_extract_string({answer}, {path})"
+def _flat_checks(name: str, schema: dict, jtype: str, text: str) -> list[tuple[str, str]]:
+    """The checks of flat column `name`: `jtype`, its field's JSON type (NULL when missing); `text`,
+    its field's text (SQL expressions)."""
     kind, nullable = _kind(schema)
     types = JSON_TYPES[kind] + (("NULL",) if nullable else ())
     or_null = " or null" if nullable else ""

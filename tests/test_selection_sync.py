@@ -45,6 +45,43 @@ def test_a_changed_non_prompt_column_is_refreshed_without_asking_again(project, 
     assert rows(project) == incremental, "a full refresh gives the rows the incremental run has"
 
 
+def priority_as(expression: str, where: str = "") -> str:
+    """The triage model with its priority column selected as `expression` (not part of the prompt)."""
+    return triage_model(where=where).replace(
+        "select ticket_id, subject, priority,", f"select ticket_id, subject, {expression} as priority,"
+    )
+
+
+def test_a_column_changed_while_every_answer_is_in_flight_shows_its_value_when_they_land(project, emulator):
+    """A harvest merging every selected key writes each row from the current selection (merge.py then
+    skips the refresh of the rows it did not write: there are none)."""
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model())
+    project.dbt("run", "-s", "triage")
+    project.write("models/triage.sql", priority_as("upper(priority)"))
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    seeded = dict(project.query("select ticket_id, priority from main.support_tickets"))
+    assert {r[0]: r[2] for r in rows(project)} == {k: v.upper() for k, v in seeded.items()}
+    assert {r[7] for r in rows(project)} == {"succeeded"}
+
+
+def test_a_harvest_of_some_keys_refreshes_the_rows_of_the_others(project, emulator):
+    """Rows of four keys in the table, two keys' requests in flight, the column changed: the harvest of
+    the two writes theirs from the current selection and refreshes the four it did not write."""
+    project.dbt("seed")
+    merged(project, emulator, triage_model(where="where ticket_id <= 4"))
+    project.write("models/triage.sql", priority_as("upper(priority)"))
+    project.dbt("run", "-s", "triage")  # sends tickets 5 and 6
+    assert batch_counts(emulator) == [4, 2]
+    project.write("models/triage.sql", priority_as("'p:' || priority"))
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    seeded = dict(project.query("select ticket_id, priority from main.support_tickets"))
+    assert {r[0]: r[2] for r in rows(project)} == {k: "p:" + v for k, v in seeded.items()}
+    assert {r[7] for r in rows(project)} == {"succeeded"}
+
+
 def test_a_stale_answer_keeps_the_prompt_it_was_asked_with(project, emulator):
     """While a changed prompt's new request is in flight, the key keeps its last answer, and the
     prompt column still shows the prompt that answer belongs to (the request's own columns are not

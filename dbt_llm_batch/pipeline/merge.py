@@ -31,6 +31,9 @@ DESIRED, INPUT, EMIT, EMIT_ROWS = Scratch.desired, Scratch.input, Scratch.emit, 
 # whether the stored row's value is taken and that value; the other columns' values (the outputs', the
 # status columns').
 ROW, KEY, NEEDS_STORED = "_llm_row", "_llm_key", "_llm_needs_stored"
+# Whether the row's answer (or final failure) is new since the last merge, and whether it failed: what
+# the run line counts (Merged).
+NEW, FAILED = "_llm_new", "_llm_failed"
 TAKE, STORED, VALUE = "_llm_take_", "_llm_stored_", "_llm_value_"
 
 
@@ -139,6 +142,7 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> RowSelec
         with {_parts_sql(requests)},
         w as (
             select r.* exclude (key, row_json, answer), e.key, e.reused, e.sharing, e.share_rank,
+                   e.emitted is null as is_new,
                    d.row_id as desired_row, coalesce({same_row}, false) as same_row,
                    -- a combined answer (added_fields.py): each field from the newest of its parts holding it
                    case when b.key is null then r.answer else f.answer end as answer,
@@ -147,7 +151,8 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> RowSelec
                  left join based b on b.key = e.key
                  left join fields f on f.key = e.key
                  left join {DESIRED} d on d.key = e.key)
-        select w.desired_row as {ROW}, w.key as {KEY}, not w.same_row as {NEEDS_STORED},
+        select w.desired_row as {ROW}, w.key as {KEY}, not w.same_row as {NEEDS_STORED}, w.is_new as {NEW},
+               w.status = {sql(RequestStatus.FAILED)} as {FAILED},
                {", ".join(unread + narrow_values)}
         from w left join {ledger.table("llm_batch_jobs")} j on j.job_id = w.job_id"""
     stored = f"""
@@ -450,6 +455,7 @@ def merge(
     )
 
     removed = [0]  # rows of keys no longer selected, deleted (llm_on_unselected = 'delete')
+    counts = [0, 0, 0]  # Merged's: read from EMIT_ROWS (no row is written when nothing is new)
     # Nothing to write (a run with nothing new): the delete would still compute every row's key.
     emitting = con.execute(f"select count(*) > 0 from {EMIT}").fetchall()[0][0]
 
@@ -461,15 +467,28 @@ def merge(
                 con.execute(f"delete from {target} where {shown}")
             elif emitting:
                 con.execute(f"delete from {target} where {shown} and {target_key} in (select key from {EMIT})")
+            every_selected_written = False
             if emitting or rebuild:
                 rows = _row_selects(ledger, config, input_columns)
                 con.execute(f"create or replace temp table {EMIT_ROWS} as {rows.narrow}")
-                if con.execute(f"select count(*) > 0 from {EMIT_ROWS} where {NEEDS_STORED}").fetchall()[0][0]:
+                needs_stored, selected_written, new, failed, again = con.execute(
+                    f"""select count(*) filter (where {NEEDS_STORED}) > 0, count({ROW}), count(*) filter (where {NEW}),
+                               count(*) filter (where {NEW} and {FAILED}), count(*) filter (where not {NEW})
+                        from {EMIT_ROWS}"""
+                ).fetchall()[0]
+                counts[:] = [new, failed, again]
+                if needs_stored:
                     con.execute(rows.stored)
                 with joins_as_written(con):
                     con.execute(f"insert into {target} by name {rows.widen}")
                 con.execute(f"drop table {EMIT_ROWS}")
-            refresh = None if rebuild else refresh_sql(config, target, input_columns)
+                # The rows of selected keys are written from the current selection (_row_selects): when
+                # every selected key's was (a first harvest), there is no other row to refresh. EMIT and
+                # DESIRED hold each key once, so equal counts mean every selected key.
+                every_selected_written = (
+                    selected_written == con.execute(f"select count(*) from {DESIRED}").fetchall()[0][0]
+                )
+            refresh = None if rebuild or every_selected_written else refresh_sql(config, target, input_columns)
             if refresh:
                 con.execute(refresh)
             ledger.mark_emitted(EMIT, scope)
@@ -497,13 +516,9 @@ def merge(
             f"{ledger.model}: removed {removed[0]} row(s) of keys the model no longer selects "
             f"(llm_on_unselected='delete'; the ledger keeps their answers)"
         )
-    # What the run line says "merged": rows whose answer (or final failure) is new since the last merge
-    # (emitted NULL before this one); the rest were written again (a rebuild, an answer shown again).
-    new, failed, again = con.execute(
-        f"""select count(*) filter (where e.emitted is null),
-                   count(*) filter (where e.emitted is null and r.status = {sql(RequestStatus.FAILED)}),
-                   count(*) filter (where e.emitted is not null)
-            from {EMIT} e join {requests} r on r.custom_id = e.custom_id and r.is_final"""
-    ).fetchall()[0]
+    # What the run line says "merged" (counts, from EMIT_ROWS): rows whose answer (or final failure) is
+    # new since the last merge (emitted NULL before this one); the rest were written again (a rebuild,
+    # an answer shown again).
+    new, failed, again = counts
     con.execute(f"drop table if exists {EMIT}")
     return Merged(new, failed, again)

@@ -22,16 +22,17 @@ from dbt_llm_batch.providers.base import BatchState, Provider
 from dbt_llm_batch.sql import in_list, literal
 
 
-def answer_problem_sql(config: ModelConfig) -> str:
-    """SQL giving why an 'ok' answer is unusable (or NULL): cut off, or (output_schema's checks) not a
-    JSON object, or a flat column's value its column cannot hold. A cut-off answer is final at once
-    (settle): the same request would be cut off again."""
+def answer_checks_sql(config: ModelConfig) -> tuple[list[str], str]:
+    """(SELECT lists adding the facts the checks read, in order; SQL giving why an 'ok' answer is
+    unusable, or NULL): cut off, or (output_schema's checks) not a JSON object, or a flat column's value
+    its column cannot hold. A cut-off answer is final at once (settle): the same request would be cut
+    off again."""
     if config.max_tokens is None:
         limit, fix = "the model''s output limit", "Set llm_max_tokens higher (that asks again), or shorten the prompt"
     else:
         limit, fix = f"llm_max_tokens={config.max_tokens}", "Raise llm_max_tokens (that asks again)"
     if config.embeds:
-        return embeddings.answer_problem_sql(config.embedding_size or 0)
+        return [], embeddings.answer_problem_sql(config.embedding_size or 0)
     checks = [
         (
             "truncated",
@@ -39,10 +40,13 @@ def answer_problem_sql(config: ModelConfig) -> str:
             f"request would be cut off again. {fix}'",
         )
     ]
+    facts = []
     if config.structured:
-        checks += output_schema.answer_problems_sql({c.name: c.json_schema for c in config.output_columns})
+        columns = {c.name: c.json_schema for c in config.output_columns}
+        facts = output_schema.answer_facts_sql(columns)
+        checks += output_schema.answer_problems_sql(columns)
     cases = " ".join(f"when {cond} then {why}" for cond, why in checks)
-    return f"case {cases} end"
+    return facts, f"case {cases} end"
 
 
 def schema_problems(con, config: ModelConfig, table: str, skip_jobs=()) -> int:
@@ -191,6 +195,15 @@ def settle(
         if config.embeds
         else "select *, null::float[] as vector from line_outcomes"
     )
+    facts, problem = answer_checks_sql(config)
+    # The checks' facts (output_schema.answer_facts_sql), one CTE each, dropped once checked.
+    facts_ctes = "".join(
+        f"facts{n} as (select *, {select} from {'one_per_id' if n == 0 else f'facts{n - 1}'}),\n            "
+        for n, select in enumerate(facts)
+    )
+    checking = f"facts{len(facts) - 1}" if facts else "one_per_id"
+    fact_columns = (output_schema.ANSWER_VALID, output_schema.ANSWER_TYPES, output_schema.ANSWER_TEXTS)
+    unchecked = f"* exclude ({', '.join(fact_columns)})" if facts else "*"
     con.execute(
         f"""create or replace temp table {Scratch.outcomes} as
             with parsed as (
@@ -199,14 +212,14 @@ def settle(
             line_outcomes as (select {provider.outcomes_sql("r")}, source, job_id from parsed),
             lines as ({lines}),
             one_per_id as ({one_per_id}),
-            checked as (
-                select *, case when outcome = 'ok' then {answer_problem_sql(config)} end as problem,
+            {facts_ctes}checked as (
+                select {unchecked}, case when outcome = 'ok' then {problem} end as problem,
                        -- the same request would fail the same way: final at once, never planned again.
                        -- Not JSON / off-schema answers are not among them: sampled again (temperature,
                        -- provider nondeterminism) they usually parse, so they keep llm_max_attempts.
                        coalesce((outcome = 'ok' and truncated) or (outcome = 'error' and not_retried is not null),
                                 false) as permanent
-                from one_per_id){outcomes}""",
+                from {checking}){outcomes}""",
         ([source] if source else []) + ([ledger.model] if failed_before else []),
     )
     earlier = asked_earlier(ledger, config)

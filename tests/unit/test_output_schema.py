@@ -270,8 +270,11 @@ def one(sql: str, param: str):
 
 def sql_problem(columns: dict, answer: str) -> str | None:
     """The bulk SQL checks' problem with `answer` (output_schema.answer_problems_sql), None if none."""
-    cases = " ".join(f"when {cond} then {why}" for cond, why in output_schema.answer_problems_sql(columns, "a"))
-    return one(f"select case {cases} end from (select ? as a)", answer)
+    cases = " ".join(f"when {cond} then {why}" for cond, why in output_schema.answer_problems_sql(columns))
+    source = "(select ? as a)"
+    for select in output_schema.answer_facts_sql(columns, "a"):  # each layer reads the one before
+        source = f"(select *, {select} from {source})"
+    return one(f"select case {cases} end from {source}", answer)
 
 
 def nested_problem(column: dict, value) -> str | None:
