@@ -713,3 +713,26 @@ def test_a_row_that_cannot_be_sent_fails_alone_in_each_identical_variant(project
     project.dbt("run", "-s", "evals")  # nothing new: nothing recorded again, nothing sent
     assert sorted(project.query(never_sent)) == [("", 1), ("twin", 1)]
     assert table(project) == rows and len(sorted_batches(emulator)) == 1
+
+
+def test_a_column_changed_while_the_champion_is_re_asked_refreshes_every_variants_rows(evals, emulator):
+    """The merge skips refreshing the rows it did not write when it wrote every selected key's row,
+    but not with variants: a sampled challenger's rows of keys that left its sample are kept
+    (llm_on_unselected 'keep') and only another pass's refresh brings them the column's new value."""
+    sample = lambda fraction: variants_config(variants={"terse": {"llm_system": SYSTEM_B}}, sample={"terse": fraction})  # noqa: E731
+    left = {i for i in range(N) if in_sample(i, 0.5) and not in_sample(i, 0.3)}
+    assert left, "some keys leave the challenger's sample"
+    evals.write("models/evals.sql", eval_model(sample(0.5)))
+    evals.dbt("run", "-s", "evals")
+    emulator.complete_all()
+    evals.dbt("run", "-s", "evals")
+    evals.write("models/evals.sql", eval_model(sample(0.3)))
+    evals.dbt("run", "-s", "evals")  # the challenger's rows of the keys that left stay
+    evals.write("models/evals.sql", eval_model(sample(0.3), system=SYSTEM_B2))
+    evals.dbt("run", "-s", "evals")  # the champion asks every key again
+    evals.write("models/evals.sql", eval_model(sample(0.3), system=SYSTEM_B2).replace("id + 1000", "id + 2000"))
+    emulator.complete_all()
+    evals.dbt("run", "-s", "evals")  # the champion writes every key; the challenger has nothing new
+    rows = evals.query("select id, llm_variant, ticket_no from main.evals")
+    assert {i for i, v, _ in rows if v == "terse"} >= left
+    assert [(i, v, t) for i, v, t in rows if t != i + 2000] == []

@@ -484,9 +484,12 @@ def merge(
                 con.execute(f"drop table {EMIT_ROWS}")
                 # The rows of selected keys are written from the current selection (_row_selects): when
                 # every selected key's was (a first harvest), there is no other row to refresh. EMIT and
-                # DESIRED hold each key once, so equal counts mean every selected key.
+                # DESIRED hold each key once, so equal counts mean every selected key. Not with
+                # variants: DESIRED is this variant's sample, and the refresh (refresh_sql) updates
+                # every variant's rows, a sampled variant's rows of keys that left its sample too.
                 every_selected_written = (
-                    selected_written == con.execute(f"select count(*) from {DESIRED}").fetchall()[0][0]
+                    config.variant_name is None
+                    and selected_written == con.execute(f"select count(*) from {DESIRED}").fetchall()[0][0]
                 )
             refresh = None if rebuild or every_selected_written else refresh_sql(config, target, input_columns)
             if refresh:

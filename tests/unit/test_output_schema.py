@@ -364,6 +364,30 @@ def test_an_integer_written_as_a_float_is_in_range_or_not_in_a_nested_value():
     assert sql_problem({"n": {"type": "integer"}}, '{"n": 1e20}') == "field 'n' is missing or not of type integer"
 
 
+def test_each_flat_field_is_checked_by_its_own_place_among_the_facts():
+    """The checks read each answer's JSON types and texts parsed once, as lists over the flat columns
+    (output_schema.answer_facts_sql): a nested column between two flat ones takes no place, and each
+    flat field's problem names that field. Not JSON, not an object and NULL come first."""
+    columns = {
+        "a": {"type": "integer"},
+        "nested": {"type": "object", "properties": {"x": {"type": "string"}}},
+        "b": {"type": "string", "enum": ["p", "q"]},
+        "c": {"type": "string", "format": "date"},
+    }
+    good = {"a": 1, "nested": {"x": "y"}, "b": "p", "c": "2026-01-31"}
+    assert sql_problem(columns, json.dumps(good)) is None
+    assert sql_problem(columns, json.dumps({**good, "b": "r"})) == "field 'b' is not one of ['p', 'q']"
+    assert sql_problem(columns, json.dumps({**good, "a": "1"})) == "field 'a' is missing or not of type integer"
+    assert sql_problem(columns, json.dumps({**good, "c": "2026-02-30"})).startswith("field 'c' is not a date")
+    assert sql_problem(columns, json.dumps({k: v for k, v in good.items() if k != "b"})) == (
+        "field 'b' is not one of ['p', 'q']"
+    )
+    assert sql_problem(columns, "not json") == "answer is not valid JSON"
+    assert sql_problem(columns, None) == "answer is not valid JSON"
+    assert sql_problem(columns, "[1]") == "answer is not a JSON object"
+    assert sql_problem(columns, "null") == "answer is not a JSON object"
+
+
 def test_a_nullable_scalar_is_flat_and_takes_null_but_not_a_missing_field():
     note = {"type": ["string", "null"]}
     assert output_schema.is_flat(note)
