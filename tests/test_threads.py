@@ -237,6 +237,52 @@ def test_a_model_that_claims_after_another_waits_for_its_requests_and_its_rows_a
     assert_both_tables_answered_at_the_billed_cost(project, emulator)
 
 
+def test_a_model_waiting_for_requests_another_claimed_sends_them_when_that_run_fails_before_recording(
+    project, emulator, monkeypatch
+):
+    """dup claims the shared requests and its run fails before it records them, while dup_twin waits
+    for them (sharing.RECORD_WAIT_SECONDS): dup's claim ends with its run, so dup_twin claims them and
+    sends them itself, once; dup's next run answers its rows from dup_twin's requests."""
+    write_two_sharing_models(project)
+    dup_claimed, twin_claimed = threading.Event(), threading.Event()
+    claim, record = Ledger.claim_requests, Ledger.write_intents
+
+    def claim_in_order(ledger, *args, **kwargs):
+        if ledger.model == "main.dup_twin":
+            assert dup_claimed.wait(timeout=120)
+            try:
+                return claim(ledger, *args, **kwargs)
+            finally:
+                twin_claimed.set()
+        try:
+            return claim(ledger, *args, **kwargs)
+        finally:
+            dup_claimed.set()
+
+    def fail_after_the_twin_claimed(ledger, *args, **kwargs):
+        if ledger.model == "main.dup":
+            assert twin_claimed.wait(timeout=120)
+            raise RuntimeError("dup's run dies before recording its requests")
+        return record(ledger, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Ledger, "claim_requests", claim_in_order)
+        patch.setattr(Ledger, "write_intents", fail_after_the_twin_claimed)
+        project.dbt("run", "-s", "dup", "dup_twin", expect_ok=False)
+
+    assert batch_counts(emulator) == [40], "dup_twin sent the shared requests, once"
+    assert "being sent by another model running now" not in log_text(project), "it waited, then sent them"
+    assert project.query("select model, count(*) from main.llm_batch_requests group by model") == [
+        ("main.dup_twin", 40)
+    ], "dup recorded nothing"
+    assert project.query("select rows_pending from main.llm_batch_progress where model = 'main.dup_twin'") == [(100,)]
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup_twin")
+    project.dbt("run", "-s", "dup")
+    assert batch_counts(emulator) == [40], "dup's rows are answered from dup_twin's requests"
+    assert_both_tables_answered_at_the_billed_cost(project, emulator)
+
+
 def assert_both_tables_answered_at_the_billed_cost(project, emulator) -> None:
     """Every row of dup and dup_twin succeeded, and their tables' costs add up to what the sandbox billed."""
     total = Decimal(0)
