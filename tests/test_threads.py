@@ -186,15 +186,11 @@ def test_a_model_planning_while_another_records_the_shared_requests_points_its_r
     assert_both_tables_answered_at_the_billed_cost(project, emulator)
 
 
-def test_a_model_that_claims_after_another_waits_for_its_requests_and_its_rows_are_pending_at_once(
-    project, emulator, monkeypatch
-):
-    """dup_twin claims the shared requests after dup claimed them and before dup recorded them: it asks
-    again until dup has, then points its rows at dup's requests in this same run. So its rows are
-    pending in its own model from this run on (they were left for its next run, "pending 0")."""
-    write_two_sharing_models(project)
+def dup_claims_before_the_twin():
+    """(a stand-in for Ledger.claim_requests making dup_twin claim only after dup has claimed, the
+    event set once dup_twin has claimed)."""
     dup_claimed, twin_claimed = threading.Event(), threading.Event()
-    claim, record = Ledger.claim_requests, Ledger.write_intents
+    claim = Ledger.claim_requests
 
     def claim_in_order(ledger, *args, **kwargs):
         if ledger.model == "main.dup_twin":
@@ -207,6 +203,19 @@ def test_a_model_that_claims_after_another_waits_for_its_requests_and_its_rows_a
             return claim(ledger, *args, **kwargs)
         finally:
             dup_claimed.set()
+
+    return claim_in_order, twin_claimed
+
+
+def test_a_model_that_claims_after_another_waits_for_its_requests_and_its_rows_are_pending_at_once(
+    project, emulator, monkeypatch
+):
+    """dup_twin claims the shared requests after dup claimed them and before dup recorded them: it asks
+    again until dup has, then points its rows at dup's requests in this same run. So its rows are
+    pending in its own model from this run on (they were left for its next run, "pending 0")."""
+    write_two_sharing_models(project)
+    claim_in_order, twin_claimed = dup_claims_before_the_twin()
+    record = Ledger.write_intents
 
     def record_after_the_twin_claimed(ledger, *args, **kwargs):
         if ledger.model == "main.dup":  # the twin's first claim finds dup's claim, not its requests
@@ -244,20 +253,8 @@ def test_a_model_waiting_for_requests_another_claimed_sends_them_when_that_run_f
     for them (sharing.RECORD_WAIT_SECONDS): dup's claim ends with its run, so dup_twin claims them and
     sends them itself, once; dup's next run answers its rows from dup_twin's requests."""
     write_two_sharing_models(project)
-    dup_claimed, twin_claimed = threading.Event(), threading.Event()
-    claim, record = Ledger.claim_requests, Ledger.write_intents
-
-    def claim_in_order(ledger, *args, **kwargs):
-        if ledger.model == "main.dup_twin":
-            assert dup_claimed.wait(timeout=120)
-            try:
-                return claim(ledger, *args, **kwargs)
-            finally:
-                twin_claimed.set()
-        try:
-            return claim(ledger, *args, **kwargs)
-        finally:
-            dup_claimed.set()
+    claim_in_order, twin_claimed = dup_claims_before_the_twin()
+    record = Ledger.write_intents
 
     def fail_after_the_twin_claimed(ledger, *args, **kwargs):
         if ledger.model == "main.dup":
