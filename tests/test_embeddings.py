@@ -13,7 +13,14 @@ from decimal import Decimal
 
 import pytest
 from conftest import failure_messages
-from helpers import kill_then_run_on
+from helpers import (
+    append_result_lines,
+    kill_then_run_on,
+    line_for_an_unknown_custom_id,
+    log_text,
+    result_lines,
+    sorted_batches,
+)
 
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.sandbox.embeddings import vector
@@ -104,6 +111,22 @@ def test_a_table_is_embedded_through_a_batch_each_distinct_text_paid_once(docs, 
     # Another run asks nothing.
     docs.dbt("run", "-s", "docs_embedded")
     assert emulator.stats()["batches_created"] == 1
+
+
+def test_a_line_the_batch_never_sent_beside_a_packed_line_is_reported_and_ignored(docs, emulator):
+    """A packed line settles two requests (two distinct texts). With a line for a custom_id the batch
+    never sent beside it, two lines settle two requests, as if each had settled one: that line is still
+    counted and ignored (settle skips its check for unknown lines only when lines and settled requests
+    are equal and a line answers one request)."""
+    write_docs(docs, {i: i % 2 for i in range(20)})
+    docs.dbt("run", "-s", "docs_embedded")
+    emulator.complete_all()
+    batch = sorted_batches(emulator)[0]
+    (packed,) = result_lines(emulator, batch)
+    append_result_lines(emulator, batch, [line_for_an_unknown_custom_id(packed)])
+    docs.dbt("run", "-s", "docs_embedded")
+    assert "1 result line(s) for custom_ids their batch never sent were ignored" in log_text(docs)
+    assert_every_row_has_its_vector(table(docs), 20)
 
 
 def test_a_provider_without_embeddings_refuses_the_config_naming_those_that_can():

@@ -190,7 +190,7 @@ def settle(
                  left join failures f using (key, fingerprint)"""
     # An embedding line answers every request packed into it (packing.py), each with its vector; any
     # other line its own, with none.
-    lines = (
+    line_rows = (
         packing.members_sql("line_outcomes", requests)
         if config.embeds
         else "select *, null::float[] as vector from line_outcomes"
@@ -210,7 +210,7 @@ def settle(
                 select json_transform(raw, '{json.dumps(provider.result_structure)}') as r, source, job_id
                 from {results} where {scope}),
             line_outcomes as (select {provider.outcomes_sql("r")}, source, job_id from parsed),
-            lines as ({lines}),
+            lines as ({line_rows}),
             one_per_id as ({one_per_id}),
             {facts_ctes}checked as (
                 select {unchecked}, case when outcome = 'ok' then {problem} end as problem,
@@ -249,9 +249,10 @@ def settle(
         retry_on_conflict(write)
         # Every line settling a queued request of its job (as many settled as lines, none duplicated)
         # leaves no unknown line: the anti-join over all lines is only needed when the counts differ.
+        # Not for embeddings: a packed line settles several requests, so equal counts prove nothing.
         unknown = (
             0
-            if source or (not duplicated and settled[0] == lines)
+            if source or (not config.embeds and not duplicated and settled[0] == lines)
             else con.execute(
                 f"""select count(distinct custom_id) from {results} l
                 where job_id in (select job_id from {Scratch.ended}) and not exists
