@@ -18,7 +18,7 @@ from decimal import Decimal
 
 import pytest
 from conftest import failure_messages
-from helpers import PRICES, batch_counts, billed_cost, dup_model, log_text, write_rows
+from helpers import PRICE, PRICES, batch_counts, billed_cost, dup_model, log_text, prompt_of, write_rows
 
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.pipeline import budget, plan, sharing
@@ -278,6 +278,75 @@ def test_a_model_waiting_for_requests_another_claimed_sends_them_when_that_run_f
     project.dbt("run", "-s", "dup")
     assert batch_counts(emulator) == [40], "dup's rows are answered from dup_twin's requests"
     assert_both_tables_answered_at_the_billed_cost(project, emulator)
+
+
+def test_urgent_rows_do_not_wait_for_a_batch_another_model_claimed(project, emulator, monkeypatch):
+    """dup claims the 40 shared requests for its batch; dup_twin's rows of prompts 0-9 are urgent
+    (llm_realtime_when). Another model's batch does not answer an urgent row, claimed or recorded, so
+    dup_twin sends those 10 in realtime at once, without waiting for dup's claim to end, and points its
+    other rows at dup's requests. dup's run holds, its requests recorded, until dup_twin has claimed:
+    had dup_twin waited for dup's claim, it would have given up (the wait is cut to 2 s) and left its
+    urgent rows for a later run."""
+    project.write("seeds/llm_prices.csv", PRICES)
+    project.write("models/dup.sql", dup_model("openai", extra="llm_dedup='ledger'"))
+    project.write(
+        "models/dup_twin.sql", dup_model("openai", extra="llm_dedup='ledger', llm_realtime_when='id < 10'")
+    )
+    write_rows(project, {i: i % 40 for i in range(100)})
+    claim_in_order, _ = dup_claims_before_the_twin()
+    twin_shared = threading.Event()
+    record, claim_shared = Ledger.write_intents, sharing.claim_shared
+
+    def twin_claims_then_says(ledger, *args, **kwargs):
+        try:
+            return claim_shared(ledger, *args, **kwargs)
+        finally:
+            if ledger.model == "main.dup_twin":
+                twin_shared.set()
+
+    def record_then_hold(ledger, *args, **kwargs):
+        try:
+            return record(ledger, *args, **kwargs)
+        finally:
+            if ledger.model == "main.dup":  # its claim lasts until its run ends
+                assert twin_shared.wait(timeout=120)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sharing, "RECORD_WAIT_SECONDS", 2)
+        patch.setattr(Ledger, "claim_requests", claim_in_order)
+        patch.setattr(Ledger, "write_intents", record_then_hold)
+        patch.setattr(sharing, "claim_shared", twin_claims_then_says)
+        project.dbt("run", "-s", "dup", "dup_twin")
+
+    assert "being sent by another model running now" not in log_text(project)
+    assert batch_counts(emulator) == [40], "dup's batch; dup_twin sent none"
+    realtime = [b["prompt"] for b in emulator.billed() if b["via"] == "realtime"]
+    assert sorted(realtime) == sorted(prompt_of(n) for n in range(10)), "each urgent prompt once, in realtime"
+    urgent = project.query(
+        "select count(*), count(*) filter (where llm_status = 'succeeded') from main.dup_twin where id % 40 < 10"
+    )
+    assert urgent == [(30, 30)], "dup_twin's rows of the urgent prompts are answered in this run"
+    assert project.query(
+        """select count(*), count(distinct r.custom_id) from main.llm_batch_row_answers a
+           join main.llm_batch_requests r using (custom_id) where a.model = 'main.dup_twin' and r.model = 'main.dup'"""
+    ) == [(70, 30)], "its other rows point at dup's requests"
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup_twin")
+    project.dbt("run", "-s", "dup")
+    assert batch_counts(emulator) == [40] and len(realtime) == 10
+    total = Decimal(0)
+    for name in ("dup", "dup_twin"):
+        rows = project.query(f"select llm_status, llm_cost_usd from main.{name}")
+        assert len(rows) == 100 and {r[0] for r in rows} == {"succeeded"}, name
+        total += sum(r[1] for r in rows)
+    price_in, price_out = PRICE["openai"]
+    billed = sum(
+        (b["usage"]["prompt_tokens"] * price_in + b["usage"]["completion_tokens"] * price_out)
+        / Decimal(1_000_000)
+        * (Decimal("0.5") if b["via"] == "batch" else 1)
+        for b in emulator.billed()
+    )
+    assert total == billed
 
 
 def assert_both_tables_answered_at_the_billed_cost(project, emulator) -> None:

@@ -87,24 +87,29 @@ class ClaimWrites(LedgerBase):
         return self._claim(step)
 
     def claim_requests(self, planned: str, taken: str, urgent: str | None = None) -> None:
-        """Claim the requests of `planned` (fingerprint, custom_id: the requests this run is about to
-        send), except those another run claimed while it is live or another model has in flight or
-        answered: those are written to the temp table `taken` (fingerprint, custom_id of the other
-        model's request answering it, or NULL while it is only claimed; answered), and not claimed.
-        `urgent` (fingerprints this run sends in realtime): another model's request still in a batch
-        does not answer those (an urgent row follows its own model's llm_realtime_when)."""
+        """Claim the requests of `planned` (fingerprint, custom_id, route: the requests this run is
+        about to send), except those another run claimed while it is live or another model has in
+        flight or answered: those are written to the temp table `taken` (fingerprint, custom_id of the
+        other model's request answering it, or NULL while it is only claimed; answered), and not
+        claimed. `urgent` (fingerprints this run sends in realtime): another model's request still in a
+        batch does not answer those, nor another run's claim of one for a batch (an urgent row follows
+        its own model's llm_realtime_when): this run claims them too, and sends them at once."""
         claims, requests = self.table("llm_batch_request_claims"), self.table("llm_batch_requests")
         recorded = f"model <> $model and status in {sql_in((RequestStatus.SUCCEEDED, *IN_FLIGHT))}"
+        claimed = "owner <> $owner"
         if urgent is not None:
-            recorded += f""" and not (status in {sql_in(IN_FLIGHT)} and coalesce(route, 'batch') <> 'realtime'
-                                      and fingerprint in (select fingerprint from {urgent}))"""
+            not_for_urgent = (
+                f"coalesce(route, 'batch') <> 'realtime' and fingerprint in (select fingerprint from {urgent})"
+            )
+            recorded += f" and not (status in {sql_in(IN_FLIGHT)} and {not_for_urgent})"
+            claimed += f" and not ({not_for_urgent})"
 
         def step():
             self.con.execute(
                 f"""create or replace temp table {taken} as
                     select fingerprint, r.custom_id, coalesce(r.answered, false) as answered
                     from (select fingerprint from {claims}
-                          where owner <> $owner and fingerprint in (select fingerprint from {planned})
+                          where {claimed} and fingerprint in (select fingerprint from {planned})
                           union
                           select fingerprint from {requests}
                           where {recorded} and fingerprint in (select fingerprint from {planned})) c
@@ -122,8 +127,8 @@ class ClaimWrites(LedgerBase):
                 [self.owner],
             )
             self.con.execute(
-                f"""insert into {claims}
-                    select fingerprint, custom_id, ?, ?, now() from {planned}
+                f"""insert into {claims} (fingerprint, custom_id, model, owner, claimed_at, route)
+                    select fingerprint, custom_id, ?, ?, now(), route from {planned}
                     where fingerprint not in (select fingerprint from {taken})""",
                 [self.model, self.owner],
             )

@@ -309,6 +309,13 @@ MIGRATIONS += [
     # still in flight, once per request; it now counts it once, by its newest request. Views only.
     (31, []),
 ]
+MIGRATIONS += [
+    # A request claim names the route its request is sent by ('realtime' for an urgent row, NULL for a
+    # batch): another run's claim of a request for a batch does not answer an urgent row, as its
+    # recorded request in a batch does not (claims.claim_requests). Claims last as long as their run:
+    # the ones a live run holds while this runs are taken as batch claims.
+    (32, ["alter table {s}.llm_batch_request_claims add column if not exists route varchar"]),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 # The reporting views (what `dbt-llm-batch status`, `dbt run-operation dbt_llm_batch.status` and users

@@ -41,7 +41,7 @@ def claim_shared(ledger: Ledger) -> int:
     deadline = time.monotonic() + RECORD_WAIT_SECONDS
     while True:
         ledger.claim_requests(
-            f"(select fingerprint, custom_id from {PLAN} where row_id is not null)",
+            f"(select fingerprint, custom_id, route from {PLAN} where row_id is not null)",
             TAKEN,
             urgent=f"(select fingerprint from {PLAN} where route = 'realtime')",
         )

@@ -94,10 +94,16 @@ def test_recording_the_requests_turns_the_reservation_into_committed_cost(memory
     assert other.reserve_budget(Decimal("0.0005"), LIMIT) is None
 
 
-def plan_of(con, fingerprints: list[str], model: str) -> str:
+def plan_of(con, fingerprints: list[str], model: str, realtime: tuple[str, ...] = ()) -> str:
+    """A plan of `fingerprints`, those of `realtime` sent in realtime (urgent rows), the rest in a batch."""
     con.execute(
-        "create or replace temp table planned as select unnest(?) as fingerprint, unnest(?) as custom_id",
-        [fingerprints, [f"r_{model}_{f}" for f in fingerprints]],
+        """create or replace temp table planned as
+           select unnest(?) as fingerprint, unnest(?) as custom_id, unnest(?) as route""",
+        [
+            fingerprints,
+            [f"r_{model}_{f}" for f in fingerprints],
+            ["realtime" if f in realtime else "batch" for f in fingerprints],
+        ],
     )
     return "planned"
 
@@ -123,6 +129,19 @@ def test_a_request_claimed_by_a_live_run_is_taken_until_that_run_ends_or_dies(me
     killed.claim_requests(plan_of(memory_con, ["f9"], "c"), "__taken")
     second.claim_requests(plan_of(memory_con, ["f9"], "b"), "__taken")
     assert taken(memory_con) == [], "a killed run's claim does not count"
+
+
+def test_an_urgent_request_is_not_taken_by_another_runs_claim_for_a_batch(memory_con):
+    """Another run's claim of a request for its batch does not answer an urgent row (llm_realtime_when),
+    as its recorded request in a batch does not; its claim of one it sends in realtime does."""
+    first, _ = running(memory_con, "main.a")
+    second, _ = running(memory_con, "main.b")
+    first.claim_requests(plan_of(memory_con, ["f1", "f2"], "a", realtime=("f2",)), "__taken")
+    urgent = "(select fingerprint from planned where route = 'realtime')"
+    second.claim_requests(plan_of(memory_con, ["f1", "f2", "f3"], "b", realtime=("f1", "f2")), "__taken", urgent)
+    assert taken(memory_con) == [("f2", None, False)], "f1 is b's to send at once; a sends f2 in realtime itself"
+    second.claim_requests(plan_of(memory_con, ["f1"], "b"), "__taken", urgent)
+    assert taken(memory_con) == [("f1", None, False)], "not urgent: a's batch answers it"
 
 
 def test_a_request_another_model_recorded_is_taken_with_its_custom_id(memory_con):
