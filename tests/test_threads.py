@@ -289,9 +289,7 @@ def test_urgent_rows_do_not_wait_for_a_batch_another_model_claimed(project, emul
     urgent rows for a later run."""
     project.write("seeds/llm_prices.csv", PRICES)
     project.write("models/dup.sql", dup_model("openai", extra="llm_dedup='ledger'"))
-    project.write(
-        "models/dup_twin.sql", dup_model("openai", extra="llm_dedup='ledger', llm_realtime_when='id < 10'")
-    )
+    project.write("models/dup_twin.sql", dup_model("openai", extra="llm_dedup='ledger', llm_realtime_when='id < 10'"))
     write_rows(project, {i: i % 40 for i in range(100)})
     claim_in_order, _ = dup_claims_before_the_twin()
     twin_shared = threading.Event()
