@@ -16,11 +16,13 @@ import functools
 import threading
 from decimal import Decimal
 
+import duckdb
 import pytest
 from conftest import failure_messages
 from helpers import PRICE, PRICES, batch_counts, billed_cost, dup_model, log_text, prompt_of, write_rows
 
 from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.ledger.store import SCHEMA_VERSION
 from dbt_llm_batch.pipeline import budget, plan, sharing
 
 MODELS = ("spend_a", "spend_b", "spend_c")
@@ -345,6 +347,32 @@ def test_urgent_rows_do_not_wait_for_a_batch_another_model_claimed(project, emul
         for b in emulator.billed()
     )
     assert total == billed
+
+
+def test_a_v31_ledger_with_a_batch_in_flight_migrates_and_its_claims_name_their_route(project, emulator):
+    """The ledger the previous schema version (31) left, with dup's batch in flight: migration 32 only
+    added llm_batch_request_claims.route, so dropping it (and the version row) gives that ledger. Both
+    models then run together: migrated, dup_twin's rows point at dup's requests in flight, nothing is
+    sent twice, and the claims left behind name no route (the run's claims end with it)."""
+    write_two_sharing_models(project)
+    project.dbt("run", "-s", "dup")
+    project.release_database()
+    with duckdb.connect(str(project.db_path)) as con:
+        con.execute("alter table main.llm_batch_request_claims drop column route")
+        con.execute("delete from main.llm_batch_meta where schema_version >= 32")
+        assert con.execute("select max(schema_version) from main.llm_batch_meta").fetchall() == [(31,)]
+    project.dbt("run", "-s", "dup", "dup_twin")
+    assert project.query("select max(schema_version) from main.llm_batch_meta") == [(SCHEMA_VERSION,)]
+    assert project.query(
+        "select count(*) from information_schema.columns where table_name = 'llm_batch_request_claims' and column_name = 'route'"
+    ) == [(1,)]
+    assert batch_counts(emulator) == [40]
+    assert project.query("select rows_pending from main.llm_batch_progress order by model") == [(100,), (100,)]
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup", "dup_twin")
+    project.dbt("run", "-s", "dup", "dup_twin")
+    assert batch_counts(emulator) == [40]
+    assert_both_tables_answered_at_the_billed_cost(project, emulator)
 
 
 def assert_both_tables_answered_at_the_billed_cost(project, emulator) -> None:
