@@ -264,7 +264,10 @@ async def _send_all(
                     progress.update(outcome.answered + outcome.given_up)
             await workers  # re-raise a worker's error
             if adaptive is not None:
-                log.info(f"{provider.name}: llm_concurrency 'auto' settled at {describe(adaptive)}")
+                # Named by model: two models sending at once (dbt threads) each settle on their own.
+                log.info(
+                    f"{writer.ledger.model}: {provider.name} llm_concurrency 'auto' settled at {describe(adaptive)}"
+                )
         finally:
             if reader is not None:
                 reader.cancel()

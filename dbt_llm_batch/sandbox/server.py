@@ -180,7 +180,7 @@ class Emulator:
     # -- lifecycle of the server ------------------------------------------------
     def start(self) -> Emulator:
         if self._server is None:
-            self._server = ThreadingHTTPServer((self.host, self.port), _Handler)
+            self._server = _Server((self.host, self.port), _Handler)
             self._server.daemon_threads = True
             self._server.emulator = self  # type: ignore[attr-defined]
             self.port = self._server.server_address[1]
@@ -499,6 +499,14 @@ class Emulator:
 
 def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False).encode()
+
+
+class _Server(ThreadingHTTPServer):
+    # socketserver listens with a backlog of 5: a burst of new connections beyond a few waits in the
+    # kernel for a SYN retransmit (about 1 s) before the sandbox sees it, so requests sent at once
+    # reached it spread out, and an engine's count of requests in flight undercounted them (of 32 sent
+    # together it saw at most 10). vLLM's server (uvicorn) and hosted APIs listen with 2048.
+    request_queue_size = 2048
 
 
 class _Handler(BaseHTTPRequestHandler):
