@@ -428,15 +428,18 @@ class RequestWrites(LedgerBase):
 
     # --- merge --------------------------------------------------------------------------------
 
-    def mark_emitted(self, emitted: str, scope: str) -> None:
+    def mark_emitted(self, emitted: str, scope: str, in_scope: int | None = None) -> None:
         """Inside the merge's transaction: row answers with a final request within `scope` (an SQL
         condition) are 'merged' if `emitted` (a relation with key and custom_id, each of its rows one
-        row answer in scope) holds them, else 'superseded'. Two columns matched, not a (key, custom_id) struct: about a sixth faster at 10M rows."""
+        row answer in scope) holds them, else 'superseded'. Two columns matched, not a (key, custom_id)
+        struct: about a sixth faster at 10M rows. `in_scope`: how many row answers of this model
+        `scope` holds, when the caller knows (counted here otherwise)."""
         answers = self.table("llm_batch_row_answers")
-        in_scope, shown = self.con.execute(
-            f"select (select count(*) from {answers} where model = ? and ({scope})), (select count(*) from {emitted})",
-            [self.model],
-        ).fetchall()[0]
+        if in_scope is None:
+            in_scope = self.con.execute(
+                f"select count(*) from {answers} where model = ? and ({scope})", [self.model]
+            ).fetchall()[0][0]
+        shown = self.con.execute(f"select count(*) from {emitted}").fetchall()[0][0]
         # Nothing in scope (a run with nothing new): skip the join with every final request.
         if not in_scope:
             return

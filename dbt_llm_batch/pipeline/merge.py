@@ -427,8 +427,8 @@ def merge(
         final = f"custom_id in (select custom_id from {requests} where is_final)"
         # Each part only when it has rows to look at: a run with nothing new has no row answer that is
         # not merged yet and none superseded, and would otherwise join every final request for none.
-        unmerged, superseded = con.execute(
-            f"""select count(*) filter (where emitted is null), count(*) filter (where emitted = 'superseded')
+        unmerged, superseded, answers_count = con.execute(
+            f"""select count(*) filter (where emitted is null), count(*) filter (where emitted = 'superseded'), count(*)
                 from {answers} where model = {model} and variant = {variant}"""
         ).fetchall()[0]
         parts, own = [], []  # the candidate keys; the same as a condition on a key's only answer
@@ -453,6 +453,11 @@ def merge(
     scope = f"variant = {variant} and " + (
         "true" if rebuild else f"(emitted is null or key in (select key from {EMIT}))"
     )
+    # Every row answer of the variant not merged yet (a first harvest): the scope is all of them, already
+    # counted, so marking them neither counts them again nor joins them with EMIT (2 s at 10M rows).
+    in_scope = None
+    if not rebuild and unmerged == answers_count:
+        scope, in_scope = f"variant = {variant}", answers_count
 
     removed = [0]  # rows of keys no longer selected, deleted (llm_on_unselected = 'delete')
     counts = [0, 0, 0]  # Merged's: read from EMIT_ROWS (no row is written when nothing is new)
@@ -494,7 +499,7 @@ def merge(
             refresh = None if rebuild or every_selected_written else refresh_sql(config, target, input_columns)
             if refresh:
                 con.execute(refresh)
-            ledger.mark_emitted(EMIT, scope)
+            ledger.mark_emitted(EMIT, scope, in_scope)
             removed[0] = 0
             if config.on_unselected == "delete" and not rebuild:  # a rebuild writes only selected keys
                 removed[0] = con.execute(
