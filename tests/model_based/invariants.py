@@ -10,15 +10,19 @@ from decimal import Decimal
 
 from helpers import PRICE
 
-from .world import EMBED_SIZE, MODELS, NULLABLE, ModelState, World
+from .world import EMBED_SIZE, GEMINI_PRICE, MODELS, NULLABLE, ModelState, World
 
 MILLION = Decimal(1_000_000)
 FACE_TOKENS = {
     "openai": ("prompt_tokens", "completion_tokens"),
     "azure_openai": ("prompt_tokens", "completion_tokens"),
     "anthropic": ("input_tokens", "output_tokens"),
+    "gemini": ("promptTokenCount", "candidatesTokenCount"),  # usageMetadata's, as the face bills them
 }
-FACE_PRICE = {**PRICE, "azure_openai": PRICE["openai"]}  # the Azure deployment at OpenAI's test price (world.py)
+# Cached tokens, as each face would bill them (Gemini: usageMetadata.cachedContentTokenCount).
+CACHE_KEYS = ("cached_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", "cachedContentTokenCount")
+# The Azure deployment at OpenAI's test price, Gemini at its own (world.py).
+FACE_PRICE = {**PRICE, "azure_openai": PRICE["openai"], "gemini": GEMINI_PRICE}
 
 
 def billed_cost(billed: list[dict]) -> Decimal:
@@ -27,9 +31,7 @@ def billed_cost(billed: list[dict]) -> Decimal:
     total = Decimal(0)
     for line in billed:
         usage = line["usage"]
-        assert not any(
-            usage.get(k) for k in ("cached_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
-        )
+        assert not any(usage.get(k) for k in CACHE_KEYS)
         tokens_in, tokens_out = (usage[k] for k in FACE_TOKENS[line["face"]])
         price_in, price_out = FACE_PRICE[line["face"]]
         full = (tokens_in * price_in + tokens_out * price_out) / MILLION
@@ -77,22 +79,27 @@ def no_unholdable_value_succeeded(project) -> list[str]:
 def renamed_repaid(project, world: World, lines: list[dict]) -> bool:
     """One request billed once per ledger identity of mb_extract, after a rename of its file that did
     not keep llm_ledger_identity: the new identity's first run pays again, as the warning says it
-    does (rename_warned checks the warning). Twice under one identity is still billed twice."""
+    does (rename_warned checks the warning). Within one identity, as retried_after_failure has it,
+    every line but one paid an attempt the ledger failed (a value its column cannot hold, asked
+    again). Twice under one identity otherwise is still billed twice."""
     state = world.models["mb_extract"]
     if not state.dropped_identities:
         return False
     lineage = {*state.dropped_identities, state.ledger_name()}
     ids = [x.get("custom_id") for x in lines]
-    if None in ids:
+    if None in ids or len(set(ids)) != len(ids):
         return False
-    senders = dict(
-        project.query(
-            f"select custom_id, model from main.llm_batch_requests where custom_id in ({', '.join('?' * len(ids))})",
+    senders = {
+        c: (m, s)
+        for c, m, s in project.query(
+            f"select custom_id, model, status from main.llm_batch_requests where custom_id in ({', '.join('?' * len(ids))})",
             ids,
         )
-    )
-    names = [senders.get(c) for c in ids]
-    return all(n in lineage for n in names) and len(set(names)) == len(names)
+    }
+    if any(c not in senders or senders[c][0] not in lineage for c in ids):
+        return False
+    answered = collections.Counter(m for m, s in senders.values() if s != "failed")
+    return all(n <= 1 for n in answered.values())
 
 
 def urgent_reask(project, lines: list[dict]) -> bool:
@@ -319,6 +326,10 @@ def sandbox_models(emulator) -> dict[str, set[str]]:
         elif batch.get("input_file_id"):
             lines = emulator.file_bytes(batch["input_file_id"]).decode().splitlines()
             asked[batch["id"]] = {json.loads(x)["body"]["model"] for x in lines if x.strip()}
+        elif batch.get("object") == "gemini_batch":
+            # The model is the create call's path (models/<model>:batchGenerateContent), which the job
+            # records; the ledger names the job as the API does, batches/<id>.
+            asked[f"batches/{batch['id']}"] = {batch["metadata"]["model"].removeprefix("models/")}
     return asked
 
 

@@ -22,6 +22,8 @@ from .invariants import budget_kept, rename_warned
 from .world import EDITED, FIRST_MODEL, OTHER_MODEL, VARIANT_CONFIGS, World, write_models, write_seed
 
 SELECT = ("-s", "tag:mb", "--threads", "4")
+# A Gemini job's states once it has ended (the sandbox's control view shows the wire's BATCH_STATE_*).
+GEMINI_ENDED = ("BATCH_STATE_SUCCEEDED", "BATCH_STATE_FAILED", "BATCH_STATE_CANCELLED", "BATCH_STATE_EXPIRED")
 # Project budgets (var llm_batch_max_cost_usd) a run may have: at the test prices one model's 8 rows
 # are estimated at about $0.002-0.006 (the ceiling of 60 output tokens), so on a first run these let
 # one or two of the three through; later, it depends on what is in flight.
@@ -127,8 +129,14 @@ def _edit(rng: random.Random, world: World) -> str:
     if what == "switch":
         model = rng.choice(["mb_triage", "mb_twin", "mb_twin"])
         state = world.models[model]
-        if model == "mb_twin" and rng.random() < 0.5:
-            state.provider = "anthropic" if state.provider == "openai" else "openai"
+        draw = rng.random() if model == "mb_twin" else 1.0
+        if draw < 0.5:
+            # From OpenAI to Anthropic, or to Gemini (the lower half of the same draw: a seed's plan
+            # draws the same steps as before Gemini was among them); from either back to OpenAI.
+            if state.provider == "openai":
+                state.provider = "gemini" if draw < 0.25 else "anthropic"
+            else:
+                state.provider = "openai"
             state.llm_model = FIRST_MODEL[state.provider]
             return f"edit: {model} switched provider to {state.provider} ({state.llm_model})"
         first = FIRST_MODEL[state.provider]
@@ -220,6 +228,7 @@ def apply(step: Step, project, emulator, world: World, tmp: Path) -> tuple[World
                 "failed",
                 "cancelled",
                 "expired",
+                *GEMINI_ENDED,
             ):
                 emulator.advance(batch["id"])
     elif step.kind == "budget_run":

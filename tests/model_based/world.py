@@ -6,7 +6,7 @@ Four llm_batch models over one seed of tickets, at test prices:
   keys), urgent rows sent realtime;
 - `mb_twin` (OpenAI) asking the same requests as mb_triage's default variant while their prompts,
   providers and model names agree (shared requests across models, `llm_dedup = 'ledger'` for both);
-  an edit may move either to another model name, or mb_twin to Anthropic;
+  an edit may move either to another model name, or mb_twin to Anthropic or Gemini (and back);
 - `mb_embed` (OpenAI, `llm_task = 'embed'`): each ticket's text as an 8-float vector, never edited; it
   sets `llm_updated_at` (a run with nothing new skips it);
 - `mb_extract` (Anthropic) with a nested output (a STRUCT holding a LIST, an integer, a date-time and a
@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+from decimal import Decimal
 
 from helpers import PRICES
 
@@ -41,9 +42,14 @@ EXTRACT_OUTPUT = {
 }
 NULLABLE = {"note"}  # output columns whose NULL is an answer (JSON null), not a lost value
 # Another model name at the same test price, for the model switch (the billing check prices by face).
-OTHER_MODEL = {"openai": "gpt-test-2", "anthropic": "claude-test-2"}
-FIRST_MODEL = {"openai": "gpt-test", "anthropic": "claude-test"}
+OTHER_MODEL = {"openai": "gpt-test-2", "anthropic": "claude-test-2", "gemini": "gemini-test-2"}
+FIRST_MODEL = {"openai": "gpt-test", "anthropic": "claude-test", "gemini": "gemini-test"}
 AZURE_DEPLOYMENT = "batch-test"
+# Gemini (the sandbox's Gemini Batch Mode face) at a test price of its own, (input, output) per million
+# tokens, so the billing check would see a Gemini request priced as another provider's. Only mb_twin
+# moves there (a provider switch): llm_provider 'gemini' has no realtime path, so the plugin refuses it
+# as a variant of mb_triage, whose urgent rows go realtime (llm_realtime_when cannot differ per variant).
+GEMINI_PRICE = (Decimal("1.00"), Decimal("4.00"))
 # A variant's config by the name the generator gives it (the name is what a rename changes); "sample"
 # is its llm_variant_sample fraction (the share of keys it answers), which a rename carries along.
 VARIANT_CONFIGS = {
@@ -200,7 +206,12 @@ def write_project(project, world: World) -> None:
     azure = azure.replace(f"openai,{FIRST_MODEL['openai']},", f"azure_openai,{AZURE_DEPLOYMENT},") + "\n"
     # The embedding model at the chat model's test price: the billing check prices every OpenAI line so.
     embed = azure.replace(f"azure_openai,{AZURE_DEPLOYMENT},", f"openai,{EMBED_MODEL},")
-    project.write("seeds/llm_prices.csv", PRICES + others + azure + embed)
+    price_in, price_out = GEMINI_PRICE
+    gemini = "".join(
+        f"gemini,{name},token,{price_in},{price_out},0,{price_in / 4},,0.5,2026-11-29,test prices\n"
+        for name in (FIRST_MODEL["gemini"], OTHER_MODEL["gemini"])
+    )
+    project.write("seeds/llm_prices.csv", PRICES + others + azure + embed + gemini)
     write_models(project, world)
     write_seed(project, world)
 
