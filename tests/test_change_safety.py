@@ -257,6 +257,38 @@ def test_a_renamed_model_keeps_its_answers_with_llm_ledger_identity(project, emu
     assert emulator.stats()["request_lines"] == 7, "six by the first name, one by the unannounced rename"
 
 
+def test_a_model_renamed_back_rebuilds_the_table_its_first_name_left_behind(project, emulator):
+    """triage, renamed triage_v2 keeping its ledger (llm_ledger_identity), answers two more rows and a
+    changed prompt; renamed back to triage, whose table dbt left in place. The ledger marks those
+    answers merged (into triage_v2's table): merged incrementally, the old table kept its four rows
+    and their old prompt's answers. It is rebuilt from the ledger instead, and asks nothing."""
+    from helpers import triage_model
+
+    def shown(name: str) -> list[tuple]:
+        return project.query(f"select ticket_id, llm_status, llm_fingerprint from main.{name} order by 1")
+
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model(where="where ticket_id <= 4"))
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    (project.root / "models" / "triage.sql").unlink()
+    renamed = triage_model(system="Triage the ticket.", extra_config="llm_ledger_identity = 'main.triage',")
+    project.write("models/triage_v2.sql", renamed)
+    project.dbt("run", "-s", "triage_v2")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage_v2")
+    assert len(shown("triage_v2")) == 6 and {r[1] for r in shown("triage_v2")} == {"succeeded"}
+    asked = emulator.stats()["request_lines"]
+
+    (project.root / "models" / "triage_v2.sql").unlink()
+    project.write("models/triage.sql", triage_model(system="Triage the ticket."))
+    project.dbt("run", "-s", "triage")
+    assert shown("triage") == shown("triage_v2"), "every row, with the answer to the prompt it asks now"
+    assert emulator.stats()["request_lines"] == asked, "nothing asked again"
+    assert "its last merge wrote" in (project.root / "logs" / "dbt.log").read_text()
+
+
 def test_a_provider_down_all_run_is_a_dbt_warning_or_an_error_on_request(project, emulator):
     """A nightly job must not stay green while sending nothing: the run ends with a dbt warning
     (which --warn-error turns into a failure), or fails with llm_on_unavailable='error'."""

@@ -64,6 +64,19 @@ class ResultWrites(LedgerBase):
 
         retry_on_conflict(write)
 
+    def merged_into(self) -> str | None:
+        """The table this model's last merge wrote (NULL before ledger version 33, or before a merge)."""
+        row = self.con.execute(
+            f"select merged_into from {self.table('llm_batch_models')} where model = ?", [self.model]
+        ).fetchall()
+        return row[0][0] if row else None
+
+    def record_merged_into(self, target: str) -> None:
+        """This model's merge wrote `target` (its row answers' `emitted` marks say what `target` shows)."""
+        self.execute(
+            f"update {self.table('llm_batch_models')} set merged_into = ? where model = ?", [target, self.model]
+        )
+
     def record_config_snapshot(self, snapshot: str) -> None:
         """The settle-relevant part of this model's config as of this run (config.settle_snapshot),
         for the poller; written only when it changed (its row exists: identity.prepare_ledger)."""

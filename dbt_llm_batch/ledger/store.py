@@ -315,6 +315,11 @@ MIGRATIONS += [
     # recorded request in a batch does not (claims.claim_requests). Claims last as long as their run:
     # the ones a live run holds while this runs are taken as batch claims.
     (32, ["alter table {s}.llm_batch_request_claims add column if not exists route varchar"]),
+    # The table a model's last merge wrote (runner.py): the row answers' `emitted` marks say what that
+    # table shows. A model renamed back to a name whose table dbt left in place finds another table's
+    # name here, and rebuilds its table from the ledger instead of trusting the marks. NULL (a ledger
+    # from before): the marks are trusted, as they were.
+    (33, ["alter table {s}.llm_batch_models add column if not exists merged_into varchar"]),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -139,7 +139,16 @@ def _run(
         except BudgetError as exc:
             refused = exc  # what is already final is merged first; the run still fails, saying so
         crashpoints.reach("before_merge")
+        # The ledger's marks of what is merged describe the table its last merge wrote: another table
+        # (a model renamed back to a name whose table dbt left behind) is rebuilt from the ledger.
+        written = run.ledger.merged_into()
+        if exists and not rebuild and written is not None and written != target:
+            log.info(
+                f"{run.ledger.model}: its last merge wrote {written}, not {target}: {target} is rebuilt from the ledger"
+            )
+            rebuild = True
         run.summary.merged, run.summary.failed, run.summary.rewritten = run.merge(target, rebuild=rebuild)
+        run.ledger.record_merged_into(target)
         docs.comment_columns(con, target, config)  # what `dbt docs` shows for the llm_* columns
         if refused is None:  # left complete: the next run with nothing new may skip (llm_updated_at)
             settled.record_if_complete(run, project.get("settled_config"))
