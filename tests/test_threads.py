@@ -350,8 +350,9 @@ def test_urgent_rows_do_not_wait_for_a_batch_another_model_claimed(project, emul
 
 
 def test_a_v31_ledger_with_a_batch_in_flight_migrates_and_its_claims_name_their_route(project, emulator):
-    """The ledger the previous schema version (31) left, with dup's batch in flight: migration 32 only
-    added llm_batch_request_claims.route, so dropping it (and the version row) gives that ledger. Both
+    """The ledger the previous schema version (31) left, with dup's batch in flight: migrations 32 and
+    33 only added llm_batch_request_claims.route and llm_batch_models.merged_into, so dropping them (and
+    the version rows) gives that ledger. Both
     models then run together: migrated, dup_twin's rows point at dup's requests in flight, nothing is
     sent twice, and the claims left behind name no route (the run's claims end with it)."""
     write_two_sharing_models(project)
@@ -359,6 +360,7 @@ def test_a_v31_ledger_with_a_batch_in_flight_migrates_and_its_claims_name_their_
     project.release_database()
     with duckdb.connect(str(project.db_path)) as con:
         con.execute("alter table main.llm_batch_request_claims drop column route")
+        con.execute("alter table main.llm_batch_models drop column merged_into")  # migration 33's
         con.execute("delete from main.llm_batch_meta where schema_version >= 32")
         assert con.execute("select max(schema_version) from main.llm_batch_meta").fetchall() == [(31,)]
     project.dbt("run", "-s", "dup", "dup_twin")
@@ -373,6 +375,11 @@ def test_a_v31_ledger_with_a_batch_in_flight_migrates_and_its_claims_name_their_
     project.dbt("run", "-s", "dup", "dup_twin")
     assert batch_counts(emulator) == [40]
     assert_both_tables_answered_at_the_billed_cost(project, emulator)
+    # Each model's merges since the migration recorded the table they wrote (merge.py trusts its marks for it).
+    assert project.query("select model, merged_into from main.llm_batch_models order by model") == [
+        ("main.dup", "main.dup"),
+        ("main.dup_twin", "main.dup_twin"),
+    ]
 
 
 def assert_both_tables_answered_at_the_billed_cost(project, emulator) -> None:

@@ -141,14 +141,16 @@ def _run(
         crashpoints.reach("before_merge")
         # The ledger's marks of what is merged describe the table its last merge wrote: another table
         # (a model renamed back to a name whose table dbt left behind) is rebuilt from the ledger.
-        written = run.ledger.merged_into()
-        if exists and not rebuild and written is not None and written != target:
+        # Named by schema and name (as the ledger's own identity is): the database's name follows the
+        # DuckDB file's, which may be moved or copied.
+        table, written = f"{schema}.{identifier}", run.ledger.merged_into()
+        if exists and not rebuild and written is not None and written != table:
             log.info(
-                f"{run.ledger.model}: its last merge wrote {written}, not {target}: {target} is rebuilt from the ledger"
+                f"{run.ledger.model}: its last merge wrote {written}, not {table}: {table} is rebuilt from the ledger"
             )
             rebuild = True
         run.summary.merged, run.summary.failed, run.summary.rewritten = run.merge(target, rebuild=rebuild)
-        run.ledger.record_merged_into(target)
+        run.ledger.record_merged_into(table)
         docs.comment_columns(con, target, config)  # what `dbt docs` shows for the llm_* columns
         if refused is None:  # left complete: the next run with nothing new may skip (llm_updated_at)
             settled.record_if_complete(run, project.get("settled_config"))
