@@ -177,10 +177,9 @@ def test_a_model_planning_while_another_records_the_shared_requests_points_its_r
         project.dbt("run", "-s", "dup", "dup_twin")
 
     assert batch_counts(emulator) == [40]
-    assert project.query(
-        """select count(*), count(distinct r.custom_id) from main.llm_batch_row_answers a
-           join main.llm_batch_requests r using (custom_id) where a.model = 'main.dup_twin' and r.model = 'main.dup'"""
-    ) == [(100, 40)], "every row of dup_twin points at dup's request for its prompt"
+    assert twin_rows_on_dups_requests(project) == [(100, 40)], (
+        "every row of dup_twin points at dup's request for its prompt"
+    )
     emulator.complete_all()
     project.dbt("run", "-s", "dup")
     project.dbt("run", "-s", "dup_twin")
@@ -231,10 +230,9 @@ def test_a_model_that_claims_after_another_waits_for_its_requests_and_its_rows_a
 
     assert batch_counts(emulator) == [40]
     assert "being sent by another model running now" not in log_text(project)
-    assert project.query(
-        """select count(*), count(distinct r.custom_id) from main.llm_batch_row_answers a
-           join main.llm_batch_requests r using (custom_id) where a.model = 'main.dup_twin' and r.model = 'main.dup'"""
-    ) == [(100, 40)], "every row of dup_twin points at dup's request for its prompt"
+    assert twin_rows_on_dups_requests(project) == [(100, 40)], (
+        "every row of dup_twin points at dup's request for its prompt"
+    )
     assert project.query("select model, rows_pending from main.llm_batch_progress order by model") == [
         ("main.dup", 100),
         ("main.dup_twin", 100),
@@ -326,27 +324,12 @@ def test_urgent_rows_do_not_wait_for_a_batch_another_model_claimed(project, emul
         "select count(*), count(*) filter (where llm_status = 'succeeded') from main.dup_twin where id % 40 < 10"
     )
     assert urgent == [(30, 30)], "dup_twin's rows of the urgent prompts are answered in this run"
-    assert project.query(
-        """select count(*), count(distinct r.custom_id) from main.llm_batch_row_answers a
-           join main.llm_batch_requests r using (custom_id) where a.model = 'main.dup_twin' and r.model = 'main.dup'"""
-    ) == [(70, 30)], "its other rows point at dup's requests"
+    assert twin_rows_on_dups_requests(project) == [(70, 30)], "its other rows point at dup's requests"
     emulator.complete_all()
     project.dbt("run", "-s", "dup_twin")
     project.dbt("run", "-s", "dup")
     assert batch_counts(emulator) == [40] and len(realtime) == 10
-    total = Decimal(0)
-    for name in ("dup", "dup_twin"):
-        rows = project.query(f"select llm_status, llm_cost_usd from main.{name}")
-        assert len(rows) == 100 and {r[0] for r in rows} == {"succeeded"}, name
-        total += sum(r[1] for r in rows)
-    price_in, price_out = PRICE["openai"]
-    billed = sum(
-        (b["usage"]["prompt_tokens"] * price_in + b["usage"]["completion_tokens"] * price_out)
-        / Decimal(1_000_000)
-        * (Decimal("0.5") if b["via"] == "batch" else 1)
-        for b in emulator.billed()
-    )
-    assert total == billed
+    assert_both_tables_answered_at_the_billed_cost(project, emulator)
 
 
 def test_a_v31_ledger_with_a_batch_in_flight_migrates_and_its_claims_name_their_route(project, emulator):
@@ -382,11 +365,27 @@ def test_a_v31_ledger_with_a_batch_in_flight_migrates_and_its_claims_name_their_
     ]
 
 
+def twin_rows_on_dups_requests(project) -> list[tuple]:
+    """[(dup_twin's row answers pointing at dup's requests, how many requests of dup they point at)]."""
+    return project.query(
+        """select count(*), count(distinct r.custom_id) from main.llm_batch_row_answers a
+           join main.llm_batch_requests r using (custom_id) where a.model = 'main.dup_twin' and r.model = 'main.dup'"""
+    )
+
+
 def assert_both_tables_answered_at_the_billed_cost(project, emulator) -> None:
-    """Every row of dup and dup_twin succeeded, and their tables' costs add up to what the sandbox billed."""
+    """Every row of dup and dup_twin succeeded, and their tables' costs add up to what the sandbox billed
+    (at the test prices: a batch line at half price, a realtime call at list price)."""
     total = Decimal(0)
     for name in ("dup", "dup_twin"):
         rows = project.query(f"select llm_status, llm_cost_usd from main.{name}")
         assert len(rows) == 100 and {r[0] for r in rows} == {"succeeded"}, name
         total += sum(r[1] for r in rows)
-    assert total == billed_cost(emulator, "openai")
+    price_in, price_out = PRICE["openai"]
+    billed = sum(
+        (b["usage"]["prompt_tokens"] * price_in + b["usage"]["completion_tokens"] * price_out)
+        / Decimal(1_000_000)
+        * (Decimal("0.5") if b["via"] == "batch" else 1)
+        for b in emulator.billed()
+    )
+    assert total == billed
