@@ -40,7 +40,7 @@ def test_rows_waiting_on_another_model_s_request_are_pending_in_their_own_model(
 
     assert len(emulator.billed()) == 0 and table(models, "twin") == {}
     assert "main.twin: submitted 0 request(s)" in log_text(models)
-    assert "pending 10 (10 row(s) wait for requests of main.dup in flight)" in log_text(models)
+    assert "pending 0; 10 row(s) wait for requests of main.dup in flight" in log_text(models)
     assert models.query(PROGRESS) == [("main.dup", N, N), ("main.twin", 0, N)]
     code, out, _ = command(models, capsys, "status")
     assert code == 0 and "rows_pending" in out
@@ -89,7 +89,7 @@ def test_urgent_rows_go_realtime_instead_of_waiting_for_another_model_s_batch(mo
     assert sorted(twin) == [0, 1, 2]  # answered in this run, through the realtime path
     assert {r[4] for r in twin.values()} == {"realtime"} and {r[2] for r in twin.values()} == {"succeeded"}
     assert all(r[3] > Decimal(0) for r in twin.values())  # their own requests, at list prices
-    assert "pending 7 (7 row(s) wait for requests of main.dup in flight)" in log_text(models)
+    assert "pending 0; 7 row(s) wait for requests of main.dup in flight" in log_text(models)
 
 
 def test_the_views_count_each_row_once_with_variants_sharing_requests_after_a_prompt_edit(models, emulator, provider):

@@ -57,7 +57,7 @@ class RunSummary:
             f"(cost {costs.fmt_usd(self.cost_usd)}{saved}); merged {self.merged} row(s) ({self.failed} failed)"
             + (f", {self.rewritten} rewritten from the ledger" if self.rewritten else "")
             + "; "
-            f"pending {self.pending + sum(self.pending_elsewhere.values())}"
+            f"pending {self.pending}"
             + self.elsewhere_part()
             + (f"; deferred {self.deferred} ({self.deferred_reason()})" if self.deferred else "")
             + (f"; waiting {self.backed_off} (back-off)" if self.backed_off else "")
@@ -70,11 +70,14 @@ class RunSummary:
         return "the run was interrupted: they wait for the next run" if self.interrupted else "in-flight cap"
 
     def elsewhere_part(self) -> str:
-        """' (8 row(s) wait for requests of main.other in flight)': pending rows whose request is another model's."""
+        """'; 8 row(s) wait for requests of main.other in flight': rows whose request is another model's.
+        Apart from `pending` (this model's requests in flight): rows and requests are not one unit (a
+        request answers several rows when they share it), and counting this model's own pending rows
+        would join every row answer with the requests in flight on every run."""
         if not self.pending_elsewhere:
             return ""
         models = ", ".join(self.pending_elsewhere)
-        return f" ({sum(self.pending_elsewhere.values())} row(s) wait for requests of {models} in flight)"
+        return f"; {sum(self.pending_elsewhere.values())} row(s) wait for requests of {models} in flight"
 
     def dedup_part(self) -> str:
         return (
