@@ -567,3 +567,132 @@ def test_ctrl_c_while_submitting_sends_no_further_batch_and_the_rest_waits(proje
     assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
     billed = collections.Counter(b["custom_id"] for b in emulator.billed())
     assert len(billed) == 6 and set(billed.values()) == {1}, billed
+
+
+def test_a_model_renamed_back_with_a_batch_in_flight_rebuilds_from_both_names_answers(project, emulator):
+    """triage sends tickets 1-4 and its batch stays out (its table: empty). Renamed triage_v2 keeping
+    its ledger, it selects all six and changes ticket 3's prompt: its batch (3, 5, 6) goes out, and
+    triage's batch, completed, is harvested under triage_v2. Renamed back to triage while triage_v2's
+    batch is in flight: the empty table dbt left is rebuilt from the ledger (the answers harvested
+    under triage_v2), and the batch in flight lands in it on a later run. Each request billed once."""
+    import collections
+
+    from helpers import TRIAGE_SYSTEM, batch_counts, expected_triage, sorted_batches, triage_model
+
+    def model(**kw) -> str:  # ticket 3 asks a changed prompt
+        return triage_model(**kw).replace(
+            "chr(10) || body as prompt", "chr(10) || case when ticket_id = 3 then upper(body) else body end as prompt"
+        )
+
+    def shown(name: str) -> list[tuple]:
+        return project.query(
+            f"""select ticket_id, llm_status, llm_fingerprint, category, urgent, summary, llm_batch_id
+                from main.{name} order by 1"""
+        )
+
+    project.dbt("seed")
+    tickets = {i: (s, b) for i, s, b in project.query("select ticket_id, subject, body from main.support_tickets")}
+    old = {i: f"Subject: {s}\n\n{b}" for i, (s, b) in tickets.items()}
+    new = {**old, 3: f"Subject: {tickets[3][0]}\n\n{tickets[3][1].upper()}"}
+    project.write("models/triage.sql", triage_model(where="where ticket_id <= 4"))
+    project.dbt("run", "-s", "triage")
+    [first] = sorted_batches(emulator)
+    assert shown("triage") == [], "nothing answered yet"
+
+    (project.root / "models" / "triage.sql").unlink()
+    project.write("models/triage_v2.sql", model(extra_config="llm_ledger_identity = 'main.triage',"))
+    project.dbt("run", "-s", "triage_v2")
+    second = sorted_batches(emulator)[1]
+    assert batch_counts(emulator) == [4, 3], "triage's batch is in flight: only 3 (changed), 5 and 6 are asked"
+    emulator.complete(first["id"])
+    project.dbt("run", "-s", "triage_v2")  # harvests triage's batch; triage_v2's is still in flight
+    by_name = shown("triage_v2")
+    assert [(r[0], r[1], r[6]) for r in by_name] == [(i, "succeeded", first["id"]) for i in (1, 2, 3, 4)]
+    for i, _status, _fp, *answer, _batch in by_name:  # ticket 3 keeps its last answer until the new one lands
+        assert tuple(answer) == expected_triage(TRIAGE_SYSTEM, old[i]), i
+
+    (project.root / "models" / "triage_v2.sql").unlink()
+    project.write("models/triage.sql", model())
+    project.dbt("run", "-s", "triage")  # triage_v2's batch still in flight
+    assert shown("triage") == by_name, "the answers harvested under triage_v2, not triage's empty table"
+    assert batch_counts(emulator) == [4, 3], "nothing asked again"
+    assert "its last merge wrote main.triage_v2, not main.triage" in (project.root / "logs" / "dbt.log").read_text()
+
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")  # the batch sent by triage_v2 lands in triage
+    rows = shown("triage")
+    assert [(r[0], r[1], r[6]) for r in rows] == [
+        (i, "succeeded", second["id"] if i in (3, 5, 6) else first["id"]) for i in range(1, 7)
+    ]
+    for i, _status, _fp, *answer, _batch in rows:
+        assert tuple(answer) == expected_triage(TRIAGE_SYSTEM, new[i]), i
+    project.dbt("run", "-s", "triage", "--full-refresh")  # what the ledger says, rebuilt from it alone
+    assert shown("triage") == rows
+    # Billed once each: the four prompts triage sent and the three triage_v2 sent, nothing again.
+    billed = emulator.billed()
+    assert collections.Counter(b["prompt"] for b in billed) == collections.Counter(
+        [old[i] for i in (1, 2, 3, 4)] + [new[i] for i in (3, 5, 6)]
+    )
+    assert len({b["request"] for b in billed}) == len(billed) == 7 and batch_counts(emulator) == [4, 3]
+
+
+def test_a_model_with_variants_renamed_back_rebuilds_every_variant_s_rows(project, emulator):
+    """triage with two evaluation variants (terse: another system prompt; claude: Anthropic) answers
+    tickets 1-4; renamed triage_v2 keeping its ledger, it selects all six and changes terse's prompt;
+    renamed back to triage, whose table dbt left with four rows per variant and terse's old answers.
+    The rebuild writes every variant's rows (the first variant creates the table, the others add
+    theirs) with the answers the ledger holds, and asks nothing."""
+    import collections
+
+    from helpers import TRIAGE_SYSTEM, expected_triage, triage_model
+
+    claude = {"llm_provider": "anthropic", "llm_model": "claude-sonnet-4-5"}
+
+    def model(terse: str, extra: str = "", where: str = "") -> str:
+        variants = json.dumps({"terse": {"llm_system": terse}, "claude": claude})
+        return triage_model(where=where, extra_config=f"llm_variants = {variants}, {extra}")
+
+    def shown(name: str) -> list[tuple]:
+        return project.query(
+            f"""select ticket_id, llm_variant, llm_status, llm_fingerprint, llm_model, category, urgent, summary,
+                       llm_batch_id from main.{name} order by 1, 2"""
+        )
+
+    def assert_answered(rows: list[tuple], terse: str, keys: range) -> None:
+        systems = {"default": TRIAGE_SYSTEM, "terse": terse, "claude": TRIAGE_SYSTEM}
+        models = {"default": "gpt-4o-mini", "terse": "gpt-4o-mini", "claude": "claude-sonnet-4-5"}
+        assert [r[:2] for r in rows] == [(i, v) for i in keys for v in sorted(systems)]
+        for i, variant, status, _fp, llm_model, *answer, _batch in rows:
+            assert (status, llm_model) == ("succeeded", models[variant]), (i, variant)
+            assert tuple(answer) == expected_triage(systems[variant], prompts[i]), (i, variant)
+
+    project.dbt("seed")
+    prompts = {
+        i: f"Subject: {s}\n\n{b}" for i, s, b in project.query("select * exclude (priority) from main.support_tickets")
+    }
+    project.write("models/triage.sql", model("Triage tersely.", where="where ticket_id <= 4"))
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert_answered(shown("triage"), "Triage tersely.", range(1, 5))
+
+    (project.root / "models" / "triage.sql").unlink()
+    project.write("models/triage_v2.sql", model("Just the category.", "llm_ledger_identity = 'main.triage',"))
+    project.dbt("run", "-s", "triage_v2")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage_v2")
+    by_name = shown("triage_v2")
+    assert_answered(by_name, "Just the category.", range(1, 7))
+    # triage's 12, then default and claude for 5 and 6, terse for all six under its new prompt.
+    assert emulator.stats()["request_lines"] == 22
+
+    (project.root / "models" / "triage_v2.sql").unlink()
+    project.write("models/triage.sql", model("Just the category."))
+    project.dbt("run", "-s", "triage")
+    rows = shown("triage")
+    assert rows == by_name, "every variant's rows, as the ledger holds them"
+    assert_answered(rows, "Just the category.", range(1, 7))
+    billed = emulator.billed()
+    assert emulator.stats()["request_lines"] == len(billed) == 22, "nothing asked again"
+    assert all(n == 1 for n in collections.Counter(b["request"] for b in billed).values()), "nothing billed twice"
+    assert "its last merge wrote main.triage_v2, not main.triage" in (project.root / "logs" / "dbt.log").read_text()
