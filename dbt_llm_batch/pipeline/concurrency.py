@@ -18,9 +18,10 @@ default is wrong somewhere. This controller finds it while sending:
 - **settle**: when a step no longer pays, go back to the best limit seen, and now and then probe a
   quarter higher (the engine may have warmed up, or other load gone away);
 - **back off**: an overload reply (HTTP 429, 503, 529) or a failed connection halves the limit at once
-  (multiplicative decrease, as TCP does), once per overload: the other requests already in flight at
-  that moment were sent under the old limit, so their overload replies are not counted again; the limit
-  that was overloaded is not probed again for a while;
+  (multiplicative decrease, as TCP does), once per overload: a request that took its place before that
+  back-off (`generation`) was sent under the old limit, so its overload replies, its retries' included,
+  are not counted again: until those requests end, more are in flight than the new limit, and their
+  overloads say nothing of it. The limit that was overloaded is not probed again for a while;
 - never above `upper` (the user's bound), never below 1.
 
 It is plain arithmetic on the times and readings the caller reports (no clock, no I/O), so it can be
@@ -51,8 +52,7 @@ class AdaptiveConcurrency:
     _done: int = field(init=False, default=0)
     _settled_windows: int = field(init=False, default=0)
     _probing_from: int | None = field(init=False, default=None)
-    _ends_to_ignore: int = field(init=False, default=0)  # requests in flight when it last backed off
-    backoffs: int = field(init=False, default=0)
+    backoffs: int = field(init=False, default=0)  # also the generation of a request taking its place now
     engine_room: int | None = None  # what the engine said its KV cache holds when the run began
     engine_batch: int | None = field(init=False, default=None)  # the largest batch it ran with requests waiting
     ceiling: int = field(init=False)  # upper, or the engine's batch plus its refill queue once seen full
@@ -94,15 +94,19 @@ class AdaptiveConcurrency:
         # 300-row run on the local engine, measured with benchmarks/engine_batch.py.)
         return max(8, 2 * self.limit)
 
-    def finished(self, now: float, overloaded: bool = False) -> None:
-        """One request ended at `now` (seconds, any monotonic origin); `overloaded` when its reply
-        said the server is over capacity (429, 503, 529) or the connection failed."""
-        if self._ends_to_ignore:
-            self._ends_to_ignore -= 1
-            if overloaded:
-                return
+    @property
+    def generation(self) -> int:
+        """What a request taking its place in flight now passes to `finished` with each of its replies
+        (retries included): how many back-offs came before it."""
+        return self.backoffs
+
+    def finished(self, now: float, overloaded: bool = False, generation: int | None = None) -> None:
+        """A reply to a request came at `now` (seconds, any monotonic origin); `overloaded` when it
+        said the server is over capacity (429, 503, 529) or the connection failed. `generation`: the
+        request's (`generation` when it took its place); None counts every overload."""
         if overloaded:
-            self._back_off()
+            if generation is None or generation >= self.backoffs:
+                self._back_off()
             return
         self._answered += 1
         if self._window_start is None:
@@ -121,7 +125,6 @@ class AdaptiveConcurrency:
 
     def _back_off(self) -> None:
         self.backoffs += 1
-        self._ends_to_ignore = self.limit - 1  # the others sent under this limit
         self.overloaded_at = self.limit
         self.phase, self._probing_from, self._settled_windows = SETTLE, None, 0
         self.best_limit = max(1, self.limit // 2)

@@ -202,9 +202,15 @@ async def _send_all(
     def may_send() -> bool:
         return adaptive is None or sending < adaptive.limit or bool(stop)
 
-    def observe(overloaded: bool) -> None:
-        if adaptive is not None:
-            adaptive.finished(time.monotonic(), overloaded)
+    def observer(generation: int | None):
+        """What a request's replies tell the controller: `generation`, the controller's when the request
+        took its place (an overload of a request sent before the last back-off is not counted again)."""
+
+        def observe(overloaded: bool) -> None:
+            if adaptive is not None:
+                adaptive.finished(time.monotonic(), overloaded, generation)
+
+        return observe
 
     async def worker():
         nonlocal sending
@@ -217,6 +223,7 @@ async def _send_all(
                 return
             custom_id, body = row
             sending += 1
+            generation = adaptive.generation if adaptive is not None else None
             try:
                 reply = await _ask(
                     transports,
@@ -225,7 +232,7 @@ async def _send_all(
                     outcome,
                     stop,
                     lambda custom_id=custom_id: record_lost(custom_id),
-                    observe,
+                    observer(generation),
                 )
             except FatalReply as exc:
                 stop.append(exc)

@@ -21,12 +21,16 @@ class Engine:
         return self.seconds * (1 + 0.5 * running / self.slots)
 
 
-def simulate(engine: Engine, requests: int, limit_of, on_finish=None) -> tuple[float, list[tuple[int, int]]]:
+def simulate(
+    engine: Engine, requests: int, limit_of, on_finish=None, generation_of=lambda: None
+) -> tuple[float, list[tuple[int, int]]]:
     """Send `requests` through `engine`, keeping at most limit_of() in flight; returns (throughput,
-    [(in flight, limit) at every send])."""
+    [(in flight, limit) at every send]). `on_finish(now, overloaded, generation)`, with the
+    generation_of() a request was sent at. A refused request leaves its place and is sent again."""
     now, sent, done = 0.0, 0, 0
     finishing: list[tuple[float, int, bool]] = []  # (time, id, overloaded)
     waiting_in_engine: list[int] = []
+    generations: dict[int, int | None] = {}
     running = 0
     in_flight = 0
     seen = []
@@ -40,8 +44,10 @@ def simulate(engine: Engine, requests: int, limit_of, on_finish=None) -> tuple[f
         while sent < requests and in_flight < limit_of():
             in_flight += 1
             seen.append((in_flight, limit_of()))
-            if engine.reject_above is not None and in_flight > engine.reject_above:
-                heapq.heappush(finishing, (now + 0.01, -sent - 1, True))  # a quick 429
+            rid = sent if engine.reject_above is None or in_flight <= engine.reject_above else -sent - 1
+            generations[rid] = generation_of()
+            if rid < 0:
+                heapq.heappush(finishing, (now + 0.01, rid, True))  # a quick 429
             elif running < engine.slots:
                 start(sent)
             else:
@@ -57,7 +63,7 @@ def simulate(engine: Engine, requests: int, limit_of, on_finish=None) -> tuple[f
             if waiting_in_engine:
                 start(waiting_in_engine.pop(0))
         if on_finish:
-            on_finish(now, overloaded)
+            on_finish(now, overloaded, generations.pop(rid))
     return done / now, seen
 
 
@@ -71,7 +77,7 @@ def best_fixed(engine: Engine, requests: int, upper: int) -> tuple[int, float]:
 def test_auto_reaches_the_engines_knee_within_its_bound(slots, upper):
     engine = Engine(slots)
     ctl = AdaptiveConcurrency(upper=upper)
-    rate, seen = simulate(engine, 3000, lambda: ctl.limit, ctl.finished)
+    rate, seen = simulate(engine, 3000, lambda: ctl.limit, ctl.finished, lambda: ctl.generation)
     _, best = best_fixed(engine, 3000, upper)
     assert all(n <= limit <= upper for n, limit in seen)  # never above its bound, never above its own limit
     assert rate >= 0.9 * best, (rate, best, ctl.limit)
@@ -83,20 +89,69 @@ def test_auto_backs_off_on_429_and_stays_under_the_servers_limit():
     ctl = AdaptiveConcurrency(upper=64)
     backoffs, overloads = [], []
 
-    def finished(now, overloaded):
+    def finished(now, overloaded, generation):
         before, count = ctl.limit, ctl.backoffs
-        ctl.finished(now, overloaded)
+        ctl.finished(now, overloaded, generation)
         overloads.append(overloaded)
         if ctl.backoffs > count:
             backoffs.append((before, ctl.limit))
 
-    rate, seen = simulate(engine, 2000, lambda: ctl.limit, finished)
+    rate, seen = simulate(engine, 2000, lambda: ctl.limit, finished, lambda: ctl.generation)
     assert backoffs, "the simulation never produced a 429"
     assert all(after == max(1, before // 2) for before, after in backoffs)  # halved, once per overload
     # Overloads are rare once it has learned: few 429s among 2,000 requests, and it ends at or under 10.
     assert sum(overloads) < 60 and ctl.limit <= 10
     _, best = best_fixed(Engine(slots=32), 2000, 10)
     assert rate >= 0.8 * best
+
+
+def gateway_with_retries(ctl: AdaptiveConcurrency, capacity: int, requests: int, seconds: float) -> float:
+    """A server behind a gateway that answers 503 at once to a request arriving while `capacity` are
+    being served (two models sending to one engine: the other model's share is gone), as
+    pipeline/realtime.py sends to it: a request keeps its place in flight while `_ask` retries it
+    (after 0.5 s), so until a refused request is answered more are in flight than a lowered limit.
+    A request is served in `seconds`. Each request passes the generation it took its place at.
+    Returns completions per second."""
+    now, started, done, serving = 0.0, 0, 0, 0
+    events: list[tuple[float, int, str, int]] = []  # (time, order, 'arrive' | 'done', request)
+    generation: dict[int, int] = {}
+    order = 0
+
+    def push(at: float, kind: str, rid: int) -> None:
+        nonlocal order
+        order += 1
+        heapq.heappush(events, (at, order, kind, rid))
+
+    while done < requests:
+        while started < requests and len(generation) < ctl.limit:
+            generation[started] = ctl.generation
+            push(now, "arrive", started)
+            started += 1
+        now, _, kind, rid = heapq.heappop(events)
+        if kind == "arrive" and serving >= capacity:
+            ctl.finished(now, True, generation[rid])  # 503: retried by the same place in flight
+            push(now + 0.5, "arrive", rid)
+        elif kind == "arrive":
+            serving += 1
+            push(now + seconds, "done", rid)
+        else:
+            serving -= 1
+            done += 1
+            del generation[rid]
+            ctl.finished(now, False, None)
+    return done / now
+
+
+def test_retries_of_requests_sent_before_a_back_off_do_not_halve_the_limit_again():
+    """One overload, one halving: a request refused before the limit came down is retried in its place,
+    and its next 503s are the old limit's, not the new one's (the ignore allowance it replaced, a count
+    of replies, was used up by the retries' replies, and the limit fell to 1). A request takes 4 s:
+    its place is retried eight times before one is free."""
+    ctl = AdaptiveConcurrency(upper=64, start=16)
+    rate = gateway_with_retries(ctl, capacity=10, requests=600, seconds=4.0)
+    assert ctl.backoffs <= 2, (ctl.backoffs, ctl.limit)
+    assert ctl.limit >= 5, (ctl.backoffs, ctl.limit)
+    assert rate >= 0.8 * 10 / 4.0, rate  # 10 served at once, 4 s each
 
 
 def test_halving_floors_at_one_and_the_bound_caps_the_climb():
