@@ -22,8 +22,9 @@ from conftest import failure_messages
 from helpers import PRICE, PRICES, batch_counts, billed_cost, dup_model, log_text, prompt_of, write_rows
 
 from dbt_llm_batch.ledger import Ledger
+from dbt_llm_batch.ledger.status import JobStatus
 from dbt_llm_batch.ledger.store import SCHEMA_VERSION
-from dbt_llm_batch.pipeline import budget, plan, sharing
+from dbt_llm_batch.pipeline import budget, merge, plan, sharing
 
 MODELS = ("spend_a", "spend_b", "spend_c")
 # One model's plan: 5 requests of about 22 estimated input tokens (prompt and request overhead) and
@@ -329,6 +330,91 @@ def test_urgent_rows_do_not_wait_for_a_batch_another_model_claimed(project, emul
     project.dbt("run", "-s", "dup_twin")
     project.dbt("run", "-s", "dup")
     assert batch_counts(emulator) == [40] and len(realtime) == 10
+    assert_both_tables_answered_at_the_billed_cost(project, emulator)
+
+
+def test_urgent_rows_of_two_models_sharing_a_realtime_request_are_asked_once_and_both_answered_in_the_run(
+    project, emulator, monkeypatch
+):
+    """Both models' rows of prompts 0-9 are urgent. dup claims the 10 shared requests for realtime (and
+    the other 30 for its batch) and records them; dup_twin claims them while dup's realtime requests are
+    still unanswered: it sends none of them again (a shared request is one request everywhere, sent in
+    realtime if one of its rows is urgent: docs/costs.md, Deduplication, "Retries, caps, realtime"), and
+    its urgent rows are answered and merged in this same run like dup's ("sent in the same run ... and
+    merged at the end of that run": docs/guides/realtime.md; docs/configuration.md, llm_realtime_when):
+    dup_twin waits for dup's realtime answers before it merges, within its realtime budget
+    (docs/costs.md, "Another model's request in flight"). dup's sending holds, its requests recorded,
+    until dup_twin has merged (at most 5 s: a dup_twin that waits for dup's answers, as it must, lets
+    dup go on then), so a dup_twin that merged without them is seen. Before the wait, dup_twin merged
+    at once and its 30 urgent rows landed a run later."""
+    project.write("seeds/llm_prices.csv", PRICES)
+    for name in ("dup", "dup_twin"):
+        project.write(
+            f"models/{name}.sql", dup_model("openai", extra="llm_dedup='ledger', llm_realtime_when='id % 40 < 10'")
+        )
+    write_rows(project, {i: i % 40 for i in range(100)})
+    claim_in_order, _ = dup_claims_before_the_twin()
+    twin_shared, twin_merged = threading.Event(), threading.Event()
+    claims_seen: list[tuple] = []
+    record, claim_shared, merge_model = Ledger.write_intents, sharing.claim_shared, merge.merge
+
+    def twin_claims_then_says(ledger, *args, **kwargs):
+        try:
+            return claim_shared(ledger, *args, **kwargs)
+        finally:
+            if ledger.model == "main.dup_twin":
+                claims_seen.extend(
+                    ledger.con.execute(
+                        "select model, route, count(*) from main.llm_batch_request_claims group by all order by all"
+                    ).fetchall()
+                )
+                twin_shared.set()
+
+    def record_then_hold(ledger, *args, **kwargs):
+        try:
+            return record(ledger, *args, **kwargs)
+        finally:
+            if ledger.model == "main.dup" and kwargs.get("status") == JobStatus.REALTIME:
+                assert twin_shared.wait(timeout=120), "dup_twin claims while dup's realtime requests are unsent"
+                twin_merged.wait(timeout=5)
+
+    def merge_then_say(ledger, *args, **kwargs):
+        try:
+            return merge_model(ledger, *args, **kwargs)
+        finally:
+            if ledger.model == "main.dup_twin":
+                twin_merged.set()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Ledger, "claim_requests", claim_in_order)
+        patch.setattr(Ledger, "write_intents", record_then_hold)
+        patch.setattr(sharing, "claim_shared", twin_claims_then_says)
+        patch.setattr(merge, "merge", merge_then_say)
+        project.dbt("run", "-s", "dup", "dup_twin")
+
+    assert claims_seen == [("main.dup", "batch", 30), ("main.dup", "realtime", 10)], (
+        "dup_twin claimed while dup's claims stood, and took none: each names its route"
+    )
+    assert "being sent by another model running now" not in log_text(project)
+    assert project.query("select model, route, count(*) from main.llm_batch_requests group by all order by all") == [
+        ("main.dup", "batch", 30),
+        ("main.dup", "realtime", 10),
+    ], "dup_twin sent nothing of its own"
+    assert batch_counts(emulator) == [30]
+    realtime = [b["prompt"] for b in emulator.billed() if b["via"] == "realtime"]
+    assert sorted(realtime) == sorted(prompt_of(n) for n in range(10)), "each urgent prompt once, in realtime"
+    assert twin_rows_on_dups_requests(project) == [(100, 40)], "every row of dup_twin points at dup's request"
+    for name in ("dup", "dup_twin"):
+        urgent = project.query(
+            f"""select count(*), count(*) filter (where llm_status = 'succeeded' and llm_route = 'realtime')
+                from main.{name} where id % 40 < 10"""
+        )
+        assert urgent == [(30, 30)], f"{name}'s urgent rows are answered in this run"
+    assert "main.dup_twin: waited" in log_text(project) and "still wait" not in log_text(project)
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup_twin")
+    project.dbt("run", "-s", "dup")
+    assert batch_counts(emulator) == [30] and len([b for b in emulator.billed() if b["via"] == "realtime"]) == 10
     assert_both_tables_answered_at_the_billed_cost(project, emulator)
 
 

@@ -138,6 +138,8 @@ def _run(
             run.execute(full_refresh)  # reconcile, harvest, plan, request files, budget, submit, realtime
         except BudgetError as exc:
             refused = exc  # what is already final is merged first; the run still fails, saying so
+        if config.dedup == "ledger" and not full_refresh:
+            _wait_for_realtime_elsewhere(run)
         crashpoints.reach("before_merge")
         # The ledger's marks of what is merged describe the table its last merge wrote: another table
         # (a model renamed back to a name whose table dbt left behind) is rebuilt from the ledger.
@@ -170,6 +172,18 @@ def _run(
     if refused is not None:
         raise budget.refused_after_merge(refused, run.summary.merged)
     return run.summary
+
+
+def _wait_for_realtime_elsewhere(run: ModelRun) -> None:
+    """Rows answered by another model's realtime request it is sending now (llm_dedup = 'ledger', dbt's
+    threads) are merged in this run, as urgent rows are: wait for them, within this run's realtime budget."""
+    waiting, seconds = shared.wait_for_realtime_elsewhere(run.ledger, run.realtime_deadline)
+    if seconds >= shared.REALTIME_POLL_SECONDS:
+        log.info(
+            f"{run.ledger.model}: waited {seconds:.1f} s for another model's realtime requests that answer "
+            f"rows of this model (llm_dedup = 'ledger')"
+            + (f"; {waiting} row(s) still wait: merged by a later run" if waiting else "")
+        )
 
 
 class ModelRun:

@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 from dbt_llm_batch.config import ModelConfig, parse_config
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.locks import LockHeldError, ModelLock, brief_owner
-from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL
+from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, JobStatus, sql
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import costs, harvest, report
 from dbt_llm_batch.providers import BatchProvider, get_provider
+
+# How often a run waiting for another model's realtime answers (wait_for_realtime_elsewhere) looks again.
+REALTIME_POLL_SECONDS = 0.25
 
 
 def waiting_elsewhere(ledger: Ledger) -> dict[str, int]:
@@ -38,6 +42,32 @@ def waiting_elsewhere(ledger: Ledger) -> dict[str, int]:
         [ledger.model, ledger.model],
     ).fetchall()
     return dict(rows)
+
+
+def wait_for_realtime_elsewhere(ledger: Ledger, deadline: float) -> tuple[int, float]:
+    """Wait until no row of this model waits on another model's realtime request that its run is
+    sending now (dbt's threads: both models' urgent rows asked one request, and the other model
+    claimed it first), so this run merges them as it would its own urgent rows: answered in the run
+    they were asked in. Gives up at `deadline` (this run's realtime budget), or when the other model's
+    run has ended (its lock released: what it did not answer waits for a later run). Returns how many
+    rows still wait and the seconds waited."""
+    started = time.monotonic()
+    # Other models' realtime jobs being sent now (the jobs are few): most runs have none, and look no further.
+    sending = f"""select job_id from {ledger.table("llm_batch_jobs")}
+                  where status = {sql(JobStatus.REALTIME)} and model <> ?
+                    and model in (select model from {ledger.table("llm_batch_locks")})"""
+    while True:
+        if not ledger.con.execute(f"select count(*) from ({sending})", [ledger.model]).fetchall()[0][0]:
+            return 0, time.monotonic() - started
+        (waiting,) = ledger.con.execute(
+            f"""select count(distinct (a.variant, a.key)) from {ledger.table("llm_batch_row_answers")} a
+                    join {ledger.table("llm_batch_requests")} r using (custom_id)
+                where a.model = ? and r.status in {IN_FLIGHT_SQL} and r.job_id in ({sending})""",
+            [ledger.model, ledger.model],
+        ).fetchall()[0]
+        if not waiting or time.monotonic() >= deadline:
+            return waiting, time.monotonic() - started
+        time.sleep(REALTIME_POLL_SECONDS)
 
 
 def harvest_shared(ledger: Ledger, config: ModelConfig) -> int:
