@@ -12,9 +12,10 @@ costs equal what was billed once harvested, one row per (key, variant), no table
 its request cost, no succeeded row with NULL in an output, values stored as answered, no succeeded
 request holding a value its column cannot hold, a batch's rows
 name a model it asked, no run ends in a traceback; a budget run's own (the committed estimate within
-the budget, a refused model sends nothing), a rename's own (the warning exactly when it pays again).
-After a calm finish (no faults, batches completed, runs until nothing is open), every selected row
-landed (a sampled variant's: its sample's keys), answered by its variant's current model.
+the budget, a refused model sends nothing), a rename's own (the warning exactly when it pays again:
+another model asked the same requests). After a calm finish (no faults, batches completed, runs until
+nothing is open), every selected row landed (a sampled variant's: its sample's keys, and the rows it
+held of keys a unique_key change took out of its sample are kept), answered by its variant's current model.
 
 A fixed list of seeds runs in CI. A longer soak: DBT_LLM_BATCH_SOAK_SEEDS=N (N more seeds, drawn from
 DBT_LLM_BATCH_SOAK_START, default 1000) and DBT_LLM_BATCH_SOAK_STEPS (steps per seed). On failure the
@@ -27,7 +28,7 @@ import collections
 import os
 
 import pytest
-from model_based.invariants import after_calm_finish, after_step, shared_table_costs
+from model_based.invariants import KeptRows, after_calm_finish, after_step, shared_table_costs
 from model_based.steps import KINDS, apply, no_traceback, outcome, plan
 from model_based.world import MODELS, World, write_project
 
@@ -101,8 +102,14 @@ def test_a_seeded_sequence_keeps_every_invariant(project, emulator, seed, steps,
         if broken and not keep_going:
             pytest.fail(replay(seed, steps, done, [f"{where}: {b}" for b in broken]), pytrace=False)
 
+    kept = KeptRows()  # a sampled variant's rows of keys a unique_key change took out of its sample
     for number, step in enumerate(plan(seed, steps, world), 1):
+        before = world
+        if step.kind == "edit":
+            kept.before_edit(project, before, step.world)
         world, note, own = apply(step, project, emulator, world, tmp_path)
+        if step.kind == "edit":
+            kept.after_edit(before, world, step.args["edits"])
         done.append(f"{number:>2}. {step.line}" + (f"  [{note}]" if note else ""))
         check(f"after step {number}", own + after_step(project, emulator, world, reported))
 
@@ -111,7 +118,7 @@ def test_a_seeded_sequence_keeps_every_invariant(project, emulator, seed, steps,
         "after the calm finish",
         after_step(project, emulator, world, reported)
         + shared_table_costs(project, world)
-        + after_calm_finish(project, world)
+        + after_calm_finish(project, world, kept)
         + still_open,
     )
     done.append(f"    sandbox: {faces_used(emulator)}")

@@ -10,7 +10,7 @@ from decimal import Decimal
 
 from helpers import PRICE
 
-from .world import EMBED_SIZE, GEMINI_PRICE, MODELS, NULLABLE, ModelState, World
+from .world import EMBED_SIZE, GEMINI_PRICE, MODELS, NULLABLE, ModelState, World, in_sample
 
 MILLION = Decimal(1_000_000)
 FACE_TOKENS = {
@@ -271,8 +271,83 @@ def shared_table_costs(project, world: World) -> list[str]:
     return [f"the rows of one request carry at most its cost, across models: {over}"] if over else []
 
 
-def after_calm_finish(project, world: World) -> list[str]:
-    """Every selected row landed: one succeeded row per (key, current variant) in each model."""
+class KeptRows:
+    """A sampled variant's rows of keys that left its sample when unique_key changed: the table keeps
+    them. Changing unique_key re-keys every variant's stored answers (docs/guides/evaluate.md, "Changing
+    the set of variants"; tests/test_variants.py test_changing_the_unique_key_of_a_model_with_variants_
+    asks_nothing_again: every variant's rows, as they were), and incremental runs keep the rows of keys
+    the model no longer selects (docs/table.md, llm_on_unselected = 'keep'), a sampled challenger's
+    rows of keys that left its sample too (tests/test_variants.py test_a_column_changed_while_the_
+    champion_is_re_asked_refreshes_every_variants_rows). The sample is drawn from the key's values, so
+    a key change moves it: the rows of the old sample's keys outside the new one stay, with their status.
+
+    What the table holds is read when the edit is made (nothing writes the table between an edit and
+    the run that applies it): `must` are the rows it then held, which must still be there after a calm
+    finish. `may` are the keys that left the sample of any sampled variant the model has had (the ledger
+    keeps a removed or renamed variant's answers and re-keys them too), whose rows may also land after
+    the change: a request in flight under the old key, re-keyed; a variant removed and added back shows
+    its answers again (evaluate.md). Removing or renaming the variant removes its rows (evaluate.md);
+    a --full-refresh rebuilds the table, so it need no longer hold them (they may stay)."""
+
+    def __init__(self) -> None:
+        self.must: dict[tuple[str, str, int], str] = {}  # (model, variant, row id) -> its llm_status
+        self.may: set[tuple[str, str, int]] = set()
+        self.fractions: dict[tuple[str, str], float] = {}  # (model, variant) -> its llm_variant_sample, ever
+
+    def _in_sample(self, world: World, model: str, variant: str, row: int) -> bool:
+        """Whether `variant` (of fraction self.fractions) answers row `row` (its id) under `world`'s unique_key."""
+        return in_sample(
+            row + (1000 if world.models[model].key == "ticket_no" else 0), self.fractions[(model, variant)]
+        )
+
+    def before_edit(self, project, before: World, after: World) -> None:
+        """An edit step, before it is carried out: each model whose unique_key it changes."""
+        for model in MODELS:
+            for w in (before, after):
+                self.fractions.update(
+                    {(model, v): c["sample"] for v, c in w.models[model].variants.items() if "sample" in c}
+                )
+            if before.models[model].key == after.models[model].key:
+                continue
+            sampled = [v for m, v in self.fractions if m == model]
+            # Keys back in the sample are selected rows again (after_calm_finish's own).
+            self.must = {k: s for k, s in self.must.items() if k[0] != model or not self._in_sample(after, *k)}
+            self.may = {k for k in self.may if k[0] != model or not self._in_sample(after, *k)}
+            self.may |= {
+                (model, v, i)
+                for v in sampled
+                for i in before.rows
+                if self._in_sample(before, model, v, i) and not self._in_sample(after, model, v, i)
+            }
+            present = set(before.models[model].variants) & set(after.models[model].variants)
+            for i, v, status in _variant_rows(project, before.table(model)):
+                if v in present and v in sampled and not self._in_sample(after, model, v, i):
+                    self.must[(model, v, i)] = status
+                    self.may.add((model, v, i))
+
+    def after_edit(self, before: World, after: World, edits: list[str]) -> None:
+        """An edit step, after it was carried out: a variant removed or renamed, a --full-refresh."""
+        for model in MODELS:
+            gone = set(before.models[model].variants) - set(after.models[model].variants)
+            refreshed = any("--full-refresh" in e and e.split()[1] == model for e in edits)
+            self.must = {k: s for k, s in self.must.items() if k[0] != model or not (refreshed or k[1] in gone)}
+
+
+def _variant_rows(project, table: str) -> list[tuple[int, str, str]]:
+    """(id, llm_variant, llm_status) of each row of `table`, if it has variants."""
+    project.release_database()
+    columns = {
+        c for (c,) in project.query(f"select column_name from information_schema.columns where table_name = '{table}'")
+    }
+    if "llm_variant" not in columns:
+        return []
+    return project.query(f"select id, llm_variant, llm_status from main.{table}")
+
+
+def after_calm_finish(project, world: World, kept: KeptRows | None = None) -> list[str]:
+    """Every selected row landed: one succeeded row per (key, current variant) in each model; a
+    sampled variant's rows of keys that left its sample with a unique_key change are kept (KeptRows)."""
+    kept = kept or KeptRows()
     broken: list[str] = []
     for logical in MODELS:
         state, model = world.models[logical], world.table(logical)
@@ -294,8 +369,22 @@ def after_calm_finish(project, world: World) -> list[str]:
             for v in world.variants_of(logical)
             if world.answers(logical, v, i + offset)
         )
-        if got != want:
-            missing, extra = want - got, got - want
+        want.update(
+            (i + offset, v, status)
+            for (m, v, i), status in kept.must.items()
+            if m == logical and v in world.variants_of(logical) and not world.answers(logical, v, i + offset)
+        )
+        missing, extra = want - got, got - want
+        # A current variant's row of a key that left its sample may have landed after the change, or
+        # been shown again (KeptRows.may): once, as any row.
+        extra = collections.Counter(
+            {
+                (k, v, s): n
+                for (k, v, s), n in extra.items()
+                if (logical, v, k - offset) not in kept.may or v not in world.variants_of(logical) or got[(k, v, s)] > 1
+            }
+        )
+        if missing or extra:
             broken.append(
                 f"after a calm finish every selected row of {model} landed once, succeeded: "
                 f"missing {sorted(missing)[:6]} ({sum(missing.values())}), extra {sorted(extra)[:6]} ({sum(extra.values())})"
@@ -384,21 +473,47 @@ def budget_kept(project, world: World, limit: float, before: dict, refused: set[
     return broken
 
 
-def rename_warned(world: World, old: ModelState, before: dict, log: str) -> list[str]:
-    """The run after mb_extract's file was renamed. Without llm_ledger_identity, when the old identity
-    had answers or requests in flight and the new one has none: the run's log says so before paying
-    again and names the setting that keeps them. With it: no such warning (nothing is re-paid: the
-    billing check)."""
+def rename_warned(
+    world: World, old: ModelState, asked: list, ran: set[str], after: list, log: str, note: str
+) -> list[str]:
+    """The run after mb_extract's file was renamed, and the warning the docs give (table.md "Renaming a
+    model's file"; configuration.md llm_ledger_identity): a model's first run (its ledger identity has
+    had no run and has no request) without llm_ledger_identity warns before paying again exactly when
+    another model of the ledger already asked the same requests (the same prompt and settings: the
+    same fingerprint, answered or still in flight), and names the model that asked most of them as the
+    llm_ledger_identity that keeps them. A rename whose old identity asked other prompts (the prompt
+    edited since its last run) asks nothing again and warns of nothing; so does a rename keeping
+    llm_ledger_identity. `asked`, `ran`: the ledger's (model, fingerprint, status) and identities that
+    have run, before the run; `after`: its requests after it (the new identity's are what it asks)."""
     state = world.models["mb_extract"]
     new, previous = state.ledger_name(), old.ledger_name()
-    had = any(m == previous and s in ("succeeded", "queued") for m, s, _ in before.values())
-    fresh = not any(m == new for m, _, _ in before.values())
+    first_run = new not in ran and not any(m == new for m, _, _ in asked)
+    asks = {f for m, f, _ in after if m == new}
+    shared = collections.Counter(
+        m for m, f in {(m, f) for m, f, s in asked if m != new and s in ("succeeded", "queued") and f in asks}
+    )
+    due = state.identity is None and first_run and bool(shared)
     warned = f"{new}: first run of this model" in log
-    if state.identity is None and new != previous and had and fresh:
-        if not (warned and f"llm_ledger_identity = '{previous}'" in log):
+    if due and not warned:
+        return [
+            f"a rename without llm_ledger_identity warns before paying again: no warning for {new} (renamed "
+            f"from {previous}), whose requests were asked already by {dict(shared)}"
+        ]
+    if due:
+        most = max(shared.values())
+        named = [m for m, n in shared.items() if n == most and f"llm_ledger_identity = '{m}'" in log]
+        if not named:
             return [
-                f"a rename without llm_ledger_identity warns before paying again: no warning for {new} naming {previous}"
+                f"a rename's warning names the model that asked most of its requests: {new} named none of "
+                f"{sorted(m for m, n in shared.items() if n == most)}"
             ]
-    if state.identity is not None and warned:
-        return [f"a rename keeping llm_ledger_identity = {state.identity!r} warns of nothing: {new} warned"]
+    if warned and not due:
+        why = (
+            f"llm_ledger_identity = {state.identity!r} kept"
+            if state.identity is not None
+            else "not its first run"
+            if not first_run
+            else f"no other model asked its {len(asks)} request(s)" + (f" (run: {note})" if note else "")
+        )
+        return [f"a rename warns only when another model asked the same requests: {new} warned, but {why}"]
     return []

@@ -269,11 +269,27 @@ def _rename_run(project, world: World, before: World) -> list[str]:
     log = project.root / "logs" / "dbt.log"
     start = log.stat().st_size if log.exists() else 0
     project.release_database()
-    requests = _requests(project)
-    _run(project)
+    asked, ran = _asked(project), _identities_run(project)
+    note = _run(project)
+    project.release_database()
+    after = _asked(project)
     with log.open(errors="replace") as f:
         f.seek(start)
-        return rename_warned(world, before.models["mb_extract"], requests, f.read())
+        return rename_warned(world, before.models["mb_extract"], asked, ran, after, f.read(), note)
+
+
+def _asked(project) -> list[tuple[str, str, str]]:
+    """(ledger model, fingerprint, status) of each request the ledger records now."""
+    if not project.query("select 1 from information_schema.tables where table_name = 'llm_batch_requests'"):
+        return []
+    return project.query("select model, fingerprint, status from main.llm_batch_requests")
+
+
+def _identities_run(project) -> set[str]:
+    """The ledger identities that have had a run (a row in llm_batch_models: a model's first run records it)."""
+    if not project.query("select 1 from information_schema.tables where table_name = 'llm_batch_models'"):
+        return set()
+    return {m for (m,) in project.query("select model from main.llm_batch_models")}
 
 
 def _requests(project) -> dict[str, tuple[str, str, object]]:

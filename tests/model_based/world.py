@@ -67,6 +67,13 @@ def system_of(model: str, version: int) -> str:
     return f"Sort the support ticket into a category (prompt {model.removeprefix('mb_')} v{version})."
 
 
+def in_sample(key: int, fraction: float) -> bool:
+    """Whether the key of unique_key value `key` is in a sample of `fraction` (llm_variant_sample: the
+    first 32 bits of the md5 of the ledger key, ["<key>"], below the fraction)."""
+    digest = hashlib.md5(json.dumps([str(key)]).encode()).hexdigest()
+    return int(digest[:8], 16) / 2**32 < fraction
+
+
 @dataclasses.dataclass
 class ModelState:
     version: int = 0  # the prompt's version: an edit makes a new one, never one used before
@@ -112,10 +119,7 @@ class World:
         sampled variant the documented share of keys (llm_variant_sample: the first 32 bits of the
         md5 of the ledger key, ["<key>"], below the fraction), computed apart from the plugin."""
         fraction = self.models[model].variants.get(variant, {}).get("sample")
-        if fraction is None:
-            return True
-        digest = hashlib.md5(json.dumps([str(key)]).encode()).hexdigest()
-        return int(digest[:8], 16) / 2**32 < fraction
+        return fraction is None or in_sample(key, fraction)
 
     def llm_model_of(self, model: str, variant: str) -> str:
         """The model name that answers `variant` of `model` now (a variant's own llm_model, else the model's)."""
