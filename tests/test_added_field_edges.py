@@ -383,3 +383,22 @@ def test_a_provider_switch_while_the_delta_is_in_flight_asks_everything_there_an
     assert project.query(
         "select count(*), count(distinct custom_id) from main.llm_batch_requests where cost_usd > 0"
     ) == [(18, 18)]
+
+
+def test_rows_whose_held_fields_are_another_models_request_in_flight_land_without_that_model(project, emulator):
+    """triage_copy asks every row (6 lines, a batch left open); its batch ends at the provider but
+    triage_copy does not run again. triage, asking one more field with the same prompt, finds
+    triage_copy's requests as parts in flight: its own runs must still land every row."""
+    dedup = "llm_dedup = 'ledger',"
+    project.dbt("seed")
+    project.write("models/triage_copy.sql", model(TRIAGE_OUTPUT, dedup, wait=False))
+    project.dbt("run", "-s", "triage_copy")
+    emulator.complete_all()  # ended at the provider; still queued in the ledger (triage_copy never runs again)
+    project.write(MODEL, model(WIDER, dedup, wait=False))
+    for _ in range(3):
+        project.dbt("run", "-s", "triage")
+        emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query(
+        "select count(*) filter (where llm_status = 'succeeded' and language is not null) from main.triage"
+    ) == [(6,)]

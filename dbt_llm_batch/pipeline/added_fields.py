@@ -27,7 +27,10 @@ their current fingerprint and with some parts:
   that waits for its batch fills the column in that run; `attach` is run again after sending), and
   a removed field (its parts hold more) asks nothing;
 - a row with a part in flight and fields missing waits: nothing is asked (the part merges first, then
-  the missing fields are asked);
+  the missing fields are asked). Only for a part this model's run harvests (its own request, or one its
+  row answer is mapped to: shared.harvest_shared): another model's request in flight that no row answer
+  of the key names is that model's to harvest, maybe never, or after this run planned, so it is not a
+  part and the row is asked as usual;
 - a row whose parts succeeded and miss some fields needs them: it is in the rows of an added-fields
   pass (a `Pass` with `delta`, its config the delta config, its variant the row's), planned, sent (its
   own batch: a job records one schema) and realtime-routed like any other.
@@ -156,6 +159,12 @@ def prepare(ledger: Ledger, config: ModelConfig, dry: bool = False, again: bool 
                        left join {answers} a on a.model = $model and a.variant = $variant and a.key = c.key
                                             and a.custom_id = r.custom_id
                 where r.status in {live} and {scope}
+                  -- a part in flight is waited for only if this model's run harvests it: its own
+                  -- request, or one its row answer is mapped to (shared.harvest_shared); another
+                  -- model's request in flight that no row answer of this key names is left to that
+                  -- model's run (maybe never, or after this run planned): not a part, the row is
+                  -- asked as usual rather than wait a run (or forever) for it
+                  and (r.status = {sql(RequestStatus.SUCCEEDED)} or r.model = $model or a.custom_id is not null)
                   and not exists (select 1 from {answers} x join {requests} y using (custom_id)
                                   where x.model = $model and x.variant = $variant and x.key = c.key
                                     and x.fingerprint = c.fingerprint and y.status in {live})),

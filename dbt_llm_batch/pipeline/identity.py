@@ -52,7 +52,9 @@ def prepare_ledger(ledger: Ledger, config: ModelConfig, input_columns) -> bool:
     if stored is None and not n:
         _warn_if_renamed(ledger, config)
     changed = False
-    if stored is not None and stored != current and n:
+    # A model whose rows are all answered by other models' requests (llm_dedup = 'ledger') has no
+    # request of its own, but its row answers carry the old key all the same.
+    if stored is not None and stored != current and (n or _has_row_answers(ledger)):
         _rekey(ledger, config, input_columns, json.loads(stored))
         changed = True
     if n and adopted != prefix:  # after the re-key: it matches on the current key
@@ -60,6 +62,11 @@ def prepare_ledger(ledger: Ledger, config: ModelConfig, input_columns) -> bool:
     ledger.record_model_identity(current, prefix)
     _remember_prompt_hashes(ledger)
     return changed
+
+
+def _has_row_answers(ledger: Ledger) -> bool:
+    answers = ledger.table("llm_batch_row_answers")
+    return ledger.con.execute(f"select count(*) > 0 from {answers} where model = ?", [ledger.model]).fetchall()[0][0]
 
 
 def _remember_prompt_hashes(ledger: Ledger) -> None:

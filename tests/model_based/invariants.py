@@ -45,7 +45,16 @@ def after_step(project, emulator, world: World, reported: set[str] | None = None
     billed = emulator.billed()
     project.release_database()
     broken += billed_twice(project, billed, set() if reported is None else reported, world)
-    stored = {r[0] for r in project.query("select custom_id from main.llm_batch_results")}
+    # Harvested: stored *and settled* (harvest.py: a job is marked harvested in the transaction that
+    # settles its requests and records their cost; a run killed between storing the lines and settling
+    # them, crashpoint after_store, leaves lines stored but not yet costed, which the next run settles).
+    stored = {
+        r[0]
+        for r in project.query(
+            """select s.custom_id from main.llm_batch_results s join main.llm_batch_jobs j using (job_id)
+               where j.harvested_at is not null"""
+        )
+    }
     ledger_cost = project.query("select coalesce(sum(cost_usd), 0) from main.llm_batch_requests")[0][0]
     paid = billed_cost(billed)
     harvested = all(b["custom_id"] in stored for b in billed if b["via"] == "batch")
