@@ -130,3 +130,23 @@ def test_on_unselected_delete_drops_unselected_keys_and_keeps_their_ledger(proje
     assert batch_counts(emulator) == [6]
     project.dbt("run", "-s", "triage", "--full-refresh")
     assert [r[0] for r in rows(project)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_full_refresh_writes_only_the_selected_keys_and_an_incremental_run_keeps_the_others(project, emulator):
+    """llm_on_unselected = 'keep' (the default) is what incremental runs do with a key the model no
+    longer selects; a --full-refresh rebuilds the table for the selected keys only (docs/table.md), so
+    it drops such rows, and selecting the key again shows its answer again without asking."""
+    project.dbt("seed")
+    merged(project, emulator, triage_model())
+    everything = rows(project)
+    calls = provider_calls(emulator)
+    project.write("models/triage.sql", triage_model(where="where ticket_id <= 4"))
+    project.dbt("run", "-s", "triage")
+    assert rows(project) == everything, "an incremental run keeps the rows of keys no longer selected"
+    project.dbt("run", "-s", "triage", "--full-refresh")
+    assert rows(project) == everything[:4], "a full refresh writes the selected keys' rows only"
+    project.write("models/triage.sql", triage_model())
+    project.dbt("run", "-s", "triage")
+    assert rows(project) == everything, "selected again: shown again from the ledger"
+    assert provider_calls(emulator) == calls, "nothing asked again"
+    assert batch_counts(emulator) == [6]
