@@ -402,3 +402,63 @@ def test_rows_whose_held_fields_are_another_models_request_in_flight_land_withou
     assert project.query(
         "select count(*) filter (where llm_status = 'succeeded' and language is not null) from main.triage"
     ) == [(6,)]
+
+
+def test_urgent_rows_whose_held_fields_are_another_models_request_in_flight_land_in_realtime_in_the_run(
+    project, emulator
+):
+    """As above, every row of triage urgent (llm_realtime_when): triage_copy's requests, ended at the
+    provider but still queued in the ledger, are not parts of triage's rows, so each row is asked every
+    field in realtime, once, and lands in triage's first run. triage_copy, run later, harvests its own
+    batch and shows its own answers; nothing is billed twice."""
+    dedup = "llm_dedup = 'ledger',"
+    project.dbt("seed")
+    project.write("models/triage_copy.sql", model(TRIAGE_OUTPUT, dedup, wait=False))
+    project.dbt("run", "-s", "triage_copy")
+    emulator.complete_all()  # ended at the provider; still queued in the ledger until triage_copy runs again
+    assert [len(b) for b in asked(emulator)] == [6]
+    project.write(MODEL, model(WIDER, dedup + " llm_realtime_when = 'true',", wait=False))
+    project.dbt("run", "-s", "triage")
+    every = schema_of("category", "language", "summary", "urgent")
+    rows = project.query(
+        "select prompt, category, summary, urgent, language, llm_status, llm_route from main.triage order by ticket_id"
+    )
+    assert len(rows) == 6
+    for prompt, category, summary, urgent, language, status, route in rows:
+        answer = expected(prompt, every)  # asked every field, not only language
+        assert (status, route) == ("succeeded", "realtime"), prompt
+        assert (category, summary, urgent, language) == (
+            answer["category"],
+            answer["summary"],
+            answer["urgent"],
+            answer["language"],
+        ), prompt
+    prompts = [r[0] for r in rows]
+    realtime = {p: n for (face, p), n in emulator.counters.realtime_prompts.items() if face == "openai"}
+    assert realtime == {p: 1 for p in prompts}, "each urgent row asked once, in realtime"
+    assert len(emulator.batches()) == 1, "no batch of triage's"
+    billed = emulator.billed()
+    assert sorted(b["via"] for b in billed) == ["batch"] * 6 + ["realtime"] * 6
+    assert len({b["request"] for b in billed}) == 12, "no request billed twice"
+    # Another run of triage asks nothing more and keeps its table.
+    held = table(project, "category", "summary", "urgent", "language", "llm_status", "llm_route")
+    project.dbt("run", "-s", "triage")
+    assert (emulator.stats()["realtime_requests"]["openai"], len(emulator.batches())) == (6, 1)
+    assert table(project, "category", "summary", "urgent", "language", "llm_status", "llm_route") == held
+    # triage_copy, run later, lands its own batch's answers (its own schema), without asking anything.
+    project.dbt("run", "-s", "triage_copy")
+    narrow = schema_of("category", "summary", "urgent")
+    copy = project.query(
+        "select prompt, category, summary, urgent, llm_status, llm_route from main.triage_copy order by ticket_id"
+    )
+    assert len(copy) == 6
+    for prompt, category, summary, urgent, status, route in copy:
+        answer = expected(prompt, narrow)
+        assert (status, route) == ("succeeded", "batch"), prompt
+        assert (category, summary, urgent) == (answer["category"], answer["summary"], answer["urgent"]), prompt
+    assert len(emulator.billed()) == 12 and len(emulator.batches()) == 1
+    assert emulator.stats()["realtime_requests"]["openai"] == 6
+    assert table(project, "category", "summary", "urgent", "language", "llm_status", "llm_route") == held
+    assert project.query(
+        "select count(*), count(distinct custom_id) from main.llm_batch_requests where cost_usd > 0"
+    ) == [(12, 12)]

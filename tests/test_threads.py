@@ -475,3 +475,102 @@ def assert_both_tables_answered_at_the_billed_cost(project, emulator) -> None:
         for b in emulator.billed()
     )
     assert total == billed
+
+
+def test_urgent_rows_of_every_variant_sharing_another_model_s_realtime_request_are_answered_in_the_run(
+    project, emulator, monkeypatch
+):
+    """The scenario of the test above, where dup_twin is an evaluation run: its variant 'twin' names
+    its llm_max_tokens, the model's own value, so both its variants ask exactly dup's requests (a
+    variant's requests are its config's: the variant's name is not part of the fingerprint, and
+    identical variants share their requests, docs/guides/evaluate.md; with llm_dedup = 'ledger', also
+    another model's, docs/costs.md, Deduplication). Every row of prompts 0-9 is urgent in both models.
+    dup claims and records the 10 shared realtime requests first and holds its sending until dup_twin
+    has merged (at most 5 s): dup_twin sends nothing, waits for dup's realtime answers before it
+    merges, and the urgent rows of each of its variants are answered in this run, each urgent prompt
+    billed once."""
+    project.write("seeds/llm_prices.csv", PRICES)
+    urgent = "llm_dedup='ledger', llm_realtime_when='id % 40 < 10'"
+    project.write("models/dup.sql", dup_model("openai", extra=urgent))
+    project.write(
+        "models/dup_twin.sql", dup_model("openai", extra=f"{urgent}, llm_variants={{'twin': {{'llm_max_tokens': 50}}}}")
+    )
+    write_rows(project, {i: i % 40 for i in range(100)})
+    claim_in_order, _ = dup_claims_before_the_twin()
+    twin_shared, twin_merged = threading.Event(), threading.Event()
+    claims_seen: list[list[tuple]] = []  # the claims standing when each of dup_twin's claims ended
+    record, claim_shared, merge_model = Ledger.write_intents, sharing.claim_shared, merge.merge
+
+    def twin_claims_then_says(ledger, *args, **kwargs):
+        try:
+            return claim_shared(ledger, *args, **kwargs)
+        finally:
+            if ledger.model == "main.dup_twin":
+                claims_seen.append(
+                    ledger.con.execute(
+                        "select model, route, count(*) from main.llm_batch_request_claims group by all order by all"
+                    ).fetchall()
+                )
+                twin_shared.set()
+
+    def record_then_hold(ledger, *args, **kwargs):
+        try:
+            return record(ledger, *args, **kwargs)
+        finally:
+            if ledger.model == "main.dup" and kwargs.get("status") == JobStatus.REALTIME:
+                assert twin_shared.wait(timeout=120), "dup_twin claims while dup's realtime requests are unsent"
+                twin_merged.wait(timeout=5)
+
+    def merge_then_say(ledger, *args, **kwargs):
+        try:
+            return merge_model(ledger, *args, **kwargs)
+        finally:
+            if ledger.model == "main.dup_twin":
+                twin_merged.set()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Ledger, "claim_requests", claim_in_order)
+        patch.setattr(Ledger, "write_intents", record_then_hold)
+        patch.setattr(sharing, "claim_shared", twin_claims_then_says)
+        patch.setattr(merge, "merge", merge_then_say)
+        project.dbt("run", "-s", "dup", "dup_twin")
+
+    assert claims_seen and all(c == [("main.dup", "batch", 30), ("main.dup", "realtime", 10)] for c in claims_seen), (
+        f"dup_twin claimed while dup's claims stood, and took none: {claims_seen}"
+    )
+    assert "being sent by another model running now" not in log_text(project)
+    assert project.query("select model, route, count(*) from main.llm_batch_requests group by all order by all") == [
+        ("main.dup", "batch", 30),
+        ("main.dup", "realtime", 10),
+    ], "dup_twin sent nothing of its own, for either variant"
+    assert batch_counts(emulator) == [30]
+    realtime = [b["prompt"] for b in emulator.billed() if b["via"] == "realtime"]
+    assert sorted(realtime) == sorted(prompt_of(n) for n in range(10)), "each urgent prompt once, in realtime"
+    assert twin_rows_on_dups_requests(project) == [(200, 40)], "every row of each variant points at dup's request"
+    answered_now = "count(*) filter (where llm_status = 'succeeded' and llm_route = 'realtime')"
+    assert project.query(f"select count(*), {answered_now} from main.dup where id % 40 < 10") == [(30, 30)]
+    assert project.query(
+        f"select llm_variant, count(*), {answered_now} from main.dup_twin where id % 40 < 10 group by 1 order by 1"
+    ) == [("default", 30, 30), ("twin", 30, 30)], "each variant's urgent rows are answered in this run"
+    assert "main.dup_twin: waited" in log_text(project) and "still wait" not in log_text(project)
+
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup_twin")
+    project.dbt("run", "-s", "dup")
+    assert batch_counts(emulator) == [30] and len([b for b in emulator.billed() if b["via"] == "realtime"]) == 10
+    assert project.query("select llm_status, count(*) from main.dup group by 1") == [("succeeded", 100)]
+    assert project.query("select llm_variant, llm_status, count(*) from main.dup_twin group by all order by all") == [
+        ("default", "succeeded", 100),
+        ("twin", "succeeded", 100),
+    ]
+    # The tables' costs (a shared request's cost split among every row it answers, in both models and
+    # both variants) add up to what the sandbox billed at the test prices, batch at half price.
+    total = sum(project.query(f"select sum(llm_cost_usd) from main.{name}")[0][0] for name in ("dup", "dup_twin"))
+    price_in, price_out = PRICE["openai"]
+    billed = sum(
+        (b["usage"]["prompt_tokens"] * price_in + b["usage"]["completion_tokens"] * price_out)
+        / Decimal(1_000_000)
+        * (Decimal("0.5") if b["via"] == "batch" else 1)
+        for b in emulator.billed()
+    )
+    assert total == billed > 0
