@@ -353,46 +353,9 @@ def test_urgent_rows_of_two_models_sharing_a_realtime_request_are_asked_once_and
             f"models/{name}.sql", dup_model("openai", extra="llm_dedup='ledger', llm_realtime_when='id % 40 < 10'")
         )
     write_rows(project, {i: i % 40 for i in range(100)})
-    claim_in_order, _ = dup_claims_before_the_twin()
-    twin_shared, twin_merged = threading.Event(), threading.Event()
-    claims_seen: list[tuple] = []
-    record, claim_shared, merge_model = Ledger.write_intents, sharing.claim_shared, merge.merge
+    claims_seen = run_while_dup_holds_its_realtime_sending(project, monkeypatch)
 
-    def twin_claims_then_says(ledger, *args, **kwargs):
-        try:
-            return claim_shared(ledger, *args, **kwargs)
-        finally:
-            if ledger.model == "main.dup_twin":
-                claims_seen.extend(
-                    ledger.con.execute(
-                        "select model, route, count(*) from main.llm_batch_request_claims group by all order by all"
-                    ).fetchall()
-                )
-                twin_shared.set()
-
-    def record_then_hold(ledger, *args, **kwargs):
-        try:
-            return record(ledger, *args, **kwargs)
-        finally:
-            if ledger.model == "main.dup" and kwargs.get("status") == JobStatus.REALTIME:
-                assert twin_shared.wait(timeout=120), "dup_twin claims while dup's realtime requests are unsent"
-                twin_merged.wait(timeout=5)
-
-    def merge_then_say(ledger, *args, **kwargs):
-        try:
-            return merge_model(ledger, *args, **kwargs)
-        finally:
-            if ledger.model == "main.dup_twin":
-                twin_merged.set()
-
-    with monkeypatch.context() as patch:
-        patch.setattr(Ledger, "claim_requests", claim_in_order)
-        patch.setattr(Ledger, "write_intents", record_then_hold)
-        patch.setattr(sharing, "claim_shared", twin_claims_then_says)
-        patch.setattr(merge, "merge", merge_then_say)
-        project.dbt("run", "-s", "dup", "dup_twin")
-
-    assert claims_seen == [("main.dup", "batch", 30), ("main.dup", "realtime", 10)], (
+    assert claims_seen == [[("main.dup", "batch", 30), ("main.dup", "realtime", 10)]], (
         "dup_twin claimed while dup's claims stood, and took none: each names its route"
     )
     assert "being sent by another model running now" not in log_text(project)
@@ -496,44 +459,7 @@ def test_urgent_rows_of_every_variant_sharing_another_model_s_realtime_request_a
         "models/dup_twin.sql", dup_model("openai", extra=f"{urgent}, llm_variants={{'twin': {{'llm_max_tokens': 50}}}}")
     )
     write_rows(project, {i: i % 40 for i in range(100)})
-    claim_in_order, _ = dup_claims_before_the_twin()
-    twin_shared, twin_merged = threading.Event(), threading.Event()
-    claims_seen: list[list[tuple]] = []  # the claims standing when each of dup_twin's claims ended
-    record, claim_shared, merge_model = Ledger.write_intents, sharing.claim_shared, merge.merge
-
-    def twin_claims_then_says(ledger, *args, **kwargs):
-        try:
-            return claim_shared(ledger, *args, **kwargs)
-        finally:
-            if ledger.model == "main.dup_twin":
-                claims_seen.append(
-                    ledger.con.execute(
-                        "select model, route, count(*) from main.llm_batch_request_claims group by all order by all"
-                    ).fetchall()
-                )
-                twin_shared.set()
-
-    def record_then_hold(ledger, *args, **kwargs):
-        try:
-            return record(ledger, *args, **kwargs)
-        finally:
-            if ledger.model == "main.dup" and kwargs.get("status") == JobStatus.REALTIME:
-                assert twin_shared.wait(timeout=120), "dup_twin claims while dup's realtime requests are unsent"
-                twin_merged.wait(timeout=5)
-
-    def merge_then_say(ledger, *args, **kwargs):
-        try:
-            return merge_model(ledger, *args, **kwargs)
-        finally:
-            if ledger.model == "main.dup_twin":
-                twin_merged.set()
-
-    with monkeypatch.context() as patch:
-        patch.setattr(Ledger, "claim_requests", claim_in_order)
-        patch.setattr(Ledger, "write_intents", record_then_hold)
-        patch.setattr(sharing, "claim_shared", twin_claims_then_says)
-        patch.setattr(merge, "merge", merge_then_say)
-        project.dbt("run", "-s", "dup", "dup_twin")
+    claims_seen = run_while_dup_holds_its_realtime_sending(project, monkeypatch)
 
     assert claims_seen and all(c == [("main.dup", "batch", 30), ("main.dup", "realtime", 10)] for c in claims_seen), (
         f"dup_twin claimed while dup's claims stood, and took none: {claims_seen}"
@@ -574,3 +500,49 @@ def test_urgent_rows_of_every_variant_sharing_another_model_s_realtime_request_a
         for b in emulator.billed()
     )
     assert total == billed > 0
+
+
+def run_while_dup_holds_its_realtime_sending(project, monkeypatch) -> list[list[tuple]]:
+    """`dbt run -s dup dup_twin` with dup claiming first (dup_claims_before_the_twin) and, once it has
+    recorded its realtime requests, holding their sending until dup_twin has merged (at most 5 s), so
+    a dup_twin that merges without dup's realtime answers is seen. Returns the claims standing
+    (model, route, count) when each of dup_twin's claims ended (one per variant)."""
+    claim_in_order, _ = dup_claims_before_the_twin()
+    twin_shared, twin_merged = threading.Event(), threading.Event()
+    claims_seen: list[list[tuple]] = []
+    record, claim_shared, merge_model = Ledger.write_intents, sharing.claim_shared, merge.merge
+
+    def twin_claims_then_says(ledger, *args, **kwargs):
+        try:
+            return claim_shared(ledger, *args, **kwargs)
+        finally:
+            if ledger.model == "main.dup_twin":
+                claims_seen.append(
+                    ledger.con.execute(
+                        "select model, route, count(*) from main.llm_batch_request_claims group by all order by all"
+                    ).fetchall()
+                )
+                twin_shared.set()
+
+    def record_then_hold(ledger, *args, **kwargs):
+        try:
+            return record(ledger, *args, **kwargs)
+        finally:
+            if ledger.model == "main.dup" and kwargs.get("status") == JobStatus.REALTIME:
+                assert twin_shared.wait(timeout=120), "dup_twin claims while dup's realtime requests are unsent"
+                twin_merged.wait(timeout=5)
+
+    def merge_then_say(ledger, *args, **kwargs):
+        try:
+            return merge_model(ledger, *args, **kwargs)
+        finally:
+            if ledger.model == "main.dup_twin":
+                twin_merged.set()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Ledger, "claim_requests", claim_in_order)
+        patch.setattr(Ledger, "write_intents", record_then_hold)
+        patch.setattr(sharing, "claim_shared", twin_claims_then_says)
+        patch.setattr(merge, "merge", merge_then_say)
+        project.dbt("run", "-s", "dup", "dup_twin")
+    return claims_seen
