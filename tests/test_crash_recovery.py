@@ -12,6 +12,7 @@ from helpers import (
     TRIAGE_SYSTEM,
     assert_triage_rows_answered,
     billed_per_key,
+    dbt_subprocess,
     expected_triage,
     is_anthropic,
     kill_then_run_on,
@@ -31,6 +32,7 @@ CASES = [
     for point in POINTS
     if not (provider == "anthropic" and point == "after_upload")  # Anthropic has no upload step
     and point != "after_realtime_group"
+    and point != "before_merge_insert"  # only a merge showing stored rows reaches it: its own test below
     and point != "after_create"  # every batch provider's: tests/conformance (test_a_run_killed_at_a_crash_point...)
 ]  # the realtime path's crash test is in test_realtime.py
 
@@ -131,3 +133,44 @@ def test_a_run_killed_between_two_chunks_bills_each_key_once(
     billed = billed_per_key(emulator, key_of_prompt)
     assert sorted(billed.values()) == [1] * 6 and set(billed) == set(key_of_prompt.values()), billed
     assert sum(1 for _ in sorted_batches(emulator)) == 3, "three batches of two, none sent twice"
+
+
+def test_a_run_killed_between_widening_the_merge_and_its_insert_changes_nothing(project, emulator, tmp_path):
+    """A merge that shows some rows' stored rows (here: keys no longer selected when their answers land)
+    adds the stored values' columns to its scratch table before the insert. Killed there, the table
+    and the row answers are as before the run; the next run writes every row, each prompt billed once."""
+    terse = TRIAGE_SYSTEM + " Be terse."
+    project.write("models/triage.sql", triage_model())
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")  # six rows answered
+    project.write("models/triage.sql", triage_model(system=terse))
+    project.dbt("run", "-s", "triage")  # every row asked again, in flight
+    project.write("models/triage.sql", triage_model(system=terse, where="where ticket_id <= 3"))
+    emulator.complete_all()
+    table = "select * from main.triage order by ticket_id"
+    shown = "select key, custom_id, emitted from main.llm_batch_row_answers order by all"
+    before = project.query(table), project.query(shown)
+    assert len(before[0]) == 6
+
+    project.release_database()
+    marker = tmp_path / "crash-marker"
+    killed = dbt_subprocess(
+        project, {"DBT_LLM_BATCH_CRASH_AT": "before_merge_insert", "DBT_LLM_BATCH_CRASH_MARKER": str(marker)}
+    )
+    assert killed.returncode == -9, killed.stdout[-2000:]
+    assert marker.read_text() == "before_merge_insert"
+    assert (project.query(table), project.query(shown)) == before  # the merge's transaction never committed
+
+    project.dbt("run", "-s", "triage")
+    rows = project.query("""select t.ticket_id, s.subject, t.subject, s.body, t.category, t.urgent, t.summary, t.llm_status
+                            from main.triage t join main.support_tickets s using (ticket_id) order by 1""")
+    assert [r[0] for r in rows] == [1, 2, 3, 4, 5, 6]  # the unselected keys' rows kept, with their new answers
+    for _, subject, shown_subject, body, category, urgent, summary, status in rows:
+        assert (status, shown_subject) == ("succeeded", subject)
+        assert (category, urgent, summary) == expected_triage(terse, f"Subject: {subject}\n\n{body}")
+    # Each key billed twice (once per system prompt), twelve lines sent: nothing asked again after the kill.
+    key_of_prompt = {f"Subject: {s}\n\n{b}": k for k, s, _, b, *_ in rows}
+    assert billed_per_key(emulator, key_of_prompt) == {k: 2 for k in range(1, 7)}
+    assert emulator.stats()["request_lines"] == 12

@@ -21,6 +21,7 @@ POINTS = (
     "after_download",
     "after_store",
     "before_merge",
+    "before_merge_insert",  # reached only by a merge that shows some rows' stored rows
     "after_realtime_group",
 )
 

@@ -21,6 +21,7 @@ from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger, retry_on_conflict, transaction
 from dbt_llm_batch.ledger.status import RequestStatus, sql
 from dbt_llm_batch.log import log
+from dbt_llm_batch.pipeline import crashpoints
 from dbt_llm_batch.pipeline.plan import key_sql
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.providers import get_provider
@@ -496,6 +497,7 @@ def merge(
                     for statement in rows.add_stored:
                         con.execute(statement)
                     con.execute(rows.stored)
+                    crashpoints.reach("before_merge_insert")  # the scratch table widened, the insert not run
                 with joins_as_written(con):
                     con.execute(f"insert into {target} by name {rows.widen if needs_stored else rows.widen_current}")
                 con.execute(f"drop table {EMIT_ROWS}")
