@@ -23,21 +23,26 @@ select id, id + 1000 as ticket_no, prompt from {{{{ ref('dup_rows') }}}}
 """
 
 
-def test_a_unique_key_change_of_a_model_answered_only_by_another_model_s_requests_keeps_one_row_per_key(
-    project, emulator
-):
-    provider = "openai"
+def rekey_twin_while_dup_is_in_flight(project, emulator, model_keyed_by) -> None:
+    """Models dup and twin (`model_keyed_by(key)`, keyed by id) select the same rows: dup sends the
+    requests, twin's rows wait on dup's batch with no request of its own; then twin is re-keyed by
+    ticket_no and run while dup's batch is still in flight."""
     emulator.auto_advance_seconds = None
     project.write("seeds/llm_prices.csv", PRICES)
     for name in ("dup", "twin"):
-        project.write(f"models/{name}.sql", keyed_model(provider, "id"))
+        project.write(f"models/{name}.sql", model_keyed_by("id"))
     write_rows(project, {i: i for i in range(N)})
     project.dbt("run", "-s", "dup")  # sends the requests
     project.dbt("run", "-s", "twin")  # its rows wait on dup's batch: no request of its own
     assert project.query("select count(*) from main.llm_batch_requests where model = 'main.twin'") == [(0,)]
-
-    project.write("models/twin.sql", keyed_model(provider, "ticket_no"))
+    project.write("models/twin.sql", model_keyed_by("ticket_no"))
     project.dbt("run", "-s", "twin")  # re-keyed; dup's batch still in flight
+
+
+def test_a_unique_key_change_of_a_model_answered_only_by_another_model_s_requests_keeps_one_row_per_key(
+    project, emulator
+):
+    rekey_twin_while_dup_is_in_flight(project, emulator, lambda key: keyed_model("openai", key))
     emulator.complete_all()
     project.dbt("run", "-s", "twin")  # harvests dup's batch and merges twin's rows
 
@@ -139,18 +144,7 @@ def test_a_unique_key_change_of_a_model_with_nested_outputs_answered_only_by_ano
 ):
     """The same scenario with nested outputs: once dup's batch lands, twin holds one row per new key, its
     nested values in their typed columns (a STRUCT, a VARCHAR list), equal to the sandbox's answer."""
-    provider = "openai"
-    emulator.auto_advance_seconds = None
-    project.write("seeds/llm_prices.csv", PRICES)
-    for name in ("dup", "twin"):
-        project.write(f"models/{name}.sql", nested_model(provider, "id"))
-    write_rows(project, {i: i for i in range(N)})
-    project.dbt("run", "-s", "dup")
-    project.dbt("run", "-s", "twin")
-    assert project.query("select count(*) from main.llm_batch_requests where model = 'main.twin'") == [(0,)]
-
-    project.write("models/twin.sql", nested_model(provider, "ticket_no"))
-    project.dbt("run", "-s", "twin")  # re-keyed; dup's batch still in flight
+    rekey_twin_while_dup_is_in_flight(project, emulator, lambda key: nested_model("openai", key))
     (batch,) = sorted_batches(emulator)
     schema = batch_input_lines(emulator, batch)[0]["body"]["response_format"]["json_schema"]["schema"]
     emulator.complete_all()
