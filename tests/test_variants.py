@@ -612,6 +612,32 @@ def test_changing_the_unique_key_of_a_model_with_variants_asks_nothing_again(eva
     assert evals.query("select count(*), count(distinct (ticket_no, llm_variant)) from main.evals") == [(3 * N, 3 * N)]
 
 
+@pytest.mark.parametrize("in_flight", [True, False], ids=["in_flight", "answered"])
+def test_a_unique_key_renamed_to_a_column_the_stored_rows_lack_re_keys_every_variant_s_requests(
+    evals, emulator, in_flight
+):
+    """The stored rows lack the new key's column (`id` selected as `tid`): each stored request finds
+    its new key by its fingerprint, every variant's (each asks its own prompt and settings), not only
+    the default's; none is set aside and asked again, and the table has one row per (key, variant)."""
+    if in_flight:
+        evals.dbt("run", "-s", "evals")  # every variant's requests in flight
+    else:
+        completed(evals, emulator)
+    evals.write(
+        "models/evals.sql", eval_model(variants_config(), unique_key="tid").replace("select id,", "select id as tid,")
+    )
+    evals.dbt("run", "-s", "evals")
+    emulator.complete_all()
+    evals.dbt("run", "-s", "evals")
+    assert len(emulator.billed()) == 3 * N  # nothing asked again
+    rows = evals.query("select tid, llm_variant, category, llm_status from main.evals")
+    assert len(rows) == len({(tid, variant) for tid, variant, *_ in rows}) == 3 * N
+    for tid, variant, category, status in rows:
+        assert (status, category) == ("succeeded", answer(SYSTEMS[variant], tid)), (tid, variant)
+    assert "kept aside" not in log_text(evals)
+    assert evals.query("select count(*) from main.llm_batch_requests where model <> 'main.evals'") == [(0,)]
+
+
 def test_two_identical_sampling_variants_each_get_their_own_answers(project, emulator):
     """At llm_temperature > 0 dedup is off by default (each row is its own sample): two variants that
     ask the same thing are two samples, each row with its own request and answer."""

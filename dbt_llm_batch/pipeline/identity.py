@@ -131,17 +131,23 @@ def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str
 
 def _key_by_fingerprint(config: ModelConfig) -> str:
     """A selected key for each fingerprint the model asks now (rows with the same fingerprint sent the
-    same request, so its answer fits any of them), and for the fingerprint earlier versions computed
-    for the same request (config.legacy_prefix)."""
+    same request, so its answer fits any of them): the default variant's (DESIRED holds its rows), each
+    evaluation variant's (its own prompt and settings: its requests' fingerprints differ), and the
+    fingerprint earlier versions computed for the same request (config.legacy_prefix)."""
     current = f"select fingerprint, any_value(key) as key from {DESIRED} group by fingerprint"
-    if not config.legacy_prefix:
+    others = [(variant.fingerprint_prefix(), variant) for variant in config.variants]
+    if config.legacy_prefix:
+        others.append((config.legacy_prefix, config))
+    if not others:
         return current
-    prompt = plan.fingerprinted_text_sql(config, "i.")
-    legacy_prefix = "'" + config.legacy_prefix + "'"  # hex digits only
-    return (
-        f"{current} union all select md5({legacy_prefix} || {prompt}), any_value(d.key) "
-        f"from {DESIRED} d join {INPUT} i on i.rowid = d.row_id group by 1"
+    computed = " union all ".join(
+        # prefixes are hex digits only
+        f"select md5('{prefix}' || {plan.fingerprinted_text_sql(asking, 'i.')}) as fingerprint, d.key "
+        f"from {DESIRED} d join {INPUT} i on i.rowid = d.row_id"
+        for prefix, asking in others
     )
+    # One key per fingerprint: two variants asking the same request give it twice.
+    return f"select fingerprint, any_value(key) as key from ({current} union all {computed}) group by fingerprint"
 
 
 def _warn_if_renamed(ledger: Ledger, config: ModelConfig) -> None:
