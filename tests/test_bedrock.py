@@ -153,7 +153,11 @@ def test_fewer_than_100_requests_wait_for_more_rows(project, emulator, bedrock):
     run(project)
     assert jobs(emulator) == [] and emulator.stats()["calls"] == {}
     assert project.query("select status, count(*) from main.llm_batch_requests group by 1") == [("deferred", 40)]
-    assert "40 request(s) wait for more rows: a bedrock batch needs at least 100 requests" in log_text(project)
+    log = log_text(project)
+    assert "40 request(s) wait for more rows: a bedrock batch needs at least 100 requests" in log
+    # Nothing is in flight: the in-flight caps are not why they wait, and the run line says so.
+    assert "in-flight caps are reached" not in log
+    assert "deferred 40 (too few for a batch: waiting for more rows)" in log
     write(project, bedrock, rows=130)
     run(project)
     (job,) = jobs(emulator)

@@ -28,6 +28,8 @@ class RunSummary:
     rejected_prompts: int = 0
     deferred: int = 0  # over an in-flight cap, or not sent after Ctrl-C: waiting in the ledger for a later run
     interrupted: bool = False  # Ctrl-C stopped the submission: the deferred requests wait for that reason
+    # of `deferred`: too few for the provider's minimum per batch (Bedrock): they wait for more rows
+    under_minimum: int = 0
     backed_off: int = 0  # waiting for a back-off (token limit, failed batch) before they are sent again
     held: int = 0  # held after a cancel, until `dbt-llm-batch release`
     estimated_usd: Decimal | int | None = None  # estimate of what this run submitted, None without a price
@@ -67,7 +69,13 @@ class RunSummary:
         )
 
     def deferred_reason(self) -> str:
-        return "the run was interrupted: they wait for the next run" if self.interrupted else "in-flight cap"
+        if self.interrupted:
+            return "the run was interrupted: they wait for the next run"
+        capped = self.deferred - min(self.under_minimum, self.deferred)
+        if not self.under_minimum:
+            return "in-flight cap"
+        fewer = "too few for a batch: waiting for more rows"
+        return f"{self.deferred - capped} {fewer}, {capped} in-flight cap" if capped else fewer
 
     def elsewhere_part(self) -> str:
         """'; 8 row(s) wait for requests of main.other in flight': rows whose request is another model's.

@@ -288,6 +288,7 @@ def _without_undersized(state: RunState, sender: int, provider_cls, files: list)
         return files
     variants.keep_submitted(state.con, sender, files[small].chunk)
     waiting = sum(f.requests for f in files[small:])
+    state.summary.under_minimum += waiting
     hint = f"; {provider_cls.under_minimum_hint}" if provider_cls.under_minimum_hint else ""
     log.info(
         f"{state.model}: {waiting} request(s) wait for more rows: a {provider_cls.name} batch needs at least "
@@ -426,12 +427,15 @@ def defer_unsent(
             summary.ceiling_usd = (summary.ceiling_usd or 0) + ceiling
     state.ledger.variant = passes[0].variant
     waiting = summary.deferred = state.ledger.deferred_count()
-    if waiting and not summary.interrupted:  # after Ctrl-C submit said why they wait: not the caps
+    # Those under the provider's minimum per batch were said to wait for more rows (_without_undersized),
+    # and after Ctrl-C submit said why they wait: neither is the caps.
+    capped = waiting - min(summary.under_minimum, waiting)
+    if capped and not summary.interrupted:
         shares = ""
-        if state.default.variant_name is not None:
+        if state.default.variant_name is not None and capped == waiting:
             shares = variants.labels(state.default, state.ledger.deferred_by_variant())
         report.deferred(
-            state.model, waiting, state.default, tokens_cap_of(state.default, state.default.provider), shares=shares
+            state.model, capped, state.default, tokens_cap_of(state.default, state.default.provider), shares=shares
         )
 
 

@@ -17,3 +17,15 @@ def test_pending_requests_and_rows_waiting_on_another_model_are_counted_apart():
 def test_nothing_waiting_elsewhere_adds_no_clause():
     line = RunSummary("main.triage", pending=3).line()
     assert line.endswith("; pending 3"), line
+
+
+def test_deferred_requests_are_said_to_wait_for_what_holds_them():
+    """Under the provider's minimum per batch they wait for more rows, over the caps for the caps; a
+    run with both says how many of each."""
+    assert "; deferred 5 (in-flight cap)" in RunSummary("m", deferred=5).line()
+    fewer = RunSummary("m", deferred=40, under_minimum=40).line()
+    assert "; deferred 40 (too few for a batch: waiting for more rows)" in fewer
+    both = RunSummary("m", deferred=40, under_minimum=30).line()
+    assert "; deferred 40 (30 too few for a batch: waiting for more rows, 10 in-flight cap)" in both
+    interrupted = RunSummary("m", deferred=40, under_minimum=30, interrupted=True).line()
+    assert "; deferred 40 (the run was interrupted: they wait for the next run)" in interrupted
