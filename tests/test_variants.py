@@ -638,6 +638,45 @@ def test_a_unique_key_renamed_to_a_column_the_stored_rows_lack_re_keys_every_var
     assert evals.query("select count(*) from main.llm_batch_requests where model <> 'main.evals'") == [(0,)]
 
 
+def test_a_unique_key_changed_to_a_new_column_with_a_sampled_variant_in_flight(project, emulator):
+    """The key changes to a column the stored rows lack (`tno`, computed) while a sampled variant's
+    batch is in flight: its requests are re-keyed by fingerprint, and one whose new key left the
+    sample is merged from its stored row with its key column from the ledger's key (the stored row
+    has no `tno`): a row per (key, variant), each request billed once, the sample's keys answered."""
+    terse = "Be terse."
+    config = f"llm_variants = {json.dumps({'terse': {'llm_system': terse}})}, llm_variant_sample = {{'terse': 0.5}},"
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model(extra_config=config))
+    project.dbt("run", "-s", "triage")  # both variants' requests in flight
+    rekeyed = (
+        triage_model(extra_config=config)
+        .replace("unique_key = 'ticket_id'", "unique_key = 'tno'")
+        .replace("select ticket_id, subject,", "select ticket_id * 7 + 100 as tno, ticket_id, subject,")
+    )
+    project.write("models/triage.sql", rekeyed)
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+
+    bodies = collections.Counter(json.dumps(b["request"], sort_keys=True) for b in emulator.billed())
+    assert max(bodies.values()) == 1, "a request billed twice"
+    rows = project.query("""select t.tno, t.ticket_id, t.llm_variant, t.llm_status, t.category, t.urgent, t.summary,
+                                   s.subject, s.body
+                            from main.triage t join main.support_tickets s using (ticket_id)""")
+    assert len(rows) == len({(tno, variant) for tno, _, variant, *_ in rows})
+    by_variant = collections.defaultdict(set)
+    for tno, ticket_id, variant, status, category, urgent, summary, subject, body in rows:
+        assert (status, tno) == ("succeeded", ticket_id * 7 + 100), (ticket_id, variant)
+        system = terse if variant == "terse" else TRIAGE_SYSTEM
+        assert (category, urgent, summary) == expected_triage(system, f"Subject: {subject}\n\n{body}")
+        by_variant[variant].add(tno)
+    keys = {t * 7 + 100 for t in range(1, 7)}
+    assert by_variant["default"] == keys
+    assert {k for k in keys if in_sample(k, 0.5)} <= by_variant["terse"]
+
+
 def test_two_identical_sampling_variants_each_get_their_own_answers(project, emulator):
     """At llm_temperature > 0 dedup is off by default (each row is its own sample): two variants that
     ask the same thing are two samples, each row with its own request and answer."""

@@ -111,7 +111,13 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> RowSelec
             f"alter table {EMIT_ROWS} add column {TAKE}{n} boolean",
             f"alter table {EMIT_ROWS} add column {STORED}{n} {typ}",
         ]  # typed as `stored`
-        selected.append(f"case when n.{TAKE}{n} then n.{STORED}{n} else i.{ident(name)} end as {ident(name)}")
+        current_value = f"i.{ident(name)}"
+        if name in config.unique_key:
+            # A key column the stored row lacks (unique_key changed to a new column) of a key with no
+            # current row (out of a sampled variant's sample): its value is in the ledger's key, as text.
+            position = config.unique_key.index(name)
+            current_value = f"coalesce({current_value}, cast(json_extract_string(n.{KEY}, '$[{position}]') as {typ}))"
+        selected.append(f"case when n.{TAKE}{n} then n.{STORED}{n} else {current_value} end as {ident(name)}")
         current_only.append(f"i.{ident(name)}")
     outputs = []
     for name, value in _output_values(config):
