@@ -10,6 +10,7 @@ own (OpenAI, system prompt A: the variant 'default'), 'terse' (OpenAI, system pr
 from __future__ import annotations
 
 import collections
+import datetime
 import hashlib
 import json
 import re
@@ -638,11 +639,27 @@ def test_a_unique_key_renamed_to_a_column_the_stored_rows_lack_re_keys_every_var
     assert evals.query("select count(*) from main.llm_batch_requests where model <> 'main.evals'") == [(0,)]
 
 
-def test_a_unique_key_changed_to_a_new_column_with_a_sampled_variant_in_flight(project, emulator):
-    """The key changes to a column the stored rows lack (`tno`, computed) while a sampled variant's
-    batch is in flight: its requests are re-keyed by fingerprint, and one whose new key left the
-    sample is merged from its stored row with its key column from the ledger's key (the stored row
-    has no `tno`): a row per (key, variant), each request billed once, the sample's keys answered."""
+# The new key's columns (computed, so the stored rows lack them), and their values for a ticket_id:
+# one integer, or a composite of a DATE and a text (the ledger's key holds each part as text).
+NEW_KEYS = {
+    "one column": ("'tno'", "ticket_id * 7 + 100 as tno", lambda t: (t * 7 + 100,)),
+    "composite": (
+        "['tday', 'tgrp']",
+        "date '2026-01-01' + ticket_id as tday, 'g' || (ticket_id % 2) as tgrp",
+        lambda t: (datetime.date(2026, 1, 1) + datetime.timedelta(days=t), f"g{t % 2}"),
+    ),
+}
+
+
+@pytest.mark.parametrize("new_key", NEW_KEYS)
+def test_a_unique_key_changed_to_a_new_column_with_a_sampled_variant_in_flight(project, emulator, new_key):
+    """The key changes to columns the stored rows lack (computed) while a sampled variant's batch is
+    in flight: its requests are re-keyed by fingerprint, and one whose new key left the sample is
+    merged from its stored row with its key columns from the ledger's key (the stored row has none
+    of them), each cast back to its type: a row per (key, variant), each request billed once, the
+    sample's keys answered."""
+    unique_key, columns, key_of = NEW_KEYS[new_key]
+    names = [c.split(" as ")[-1] for c in columns.split(", ")]
     terse = "Be terse."
     config = f"llm_variants = {json.dumps({'terse': {'llm_system': terse}})}, llm_variant_sample = {{'terse': 0.5}},"
     project.dbt("seed")
@@ -650,8 +667,8 @@ def test_a_unique_key_changed_to_a_new_column_with_a_sampled_variant_in_flight(p
     project.dbt("run", "-s", "triage")  # both variants' requests in flight
     rekeyed = (
         triage_model(extra_config=config)
-        .replace("unique_key = 'ticket_id'", "unique_key = 'tno'")
-        .replace("select ticket_id, subject,", "select ticket_id * 7 + 100 as tno, ticket_id, subject,")
+        .replace("unique_key = 'ticket_id'", f"unique_key = {unique_key}")
+        .replace("select ticket_id, subject,", f"select {columns}, ticket_id, subject,")
     )
     project.write("models/triage.sql", rekeyed)
     project.dbt("run", "-s", "triage")
@@ -662,19 +679,25 @@ def test_a_unique_key_changed_to_a_new_column_with_a_sampled_variant_in_flight(p
 
     bodies = collections.Counter(json.dumps(b["request"], sort_keys=True) for b in emulator.billed())
     assert max(bodies.values()) == 1, "a request billed twice"
-    rows = project.query("""select t.tno, t.ticket_id, t.llm_variant, t.llm_status, t.category, t.urgent, t.summary,
-                                   s.subject, s.body
-                            from main.triage t join main.support_tickets s using (ticket_id)""")
-    assert len(rows) == len({(tno, variant) for tno, _, variant, *_ in rows})
+    found = project.query(f"""select {", ".join("t." + n for n in names)}, t.ticket_id, t.llm_variant, t.llm_status,
+                                     t.category, t.urgent, t.summary, s.subject, s.body
+                              from main.triage t join main.support_tickets s using (ticket_id)""")
+    rows = [(tuple(row[: len(names)]), *row[len(names) :]) for row in found]
+    assert len(rows) == len({(key, variant) for key, _, variant, *_ in rows})
     by_variant = collections.defaultdict(set)
-    for tno, ticket_id, variant, status, category, urgent, summary, subject, body in rows:
-        assert (status, tno) == ("succeeded", ticket_id * 7 + 100), (ticket_id, variant)
+    for key, ticket_id, variant, status, category, urgent, summary, subject, body in rows:
+        assert (status, key) == ("succeeded", key_of(ticket_id)), (ticket_id, variant)
         system = terse if variant == "terse" else TRIAGE_SYSTEM
         assert (category, urgent, summary) == expected_triage(system, f"Subject: {subject}\n\n{body}")
-        by_variant[variant].add(tno)
-    keys = {t * 7 + 100 for t in range(1, 7)}
-    assert by_variant["default"] == keys
-    assert {k for k in keys if in_sample(k, 0.5)} <= by_variant["terse"]
+        by_variant[variant].add(key)
+    expected = {key_of(t) for t in range(1, 7)}
+    assert by_variant["default"] == expected
+
+    def sampled(key: tuple) -> bool:  # the documented rule over the ledger's key, each part as text
+        text = json.dumps([str(part) for part in key])
+        return int(hashlib.md5(text.encode()).hexdigest()[:8], 16) / 2**32 < 0.5
+
+    assert {k for k in expected if sampled(k)} <= by_variant["terse"]
 
 
 def test_two_identical_sampling_variants_each_get_their_own_answers(project, emulator):
