@@ -164,3 +164,62 @@ def test_a_unique_key_change_of_a_model_with_nested_outputs_answered_only_by_ano
         assert (owner, tags, score) == (answer["owner"], answer["tags"], answer["score"]), ticket_no
     assert all(len(tags) > 1 for *_, tags, _score, _status in rows)  # lists of more than one item
     assert len(emulator.billed()) == N
+
+
+def combined_model(key: str) -> str:
+    """nested_model with a sampled challenger 'terse'; keyed by `id`, or by `tno`, a computed column
+    the SELECT has only while it is the key (so the stored rows of requests made before lack it)."""
+    text = nested_model("openai", "id").replace(
+        "llm_dedup='ledger'",
+        f"llm_dedup='ledger', llm_variants={{'terse': {{'llm_system': {TERSE!r}}}}}, "
+        f"llm_variant_sample={{'terse': {SAMPLE}}}",
+    )
+    if key == "tno":
+        text = text.replace("unique_key='id'", "unique_key='tno'").replace(
+            "select id,", "select id * 7 + 100 as tno, id,"
+        )
+    return text
+
+
+def test_a_key_changed_to_a_new_column_with_a_sampled_variant_nested_outputs_and_shared_requests_under_threads(
+    project, emulator
+):
+    """Features together: two models select the same rows with nested outputs and a sampled
+    challenger (llm_dedup = 'ledger', so one model's requests answer both), run together under
+    `--threads 4`; with their batch in flight both change `unique_key` to a computed column the
+    stored rows lack, run again, and the batches land. Each request is billed once; each model holds
+    one row per (key, variant), its nested values the sandbox's answer to that variant's prompt, its
+    key the computed one; the challenger answers at least the new key's sample."""
+    n = 12
+    emulator.auto_advance_seconds = None
+    project.write("seeds/llm_prices.csv", PRICES)
+    write_rows(project, {i: i for i in range(n)})
+    threads = ("--threads", "4")
+    for name in ("dup", "twin"):
+        project.write(f"models/{name}.sql", combined_model("id"))
+    project.dbt("run", "-s", "dup", "twin", *threads)
+    (batch,) = sorted_batches(emulator)
+    schema = batch_input_lines(emulator, batch)[0]["body"]["response_format"]["json_schema"]["schema"]
+    for name in ("dup", "twin"):
+        project.write(f"models/{name}.sql", combined_model("tno"))
+    project.dbt("run", "-s", "dup", "twin", *threads)  # re-keyed; the batch still in flight
+    for _ in range(2):
+        emulator.complete_all()
+        project.dbt("run", "-s", "dup", "twin", *threads)
+
+    bodies = collections.Counter(json.dumps(b["request"], sort_keys=True) for b in emulator.billed())
+    assert max(bodies.values()) == 1, "a request billed twice"
+    keys = {i * 7 + 100: i for i in range(n)}
+    for name in ("dup", "twin"):
+        described = {column: typ for column, typ, *_ in project.query(f"describe main.{name}")}
+        assert described["owner"] == 'STRUCT("name" VARCHAR, team VARCHAR)' and described["score"] == "BIGINT"
+        rows = project.query(f"select tno, id, llm_variant, prompt, owner, tags, score, llm_status from main.{name}")
+        assert len(rows) == len({(tno, variant) for tno, _, variant, *_ in rows}), name
+        by_variant = collections.defaultdict(set)
+        for tno, i, variant, prompt, owner, tags, score, status in rows:
+            assert (status, tno, prompt) == ("succeeded", i * 7 + 100, prompt_of(i)), (name, i, variant)
+            answer = json.loads(expected_answer(TERSE if variant == "terse" else None, prompt, schema))
+            assert (owner, tags, score) == (answer["owner"], answer["tags"], answer.get("score")), (name, i, variant)
+            by_variant[variant].add(tno)
+        assert by_variant["default"] == set(keys), name
+        assert {k for k in keys if in_sample(k)} <= by_variant["terse"], name
