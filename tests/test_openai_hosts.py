@@ -5,12 +5,15 @@ prices them under the host's name (openai_hosts.py)."""
 from __future__ import annotations
 
 import collections
+import json
 from decimal import Decimal
 
+import duckdb
 import pytest
 
 from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.errors import ConfigError
+from dbt_llm_batch.ledger.store import SCHEMA_VERSION
 from dbt_llm_batch.providers import get_provider
 from dbt_llm_batch.sandbox import expected_answer
 
@@ -89,3 +92,112 @@ select * from {{{{ ref('things') }}}}
     )
     (cost,) = project.query("select sum(cost_usd) from main.llm_batch_requests")[0]
     assert abs(Decimal(cost) - expected) <= Decimal("3e-9"), (cost, expected)
+
+
+@pytest.fixture
+def second_host(api_key):
+    """Another OpenAI-compatible host: a second sandbox, taking the same key."""
+    from dbt_llm_batch.sandbox import Emulator
+
+    host = Emulator(api_key=api_key).start()
+    host.auto_advance_seconds = None
+    yield host
+    host.stop()
+
+
+def hosted_model(base_url: str) -> str:
+    return f"""
+{{{{ config(materialized='llm_batch', unique_key='a', llm_provider='openai', llm_model='gpt-test',
+            llm_base_url='{base_url}', llm_system={SYSTEM!r}, llm_max_tokens=50) }}}}
+select * from {{{{ ref('things') }}}}
+"""
+
+
+def write_things(project, n: int) -> None:
+    rows = ", ".join(f"({i}, 'row {i}')" for i in range(1, n + 1))
+    project.write("models/things.sql", f"select * from (values {rows}) t(a, prompt)")
+
+
+def assert_answered(project, n: int) -> None:
+    got = project.query("select a, prompt, llm_status, llm_output from main.m order by a")
+    assert got == [(i, f"row {i}", "succeeded", expected_answer(SYSTEM, f"row {i}", None)) for i in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["same_day", "a_day_later"])
+def test_a_batch_in_flight_is_harvested_where_it_was_sent_after_llm_base_url_moves(
+    project, emulator, second_host, late
+):
+    """The model moves to another host (llm_base_url) while its batch is in flight: the batch is
+    polled and harvested at the first host (the job records the provider keys it was sent with), a
+    day later too (not taken for gone and sent again), and only new rows go to the second host.
+    Each prompt is billed once, by one host."""
+    emulator.auto_advance_seconds = None
+    write_things(project, 3)
+    project.write("models/m.sql", hosted_model(emulator.openai_base_url))
+    project.dbt("run", "-s", "things", "m")
+    assert len(emulator.batches()) == 1
+    project.write("models/m.sql", hosted_model(second_host.openai_base_url))
+    project.dbt("run", "-s", "m")  # the batch still in flight at the first host
+    if late:
+        project.release_database()
+        project.query("update main.llm_batch_jobs set created_at = created_at - interval 2 day")
+        project.dbt("run", "-s", "m")
+    assert project.query("select count(*) from main.m") == [(0,)]  # nothing answered yet
+    emulator.complete_all()
+    project.dbt("run", "-s", "m")
+    assert_answered(project, 3)
+    assert sorted(b["prompt"] for b in emulator.billed()) == ["row 1", "row 2", "row 3"]
+    assert second_host.billed() == []
+
+    write_things(project, 4)  # a new row: sent to the host the model names now
+    project.dbt("run", "-s", "things", "m")
+    second_host.complete_all()
+    project.dbt("run", "-s", "m")
+    assert_answered(project, 4)
+    assert [b["prompt"] for b in second_host.billed()] == ["row 4"]
+    assert len(emulator.billed()) == 3
+    recorded = project.query("select provider_options from main.llm_batch_jobs order by created_at")
+    assert [json.loads(o)["base_url"] for (o,) in recorded] == [emulator.openai_base_url, second_host.openai_base_url]
+
+
+def test_a_v33_ledger_with_a_batch_in_flight_migrates_and_harvests_it(project, emulator):
+    """The ledger the previous schema version (33) left, with a batch in flight: migration 34 only adds
+    llm_batch_jobs.provider_options, so dropping it (and the version row) gives that ledger. The job
+    has no provider keys recorded: it is polled with the model's own, as before, harvested once."""
+    emulator.auto_advance_seconds = None
+    write_things(project, 3)
+    project.write("models/m.sql", hosted_model(emulator.openai_base_url))
+    project.dbt("run", "-s", "things", "m")
+    project.release_database()
+    with duckdb.connect(str(project.db_path)) as con:
+        con.execute("alter table main.llm_batch_jobs drop column provider_options")
+        con.execute("delete from main.llm_batch_meta where schema_version >= 34")
+        assert con.execute("select max(schema_version) from main.llm_batch_meta").fetchall() == [(33,)]
+    project.dbt("run", "-s", "m")  # migrated; the batch still in flight
+    assert project.query("select max(schema_version) from main.llm_batch_meta") == [(SCHEMA_VERSION,)]
+    assert project.query("select provider_options from main.llm_batch_jobs") == [(None,)]
+    emulator.complete_all()
+    project.dbt("run", "-s", "m")
+    assert_answered(project, 3)
+    assert len(emulator.batches()) == 1 and len(emulator.billed()) == 3
+
+
+def test_the_poller_harvests_a_batch_where_it_was_sent_after_llm_base_url_moves(project, emulator, second_host, capsys):
+    """`dbt-llm-batch poll` between runs, after the model moved host: it polls the batch at the host
+    it was sent to, and the next run merges it without asking anything again."""
+    from dbt_llm_batch.ops.cli import main as cli
+    from dbt_llm_batch.ops.poller import EXIT_DONE
+
+    emulator.auto_advance_seconds = None
+    write_things(project, 3)
+    project.write("models/m.sql", hosted_model(emulator.openai_base_url))
+    project.dbt("run", "-s", "things", "m")
+    project.write("models/m.sql", hosted_model(second_host.openai_base_url))
+    project.dbt("run", "-s", "m")  # the model's settled config now names the second host
+    emulator.complete_all()
+    capsys.readouterr()
+    assert cli(["poll", "--database", str(project.db_path)]) == EXIT_DONE, capsys.readouterr().out
+    assert project.query("select status, count(*) from main.llm_batch_requests group by 1") == [("succeeded", 3)]
+    project.dbt("run", "-s", "m")
+    assert_answered(project, 3)
+    assert len(emulator.billed()) == 3 and second_host.billed() == []

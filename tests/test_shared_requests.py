@@ -120,3 +120,88 @@ def test_the_views_count_each_row_once_with_variants_sharing_requests_after_a_pr
     assert len(emulator.billed()) == 3 * N
     assert models.query("select count(*) from main.dup") == [(2 * N,)]
     assert models.query("select count(*) from main.twin") == [(N,)]
+
+
+def settle_dups_batch_meanwhile(models, emulator, monkeypatch, after: str) -> None:
+    """Make dup's batch end and be harvested in the middle of twin's next run, as dup's own run does
+    under dbt's threads: right after twin's merge (`after` = 'merge'), or after twin's run looked for
+    rows that landed during its merge ('recheck'). Harvested as shared.harvest_shared does it, under
+    dup's lock."""
+    from dbt_llm_batch.pipeline import runner, shared
+
+    fired = []
+    original = {"merge": runner.ModelRun.merge, "recheck": shared.landed_unmerged}[after]
+
+    def settle(ledger, config):
+        if ledger.model == "main.twin" and not fired:
+            fired.append(True)
+            emulator.complete_all()
+            assert shared.harvest_shared(ledger, config) == 1
+
+    if after == "merge":
+
+        def merge(run, target, rebuild):
+            done = original(run, target, rebuild)
+            settle(run.ledger, run.config)
+            return done
+
+        patches = [(runner.ModelRun, "merge", merge)]
+    else:
+        config_of = {}
+        original_merge = runner.ModelRun.merge
+
+        def merge(run, target, rebuild):
+            config_of[run.ledger.model] = run.config
+            return original_merge(run, target, rebuild)
+
+        def recheck(ledger, variants):
+            found = original(ledger, variants)
+            settle(ledger, config_of[ledger.model])
+            return found
+
+        patches = [(runner.ModelRun, "merge", merge), (shared, "landed_unmerged", recheck)]
+    with monkeypatch.context() as patched:  # this run only
+        for owner, name, replacement in patches:
+            patched.setattr(owner, name, replacement)
+        models.dbt("run", "-s", "twin")
+    assert fired
+
+
+def test_rows_another_model_s_run_answers_while_this_model_merges_are_merged_in_the_same_run(
+    models, emulator, monkeypatch
+):
+    """dbt's threads: dup's run harvests the shared batch just after twin's run merged (nothing yet):
+    twin's run sees its rows landed and merges them, instead of leaving them out of its table (and out
+    of every pending count) until its next run."""
+    models.dbt("run", "-s", "dup")
+    models.dbt("run", "-s", "twin")  # its rows wait on dup's batch
+    settle_dups_batch_meanwhile(models, emulator, monkeypatch, after="merge")
+    twin = table(models, "twin")
+    assert sorted(twin) == list(range(N)) and {r[2] for r in twin.values()} == {"succeeded"}
+    assert "main.twin: submitted 0 request(s) in 0 batch(es) (estimated $0); harvested 0 batch(es)" in log_text(models)
+    assert "merged 10 row(s) (0 failed); pending 0" in log_text(models)
+    assert len(emulator.billed()) == N
+
+
+def test_rows_another_model_s_run_answers_after_this_model_merged_are_pending_and_said_so(
+    models, emulator, monkeypatch, capsys
+):
+    """The same, with dup's harvest landing after twin's run last looked: the run line says the rows
+    wait for the next run, llm_batch_progress counts them pending (llm_batch_pending_rows lists them
+    with their outcome), and twin's next run merges them without asking anything."""
+    models.dbt("run", "-s", "dup")
+    models.dbt("run", "-s", "twin")
+    settle_dups_batch_meanwhile(models, emulator, monkeypatch, after="recheck")
+    assert table(models, "twin") == {}
+    assert (
+        "merged 0 row(s) (0 failed); pending 0; 10 row(s) answered by main.dup's run after this run merged: "
+        "the next run merges them" in log_text(models)
+    )
+    assert models.query(PROGRESS) == [("main.dup", 0, 0), ("main.twin", 0, N)]
+    assert models.query(
+        "select asked_by, status, count(*) from main.llm_batch_pending_rows where model = 'main.twin' group by all"
+    ) == [("main.dup", "succeeded", N)]
+    models.dbt("run", "-s", "twin")
+    assert sorted(table(models, "twin")) == list(range(N))
+    assert models.query(PROGRESS) == [("main.dup", 0, 0), ("main.twin", 0, 0)]
+    assert len(emulator.billed()) == N

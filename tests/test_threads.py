@@ -382,9 +382,9 @@ def test_urgent_rows_of_two_models_sharing_a_realtime_request_are_asked_once_and
 
 
 def test_a_v31_ledger_with_a_batch_in_flight_migrates_and_its_claims_name_their_route(project, emulator):
-    """The ledger the previous schema version (31) left, with dup's batch in flight: migrations 32 and
-    33 only added llm_batch_request_claims.route and llm_batch_models.merged_into, so dropping them (and
-    the version rows) gives that ledger. Both
+    """The ledger schema version 31 left, with dup's batch in flight: migrations 32 to 34 only added
+    llm_batch_request_claims.route, llm_batch_models.merged_into and llm_batch_jobs.provider_options,
+    so dropping them (and the version rows) gives that ledger. Both
     models then run together: migrated, dup_twin's rows point at dup's requests in flight, nothing is
     sent twice, and the claims left behind name no route (the run's claims end with it)."""
     write_two_sharing_models(project)
@@ -393,6 +393,7 @@ def test_a_v31_ledger_with_a_batch_in_flight_migrates_and_its_claims_name_their_
     with duckdb.connect(str(project.db_path)) as con:
         con.execute("alter table main.llm_batch_request_claims drop column route")
         con.execute("alter table main.llm_batch_models drop column merged_into")  # migration 33's
+        con.execute("alter table main.llm_batch_jobs drop column provider_options")  # migration 34's
         con.execute("delete from main.llm_batch_meta where schema_version >= 32")
         assert con.execute("select max(schema_version) from main.llm_batch_meta").fetchall() == [(31,)]
     project.dbt("run", "-s", "dup", "dup_twin")

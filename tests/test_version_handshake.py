@@ -9,6 +9,7 @@ from conftest import REPO, failure_messages
 from helpers import triage_model
 
 from dbt_llm_batch import __version__
+from dbt_llm_batch.ledger.store import SCHEMA_VERSION
 
 MACRO = "macros/materializations/llm_batch.sql"
 
@@ -65,3 +66,23 @@ def test_macro_of_0_1_0_through_the_old_entry_point_fails_the_same_way(project, 
 
     install_package_copy(project, as_released_in_0_1_0)
     run_fails_with_mismatch(project, emulator, "0.1.0")
+
+
+def test_a_ledger_a_newer_release_migrated_fails_the_run_with_one_message_and_changes_nothing(project, emulator):
+    """A teammate's newer dbt-llm-batch migrated the ledger: this installation refuses to write to it,
+    in a dbt error that says what to upgrade (no traceback), and sends nothing."""
+    project.write("models/triage.sql", triage_model())
+    project.dbt("seed")
+    project.dbt("run", "-s", "triage")
+    project.release_database()
+    project.query("insert into main.llm_batch_meta values (999, now())")
+    calls = dict(emulator.stats()["calls"])
+    result = project.dbt("run", "-s", "triage", "--full-refresh", expect_ok=False)
+    message = failure_messages(result)
+    assert (
+        "the ledger in schema main was written by a newer dbt-llm-batch (ledger version 999; this installation "
+        f"reads up to {SCHEMA_VERSION}): upgrade dbt-llm-batch" in message
+    ), message
+    assert "Traceback" not in message and message.count("newer dbt-llm-batch") == 1, message
+    assert dict(emulator.stats()["calls"]) == calls
+    assert project.query("select count(*) from main.llm_batch_requests") == [(6,)]

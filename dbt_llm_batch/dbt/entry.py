@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import traceback
 
 from dbt_common.exceptions import CompilationError
 
 from dbt_llm_batch import __version__
+from dbt_llm_batch.config import parse_config
 from dbt_llm_batch.dbt.log import debug_to_dbt, forward_to_dbt
 from dbt_llm_batch.errors import ConfigError, ContractError, LlmBatchError, VersionMismatchError
 from dbt_llm_batch.pipeline import runner
+from dbt_llm_batch.providers import calls, get_provider
 from dbt_llm_batch.sql import literal
 
 # The version of the dbt package whose macro calls dbt_llm_batch.runner without saying its version.
@@ -27,8 +30,9 @@ def run_model(con, *, package_version: str | None = None, session=None, **payloa
 
     dbt-duckdb reports any exception out of a Python job as "Python model failed:" and a full
     traceback, which buries the one useful line. So a failure the package anticipated (an
-    LlmBatchError: config, contract, input, provider, budget, lock), or a dbt error a warning
-    became under --warn-error, is not raised here: its message is left in a DuckDB variable on
+    LlmBatchError: config, contract, input, provider, budget, lock), a provider SDK's error no retry
+    fixes (a 4xx such as a rejected key: provider_refusal), or a dbt error a warning became under
+    --warn-error, is not raised here: its message is left in a DuckDB variable on
     `session` (dbt's own connection, which the materialization queries next) and the materialization
     raises it as a dbt compilation, contract or runtime error. Its traceback goes to dbt's debug log
     (logs/dbt.log; the console with --debug). Anything else is a bug: it propagates with its
@@ -46,6 +50,28 @@ def run_model(con, *, package_version: str | None = None, session=None, **payloa
         debug_to_dbt(f"dbt-llm-batch: the traceback of the failure below:\n{traceback.format_exc()}")
         report_failure(session, failure_of(exc))
         return None
+    except Exception as exc:
+        message = provider_refusal(exc, payload)
+        if session is None or message is None:  # a bug: its traceback is what a report needs
+            raise
+        debug_to_dbt(f"dbt-llm-batch: the traceback of the failure below:\n{traceback.format_exc()}")
+        report_failure(session, {"kind": "runtime", "message": message})
+        return None
+
+
+def provider_refusal(exc: Exception, payload: dict) -> str | None:
+    """The message for a provider SDK's error that no retry fixes (a 4xx: a rejected key, a missing
+    permission, an unknown model; calls.refusal), naming the model, its provider and the variable
+    that holds its key; None for any other exception."""
+    try:
+        config = parse_config(payload["raw_config"])
+        provider = get_provider(config.provider)(config)
+        hint, var = calls.key_hint(provider), calls.key_variable(provider)
+    except Exception:  # noqa: BLE001 - the config parsed before the provider was called: not expected
+        return None
+    model = payload.get("name") or payload.get("identifier")
+    who = f"model {model}: llm_provider '{config.provider}' (llm_model '{config.model}')"
+    return calls.refusal(exc, who, hint, secret=os.environ.get(var) if var else None)
 
 
 def failure_of(exc: Exception) -> dict:

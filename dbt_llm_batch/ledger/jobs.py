@@ -15,15 +15,14 @@ class JobWrites(LedgerBase):
     def open_jobs(self) -> list[dict]:
         """Jobs of this model that may still yield results: intents and unharvested batches."""
         rows = self.con.execute(
-            f"""select job_id, batch_id, status, provider, created_at, llm_model from {self.table("llm_batch_jobs")}
+            f"""select job_id, batch_id, status, provider, created_at, llm_model, provider_options
+                from {self.table("llm_batch_jobs")}
                 where model = ? and harvested_at is null and status <> {sql(JobStatus.VOIDED)}
                 order by created_at""",
             [self.model],
         ).fetchall()
-        return [
-            dict(zip(("job_id", "batch_id", "status", "provider", "created_at", "llm_model"), r, strict=True))
-            for r in rows
-        ]
+        names = ("job_id", "batch_id", "status", "provider", "created_at", "llm_model", "provider_options")
+        return [dict(zip(names, r, strict=True)) for r in rows]
 
     def recorded_output_schemas(self, every_model: bool) -> list[dict]:
         """The distinct output schemas jobs were asked with (llm_batch_jobs.output_schema, recorded per

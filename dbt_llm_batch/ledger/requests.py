@@ -56,6 +56,7 @@ class RequestWrites(LedgerBase):
         output_schema: str | None = None,
         per_row_variant: bool = False,
         answer_rows: str | None = None,
+        provider_options: str | None = None,
     ) -> dict[int, str]:
         """Record one job intent per chunk and every request ('queued') in one transaction, before the
         provider is contacted; returns {chunk: job id}. `plan_rows` has each request's `chunk` and
@@ -65,7 +66,8 @@ class RequestWrites(LedgerBase):
         answers its own key, and the rows of `members` (key, fingerprint, custom_id, row_json, prompt_hash: the other
         rows asking the same request) whose request is among them: their row answers are written in the
         same transaction. `output_schema`: the llm_output schema the requests are asked with
-        (output_schema.recorded), recorded on each job. `per_row_variant`: the requests (and `members`)
+        (output_schema.recorded), recorded on each job, as `provider_options` (the provider's own keys
+        the requests are sent with, as JSON: pool.recorded_options) is. `per_row_variant`: the requests (and `members`)
         carry their evaluation variant in a `variant` column (a batch holding several variants'
         requests, pipeline/variants.py), instead of all being this ledger's `variant`; the job records
         its variants, comma-separated. `answer_rows`: the same requests without prompt and row (no
@@ -110,10 +112,10 @@ class RequestWrites(LedgerBase):
                     )
                 self.con.execute(
                     f"""insert into {self.table("llm_batch_jobs")} (job_id, model, provider, llm_model,
-                          status, request_count, created_at, updated_at, variant, output_schema)
-                        select job_id, ?, ?, ?, ?, count(*), now(), now(), {job_variant}, ?
+                          status, request_count, created_at, updated_at, variant, output_schema, provider_options)
+                        select job_id, ?, ?, ?, ?, count(*), now(), now(), {job_variant}, ?, ?
                         from {written} group by job_id""",
-                    [self.model, provider, llm_model, status, *own, output_schema],
+                    [self.model, provider, llm_model, status, *own, output_schema, provider_options],
                 )
                 record_reserved(self.con, self.table("llm_batch_reservations"), self.owner, written)
                 if deferred:  # a deferred request being sent now becomes a queued one

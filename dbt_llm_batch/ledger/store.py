@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 
+from dbt_llm_batch.errors import VersionMismatchError
 from dbt_llm_batch.ledger.base import retry_on_conflict, transaction
 from dbt_llm_batch.ledger.claims import ClaimWrites
 from dbt_llm_batch.ledger.configured import configured_sql
@@ -320,6 +321,15 @@ MIGRATIONS += [
     # name here, and rebuilds its table from the ledger instead of trusting the marks. NULL (a ledger
     # from before): the marks are trusted, as they were.
     (33, ["alter table {s}.llm_batch_models add column if not exists merged_into varchar"]),
+    # The provider's own keys a job was sent with (ModelConfig.options as JSON: a host's URL, the NAME
+    # of its key's variable, a region, never a key): a batch in flight is polled, harvested, cancelled
+    # and cleaned up where it was sent, after the model moved to another host (llm_base_url). NULL (a
+    # job from before): the model's current keys, as before.
+    (34, ["alter table {s}.llm_batch_jobs add column if not exists provider_options varchar"]),
+    # The views changed: llm_batch_pending_rows (and llm_batch_progress.rows_pending over it) lists a
+    # row answered by another model's request that its model has not merged yet (llm_dedup = 'ledger':
+    # that model's run harvested it while this one ran). No table changes.
+    (35, []),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -356,11 +366,15 @@ VIEWS = [
     # One row per row of a model (model, variant, key) and the fingerprint it waits for an answer to:
     # a row answer whose request is in flight or held, of this model or another (llm_dedup = 'ledger':
     # `asked_by` is that model), and the model's own requests waiting unsent (over a cap, in a
-    # back-off) or held. A key may appear more than once (count distinct keys).
+    # back-off) or held. A key may appear more than once (count distinct keys). Also a row answered by
+    # another model's request that is not in this model's table yet (that model's run or the poller
+    # harvested it after this model's last merge, dbt's threads): its status is the request's outcome,
+    # and the model's next run merges it.
     f"""create or replace view {{s}}.llm_batch_pending_rows as
     select a.model, a.variant, a.key, a.fingerprint, r.model as asked_by, r.status
     from {{s}}.llm_batch_row_answers a join {{s}}.llm_batch_requests r using (custom_id)
     where r.status in ({_QUEUED}, {sql(RequestStatus.HELD)})
+       or (a.emitted is null and r.is_final and r.model <> a.model)
     union all
     select model, variant, key, fingerprint, model as asked_by, status from {{s}}.llm_batch_requests
     where status in ({_WAITING}) or (status = {sql(RequestStatus.VOIDED)} and not_before > now())""",
@@ -505,9 +519,11 @@ class Ledger(RequestWrites, JobWrites, ResultWrites, ThenCommandWrites, ClaimWri
         self.con.execute(MIGRATIONS[0][1][0].format(s=s))
         current = self.con.execute(f"select coalesce(max(schema_version), 0) from {s}.llm_batch_meta").fetchall()[0][0]
         if current > SCHEMA_VERSION:
-            raise RuntimeError(
-                f"ledger in schema {self.schema} has version {current}, newer than this "
-                f"dbt-llm-batch ({SCHEMA_VERSION}): upgrade the package"
+            # A teammate's newer dbt-llm-batch migrated it: an older one must not write to it.
+            raise VersionMismatchError(
+                f"the ledger in schema {self.schema} was written by a newer dbt-llm-batch (ledger version "
+                f"{current}; this installation reads up to {SCHEMA_VERSION}): upgrade dbt-llm-batch "
+                "(the Python package and the dbt package, to the same version); nothing was changed"
             )
         for version, statements in MIGRATIONS:
             if version <= current or version > up_to:

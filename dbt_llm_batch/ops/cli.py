@@ -72,6 +72,7 @@ def poll_command(args) -> int:
     from dbt_llm_batch.log import log
     from dbt_llm_batch.ops import poller
     from dbt_llm_batch.pipeline import progress
+    from dbt_llm_batch.providers import calls
 
     bar = None
     handler: logging.Handler
@@ -102,6 +103,12 @@ def poll_command(args) -> int:
         )
     except LlmBatchError as exc:  # cannot poll at all: no such file, an unknown model, a --then it cannot expand
         print(f"dbt-llm-batch poll: {exc}", file=sys.stderr)
+        return poller.EXIT_CANNOT_POLL
+    except Exception as exc:  # a provider refused a call (a rejected key, ...): say so, no traceback
+        message = calls.refusal(exc, "the provider", calls.sdk_key_hint(exc), again="poll")
+        if message is None:  # a bug: its traceback is what a report needs
+            raise
+        print(f"dbt-llm-batch poll: {message}", file=sys.stderr)
         return poller.EXIT_CANNOT_POLL
     finally:
         log.removeHandler(handler)

@@ -30,6 +30,7 @@ from dbt_llm_batch.errors import LlmBatchError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.locks import database_path, is_lock_conflict, lock_conflict_message, unlock
 from dbt_llm_batch.ledger.status import PRE_SUBMISSION, JobStatus, RequestStatus, sql, sql_in
+from dbt_llm_batch.pipeline import pool
 from dbt_llm_batch.pipeline.submit import HELD_BY_RECONCILIATION
 from dbt_llm_batch.providers import BatchProvider, get_provider
 from dbt_llm_batch.providers.calls import describe
@@ -96,24 +97,25 @@ def cancel_model(con, schema: str, model: str) -> list[str]:
     ledger.forget_settled()  # rows become due again: the next run must not skip (pipeline/settled.py)
     who = operator_name()
     jobs = con.execute(
-        f"""select job_id, batch_id, provider, llm_model, status from {ledger.table("llm_batch_jobs")}
+        f"""select job_id, batch_id, provider, llm_model, provider_options from {ledger.table("llm_batch_jobs")}
             where model = ? and harvested_at is null and status <> {sql(JobStatus.VOIDED)} order by created_at""",
         [ledger.model],
     ).fetchall()
     if not jobs:
         return [f"{ledger.model}: no batch in flight; nothing to cancel"]
     lines: list[str] = []
-    providers: dict[tuple[str, str], BatchProvider] = {}
-    for job_id, batch_id, provider_name, llm_model, _status in jobs:
+    providers: dict[tuple[str, str, str | None], BatchProvider] = {}
+    for job_id, batch_id, provider_name, llm_model, options in jobs:
         if not batch_id:
             lines.append(
                 f"{job_id}: its submission was interrupted and is not matched to a provider batch yet; "
                 f"run the model once (it reconciles) and cancel again"
             )
             continue
-        key = (provider_name, llm_model)
+        key = (provider_name, llm_model, options)
         if key not in providers:
-            config = parse_config(_cancel_config(con, ledger, provider_name, llm_model))
+            job = {"provider": provider_name, "llm_model": llm_model, "provider_options": options}
+            config = pool.sent_with(parse_config(_cancel_config(con, ledger, provider_name, llm_model)), job)
             client = get_provider(provider_name)(config)
             if not isinstance(client, BatchProvider):  # never the case: only a batch API gives batch ids
                 lines.append(f"{batch_id}: {provider_name} has no batch API; nothing to cancel")

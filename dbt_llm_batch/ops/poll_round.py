@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -25,8 +26,8 @@ from dbt_llm_batch.ledger.locks import HOLDER, LockHeldError, ModelLock, is_lock
 from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, PRE_SUBMISSION, JobStatus, RequestStatus, sql, sql_in
 from dbt_llm_batch.log import log
 from dbt_llm_batch.ops.poll_report import ModelPoll
-from dbt_llm_batch.pipeline import costs, crashpoints, harvest, outcomes, tempdirs
-from dbt_llm_batch.providers import BatchProvider, get_provider
+from dbt_llm_batch.pipeline import costs, crashpoints, harvest, outcomes, pool, tempdirs
+from dbt_llm_batch.providers import BatchProvider, calls, get_provider
 
 FILE_WAIT_SECONDS = 60.0  # least wait for a DuckDB file another process holds (longer with a longer --wait)
 NO_SNAPSHOT = (
@@ -260,15 +261,13 @@ def _fetch(target: _Target, directory: str, retry_budget: float) -> str | None:
     ended; returns the provider's last error if it stayed unavailable."""
     if target.config is None:
         return None
-    groups: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple[str, str, str | None], list[dict]] = {}
     for job in target.jobs:
-        groups.setdefault((job["provider"], job["llm_model"] or target.config.model), []).append(job)
+        groups.setdefault(pool.sender(job, target.config.model), []).append(job)
     unavailable = None
-    for (provider_name, llm_model), jobs in groups.items():
+    for (provider_name, _, _), jobs in groups.items():
         config = dataclasses.replace(
-            target.config,
-            provider=provider_name,
-            model=llm_model,
+            pool.sent_with(target.config, jobs[0]),
             retry_budget_seconds=min(target.config.retry_budget_seconds, retry_budget),
         )
         try:
@@ -280,7 +279,23 @@ def _fetch(target: _Target, directory: str, retry_budget: float) -> str | None:
             continue
         if not isinstance(client, BatchProvider):  # never the case: only a batch API gives batch ids
             continue
-        fetched = harvest.fetch(target.report.model, client, jobs, directory, lambda job_id: job_id in target.stored)
+        try:
+            fetched = harvest.fetch(
+                target.report.model, client, jobs, directory, lambda job_id: job_id in target.stored
+            )
+        except Exception as exc:  # the provider refused (a rejected key): this model says so, the others go on
+            variable = calls.key_variable(client)
+            refused = calls.refusal(
+                exc,
+                f"llm_provider '{provider_name}' (llm_model '{config.model}')",
+                calls.key_hint(client),
+                secret=os.environ.get(variable) if variable else None,
+                again="poll",
+            )
+            if refused is None:  # a bug: its traceback is what a report needs
+                raise
+            target.report.cannot_poll = "; ".join(filter(None, (target.report.cannot_poll, refused)))
+            continue
         target.fetched.append((client, fetched))
         target.report.answered_in_open += fetched.pending_done
         if fetched.unavailable:

@@ -10,6 +10,7 @@ from dbt_llm_batch.config import ModelConfig
 from dbt_llm_batch.errors import ConfigError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.pipeline import harvest, interrupt, progress, reconcile, report, shared
+from dbt_llm_batch.pipeline import pool as pool_module
 from dbt_llm_batch.pipeline.pool import Pool
 from dbt_llm_batch.pipeline.report import RunSummary
 
@@ -24,10 +25,10 @@ def harvest_open(ledger: Ledger, pool: Pool, config: ModelConfig, summary: RunSu
     if not jobs:
         return
     reconcile.reconcile_open(ledger, pool, jobs, run_started)
-    by_sender: dict[tuple[str, str], list[dict]] = {}
+    by_sender: dict[tuple[str, str, str | None], list[dict]] = {}
     for job in [j for j in ledger.open_jobs() if j["batch_id"]]:
-        by_sender.setdefault((job["provider"], job["llm_model"] or config.model), []).append(job)
-    for (provider_name, llm_model), jobs in by_sender.items():
+        by_sender.setdefault(pool_module.sender(job, config.model), []).append(job)
+    for (provider_name, llm_model, _), jobs in by_sender.items():
         if pool.unavailable() is not None:
             break
         try:

@@ -13,6 +13,7 @@ a client that fails later inside the SDK.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from dbt_llm_batch import output_schema
 from dbt_llm_batch.config import ModelConfig
@@ -41,22 +42,25 @@ class Pool:
         return self._get(self._config_key(config), config)
 
     def client_for_job(self, job: dict):
-        """The client a job was sent through: its provider and model (a batch in flight is polled,
-        harvested and cleaned up there even after the model switched provider or model); a variant's
-        config when one sends there (its provider keys), else the model's own, moved."""
+        """The client a job was sent through: its provider, model and host (a batch in flight is
+        polled, harvested and cleaned up there even after the model switched provider, model or
+        llm_base_url); a variant's config when one sends there, else the model's own, moved."""
         config = self.config_for_job(job)
-        same = [v for v in self.default.all_variants() if (v.provider, v.model) == (config.provider, config.model)]
-        if same:
-            return self.client(same[0])
-        return self._get(("job", config.provider, config.model), config)
+        if any(config is v for v in self.default.all_variants()):
+            return self.client(config)
+        return self._get(("job", *sender(job, self.default.model)), config)
 
     def config_for_job(self, job: dict) -> ModelConfig:
-        """The model's config as the job was sent: its provider and model (the model may have switched)."""
-        provider, llm_model = job["provider"], job.get("llm_model") or self.default.model
+        """The model's config as the job was sent (sent_with): a variant's when one sends there now (a
+        job from before ledger version 34, with no provider keys recorded: one of its provider and model)."""
+        provider, llm_model, recorded = sender(job, self.default.model)
         for variant in self.default.all_variants():
-            if (variant.provider, variant.model) == (provider, llm_model):
+            if (variant.provider, variant.model) == (provider, llm_model) and recorded in (
+                None,
+                recorded_options(variant),
+            ):
                 return variant
-        return dataclasses.replace(self.default, provider=provider, model=llm_model)
+        return sent_with(self.default, job)
 
     def _get(self, key: tuple, config: ModelConfig):
         if key not in self._clients:
@@ -93,3 +97,30 @@ class Pool:
             if calls is not None and calls.spent:
                 return calls.last_error or "the provider kept failing"
         return None
+
+
+def recorded_options(config: ModelConfig) -> str | None:
+    """The provider's own keys `config` sends with (ModelConfig.options: a host's URL, the NAME of its
+    key's variable, a region; never a key), as the ledger records them on each job. None when they
+    are not plain JSON values (a provider plugin's own objects): its jobs use the model's keys."""
+    try:
+        return json.dumps(config.options, sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+
+
+def sent_with(config: ModelConfig, job: dict) -> ModelConfig:
+    """`config` as `job` was sent with it: the job's provider, model and provider keys (recorded since
+    ledger version 34; an older job's are `config`'s, as they were), whatever the model says now."""
+    recorded = job.get("provider_options")
+    return dataclasses.replace(
+        config,
+        provider=job["provider"],
+        model=job.get("llm_model") or config.model,
+        options=json.loads(recorded) if recorded is not None else config.options,
+    )
+
+
+def sender(job: dict, default_model: str) -> tuple[str, str, str | None]:
+    """Where a job was sent (provider, model, recorded provider keys): the jobs polled by one client."""
+    return job["provider"], job.get("llm_model") or default_model, job.get("provider_options")

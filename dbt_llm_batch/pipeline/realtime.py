@@ -34,7 +34,7 @@ from dbt_llm_batch.errors import ProviderError
 from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.status import JobStatus, RequestStatus, sql
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline import arrow_tables, crashpoints, outcomes
+from dbt_llm_batch.pipeline import arrow_tables, crashpoints, outcomes, pool
 from dbt_llm_batch.pipeline.concurrency import AdaptiveConcurrency, describe
 from dbt_llm_batch.pipeline.progress import Progress
 from dbt_llm_batch.pipeline.scratch import Scratch
@@ -95,6 +95,7 @@ def run_realtime(
         members=members,
         output_schema=output_schema.recorded(config.output_json_schema()),
         per_row_variant=per_row_variant,
+        provider_options=pool.recorded_options(config),
     )[0]  # one job, no request file
     outcome = RealtimeOutcome(
         requests=ledger.con.execute(

@@ -85,16 +85,16 @@ def delete_provider_files(ledger: Ledger, client_for, enabled: bool) -> None:
         return
     # Harvested batches; and voided submissions that uploaded a file but never made a batch with it.
     jobs = ledger.con.execute(
-        f"""select job_id, batch_id, provider, llm_model, input_file_id, output_file_id, error_file_id
+        f"""select job_id, batch_id, provider, llm_model, provider_options, input_file_id, output_file_id, error_file_id
             from {ledger.table("llm_batch_jobs")}
             where model = ? and files_deleted_at is null
               and ((harvested_at is not null and batch_id is not null)
                    or (status = {sql(JobStatus.VOIDED)} and batch_id is null and input_file_id is not null))""",
         [ledger.model],
     ).fetchall()
-    for job_id, batch_id, provider_name, llm_model, *file_ids in jobs:
+    for job_id, batch_id, provider_name, llm_model, options, *file_ids in jobs:
         try:  # the job's provider may need a key this run does not have (the model switched provider)
-            provider = client_for({"provider": provider_name, "llm_model": llm_model})
+            provider = client_for({"provider": provider_name, "llm_model": llm_model, "provider_options": options})
             if isinstance(provider, BatchProvider):  # a provider without a batch API keeps no files
                 provider.delete_files(batch_id, [f for f in file_ids if f])
         except Exception as exc:

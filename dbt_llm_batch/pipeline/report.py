@@ -43,6 +43,8 @@ class RunSummary:
     reused: int = 0  # rows pointed at a request answered or in flight already: no request of their own
     # llm_dedup = 'ledger': {another model: this model's rows its requests in flight answer}; pending too
     pending_elsewhere: dict[str, int] = field(default_factory=dict)
+    # rows another model's run answered after this run merged (llm_dedup = 'ledger', dbt's threads)
+    landed_elsewhere: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> str:
         saved = (
@@ -61,6 +63,7 @@ class RunSummary:
             + "; "
             f"pending {self.pending}"
             + self.elsewhere_part()
+            + self.landed_part()
             + (f"; deferred {self.deferred} ({self.deferred_reason()})" if self.deferred else "")
             + (f"; waiting {self.backed_off} (back-off)" if self.backed_off else "")
             + (f"; held {self.held} (release with `dbt-llm-batch release`)" if self.held else "")
@@ -86,6 +89,16 @@ class RunSummary:
             return ""
         models = ", ".join(self.pending_elsewhere)
         return f"; {sum(self.pending_elsewhere.values())} row(s) wait for requests of {models} in flight"
+
+    def landed_part(self) -> str:
+        """'; 20 row(s) answered by main.other's run after this run merged: the next run merges them'."""
+        if not self.landed_elsewhere:
+            return ""
+        models = ", ".join(self.landed_elsewhere)
+        return (
+            f"; {sum(self.landed_elsewhere.values())} row(s) answered by {models}'s run after this run "
+            "merged: the next run merges them"
+        )
 
     def dedup_part(self) -> str:
         return (

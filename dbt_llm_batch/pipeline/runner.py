@@ -152,6 +152,13 @@ def _run(
             )
             rebuild = True
         run.summary.merged, run.summary.failed, run.summary.rewritten = run.merge(target, rebuild=rebuild)
+        if config.dedup == "ledger" and shared.landed_unmerged(run.ledger, run.stored_variants()):
+            # Another model's run settled requests answering this model's rows while this one merged
+            # (dbt's threads): they are merged now, not left out of the table until the next run.
+            again = run.merge(target, rebuild=False)
+            run.summary.merged += again.new
+            run.summary.failed += again.failed
+            run.summary.rewritten += again.rewritten
         run.ledger.record_merged_into(table)
         docs.comment_columns(con, target, config)  # what `dbt docs` shows for the llm_* columns
         if refused is None:  # left complete: the next run with nothing new may skip (llm_updated_at)
@@ -161,6 +168,8 @@ def _run(
 
     # Report.
     elsewhere = shared.waiting_elsewhere(run.ledger) if config.dedup == "ledger" else None
+    if config.dedup == "ledger":  # settled by another model's run after this one's merge: the next run's
+        run.summary.landed_elsewhere = shared.landed_unmerged(run.ledger, run.stored_variants())
     report.finish_summary(run.summary, run.ledger, config, run.passes[0].price is not None, run.started, elsewhere)
     log.info(run.summary.line())
     try:
@@ -299,10 +308,14 @@ class ModelRun:
         open_batches.wait(self.ledger, self.pool, self.config, self.summary, self.started, self.lock, deadline)
         self.provider_unavailable()  # notes whether a provider stayed down while it waited
 
+    def stored_variants(self) -> list[str]:
+        """The stored names of the model's variants now ('' the default's)."""
+        return [p.variant for p in self.passes]
+
     def merge(self, target: str, rebuild: bool) -> merge.Merged:
         """Each pass's final outcomes into the table (one row per key and variant); returns what was
         written (merge.Merged), all passes together."""
-        stored = [p.variant for p in self.passes]  # the rows shown share a request's cost
+        stored = self.stored_variants()  # the rows shown share a request's cost
         several = self.config.variant_name is not None
         if several and not rebuild:  # rows of removed variants go before the variants' rows are merged
             variants.drop_removed(self.ledger, self.config, target)

@@ -15,7 +15,6 @@ another process) is harvesting it itself: the batch is left to it, never waited 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 
@@ -25,8 +24,9 @@ from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.locks import LockHeldError, ModelLock, brief_owner
 from dbt_llm_batch.ledger.status import IN_FLIGHT_SQL, JobStatus, sql
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline import costs, harvest, report
+from dbt_llm_batch.pipeline import costs, harvest, pool, report
 from dbt_llm_batch.providers import BatchProvider, get_provider
+from dbt_llm_batch.sql import in_list
 
 # How often a run waiting for another model's realtime answers (wait_for_realtime_elsewhere) looks again.
 REALTIME_POLL_SECONDS = 0.25
@@ -38,6 +38,21 @@ def waiting_elsewhere(ledger: Ledger) -> dict[str, int]:
         f"""select r.model, count(distinct (a.variant, a.key)) from {ledger.table("llm_batch_row_answers")} a
                 join {ledger.table("llm_batch_requests")} r using (custom_id)
             where a.model = ? and r.model <> ? and r.status in {IN_FLIGHT_SQL}
+            group by r.model order by r.model""",
+        [ledger.model, ledger.model],
+    ).fetchall()
+    return dict(rows)
+
+
+def landed_unmerged(ledger: Ledger, variants: list[str]) -> dict[str, int]:
+    """{another model: this model's rows (of `variants`, the stored names of its variants now) answered
+    by that model's request, final and not merged}: under dbt's threads, that model's run (or a
+    harvest of it) settled the request while this model's run was merging."""
+    rows = ledger.con.execute(
+        f"""select r.model, count(distinct (a.variant, a.key)) from {ledger.table("llm_batch_row_answers")} a
+                join {ledger.table("llm_batch_requests")} r using (custom_id)
+            where a.model = ? and a.emitted is null and a.variant in {in_list(variants)} and r.is_final
+              and r.model <> ?
             group by r.model order by r.model""",
         [ledger.model, ledger.model],
     ).fetchall()
@@ -104,13 +119,13 @@ def _harvest_model(ours: Ledger, theirs: Ledger, config: ModelConfig) -> int:
     }
     jobs = [j for j in theirs.open_jobs() if j["batch_id"] and j["job_id"] in holding]
     owner = _settle_config(theirs) or config
-    by_sender: dict[tuple[str, str], list[dict]] = {}
+    by_sender: dict[tuple[str, str, str | None], list[dict]] = {}
     for job in jobs:
-        by_sender.setdefault((job["provider"], job["llm_model"] or owner.model), []).append(job)
+        by_sender.setdefault(pool.sender(job, owner.model), []).append(job)
     harvested = 0
-    for (provider_name, llm_model), sent in by_sender.items():
+    for (provider_name, _, _), sent in by_sender.items():
         try:
-            provider = get_provider(provider_name)(dataclasses.replace(owner, provider=provider_name, model=llm_model))
+            provider = get_provider(provider_name)(pool.sent_with(owner, sent[0]))
             provider.check_credentials()
         except ConfigError as exc:  # its key is not set here: pending, the run goes on
             report.unreachable(ours.model, provider_name, exc, len(sent))

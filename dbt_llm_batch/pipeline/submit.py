@@ -23,7 +23,7 @@ from dbt_llm_batch.ledger import Ledger
 from dbt_llm_batch.ledger.locks import database_path
 from dbt_llm_batch.ledger.status import JobStatus
 from dbt_llm_batch.log import log
-from dbt_llm_batch.pipeline import crashpoints, interrupt
+from dbt_llm_batch.pipeline import crashpoints, interrupt, pool
 from dbt_llm_batch.pipeline.progress import Progress
 from dbt_llm_batch.pipeline.request_files import RequestFile
 from dbt_llm_batch.providers.base import UNRESOLVED, BatchProvider
@@ -69,6 +69,7 @@ def submit_chunks(
         answer_rows=answer_rows,
         output_schema=output_schema.recorded(provider.config.output_json_schema()),
         per_row_variant=per_row_variant,
+        provider_options=pool.recorded_options(provider.config),
     )
     crashpoints.reach("after_intents")
     attempted = 0

@@ -10,11 +10,24 @@ download, upload); `create` is never retried (see submit.py).
 
 from __future__ import annotations
 
+import os
+import re
 import time
 
 # Statuses worth retrying: timeout, conflict, throttled, and any server-side failure (incl. 529).
 RETRYABLE_STATUSES = (408, 409, 429)
 TRANSPORT_ERRORS = ("APIConnectionError", "TransportError", "HTTPClientError", "EndpointConnectionError")
+
+# Statuses that say the run itself is wrong (key, account, model name or URL), not the row: the
+# realtime path (realtime_transport.py) and the batch path (refusal, below) say them in these words.
+FATAL = {
+    401: "the API key was rejected",
+    402: "the account cannot pay for requests",
+    403: "the API key may not use this model",
+}
+# How providers that do not answer 401 say the key was rejected: Gemini answers 400 "API key not
+# valid"; Bedrock (AWS) answers 403 with one of these error codes.
+REJECTED_KEY_TEXT = ("API key not valid", "UnrecognizedClientException", "InvalidSignatureException")
 
 
 class ProviderUnavailable(Exception):
@@ -115,3 +128,84 @@ def describe(exc: BaseException) -> str:
         return f"HTTP {status}: {provider_message(exc)}"
     text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
     return f"{type(exc).__name__}: {text}"
+
+
+def key_rejected(exc: BaseException) -> bool:
+    """Whether the provider said the key (or the credentials) itself is wrong."""
+    status = status_of(exc)
+    if status == 401:
+        return True
+    text = f"{provider_message(exc)} {exc}"
+    return status in (400, 403) and any(marker in text for marker in REJECTED_KEY_TEXT)
+
+
+def key_variable(provider) -> str | None:
+    """The environment variable that holds `provider`'s key as its SDK reads it (or the one
+    llm_api_key_env names); None for a provider without one (Bedrock: the AWS credential chain)."""
+    var = getattr(provider, "key_variable", None) or provider.key_env_var
+    if var == "GEMINI_API_KEY" and os.environ.get("GOOGLE_API_KEY"):  # the SDK prefers it
+        return "GOOGLE_API_KEY"
+    if var == "AZURE_OPENAI_API_KEY" and not os.environ.get(var) and os.environ.get("AZURE_OPENAI_AD_TOKEN"):
+        return "AZURE_OPENAI_AD_TOKEN"  # an Entra ID token instead of a key
+    return var or None
+
+
+def key_hint(provider) -> str:
+    """Where `provider`'s key comes from, for "check ...": its variable, or its credential chain."""
+    var = key_variable(provider)
+    if var is None:
+        chain = provider.environment_hint or "the provider reads its credentials from its standard chain"
+        return f"the credentials ({chain}: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+    named = " (named by llm_api_key_env)" if provider.config.options.get("api_key_env") else ""
+    return f"{var}{named}"
+
+
+# The variable each SDK reads its key from, by the SDK's package: for an error whose model is not known.
+SDK_KEY_HINTS = {
+    "openai": "OPENAI_API_KEY (AZURE_OPENAI_API_KEY for llm_provider 'azure_openai'; or the variable llm_api_key_env names)",
+    "anthropic": "ANTHROPIC_API_KEY",
+    "google": "GOOGLE_API_KEY or GEMINI_API_KEY",
+    "botocore": "the AWS credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)",
+}
+
+
+def sdk_key_hint(exc: BaseException) -> str:
+    """Where the key of the SDK that raised `exc` comes from, when the model it served is not known."""
+    package = type(exc).__module__.split(".")[0]
+    return SDK_KEY_HINTS.get(package, "the provider's API key variable")
+
+
+def redact(text: str, secret: str | None = None) -> str:
+    """`text` without the key: the value itself, its last characters, or a key the provider masked
+    ("sk-***0000"), which a 401's message can quote."""
+    text = re.sub(r"\S*\*{3}[^\s.,;:]*", "[key]", text)
+    if secret:
+        text = text.replace(secret, "[key]")
+        if len(secret) >= 8:
+            text = text.replace(secret[-4:], "[key]")
+    return text
+
+
+def refusal(exc: BaseException, who: str, key_hint: str, secret: str | None = None, again: str = "run") -> str | None:
+    """The message a user sees for a provider error that is not transient (a 4xx: a rejected key, a
+    missing permission, an unknown model or URL), or None for any other exception. `who` names the
+    model and provider; `key_hint` where its key comes from (key_hint); `secret`, the key, is never shown;
+    `again`: what the user does next ("run" the model, or "poll")."""
+    status = status_of(exc)
+    if status is None or not 400 <= status < 500 or is_transient(exc):
+        return None
+    if key_rejected(exc):
+        fix = f"{FATAL[401]}: check {key_hint}, then {'run the model' if again == 'run' else again} again"
+    elif status == 403:
+        fix = f"{FATAL[403]}: check that the key in {key_hint} has permission for llm_model (and for batches)"
+    elif status == 402:
+        fix = f"{FATAL[402]}: check the account's billing"
+    elif status == 404:
+        fix = "no such model or endpoint: check llm_model (and llm_base_url, if set)"
+    else:
+        fix = "the provider refused the request: check the model's llm_* config"
+    said = redact(provider_message(exc), secret)
+    return (
+        f"{who} answered HTTP {status}: {fix}. The provider said: {said!r}. With it fixed, the next {again} "
+        f"goes on where this one stopped (nothing is sent twice)."
+    )

@@ -12,17 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dbt_llm_batch.providers.calls import FATAL  # the words for a status that fails the run
+
 # Statuses worth another try: rate limits, overload, server errors, request timeouts.
 RETRYABLE = {408, 409, 429, 500, 502, 503, 504, 529}
 REQUEST_TIMEOUT_SECONDS = 300  # one answer from a busy engine can take minutes
-
-
-# Statuses that say the run itself is wrong (key, account, model name or URL), not the row.
-FATAL = {
-    401: "the API key was rejected",
-    402: "the account cannot pay for requests",
-    403: "the API key may not use this model",
-}
 
 
 class TransientError(Exception):
