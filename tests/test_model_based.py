@@ -1,7 +1,7 @@
 """The model-based test: seeded random sequences of what happens to a project over its life (runs with
 dbt's 4 threads, also under a project budget, batches ending, provider faults before and after the
 handler, a SIGKILLed run, edits between runs (also a provider or model switch, a model's file renamed
-with or without llm_ledger_identity), new rows, polls with --then, full re-parses), over four
+with or without llm_ledger_identity, unique_key changed to a column the stored rows lack), new rows, polls with --then, full re-parses), over four
 llm_batch models, three of which meet (variants on three providers, Azure OpenAI among them, one of them answering a
 sample of the keys; a model moved to Gemini and back; requests shared across models, urgent rows sent realtime, a nested output with a
 date-time and a nullable field, which the sandbox sometimes answers with a value its column cannot hold),
@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 
 import pytest
+from model_based import steps as steps_module
 from model_based.invariants import KeptRows, after_calm_finish, after_step, shared_table_costs
 from model_based.steps import KINDS, apply, no_traceback, outcome, plan
 from model_based.world import MODELS, World, write_project
@@ -58,7 +60,8 @@ def test_a_seed_draws_the_same_plan_and_the_ci_seeds_draw_every_kind_of_step():
     for edit in (
         "the prompt",
         "output",
-        "unique_key",
+        "unique_key = 'ticket_no'",
+        "unique_key = 'tno'",  # a key column the stored rows lack (selected only while it is the key)
         "added",
         "removed",
         "renamed '",  # a variant renamed
@@ -79,6 +82,24 @@ def test_a_plan_can_move_mb_twin_to_gemini_and_the_ci_seeds_draw_as_before():
     ci = [s.line for seed in CI_SEEDS for s in plan(seed, CI_STEPS, World.initial())]
     assert not any("gemini" in line for line in ci)
     assert sum("mb_twin switched provider to anthropic" in line for line in ci) == 1
+
+
+def test_the_key_edit_to_tno_adds_no_draw(monkeypatch):
+    """The key edit goes to 'tno' (a computed column the stored rows lack) on a draw that does not
+    advance the generator (steps._peek): with it never taken, a plan is the one drawn before 'tno' was
+    among the keys, and with it, the same steps but for the keys the key edits go to."""
+
+    def keyless(lines: list[str]) -> list[str]:
+        return [re.sub(r"unique_key = '\w+'", "unique_key = ?", line) for line in lines]
+
+    seeds_ = range(1000, 1040)
+    now = {seed: [s.line for s in plan(seed, 20, World.initial())] for seed in seeds_}
+    # Never 'tno' (and from it, never reached, to 'ticket_no'): the plans as drawn before.
+    monkeypatch.setattr(steps_module, "_peek", lambda rng, salt: 1.0)
+    before = {seed: [s.line for s in plan(seed, 20, World.initial())] for seed in seeds_}
+    assert {seed: keyless(lines) for seed, lines in now.items()} == {seed: keyless(b) for seed, b in before.items()}
+    assert not any("'tno'" in line for lines in before.values() for line in lines)
+    assert any("'tno'" in line for lines in now.values() for line in lines)
 
 
 @pytest.mark.parametrize("seed,steps", seeds())

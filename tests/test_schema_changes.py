@@ -142,6 +142,32 @@ def test_a_changed_unique_key_rebuilds_the_table_from_the_ledger(project, emulat
     assert len(emulator.batches()) == 1, "the key's values did not change: nothing is asked again"
 
 
+def test_a_unique_key_changed_back_to_a_column_the_table_kept_rebuilds_it(project, emulator):
+    """unique_key goes to a computed column (`tno`), back to ticket_id (the table keeps `tno`: the
+    default on_schema_change, append_new_columns), rows are written under it (a prompt edit: `tno`
+    NULL in them), and the key returns to `tno`. The table is rebuilt from the ledger (its NULL key
+    values have no key to be merged by): every row keyed, nothing asked again for the key changes.
+    It failed every run after with "would have a NULL unique_key" (the model-based test, seed 1011)."""
+    answered(project, emulator)
+    system = f"llm_system = {json.dumps(TRIAGE_SYSTEM)},"
+    by_tno = (
+        model_with(TRIAGE_OUTPUT)
+        .replace("unique_key = 'ticket_id'", "unique_key = 'tno'")
+        .replace("select ticket_id, subject,", "select ticket_id * 7 + 100 as tno, ticket_id, subject,")
+    )
+    project.write(MODEL, by_tno)
+    project.dbt("run", "-s", "triage")
+    project.write(MODEL, model_with(TRIAGE_OUTPUT).replace(system, "llm_system = 'Triage it.',"))
+    project.dbt("run", "-s", "triage")  # keyed by ticket_id again, every row asked again: tno NULL
+    assert "tno" in columns(project)
+    assert project.query("select count(*), count(tno) from main.triage") == [(6, 0)]
+    project.write(MODEL, by_tno.replace(system, "llm_system = 'Triage it.',"))
+    project.dbt("run", "-s", "triage")
+    rows = project.query("select ticket_id, tno, llm_status, category from main.triage order by 1")
+    assert [r[:3] for r in rows] == [(t, t * 7 + 100, "succeeded") for t in range(1, 7)], rows
+    assert len(emulator.batches()) == 2, "asked once per system prompt: nothing again for the key changes"
+
+
 def test_a_dry_run_build_of_models_that_never_ran_is_green_on_their_empty_tables(project, emulator):
     """`dbt build` with llm_batch_dry_run: each model that never ran gets its empty table, so its dbt
     tests run (and pass) on it instead of failing on a missing table; nothing is sent."""

@@ -85,6 +85,15 @@ def prepare_table(
     return True, apply(con, target, table_columns(input_columns, config), config, model, dry_run=dry_run)
 
 
+def _null_key(con, target: str, columns: list[str]) -> bool:
+    """Whether a row of `target` holds NULL in one of its key `columns` (row groups with no NULL are
+    skipped by their statistics)."""
+    if not columns:
+        return False
+    nulls = " or ".join(f"{ident(c)} is null" for c in columns)
+    return con.execute(f"select exists (select 1 from {target} where {nulls})").fetchall()[0][0]
+
+
 def apply(con, target: str, expected, config: ModelConfig, model: str, dry_run: bool = False) -> bool:
     """Bring the existing table `target` to the model's columns `expected` under config.on_schema_change.
 
@@ -95,7 +104,8 @@ def apply(con, target: str, expected, config: ModelConfig, model: str, dry_run: 
     """
     default_variant = config.variant_name
     internal = [*STATUS_COLUMNS, *([VARIANT_COLUMN] if default_variant is not None else [])]
-    found = changes(describe(con, target), expected)
+    actual = describe(con, target)
+    found = changes(actual, expected)
     # Columns the package itself adds come whatever the policy: they change no user column.
     own = [c for c in found.added if c in internal]
     found = Changes([c for c in found.added if c not in internal], found.removed, found.retyped)
@@ -116,8 +126,15 @@ def apply(con, target: str, expected, config: ModelConfig, model: str, dry_run: 
         )
     keys = {k.lower() for k in config.unique_key}
     # A new key column (old rows would have a NULL key), or llm_variant gone (the model dropped its
-    # evaluation variants: its table's rows per key and variant become one per key): rebuilt.
-    rebuild = any(n.lower() in keys for n, _ in found.added) or VARIANT_COLUMN in found.removed
+    # evaluation variants: its table's rows per key and variant become one per key): rebuilt. So is a
+    # key column the table kept from an earlier unique_key (on_schema_change kept it when the key
+    # moved on, NULL in the rows written since): the run never writes a NULL key (merge.py refuses),
+    # so a NULL there is such a column's, and the rows holding it have no key to be merged by.
+    rebuild = (
+        any(n.lower() in keys for n, _ in found.added)
+        or VARIANT_COLUMN in found.removed
+        or _null_key(con, target, [n for n, _ in actual if n.lower() in keys])
+    )
     if dry_run:
         if found:
             how = "rebuild it from the ledger" if rebuild else f"change it ({policy})"

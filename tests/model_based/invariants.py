@@ -10,7 +10,7 @@ from decimal import Decimal
 
 from helpers import PRICE
 
-from .world import EMBED_SIZE, GEMINI_PRICE, MODELS, NULLABLE, ModelState, World, in_sample
+from .world import EMBED_SIZE, GEMINI_PRICE, MODELS, NULLABLE, ModelState, World, in_sample, key_value
 
 MILLION = Decimal(1_000_000)
 FACE_TOKENS = {
@@ -194,9 +194,19 @@ def table_invariants(project, world: World, logical: str) -> list[str]:
         return broken
     has_variant = any(c[0] == "llm_variant" for c in project.query(f"describe main.{model}"))
     variant = "llm_variant" if has_variant else "'default'"
-    dup = project.query(f"select {key}, {variant}, count(*) from main.{model} group by all having count(*) > 1 limit 5")
-    if dup:
-        broken.append(f"one row per (key, variant) in {model}: {dup}")
+    if _is_column(project, model, key):
+        # A row without the key's value (a key column the table held before it was the key, NULL in the
+        # rows written since) is no row of a key: after a calm finish every row has its key (after_calm_finish).
+        dup = project.query(
+            f"select {key}, {variant}, count(*) from main.{model} where {key} is not null "
+            "group by all having count(*) > 1 limit 5"
+        )
+        if dup:
+            broken.append(f"one row per (key, variant) in {model}: {dup}")
+    else:
+        # unique_key changed to a column the table lacks ('tno'): the next run rebuilds the table from
+        # the ledger (pipeline/schema_change.py); until then its rows are listed by id.
+        key = "id"
     # A succeeded row shows its request's answer. A column the answer holds must not be NULL; a column
     # it lacks was not asked then (an output edit shows the old answer until the new one is final, as
     # documented): NULL there is checked after a calm finish, when every row has its current answer.
@@ -305,9 +315,7 @@ class KeptRows:
 
     def _in_sample(self, world: World, model: str, variant: str, row: int) -> bool:
         """Whether `variant` (of fraction self.fractions) answers row `row` (its id) under `world`'s unique_key."""
-        return in_sample(
-            row + (1000 if world.models[model].key == "ticket_no" else 0), self.fractions[(model, variant)]
-        )
+        return in_sample(key_value(world.models[model].key, row), self.fractions[(model, variant)])
 
     def before_edit(self, project, before: World, after: World) -> None:
         """An edit step, before it is carried out: each model whose unique_key it changes."""
@@ -328,6 +336,14 @@ class KeptRows:
                 for i in before.rows
                 if self._in_sample(before, model, v, i) and not self._in_sample(after, model, v, i)
             }
+            if _no_key_column(project, before.table(model), after.models[model].key):
+                # A key column the table lacks ('tno', computed), or kept from an earlier key with NULL in
+                # the rows written since: the next run rebuilds the table from the ledger, as a full
+                # refresh does (pipeline/schema_change.py), which writes no row of a key outside a sampled
+                # variant's sample: the table need no longer hold them (they may land again: a request in
+                # flight under the old key, re-keyed, KeptRows.may).
+                self.must = {k: s for k, s in self.must.items() if k[0] != model}
+                continue
             present = set(before.models[model].variants) & set(after.models[model].variants)
             for i, v, status in _variant_rows(project, before.table(model)):
                 if v in present and v in sampled and not self._in_sample(after, model, v, i):
@@ -340,6 +356,18 @@ class KeptRows:
             gone = set(before.models[model].variants) - set(after.models[model].variants)
             refreshed = any("--full-refresh" in e and e.split()[1] == model for e in edits)
             self.must = {k: s for k, s in self.must.items() if k[0] != model or not (refreshed or k[1] in gone)}
+
+
+def _no_key_column(project, table: str, column: str) -> bool:
+    """Whether `table` exists and has no column `column`, or one holding a NULL (kept from an earlier
+    unique_key: no key to merge its rows by)."""
+    project.release_database()
+    columns = {
+        c for (c,) in project.query(f"select column_name from information_schema.columns where table_name = '{table}'")
+    }
+    if not columns:
+        return False
+    return column not in columns or project.query(f"select count(*) from main.{table} where {column} is null") != [(0,)]
 
 
 def _variant_rows(project, table: str) -> list[tuple[int, str, str]]:
@@ -371,7 +399,7 @@ def after_calm_finish(project, world: World, kept: KeptRows | None = None) -> li
         got = collections.Counter(
             (k, v, s) for k, v, s in project.query(f"select {state.key}, {variant}, llm_status from main.{model}")
         )
-        offset = 1000 if state.key == "ticket_no" else 0
+        offset = key_value(state.key, 0)
         want = collections.Counter(
             (i + offset, v, "succeeded")
             for i in world.rows
@@ -385,12 +413,15 @@ def after_calm_finish(project, world: World, kept: KeptRows | None = None) -> li
         )
         missing, extra = want - got, got - want
         # A current variant's row of a key that left its sample may have landed after the change, or
-        # been shown again (KeptRows.may): once, as any row.
+        # been shown again (KeptRows.may): once, as any row. A row without its key (NULL) is never one.
         extra = collections.Counter(
             {
                 (k, v, s): n
                 for (k, v, s), n in extra.items()
-                if (logical, v, k - offset) not in kept.may or v not in world.variants_of(logical) or got[(k, v, s)] > 1
+                if k is None
+                or (logical, v, k - offset) not in kept.may
+                or v not in world.variants_of(logical)
+                or got[(k, v, s)] > 1
             }
         )
         if missing or extra:

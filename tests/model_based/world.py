@@ -74,12 +74,26 @@ def in_sample(key: int, fraction: float) -> bool:
     return int(digest[:8], 16) / 2**32 < fraction
 
 
+# unique_key -> its value for the ticket of id i (i + offset). 'id' and 'ticket_no' are always selected,
+# so every stored row (the row a request was made from) holds them; 'tno' is selected only while it is
+# the key (a computed column the key edit adds): the rows stored before hold no 'tno', so the plugin
+# re-keys their requests by the prompt's fingerprint, and a merge takes a missing key column from the
+# ledger's key (docs/table.md "Changing unique_key"). A table that lacks the new key's column is rebuilt
+# from the ledger by the next run (pipeline/schema_change.py).
+KEY_OFFSETS = {"id": 0, "ticket_no": 1000, "tno": 2000}
+
+
+def key_value(key: str, i: int) -> int:
+    """The value of unique_key `key` for the ticket of id `i`."""
+    return i + KEY_OFFSETS[key]
+
+
 @dataclasses.dataclass
 class ModelState:
     version: int = 0  # the prompt's version: an edit makes a new one, never one used before
     extra_column: bool = False  # a 'summary' output column (mb_triage and mb_twin only)
     variants: dict[str, dict] = dataclasses.field(default_factory=dict)  # name -> config
-    key: str = "id"  # unique_key: 'id' or 'ticket_no' (= id + 1000)
+    key: str = "id"  # unique_key: 'id', 'ticket_no' (= id + 1000) or 'tno' (= id + 2000, selected only as the key)
     provider: str = "openai"
     llm_model: str = "gpt-test"
     file: str = ""  # the model's .sql file and table name ('' until World.initial sets it)
@@ -190,7 +204,7 @@ def model_sql(world: World, model: str) -> str:
     materialized = 'llm_batch', tags = ['mb'], unique_key = {state.key!r},
     {args}
 ) }}}}
-select id, id + 1000 as ticket_no, priority, {prompt} as prompt{", row_version" if model == "mb_embed" else ""}
+select id, id + 1000 as ticket_no,{" id + 2000 as tno," if state.key == "tno" else ""} priority, {prompt} as prompt{", row_version" if model == "mb_embed" else ""}
 from {{{{ ref('mb_tickets') }}}}
 where id < {{{{ var('mb_below', 1000000) }}}}
 """
