@@ -824,3 +824,48 @@ def test_a_column_changed_while_the_champion_is_re_asked_refreshes_every_variant
     rows = evals.query("select id, llm_variant, ticket_no from main.evals")
     assert {i for i, v, _ in rows if v == "terse"} >= left
     assert [(i, v, t) for i, v, t in rows if t != i + 2000] == []
+
+
+@pytest.mark.parametrize("when", ["in_flight", "answered"])
+def test_requests_kept_aside_by_a_key_change_answer_their_rows_when_they_are_selected_again(project, emulator, when):
+    """unique_key changes to a computed column while the selection is narrowed: the requests of the
+    rows left out match no selected row (their stored rows lack the new key) and are kept aside. When
+    the rows are selected again, those requests answer them (taken back under their new key): nothing
+    is asked, or paid, twice; every (key, variant) row lands with its variant's answer."""
+    terse = "Be terse."
+    config = f"llm_variants = {json.dumps({'terse': {'llm_system': terse}})},"
+    project.dbt("seed")
+    project.write("models/triage.sql", triage_model(extra_config=config))
+    project.dbt("run", "-s", "triage")  # 12 requests in flight
+    if when == "answered":
+        emulator.complete_all()
+        project.dbt("run", "-s", "triage")
+    rekeyed = (
+        triage_model(extra_config=config)
+        .replace("unique_key = 'ticket_id'", "unique_key = 'tno'")
+        .replace("select ticket_id, subject,", "select ticket_id * 7 + 100 as tno, ticket_id, subject,")
+    )
+    project.write("models/triage.sql", rekeyed + "where ticket_id <= 3\n")
+    project.dbt("run", "-s", "triage")  # tickets 4-6's requests kept aside
+    aside = "select count(*) from main.llm_batch_requests where model like 'main.triage (unique_key %'"
+    assert project.query(aside) == [(6,)]
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    project.write("models/triage.sql", rekeyed)  # every ticket selected again
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+
+    assert project.query(aside) == [(0,)]
+    bodies = collections.Counter(json.dumps(b["request"], sort_keys=True) for b in emulator.billed())
+    assert len(bodies) == 12 and max(bodies.values()) == 1, "a request billed twice"
+    rows = project.query("""select t.tno, t.ticket_id, t.llm_variant, t.llm_status, t.category, t.urgent, t.summary,
+                                   s.subject, s.body
+                            from main.triage t join main.support_tickets s using (ticket_id)""")
+    assert sorted((tno, v) for tno, _, v, *_ in rows) == sorted(
+        (t * 7 + 100, v) for t in range(1, 7) for v in ("default", "terse")
+    )
+    for tno, ticket_id, variant, status, category, urgent, summary, subject, body in rows:
+        assert (status, tno) == ("succeeded", ticket_id * 7 + 100), (ticket_id, variant)
+        system = terse if variant == "terse" else TRIAGE_SYSTEM
+        assert (category, urgent, summary) == expected_triage(system, f"Subject: {subject}\n\n{body}")

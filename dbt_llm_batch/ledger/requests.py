@@ -428,6 +428,29 @@ class RequestWrites(LedgerBase):
 
         retry_on_conflict(write)
 
+    def take_back(self, taken: str) -> None:
+        """Give this model the requests kept aside that `taken` (custom_id, new_key, model: the name
+        they were kept under) maps to one of its keys, and their own rows' row answers, not merged
+        yet under that key (identity._take_back_aside)."""
+        con, requests = self.con, self.table("llm_batch_requests")
+        answers = self.table("llm_batch_row_answers")
+
+        def write():
+            with transaction(con):
+                con.execute(
+                    f"""update {answers} a set model = ?, key = t.new_key, emitted = null from {taken} t, {requests} r
+                        where a.model = t.model and a.custom_id = t.custom_id and a.row_json is null
+                          and r.custom_id = t.custom_id and a.key = r.key""",
+                    [self.model],
+                )
+                con.execute(
+                    f"""update {requests} r set model = ?, key = t.new_key from {taken} t
+                        where r.model = t.model and r.custom_id = t.custom_id""",
+                    [self.model],
+                )
+
+        retry_on_conflict(write)
+
     # --- merge --------------------------------------------------------------------------------
 
     def mark_emitted(self, emitted: str, scope: str, in_scope: int | None = None) -> None:

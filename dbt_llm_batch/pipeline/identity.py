@@ -8,7 +8,8 @@ rows under the old key next to the new ones. Here, before anything is planned:
 - the stored requests are re-keyed to the new key: from their stored row when it has the new key's
   columns, else by their fingerprint (the same prompt and settings as exactly one selected row);
 - requests that match no selected row are set aside under `<identity> (unique_key <old columns>)`:
-  still harvested and costed, never merged.
+  still harvested and costed, not merged, until a selected row with no answer asks their fingerprint:
+  they are then taken back under its key (a row out of the selection during the change, back).
 It also renames fingerprints stored the way earlier versions computed them (config.legacy_prefix),
 and stores the prompt_hash of row answers that lack it (plan.build_desired).
 """
@@ -23,7 +24,7 @@ from dbt_llm_batch.ledger.status import RequestStatus, sql, sql_in
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import plan
 from dbt_llm_batch.pipeline.scratch import Scratch
-from dbt_llm_batch.sql import ident, list_literal, literal
+from dbt_llm_batch.sql import ident, in_list, list_literal, literal
 
 DESIRED, INPUT, REKEY = Scratch.desired, Scratch.input, Scratch.rekey
 
@@ -46,7 +47,7 @@ def prepare_ledger(ledger: Ledger, config: ModelConfig, input_columns) -> bool:
     stored, adopted = row[0] if row else (None, None)
     if stored == current and adopted == prefix:
         _remember_prompt_hashes(ledger)
-        return False
+        return _take_back_aside(ledger, config)
     requests = ledger.table("llm_batch_requests")
     n = con.execute(f"select count(*) from {requests} where model = ?", [ledger.model]).fetchall()[0][0]
     if stored is None and not n:
@@ -61,7 +62,51 @@ def prepare_ledger(ledger: Ledger, config: ModelConfig, input_columns) -> bool:
         changed = plan.adopt_legacy_fingerprints(ledger, config) > 0 or changed
     ledger.record_model_identity(current, prefix)
     _remember_prompt_hashes(ledger)
-    return changed
+    return _take_back_aside(ledger, config) or changed
+
+
+def _take_back_aside(ledger: Ledger, config: ModelConfig) -> bool:
+    """Requests an earlier unique_key change kept aside (their row was not selected then, and their
+    stored row lacks the new key's columns: no key to give them) whose prompt and settings a selected
+    row asks now, with no answer of its own for them: taken back under that row's key, their answer
+    merged (or their batch awaited) instead of the row being asked, and paid, again. Returns whether
+    any were. Looked for by name: a model without requests kept aside costs one scan of the names."""
+    con, requests = ledger.con, ledger.table("llm_batch_requests")
+    answers = ledger.table("llm_batch_row_answers")
+    aside = [
+        m
+        for (m,) in con.execute(
+            f"select distinct model from {requests} where starts_with(model, ?)", [f"{ledger.model} (unique_key "]
+        ).fetchall()
+    ]
+    if not aside:
+        return False
+    # One request per fingerprint (an answered one first, then the newest), one key per fingerprint
+    # (_key_by_fingerprint), and only for a key with no row answer of this model for that fingerprint.
+    con.execute(
+        f"""create or replace temp table {REKEY} as
+            select k.custom_id, k.new_key, k.model
+            from (select arg_max(r.custom_id, (r.status = {sql(RequestStatus.SUCCEEDED)}, r.queued_at)) as custom_id,
+                         arg_max(r.model, (r.status = {sql(RequestStatus.SUCCEEDED)}, r.queued_at)) as model,
+                         any_value(d.key) as new_key, r.fingerprint
+                  from {requests} r join ({_key_by_fingerprint(config)}) d using (fingerprint)
+                  where r.model in {in_list(aside)}
+                  group by r.fingerprint) k
+            where not exists (select 1 from {answers} a
+                              where a.model = ? and a.key = k.new_key and a.fingerprint = k.fingerprint)""",
+        [ledger.model],
+    )
+    (n,) = con.execute(f"select count(*) from {REKEY}").fetchall()[0]
+    try:
+        if n:
+            ledger.take_back(Scratch.rekey)
+            log.info(
+                f"{ledger.model}: {n} request(s) kept aside by an earlier unique_key change ask what selected "
+                "rows ask now: they answer those rows (nothing is asked again for them)"
+            )
+    finally:
+        con.execute(f"drop table if exists {REKEY}")
+    return n > 0
 
 
 def _has_row_answers(ledger: Ledger) -> bool:
