@@ -369,12 +369,13 @@ VIEWS = [
     # back-off) or held. A key may appear more than once (count distinct keys). Also a row answered by
     # another model's request that is not in this model's table yet (that model's run or the poller
     # harvested it after this model's last merge, dbt's threads): its status is the request's outcome,
-    # and the model's next run merges it.
+    # and the model's next run merges it. Not the rows kept aside by a unique_key change (identity.py):
+    # never merged under that name.
     f"""create or replace view {{s}}.llm_batch_pending_rows as
     select a.model, a.variant, a.key, a.fingerprint, r.model as asked_by, r.status
     from {{s}}.llm_batch_row_answers a join {{s}}.llm_batch_requests r using (custom_id)
     where r.status in ({_QUEUED}, {sql(RequestStatus.HELD)})
-       or (a.emitted is null and r.is_final and r.model <> a.model)
+       or (a.emitted is null and r.is_final and r.model <> a.model and not contains(a.model, ' (unique_key '))
     union all
     select model, variant, key, fingerprint, model as asked_by, status from {{s}}.llm_batch_requests
     where status in ({_WAITING}) or (status = {sql(RequestStatus.VOIDED)} and not_before > now())""",

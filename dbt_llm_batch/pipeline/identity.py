@@ -85,9 +85,9 @@ def _take_back_aside(ledger: Ledger, config: ModelConfig) -> bool:
     # (_key_by_fingerprint), and only for a key with no row answer of this model for that fingerprint.
     con.execute(
         f"""create or replace temp table {REKEY} as
-            select k.custom_id, k.new_key, k.model
-            from (select arg_max(r.custom_id, (r.status = {sql(RequestStatus.SUCCEEDED)}, r.queued_at)) as custom_id,
-                         arg_max(r.model, (r.status = {sql(RequestStatus.SUCCEEDED)}, r.queued_at)) as model,
+            select k.taken.custom_id, k.new_key, k.taken.model
+            from (select arg_max({{'custom_id': r.custom_id, 'model': r.model}},
+                                 (r.status = {sql(RequestStatus.SUCCEEDED)}, r.queued_at, r.custom_id)) as taken,
                          any_value(d.key) as new_key, r.fingerprint
                   from {requests} r join ({_key_by_fingerprint(config)}) d using (fingerprint)
                   where r.model in {in_list(aside)}

@@ -187,8 +187,10 @@ def redact(text: str, secret: str | None = None) -> str:
 
 
 def refusal(exc: BaseException, who: str, key_hint: str, secret: str | None = None, again: str = "run") -> str | None:
-    """The message a user sees for a provider error that is not transient (a 4xx: a rejected key, a
-    missing permission, an unknown model or URL), or None for any other exception. `who` names the
+    """The message a user sees for a provider error about the account, not the request (a rejected
+    key, a missing permission, an unpaid account), or None for any other exception: another 4xx (a
+    batch the provider deleted, a body it refused) may be a bug of this package, and keeps its
+    traceback, as before. `who` names the
     model and provider; `key_hint` where its key comes from (key_hint); `secret`, the key, is never shown;
     `again`: what the user does next ("run" the model, or "poll")."""
     status = status_of(exc)
@@ -200,10 +202,8 @@ def refusal(exc: BaseException, who: str, key_hint: str, secret: str | None = No
         fix = f"{FATAL[403]}: check that the key in {key_hint} has permission for llm_model (and for batches)"
     elif status == 402:
         fix = f"{FATAL[402]}: check the account's billing"
-    elif status == 404:
-        fix = "no such model or endpoint: check llm_model (and llm_base_url, if set)"
     else:
-        fix = "the provider refused the request: check the model's llm_* config"
+        return None
     said = redact(provider_message(exc), secret)
     return (
         f"{who} answered HTTP {status}: {fix}. The provider said: {said!r}. With it fixed, the next {again} "
