@@ -869,3 +869,42 @@ def test_requests_kept_aside_by_a_key_change_answer_their_rows_when_they_are_sel
         assert (status, tno) == ("succeeded", ticket_id * 7 + 100), (ticket_id, variant)
         system = terse if variant == "terse" else TRIAGE_SYSTEM
         assert (category, urgent, summary) == expected_triage(system, f"Subject: {subject}\n\n{body}")
+
+
+@pytest.mark.parametrize("narrowed", [True, False], ids=["narrowed", "all_selected"])
+@pytest.mark.parametrize("when", ["in_flight", "answered"])
+def test_a_key_change_keeps_one_row_per_key_when_rows_share_requests(project, emulator, when, narrowed):
+    """unique_key changes to a computed column while rows share requests (llm_dedup, on by default:
+    rows asking the same prompt), with every row selected or (`narrowed`) one row per prompt, then all
+    again: each key has one row, with its prompt's answer; each prompt is billed once; the rows' costs
+    add up to what was billed. (The rows answered by another row's request, whose stored row lacks the
+    new key, took that row's key by their shared fingerprint: three rows of one key in the table.)"""
+    from helpers import PRICES, billed_cost, dup_model, prompt_of, write_rows
+
+    project.write("seeds/llm_prices.csv", PRICES)
+    write_rows(project, {i: i % 4 for i in range(12)})  # 4 prompts, 3 rows each
+    model = dup_model("openai")
+    project.write("models/dup.sql", model)
+    project.dbt("run", "-s", "dup")  # 4 requests in flight, answering 12 rows
+    if when == "answered":
+        emulator.complete_all()
+        project.dbt("run", "-s", "dup")
+    rekeyed = model.replace("unique_key='id'", "unique_key='tno'").replace("select *", "select id + 2000 as tno, *")
+    if narrowed:
+        project.write("models/dup.sql", rekeyed + "where id < 4\n")  # one row per prompt
+        project.dbt("run", "-s", "dup")
+        emulator.complete_all()
+        project.dbt("run", "-s", "dup")
+    project.write("models/dup.sql", rekeyed)  # every row selected again
+    project.dbt("run", "-s", "dup")
+    emulator.complete_all()
+    project.dbt("run", "-s", "dup")
+
+    billed = collections.Counter(json.dumps(b["request"], sort_keys=True) for b in emulator.billed())
+    assert len(billed) == 4 and max(billed.values()) == 1, "a prompt billed twice"
+    rows = project.query("select tno, id, prompt, llm_status, llm_output, llm_cost_usd from main.dup order by tno")
+    assert [(t, i) for t, i, *_ in rows] == [(i + 2000, i) for i in range(12)]
+    for _, i, prompt, status, output, _ in rows:
+        asked = prompt_of(i % 4)
+        assert (prompt, status, output) == (asked, "succeeded", expected_answer(None, asked, None)), i
+    assert sum(cost for *_, cost in rows) == billed_cost(emulator, "openai")

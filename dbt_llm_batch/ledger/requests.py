@@ -377,7 +377,8 @@ class RequestWrites(LedgerBase):
         """Give this model's requests the key `rekeys` (custom_id, new_key) maps them to; those mapped to
         NULL match no selected row: never sent (deferred) ones go, the rest are kept aside under
         `aside_model` (harvested and costed, never merged). Their row answers follow them; row answers
-        with a row of their own take the key `row_rekeys` (custom_id, old_key, new_key) gives them."""
+        with a row of their own take the key `row_rekeys` (custom_id, old_key, new_key) gives them, and
+        go when it gives none (the request stays: a row asking its prompt is mapped to it again)."""
         con, requests = self.con, self.table("llm_batch_requests")
         answers = self.table("llm_batch_row_answers")
 
@@ -399,10 +400,10 @@ class RequestWrites(LedgerBase):
                         [self.model],
                     )
                     con.execute(
-                        f"""update {answers} a set model = ? from {row_rekeys} k
+                        f"""delete from {answers} a using {row_rekeys} k
                             where a.model = ? and a.custom_id = k.custom_id and a.key = k.old_key
                               and a.row_json is not null and k.new_key is null""",
-                        [aside_model, self.model],
+                        [self.model],
                     )
                 con.execute(
                     f"""update {answers} a set model = ? from {rekeys} k, {requests} r

@@ -138,16 +138,17 @@ def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str
                  left join ({_key_by_fingerprint(config)}) d using (fingerprint)""",
         [ledger.model],
     )
-    # Row answers that carry a row of their own (rows answered by another row's request): re-keyed the
-    # same way, from that row.
+    # Row answers that carry a row of their own (rows answered by another row's request): re-keyed from
+    # that row only. By their fingerprint they would take the key the request's own row takes (rows
+    # sharing a request share its fingerprint): two row answers of one key for one request, shown twice.
+    # Those whose row lacks the new key are dropped (ledger.rekey): the next plan maps a selected row
+    # asking the request's prompt to it again (llm_dedup), as it maps any row asking a stored prompt.
     con.execute(
         f"""create or replace temp table {Scratch.rekey_rows} as
             select a.custom_id, a.key as old_key,
-                   coalesce(case when list_has_all(json_keys(a.row_json), {names})
-                                 then {from_row} end, d.key) as new_key
+                   case when list_has_all(json_keys(a.row_json), {names}) then {from_row} end as new_key
             from (select *, json_transform(row_json, {structure}) as s from {ledger.table("llm_batch_row_answers")}
-                  where model = ? and row_json is not null) a
-                 left join ({_key_by_fingerprint(config)}) d using (fingerprint)""",
+                  where model = ? and row_json is not null) a""",
         [ledger.model],
     )
     rekeyed, aside = con.execute(f"select count(new_key), count(*) - count(new_key) from {REKEY}").fetchall()[0]
