@@ -211,3 +211,45 @@ def test_rows_another_model_s_run_answers_after_this_model_merged_are_pending_an
     assert sorted(table(models, "twin")) == list(range(N))
     assert models.query(PROGRESS) == [("main.dup", 0, 0), ("main.twin", 0, 0)]
     assert len(emulator.billed()) == N
+
+
+def test_rows_another_model_s_run_answers_as_this_model_s_merge_begins_are_merged_in_that_run(
+    models, emulator, monkeypatch
+):
+    """dbt's threads: dup's run (its own connection) harvests the shared batch just as twin's merge opens
+    its transaction. The merge chooses the rows it writes and marks the row answers it wrote from one
+    snapshot: the rows either land in this run or stay pending. (The rows were chosen before the
+    transaction: twin's rows were marked 'superseded' by requests final to the marking but not
+    chosen, so they were in no table and counted nowhere: "merged 0 row(s); pending 0".)"""
+    from dbt_llm_batch.ledger import Ledger
+    from dbt_llm_batch.pipeline import costs, merge, runner, shared
+
+    models.dbt("run", "-s", "dup")
+    models.dbt("run", "-s", "twin")  # its rows wait on dup's batch
+    fired, runs = [], {}
+    original_merge, original_transaction = runner.ModelRun.merge, merge.transaction
+
+    def run_merge(run, target, rebuild):
+        runs[run.ledger.model] = run
+        return original_merge(run, target, rebuild)
+
+    def transaction(con):
+        run = runs.get("main.twin")
+        if run is not None and not fired:
+            fired.append(True)
+            emulator.complete_all()
+            other = run.con.cursor()  # another connection, as another dbt thread's
+            costs.load_prices(other, run.config.price_table)  # a temp table of the run's connection
+            assert shared.harvest_shared(Ledger(other, run.ledger.schema, run.ledger.model), run.config) == 1
+        return original_transaction(con)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(runner.ModelRun, "merge", run_merge)
+        patched.setattr(merge, "transaction", transaction)
+        models.dbt("run", "-s", "twin")
+    assert fired
+    twin = table(models, "twin")
+    assert sorted(twin) == list(range(N)) and {r[2] for r in twin.values()} == {"succeeded"}
+    assert "merged 10 row(s) (0 failed); pending 0" in log_text(models)
+    assert models.query(PROGRESS) == [("main.dup", 0, 0), ("main.twin", 0, 0)]
+    assert len(emulator.billed()) == N

@@ -432,57 +432,66 @@ def merge(
     columns = table_columns(input_columns, config)
     requests = ledger.table("llm_batch_requests")
     model = literal(ledger.model)
-    if rebuild:
-        con.execute(
-            f"create or replace temp table {EMIT} as {_winners(ledger, f'select key from {DESIRED}', config.variant, variants=variants)}"
-        )
-    else:
-        # Keys whose winner may have changed: a request became final since the last merge, or the key
-        # is selected and has a final answer the table does not show (a prompt changed back, or a
-        # full refresh left the key out). Their winner is written only if it is not shown already.
-        answers = ledger.table("llm_batch_row_answers")
-        final = f"custom_id in (select custom_id from {requests} where is_final)"
-        # Each part only when it has rows to look at: a run with nothing new has no row answer that is
-        # not merged yet and none superseded, and would otherwise join every final request for none.
-        unmerged, superseded, answers_count = con.execute(
-            f"""select count(*) filter (where emitted is null), count(*) filter (where emitted = 'superseded'), count(*)
-                from {answers} where model = {model} and variant = {variant}"""
-        ).fetchall()[0]
-        parts, own = [], []  # the candidate keys; the same as a condition on a key's only answer
-        if unmerged:
-            parts.append(
-                f"select key from {answers} where model = {model} and variant = {variant} and emitted is null and {final}"
-            )
-            own.append("emitted is null")
-        if superseded:
-            parts.append(f"""select a.key from {answers} a semi join {DESIRED} d on a.key = d.key
-                             where a.model = {model} and a.variant = {variant} and a.emitted = 'superseded' and {final}""")
-            own.append(f"(emitted = 'superseded' and key in (select key from {DESIRED}))")
-        candidates = " union ".join(parts) or "select null::varchar as key"
-        own_answer = " or ".join(own) or "false"
-        con.execute(f"""create or replace temp table {EMIT} as
-                        select * from ({_winners(ledger, candidates, config.variant, own_answer, variants)})
-                        where emitted is distinct from 'merged' {"" if parts else "and false"}""")
     ddl = table_ddl(columns, config)
     target_key = key_sql(config)
-    # Which final requests the table now shows ('merged') and which it does not ('superseded'), so
-    # the next run only looks at requests that became final after this one.
-    scope = f"variant = {variant} and " + (
-        "true" if rebuild else f"(emitted is null or key in (select key from {EMIT}))"
-    )
-    # Every row answer of the variant not merged yet (a first harvest): the scope is all of them, already
-    # counted, so marking them neither counts them again nor joins them with EMIT (2 s at 10M rows).
-    in_scope = None
-    if not rebuild and unmerged == answers_count:
-        scope, in_scope = f"variant = {variant}", answers_count
+
+    def choose() -> tuple[str, int | None, bool]:
+        """EMIT, the rows to write, and the scope of the row answers to mark: inside write()'s
+        transaction, so the rows chosen and the row answers marked are read from one snapshot. Chosen
+        before it, a request another model's run (dbt's threads) settled in between was final to the
+        marking but not in EMIT: its rows were marked 'superseded', neither merged nor pending."""
+        if rebuild:
+            con.execute(
+                f"create or replace temp table {EMIT} as {_winners(ledger, f'select key from {DESIRED}', config.variant, variants=variants)}"
+            )
+        else:
+            # Keys whose winner may have changed: a request became final since the last merge, or the key
+            # is selected and has a final answer the table does not show (a prompt changed back, or a
+            # full refresh left the key out). Their winner is written only if it is not shown already.
+            answers = ledger.table("llm_batch_row_answers")
+            final = f"custom_id in (select custom_id from {requests} where is_final)"
+            # Each part only when it has rows to look at: a run with nothing new has no row answer that is
+            # not merged yet and none superseded, and would otherwise join every final request for none.
+            unmerged, superseded, answers_count = con.execute(
+                f"""select count(*) filter (where emitted is null), count(*) filter (where emitted = 'superseded'), count(*)
+                    from {answers} where model = {model} and variant = {variant}"""
+            ).fetchall()[0]
+            parts, own = [], []  # the candidate keys; the same as a condition on a key's only answer
+            if unmerged:
+                parts.append(
+                    f"select key from {answers} where model = {model} and variant = {variant} and emitted is null and {final}"
+                )
+                own.append("emitted is null")
+            if superseded:
+                parts.append(f"""select a.key from {answers} a semi join {DESIRED} d on a.key = d.key
+                                 where a.model = {model} and a.variant = {variant} and a.emitted = 'superseded' and {final}""")
+                own.append(f"(emitted = 'superseded' and key in (select key from {DESIRED}))")
+            candidates = " union ".join(parts) or "select null::varchar as key"
+            own_answer = " or ".join(own) or "false"
+            con.execute(f"""create or replace temp table {EMIT} as
+                            select * from ({_winners(ledger, candidates, config.variant, own_answer, variants)})
+                            where emitted is distinct from 'merged' {"" if parts else "and false"}""")
+        # Which final requests the table now shows ('merged') and which it does not ('superseded'), so
+        # the next run only looks at requests that became final after this one.
+        scope = f"variant = {variant} and " + (
+            "true" if rebuild else f"(emitted is null or key in (select key from {EMIT}))"
+        )
+        # Every row answer of the variant not merged yet (a first harvest): the scope is all of them, already
+        # counted, so marking them neither counts them again nor joins them with EMIT (2 s at 10M rows).
+        in_scope = None
+        if not rebuild and unmerged == answers_count:
+            scope, in_scope = f"variant = {variant}", answers_count
+
+        # Nothing to write (a run with nothing new): the delete would still compute every row's key.
+        emitting = con.execute(f"select count(*) > 0 from {EMIT}").fetchall()[0][0]
+        return scope, in_scope, emitting
 
     removed = [0]  # rows of keys no longer selected, deleted (llm_on_unselected = 'delete')
     counts = [0, 0, 0]  # Merged's: read from EMIT_ROWS (no row is written when nothing is new)
-    # Nothing to write (a run with nothing new): the delete would still compute every row's key.
-    emitting = con.execute(f"select count(*) > 0 from {EMIT}").fetchall()[0][0]
 
     def write():
         with transaction(con):
+            scope, in_scope, emitting = choose()
             if rebuild and create:
                 con.execute(f"create or replace table {target} ({ddl})")
             elif rebuild:  # a later variant of a rebuilt table
