@@ -162,7 +162,11 @@ def test_a_unique_key_changed_back_to_a_column_the_table_kept_rebuilds_it(projec
     assert "tno" in columns(project)
     assert project.query("select count(*), count(tno) from main.triage") == [(6, 0)]
     project.write(MODEL, by_tno.replace(system, "llm_system = 'Triage it.',"))
+    project.dbt("run", "-s", "triage", "--vars", "{llm_batch_dry_run: true}")
+    held = "triage: key column(s) tno hold NULL in rows written under another unique_key"
+    assert f"{held}: the real run will rebuild" in log_text(project), "the dry run says so"
     project.dbt("run", "-s", "triage")
+    assert f"{held}: the table is rebuilt from the ledger in this run" in log_text(project)
     rows = project.query("select ticket_id, tno, llm_status, category from main.triage order by 1")
     assert [r[:3] for r in rows] == [(t, t * 7 + 100, "succeeded") for t in range(1, 7)], rows
     assert len(emulator.batches()) == 2, "asked once per system prompt: nothing again for the key changes"

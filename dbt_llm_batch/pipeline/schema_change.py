@@ -130,21 +130,25 @@ def apply(con, target: str, expected, config: ModelConfig, model: str, dry_run: 
     # key column the table kept from an earlier unique_key (on_schema_change kept it when the key
     # moved on, NULL in the rows written since): the run never writes a NULL key (merge.py refuses),
     # so a NULL there is such a column's, and the rows holding it have no key to be merged by.
-    rebuild = (
-        any(n.lower() in keys for n, _ in found.added)
-        or VARIANT_COLUMN in found.removed
-        or _null_key(con, target, [n for n, _ in actual if n.lower() in keys])
-    )
+    kept_keys = [n for n, _ in actual if n.lower() in keys]
+    if any(n.lower() in keys for n, _ in found.added):
+        why = "unique_key changed to a column the table lacks"
+    elif VARIANT_COLUMN in found.removed:
+        why = "the evaluation variants were removed"
+    elif _null_key(con, target, kept_keys):
+        why = f"key column(s) {', '.join(kept_keys)} hold NULL in rows written under another unique_key"
+    else:
+        why = ""
+    rebuild = bool(why)
     if dry_run:
         if found:
             how = "rebuild it from the ledger" if rebuild else f"change it ({policy})"
             log.info(f"{model}: the columns of {target} changed; the real run will {how}:\n{found.lines().rstrip()}")
+        elif rebuild:
+            log.info(f"{model}: {why}: the real run will rebuild {target} from the ledger")
         return rebuild
     if rebuild:
-        log.info(
-            f"{model}: unique_key or the evaluation variants changed: the table is rebuilt from the ledger "
-            f"in this run (nothing is sent for it)"
-        )
+        log.info(f"{model}: {why}: the table is rebuilt from the ledger in this run (nothing is sent for it)")
         return True
     for name, typ in own:
         default = (
