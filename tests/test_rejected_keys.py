@@ -127,6 +127,29 @@ def test_a_key_rejected_while_a_batch_is_in_flight_then_the_fixed_key_harvests_o
     assert_billed_once(emulator)
 
 
+def test_a_key_rejected_for_a_batch_sent_before_the_model_switched_provider_names_that_provider(
+    project, emulator, monkeypatch, api_key
+):
+    """The model moves from OpenAI to Anthropic with a batch in flight: the run polls that batch at
+    OpenAI. When OpenAI rejects the key, the message names OpenAI and OPENAI_API_KEY (the key that
+    was refused), not the model's provider now and its variable."""
+    emulator.auto_advance_seconds = None
+    project.dbt("seed", "-s", "support_tickets")
+    project.write("models/triage.sql", triage_model())
+    project.dbt("run", "-s", "triage")  # a batch in flight at OpenAI
+    project.write("models/triage.sql", triage_model(provider="anthropic"))
+    monkeypatch.setenv("OPENAI_API_KEY", WRONG)
+    r = project.dbt("run", "-s", "triage", expect_ok=False)
+    message = failure_messages(r)
+    assert_clean(project, message, "OPENAI_API_KEY")
+    assert "llm_provider 'openai'" in message and "ANTHROPIC_API_KEY" not in message, message
+    monkeypatch.setenv("OPENAI_API_KEY", api_key)
+    emulator.complete_all()
+    project.dbt("run", "-s", "triage")
+    assert project.query("select count(*) from main.triage where llm_status = 'succeeded'") == [(6,)]
+    assert_billed_once(emulator)
+
+
 def test_the_poll_command_says_the_key_was_rejected(project, emulator, monkeypatch, capsys, api_key):
     from dbt_llm_batch.ops.cli import main as cli
 

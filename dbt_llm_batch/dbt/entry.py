@@ -64,8 +64,13 @@ def provider_refusal(exc: Exception, payload: dict) -> str | None:
     permission, an unknown model; calls.refusal), naming the model, its provider and the variable
     that holds its key; None for any other exception."""
     try:
-        config = parse_config(payload["raw_config"])
-        provider = get_provider(config.provider)(config)
+        # The client whose call was refused: an older job's is the provider it was sent to, which
+        # may not be the model's provider now.
+        provider = calls.raised_by(exc)
+        if provider is None:
+            config = parse_config(payload["raw_config"])
+            provider = get_provider(config.provider)(config)
+        config = provider.config
         hint, var = calls.key_hint(provider), calls.key_variable(provider)
     except Exception:  # noqa: BLE001 - the config parsed before the provider was called: not expected
         return None

@@ -255,7 +255,7 @@ class Provider(ABC):
     def __init__(self, config: ModelConfig):
         self.config = config
         # Retries of idempotent calls (poll, list, download, upload) share one budget per run.
-        self.calls = CallBudget(config.retry_budget_seconds)
+        self.calls = CallBudget(config.retry_budget_seconds, owner=self)
 
     def check_credentials(self) -> None:
         """Raise a ConfigError naming the variable to set when the API key is missing."""

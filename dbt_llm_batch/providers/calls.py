@@ -73,12 +73,23 @@ def retry_after(exc: BaseException) -> float | None:
     return None
 
 
+# Set on an error a provider call raised: the client that made the call. A run asks old jobs through
+# the provider, model and host each was sent with (pipeline/pool.py): a refused key is that client's.
+RAISED_BY = "dbt_llm_batch_client"
+
+
+def raised_by(exc: BaseException):
+    """The provider client whose call raised `exc` (CallBudget), or None."""
+    return getattr(exc, RAISED_BY, None)
+
+
 class CallBudget:
     """Retries transient failures with exponential back-off (or the provider's `retry-after`) until
     `seconds` have passed since the first failure of this run."""
 
-    def __init__(self, seconds: float, sleep=time.sleep, clock=time.monotonic):
+    def __init__(self, seconds: float, sleep=time.sleep, clock=time.monotonic, owner=None):
         self.seconds = seconds
+        self.owner = owner  # the provider client whose calls these are (raised_by)
         self.sleep, self.clock = sleep, clock
         self.first_failure: float | None = None
         self.spent = False  # set once a call gave up: later calls fail fast
@@ -93,6 +104,8 @@ class CallBudget:
                 return fn()
             except Exception as exc:
                 if not is_transient(exc):
+                    if self.owner is not None and raised_by(exc) is None:
+                        setattr(exc, RAISED_BY, self.owner)
                     raise
                 now = self.clock()
                 self.first_failure = self.first_failure if self.first_failure is not None else now
