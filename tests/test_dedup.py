@@ -262,5 +262,8 @@ def test_a_key_change_with_shared_requests_asks_nothing_again(dup, emulator, pro
     dup.dbt("run", "-s", "dup", "--full-refresh")
     assert requests_sent(emulator) == 40
     rows = dup.query("select ref, prompt, llm_output, llm_status from main.dup")
-    assert len(rows) == 100
+    # Each ref once, with its own row's prompt (rows sharing a request once took its row's key: 100
+    # rows, of 40 refs).
+    assert sorted(r for r, *_ in rows) == sorted(f"T-{i}" for i in range(100))
+    assert all(p == prompt_of(int(r.removeprefix("T-")) % 40) for r, p, *_ in rows), rows
     assert all(s == "succeeded" and o == expected_answer(None, p, None) for _, p, o, s in rows)

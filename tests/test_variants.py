@@ -826,6 +826,14 @@ def test_a_column_changed_while_the_champion_is_re_asked_refreshes_every_variant
     assert [(i, v, t) for i, v, t in rows if t != i + 2000] == []
 
 
+def run_until_answered(project, emulator, name: str, model: str) -> None:
+    """`model` written, run, its batches ended, and run again to merge them."""
+    project.write(f"models/{name}.sql", model)
+    project.dbt("run", "-s", name)
+    emulator.complete_all()
+    project.dbt("run", "-s", name)
+
+
 @pytest.mark.parametrize("when", ["in_flight", "answered"])
 def test_requests_kept_aside_by_a_key_change_answer_their_rows_when_they_are_selected_again(project, emulator, when):
     """unique_key changes to a computed column while the selection is narrowed: the requests of the
@@ -851,10 +859,7 @@ def test_requests_kept_aside_by_a_key_change_answer_their_rows_when_they_are_sel
     assert project.query(aside) == [(6,)]
     emulator.complete_all()
     project.dbt("run", "-s", "triage")
-    project.write("models/triage.sql", rekeyed)  # every ticket selected again
-    project.dbt("run", "-s", "triage")
-    emulator.complete_all()
-    project.dbt("run", "-s", "triage")
+    run_until_answered(project, emulator, "triage", rekeyed)  # every ticket selected again
 
     assert project.query(aside) == [(0,)]
     bodies = collections.Counter(json.dumps(b["request"], sort_keys=True) for b in emulator.billed())
@@ -891,14 +896,8 @@ def test_a_key_change_keeps_one_row_per_key_when_rows_share_requests(project, em
         project.dbt("run", "-s", "dup")
     rekeyed = model.replace("unique_key='id'", "unique_key='tno'").replace("select *", "select id + 2000 as tno, *")
     if narrowed:
-        project.write("models/dup.sql", rekeyed + "where id < 4\n")  # one row per prompt
-        project.dbt("run", "-s", "dup")
-        emulator.complete_all()
-        project.dbt("run", "-s", "dup")
-    project.write("models/dup.sql", rekeyed)  # every row selected again
-    project.dbt("run", "-s", "dup")
-    emulator.complete_all()
-    project.dbt("run", "-s", "dup")
+        run_until_answered(project, emulator, "dup", rekeyed + "where id < 4\n")  # one row per prompt
+    run_until_answered(project, emulator, "dup", rekeyed)  # every row selected again
 
     billed = collections.Counter(json.dumps(b["request"], sort_keys=True) for b in emulator.billed())
     assert len(billed) == 4 and max(billed.values()) == 1, "a prompt billed twice"

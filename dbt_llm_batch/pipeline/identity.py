@@ -6,7 +6,9 @@ value of `unique_key`, so changing `unique_key` would otherwise strand every sto
 key the model no longer produces: every row would be asked again, and batches in flight would merge
 rows under the old key next to the new ones. Here, before anything is planned:
 - the stored requests are re-keyed to the new key: from their stored row when it has the new key's
-  columns, else by their fingerprint (the same prompt and settings as exactly one selected row);
+  columns, else by their old key when the SELECT still has its columns (the same row), else by their
+  fingerprint (the same prompt and settings as a selected row); rows answered by another row's
+  request likewise, each to a key of its own;
 - requests that match no selected row are set aside under `<identity> (unique_key <old columns>)`:
   still harvested and costed, not merged, until a selected row with no answer asks their fingerprint:
   they are then taken back under its key (a row out of the selection during the change, back).
@@ -16,6 +18,7 @@ and stores the prompt_hash of row answers that lack it (plan.build_desired).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from dbt_llm_batch.config import ModelConfig
@@ -23,6 +26,7 @@ from dbt_llm_batch.ledger import IN_FLIGHT, Ledger
 from dbt_llm_batch.ledger.status import RequestStatus, sql, sql_in
 from dbt_llm_batch.log import log
 from dbt_llm_batch.pipeline import plan
+from dbt_llm_batch.pipeline.plan import key_sql
 from dbt_llm_batch.pipeline.scratch import Scratch
 from dbt_llm_batch.sql import ident, in_list, list_literal, literal
 
@@ -129,26 +133,51 @@ def _rekey(ledger: Ledger, config: ModelConfig, input_columns, old_key: list[str
     from_row = (
         "cast(to_json([" + ", ".join(f"cast(s.{ident(k)} as varchar)" for k in config.unique_key) + "]) as varchar)"
     )
+    # A stored row lacking the new key's columns (a computed key) is found among the selected rows by
+    # its old key, when the SELECT still has the old key's columns: the same row, under its new key.
+    by_old_key = "(select null::varchar as old_key, null::varchar as key where false)"
+    if all(k in types for k in old_key):
+        old = key_sql(dataclasses.replace(config, unique_key=tuple(old_key)), input_columns)
+        by_old_key = f"""(select i.old_key, d.key from (select rowid as row_id, {old} as old_key from {INPUT}) i
+                          join {DESIRED} d using (row_id))"""
+    # Else by its fingerprint (the same prompt and settings as a selected row).
     con.execute(
         f"""create or replace temp table {REKEY} as
             select r.custom_id, r.status,
                    coalesce(case when list_has_all(json_keys(r.row_json), {names})
-                                 then {from_row} end, d.key) as new_key
+                                 then {from_row} end, o.key, d.key) as new_key
             from (select *, json_transform(row_json, {structure}) as s from {requests} where model = ?) r
+                 left join {by_old_key} o on o.old_key = r.key
                  left join ({_key_by_fingerprint(config)}) d using (fingerprint)""",
         [ledger.model],
     )
     # Row answers that carry a row of their own (rows answered by another row's request): re-keyed from
-    # that row only. By their fingerprint they would take the key the request's own row takes (rows
-    # sharing a request share its fingerprint): two row answers of one key for one request, shown twice.
-    # Those whose row lacks the new key are dropped (ledger.rekey): the next plan maps a selected row
-    # asking the request's prompt to it again (llm_dedup), as it maps any row asking a stored prompt.
+    # that row, or by their old key; else each takes a selected key of its fingerprint that no request
+    # and no other such row answer takes (they share the fingerprint with their request's own row, whose
+    # key they would otherwise take: two row answers of one key for one request, the key shown twice).
+    # One left without a key goes (ledger.rekey): a later run maps a row asking its prompt to the
+    # request again (llm_dedup). One that lands on its own request's key goes too: the request's own
+    # row answer answers that key.
     con.execute(
         f"""create or replace temp table {Scratch.rekey_rows} as
-            select a.custom_id, a.key as old_key,
-                   case when list_has_all(json_keys(a.row_json), {names}) then {from_row} end as new_key
-            from (select *, json_transform(row_json, {structure}) as s from {ledger.table("llm_batch_row_answers")}
-                  where model = ? and row_json is not null) a""",
+            with found as (
+                select a.custom_id, a.key as old_key, a.fingerprint,
+                       coalesce(case when list_has_all(json_keys(a.row_json), {names}) then {from_row} end, o.key)
+                         as new_key
+                from (select *, json_transform(row_json, {structure}) as s
+                      from {ledger.table("llm_batch_row_answers")} where model = ? and row_json is not null) a
+                     left join {by_old_key} o on o.old_key = a.key),
+            taken as (select new_key from {REKEY} union all select new_key from found),
+            free as (select fingerprint, key as new_key, row_number() over (partition by fingerprint order by key) as n
+                     from {DESIRED} where key not in (select new_key from taken where new_key is not null)),
+            loose as (select custom_id, old_key, fingerprint,
+                             row_number() over (partition by fingerprint order by old_key) as n
+                      from found where new_key is null),
+            keyed as (select custom_id, old_key, new_key from found where new_key is not null
+                      union all
+                      select l.custom_id, l.old_key, f.new_key from loose l left join free f using (fingerprint, n))
+            select k.custom_id, k.old_key, case when k.new_key is distinct from r.new_key then k.new_key end as new_key
+            from keyed k left join {REKEY} r using (custom_id)""",
         [ledger.model],
     )
     rekeyed, aside = con.execute(f"select count(new_key), count(*) - count(new_key) from {REKEY}").fetchall()[0]
