@@ -46,6 +46,7 @@ class RowSelects(NamedTuple):
     stored: str  # UPDATE of EMIT_ROWS: the stored rows' values, for its rows that need them
     widen: str  # SELECT: the rows to insert, once `stored` ran
     widen_current: str  # SELECT: the rows to insert when no row needs its stored row (every one is current)
+    current: str  # SELECT: `narrow` joined to the current rows, those that need no stored row only (in one)
 
 
 def table_columns(input_columns, config: ModelConfig) -> list[tuple[str, str]]:
@@ -75,7 +76,7 @@ def relation_exists(con, schema: str, name: str) -> bool:
 TEXT_ROUND_TRIP = ("BIT",)
 
 
-def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> RowSelects:
+def _row_selects(ledger: Ledger, config: ModelConfig, input_columns, emit: str = EMIT) -> RowSelects:
     """The table's rows for the winners in EMIT, with named columns (inserted by name), in three
     statements: `narrow`, every column but the selected ones, for EMIT_ROWS; `stored`, the stored
     rows' values of the winners that need them (an UPDATE of EMIT_ROWS, run only if some do, after
@@ -87,7 +88,9 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> RowSelec
 
     A selected key whose current row asks the winner's fingerprint (md5 of the prompt) has the
     stored row's prompt and key already: the whole row is the current one, and the stored JSON is
-    parsed only for the other winners (parsing every stored row was most of a large merge)."""
+    parsed only for the other winners (parsing every stored row was most of a large merge).
+
+    `emit`: the winners (EMIT, or a relation of the same columns: _first_harvest)."""
     structure = json.dumps({name: "VARCHAR" if typ in TEXT_ROUND_TRIP else typ for name, typ in input_columns})
     # The fingerprint hashes the prompt as text: equal for the same VARCHAR prompt (an empty or NULL
     # one, and other types' text forms, are read from the stored row as before).
@@ -153,7 +156,7 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> RowSelec
     # ten million rows 5.7 GB spilled, and the statement grew 47x from a million), even when no winner
     # needs its stored row (a run merging new answers).
     narrow = f"""
-        with {_parts_sql(requests)},
+        with {_parts_sql(requests, emit)},
         w as (
             select r.* exclude (key, row_json, answer), e.key, e.reused, e.sharing, e.share_rank,
                    e.emitted is null as is_new,
@@ -161,7 +164,7 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> RowSelec
                    -- a combined answer (added_fields.py): each field from the newest of its parts holding it
                    case when b.key is null then r.answer else f.answer end as answer,
                    b.base_cost_usd, b.base_realtime_cost_usd, b.base_input_tokens, b.base_output_tokens
-            from {EMIT} e join {requests} r on r.custom_id = e.custom_id and r.is_final
+            from {emit} e join {requests} r on r.custom_id = e.custom_id and r.is_final
                  left join based b on b.key = e.key
                  left join fields f on f.key = e.key
                  left join {DESIRED} d on d.key = e.key)
@@ -187,7 +190,9 @@ def _row_selects(ledger: Ledger, config: ModelConfig, input_columns) -> RowSelec
     joined = f"from {INPUT} i right join {EMIT_ROWS} n on i.rowid = n.{ROW}"
     widen = f"select {', '.join(selected + widen_values)} {joined}"
     widen_current = f"select {', '.join(current_only + widen_values)} {joined}"
-    return RowSelects(narrow, add_stored, stored, widen, widen_current)
+    current = f"""select {", ".join(current_only + widen_values)}
+                  from {INPUT} i join ({narrow}) n on i.rowid = n.{ROW} where not n.{NEEDS_STORED}"""
+    return RowSelects(narrow, add_stored, stored, widen, widen_current, current)
 
 
 def finish_reason_sql() -> str:
@@ -257,7 +262,7 @@ def _combined_share(column: str) -> str:
     return f"({_share(f'w.{column}')} + coalesce(w.base_{column}, 0))"
 
 
-def _parts_sql(requests: str) -> str:
+def _parts_sql(requests: str, emit: str = EMIT) -> str:
     """SQL CTEs over EMIT's combined answers (added_fields.py: a row answer naming the earlier requests
     it is made of besides its own request, `base_parts`): `based`, per key,
     the sum of the row's shares of the earlier requests' costs (each shared among the rows it answered,
@@ -272,7 +277,7 @@ def _parts_sql(requests: str) -> str:
     return f"""
         parts as (
             select e.key, unnest(e.base_parts) as part, generate_subscripts(e.base_parts, 1) as n
-            from {EMIT} e where e.base_parts is not null),
+            from {emit} e where e.base_parts is not null),
         based as (
             select p.key, sum({share["cost_usd"]}) as base_cost_usd,
                    sum({share["realtime_cost_usd"]}) as base_realtime_cost_usd,
@@ -285,7 +290,7 @@ def _parts_sql(requests: str) -> str:
                         from parts p join {requests} r on r.custom_id = p.part.custom_id
                         union all
                         select e.key, r.custom_id, r.queued_at, r.answer
-                        from {EMIT} e join {requests} r on r.custom_id = e.custom_id
+                        from {emit} e join {requests} r on r.custom_id = e.custom_id
                         where e.base_parts is not null) x,
                        unnest(json_keys(x.answer)) f(k)
                   group by x.key, f.k)
@@ -405,6 +410,66 @@ class Merged(NamedTuple):
     rewritten: int
 
 
+class _NotEveryRow(Exception):
+    """_first_harvest wrote fewer rows than the model has row answers: rolled back, merged in general."""
+
+
+# The winners of a first harvest whose every row answer is its own request's only one (_first_harvest),
+# with the columns _winners gives EMIT.
+_OWN_ANSWERS = """(select key, custom_id, variant, emitted, reused, row_json, 1 as sharing, 1 as share_rank,
+                         null::struct(custom_id varchar, sharing bigint, share_rank bigint, reused boolean)[] as base_parts
+                  from {answers} where model = {model} and variant = '')"""
+
+
+def _first_harvest(ledger: Ledger, config: ModelConfig, target: str, input_columns) -> Merged | None:
+    """The common first harvest in one insert: the model's table is empty and each of its row answers
+    is new, its key's only one, its request's only one (no row shares a request: no cost to split)
+    and made of no earlier answers, so each winner is its own row answer. When each also has a final
+    request and the key's current row asks it (no stored row to read: `_row_selects`' `current`), the
+    table is every row answer's row, written by one insert whose build side is the row answers
+    joined with their requests, as the design's floor writes it (benchmarks/scale.py). Returns what
+    it wrote, or None (nothing written) for the general merge: any condition unmet, or a row not
+    written (rolled back). The general merge writes the same rows (tests/test_first_harvest.py); it
+    builds EMIT and EMIT_ROWS first, which was over a third of a 10M-row harvest."""
+    if config.variant_name is not None or config.variants:
+        return None
+    con, model, answers = ledger.con, literal(ledger.model), ledger.table("llm_batch_row_answers")
+    if con.execute(f"select exists (select 1 from {target})").fetchall()[0][0]:
+        return None
+    new, own, single, n = con.execute(
+        f"""select count(*) filter (where emitted is not null) = 0,
+                   count(*) filter (where reused or row_json is not null or base_custom_ids is not null) = 0,
+                   count(*) = count(distinct key), count(*)
+            from {answers} where model = {model} and variant = ''"""
+    ).fetchall()[0]
+    if not (n and new and own and single):
+        return None
+    # Another model's row answer of one of these requests (llm_dedup = 'ledger'): its cost is shared.
+    if con.execute(
+        f"""select exists (select 1 from {answers} where model <> {model} and not reused
+                           and custom_id in (select custom_id from {answers} where model = {model}))"""
+    ).fetchall()[0][0]:
+        return None
+    rows = _row_selects(ledger, config, input_columns, emit=_OWN_ANSWERS.format(answers=answers, model=model))
+
+    def write() -> Merged:
+        with transaction(con):
+            with joins_as_written(con):
+                (written,) = con.execute(f"insert into {target} by name {rows.current}").fetchall()[0]
+            if written != n:
+                raise _NotEveryRow
+            (failed,) = con.execute(
+                f"select count(*) from {target} where llm_status = {sql(RequestStatus.FAILED)}"
+            ).fetchall()[0]
+            ledger.mark_emitted(f"(select key, custom_id from {answers} where model = {model})", "variant = ''", n)
+        return Merged(n, failed, 0)
+
+    try:
+        return retry_on_conflict(write)
+    except _NotEveryRow:
+        return None
+
+
 def merge(
     ledger: Ledger,
     config: ModelConfig,
@@ -427,6 +492,10 @@ def merge(
     the stored names of the model's variants now (_winners: a request's cost is split among them).
     """
     con = ledger.con
+    if not rebuild:
+        first = _first_harvest(ledger, config, target, input_columns)
+        if first is not None:
+            return first
     variant = literal(config.variant)
     shown = "true" if config.variant_name is None else f"llm_variant = {literal(config.variant_name)}"
     columns = table_columns(input_columns, config)
