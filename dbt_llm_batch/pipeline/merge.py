@@ -410,8 +410,9 @@ class Merged(NamedTuple):
     rewritten: int
 
 
-class _NotEveryRow(Exception):
-    """_first_harvest wrote fewer rows than the model has row answers: rolled back, merged in general."""
+class _General(Exception):
+    """_first_harvest's conditions are unmet, or it wrote fewer rows than the model has row answers:
+    rolled back, the general merge writes the table."""
 
 
 # The winners of a first harvest whose every row answer is its own request's only one (_first_harvest),
@@ -434,39 +435,42 @@ def _first_harvest(ledger: Ledger, config: ModelConfig, target: str, input_colum
     if config.variant_name is not None or config.variants:
         return None
     con, model, answers = ledger.con, literal(ledger.model), ledger.table("llm_batch_row_answers")
-    if con.execute(f"select exists (select 1 from {target})").fetchall()[0][0]:
-        return None
-    new, own, single, n = con.execute(
-        f"""select count(*) filter (where emitted is not null) = 0,
-                   count(*) filter (where reused or row_json is not null or base_custom_ids is not null) = 0,
-                   count(*) = count(distinct key), count(*)
-            from {answers} where model = {model} and variant = ''"""
-    ).fetchall()[0]
-    if not (n and new and own and single):
-        return None
-    # Another model's row answer of one of these requests (llm_dedup = 'ledger'): its cost is shared.
-    if con.execute(
-        f"""select exists (select 1 from {answers} where model <> {model} and not reused
-                           and custom_id in (select custom_id from {answers} where model = {model}))"""
-    ).fetchall()[0][0]:
-        return None
     rows = _row_selects(ledger, config, input_columns, emit=_OWN_ANSWERS.format(answers=answers, model=model))
 
     def write() -> Merged:
+        # Checked inside the transaction: another model's run (dbt's threads) may map a row to one of
+        # these requests meanwhile (llm_dedup = 'ledger'), and its cost is then shared.
         with transaction(con):
+            if con.execute(f"select exists (select 1 from {target})").fetchall()[0][0]:
+                raise _General
+            new, own, single, n = con.execute(
+                f"""select count(*) filter (where emitted is not null) = 0,
+                           count(*) filter (where reused or row_json is not null or base_custom_ids is not null) = 0,
+                           count(*) = count(distinct key), count(*)
+                    from {answers} where model = {model} and variant = ''"""
+            ).fetchall()[0]
+            if not (n and new and own and single):
+                raise _General
+            # Another model's row answer of one of these requests (llm_dedup = 'ledger').
+            if con.execute(
+                f"""select exists (select 1 from {answers} where model <> {model} and not reused
+                                   and custom_id in (select custom_id from {answers} where model = {model}))"""
+            ).fetchall()[0][0]:
+                raise _General
             with joins_as_written(con):
                 (written,) = con.execute(f"insert into {target} by name {rows.current}").fetchall()[0]
             if written != n:
-                raise _NotEveryRow
+                raise _General
             (failed,) = con.execute(
                 f"select count(*) from {target} where llm_status = {sql(RequestStatus.FAILED)}"
             ).fetchall()[0]
-            ledger.mark_emitted(f"(select key, custom_id from {answers} where model = {model})", "variant = ''", n)
+            mine = f"(select key, custom_id from {answers} where model = {model} and variant = '')"
+            ledger.mark_emitted(mine, "variant = ''", n)
         return Merged(n, failed, 0)
 
     try:
         return retry_on_conflict(write)
-    except _NotEveryRow:
+    except _General:
         return None
 
 
