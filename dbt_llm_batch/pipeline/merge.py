@@ -435,14 +435,16 @@ def _first_harvest(ledger: Ledger, config: ModelConfig, target: str, input_colum
     if config.variant_name is not None or config.variants:
         return None
     con, model, answers = ledger.con, literal(ledger.model), ledger.table("llm_batch_row_answers")
+    # Only this model's run writes its table (under its lock): read before any transaction, so a run
+    # whose table has rows (every run after the first harvest) opens none and builds no SQL here.
+    if con.execute(f"select exists (select 1 from {target})").fetchall()[0][0]:
+        return None
     rows = _row_selects(ledger, config, input_columns, emit=_OWN_ANSWERS.format(answers=answers, model=model))
 
     def write() -> Merged:
         # Checked inside the transaction: another model's run (dbt's threads) may map a row to one of
         # these requests meanwhile (llm_dedup = 'ledger'), and its cost is then shared.
         with transaction(con):
-            if con.execute(f"select exists (select 1 from {target})").fetchall()[0][0]:
-                raise _General
             new, own, single, n = con.execute(
                 f"""select count(*) filter (where emitted is not null) = 0,
                            count(*) filter (where reused or row_json is not null or base_custom_ids is not null) = 0,
