@@ -30,7 +30,7 @@ import re
 
 import pytest
 from model_based import steps as steps_module
-from model_based.invariants import KeptRows, after_calm_finish, after_step, shared_table_costs
+from model_based.invariants import KeptRows, after_calm_finish, after_step, lost_in_a_kill, shared_table_costs
 from model_based.steps import KINDS, apply, no_traceback, outcome, plan
 from model_based.world import MODELS, World, write_project
 
@@ -114,6 +114,7 @@ def test_a_seeded_sequence_keeps_every_invariant(project, emulator, seed, steps,
     keep_going = os.environ.get("DBT_LLM_BATCH_MBT_KEEP_GOING") == "1"
     seen: set[str] = set()  # invariants reported (the billing one reports each request once by itself)
     reported: set[str] = set()  # requests reported billed twice
+    lost: set[int] = set()  # billed lines lost in a killed run (invariants.lost_in_a_kill)
     found: list[str] = []
 
     def check(where: str, broken: list[str]) -> None:
@@ -128,16 +129,21 @@ def test_a_seeded_sequence_keeps_every_invariant(project, emulator, seed, steps,
         before = world
         if step.kind == "edit":
             kept.before_edit(project, before, step.world)
+        since = len(emulator.billed())
         world, note, own = apply(step, project, emulator, world, tmp_path)
         if step.kind == "edit":
             kept.after_edit(before, world, step.args["edits"])
+        if step.kind == "crash":  # another thread's realtime answers the kill cut off: paid, sent again
+            cut_off = lost_in_a_kill(project, emulator.billed(), since)
+            lost |= cut_off
+            note += f"; {len(cut_off)} realtime answer(s) paid and cut off" if cut_off else ""
         done.append(f"{number:>2}. {step.line}" + (f"  [{note}]" if note else ""))
-        check(f"after step {number}", own + after_step(project, emulator, world, reported))
+        check(f"after step {number}", own + after_step(project, emulator, world, reported, lost))
 
     still_open = calm_finish(project, emulator, world, done)
     check(
         "after the calm finish",
-        after_step(project, emulator, world, reported)
+        after_step(project, emulator, world, reported, lost)
         + shared_table_costs(project, world)
         + after_calm_finish(project, world, kept)
         + still_open,

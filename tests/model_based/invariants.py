@@ -39,10 +39,38 @@ def billed_cost(billed: list[dict]) -> Decimal:
     return total
 
 
-def after_step(project, emulator, world: World, reported: set[str] | None = None) -> list[str]:
-    """`reported`: requests already reported billed twice (left out, then added to)."""
+def lost_in_a_kill(project, billed: list[dict], since: int) -> set[int]:
+    """The realtime lines billed since line `since` (a run killed meanwhile) whose answer the ledger
+    never stored: another dbt thread was waiting for them when the run died. They are paid and sent
+    again by the next run, as documented (docs/guides/realtime.md: "a run killed while realtime
+    requests are on their way sends those again in the next run, and they may have been billed
+    already"). Returned as indexes of `billed`: each request still queued in realtime accounts for
+    at most one line of its prompt."""
+    project.release_database()
+    unanswered = collections.Counter(
+        prompt
+        for (prompt,) in project.query(
+            "select row_json ->> '$.prompt' from main.llm_batch_requests where route = 'realtime' and status = 'queued'"
+        )
+    )
+    lost = set()
+    for n in range(since, len(billed)):
+        line = billed[n]
+        if line["via"] == "realtime" and unanswered[line["prompt"]] > 0:
+            unanswered[line["prompt"]] -= 1
+            lost.add(n)
+    return lost
+
+
+def after_step(
+    project, emulator, world: World, reported: set[str] | None = None, lost: set[int] | None = None
+) -> list[str]:
+    """`reported`: requests already reported billed twice (left out, then added to). `lost`: billed
+    lines lost in a kill (lost_in_a_kill): paid, never in the ledger, and not a request paid twice."""
     broken: list[str] = []
-    billed = emulator.billed()
+    lost = lost or set()
+    every = emulator.billed()
+    billed = [b for n, b in enumerate(every) if n not in lost]
     project.release_database()
     broken += billed_twice(project, billed, set() if reported is None else reported, world)
     # Harvested: stored *and settled* (harvest.py: a job is marked harvested in the transaction that

@@ -20,7 +20,7 @@ from pathlib import Path
 from dbt_llm_batch.pipeline.crashpoints import POINTS
 
 from .invariants import budget_kept, rename_warned
-from .world import EDITED, FIRST_MODEL, OTHER_MODEL, VARIANT_CONFIGS, World, write_models, write_seed
+from .world import EDITED, FIRST_MODEL, OTHER_MODEL, VARIANT_CONFIGS, World, body_of, write_models, write_seed
 
 SELECT = ("-s", "tag:mb", "--threads", "4")
 # A Gemini job's states once it has ended (the sandbox's control view shows the wire's BATCH_STATE_*).
@@ -233,7 +233,7 @@ def apply(step: Step, project, emulator, world: World, tmp: Path) -> tuple[World
         note = _run(project, "--vars", f"{{mb_below: {step.args['below']}}}")
     elif step.kind == "complete":
         # Fires if that row's request is in a batch completing now, else when one next completes.
-        prompt = f"Extract from: Ticket {step.args['row']}:"
+        prompt = f"Extract from: {body_of(step.args['row'])}"  # its text (a repeated one: both rows' request)
         emulator.add_fault(kind="content", prompt_contains=prompt, content=step.args["content"], times=1)
         emulator.complete_all()
     elif step.kind == "advance":

@@ -148,7 +148,11 @@ class World:
 
 
 def body_of(i: int) -> str:
-    return f"Ticket {i}: the export of report {i % 4} fails with error {i * 13 % 97}."
+    """Every sixth ticket repeats the text of the ticket two before it: rows of one model asking the
+    same prompt share one request (llm_dedup, on by default) and split its cost; among them an urgent
+    row (sent realtime) and a normal one (i % 5 == 3: ticket 3 and ticket 5)."""
+    n = i - 2 if i % 6 == 5 else i
+    return f"Ticket {n}: the export of report {n % 4} fails with error {n * 13 % 97}."
 
 
 def row_version(priority: str, body: str) -> int:
