@@ -3,11 +3,12 @@ dbt's 4 threads, also under a project budget, batches ending, provider faults be
 handler, a SIGKILLed run, edits between runs (also a provider or model switch, a model's file renamed
 with or without llm_ledger_identity, unique_key changed to a column the stored rows lack), new rows, polls with --then, full re-parses), over four
 llm_batch models, three of which meet (variants on three providers, Azure OpenAI among them, one of them answering a
-sample of the keys; a model moved to Gemini and back; requests shared across models, urgent rows sent realtime, a nested output with a
+sample of the keys; a model moved to Gemini and back; requests shared across models and within one (tickets repeating another's text, one urgent, one not), urgent rows sent realtime, a nested output with a
 date-time and a nullable field, which the sandbox sometimes answers with a value its column cannot hold),
 and an embedding model (llm_task = 'embed').
 
-After every step: no request billed twice (the sandbox's billing record, by request body), the ledger's
+After every step: no request billed twice (the sandbox's billing record, by request body; a realtime
+answer a killed run was waiting for is paid and sent again, as documented), the ledger's
 costs equal what was billed once harvested, one row per (key, variant), no table row carries more than
 its request cost, no succeeded row with NULL in an output, values stored as answered, no succeeded
 request holding a value its column cannot hold, a batch's rows

@@ -1,7 +1,9 @@
 """The modelled project: what the test believes the dbt project is (rows, each model's config), and the
 files that say it to dbt.
 
-Four llm_batch models over one seed of tickets, at test prices:
+Four llm_batch models over one seed of tickets, at test prices. Every sixth ticket repeats the text of
+the ticket two before it (body_of): rows of one model asking the same prompt share one request and
+split its cost.
 - `mb_triage` (OpenAI) with variants (at first 'claude' on Anthropic, answering a sample of half the
   keys), urgent rows sent realtime;
 - `mb_twin` (OpenAI) asking the same requests as mb_triage's default variant while their prompts,
