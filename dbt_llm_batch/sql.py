@@ -41,6 +41,7 @@ def list_literal(values: Iterable[str]) -> str:
 
 # The optimizer DuckDB uses to swap a join's build and probe sides by estimated size.
 BUILD_SIDE_OPTIMIZER = "build_side_probe_side"
+JOIN_ORDER_OPTIMIZER = "join_order"
 # DuckDB's disabled_optimizers is a setting of the database instance, not of a connection (it cannot be
 # set locally): the statements that turn it off run one at a time in this process, each restoring the
 # value it found, so dbt's threads never leave it off. A statement of another thread planned meanwhile
@@ -49,7 +50,7 @@ _AS_WRITTEN = threading.RLock()
 
 
 @contextmanager
-def joins_as_written(con) -> Iterator[None]:
+def joins_as_written(con, order: bool = False) -> Iterator[None]:
     """Run the statements inside with each outer join's build side as written: its right side.
 
     For a join that reads the model's rows (Scratch.input, the prompts: 5 GB at ten million
@@ -60,11 +61,14 @@ def joins_as_written(con) -> Iterator[None]:
     length, so the narrow side, with more columns, looked the bigger one: a hash table of every prompt,
     which spilled once they outgrew memory_limit (a merge at 1M rows under 600MB: 1.6 GB spilled; from
     1M to 10M rows the statement grew 26x). Inner joins are still ordered by DuckDB's join order
-    optimizer. The setting is restored after, whatever happens."""
+    optimizer, unless `order`: then every join is run as written, each one's right side its build
+    side (a chain of joins whose probe side is the model's rows from the first to the last).
+    The setting is restored after, whatever happens."""
     with _AS_WRITTEN:
         before = con.execute("select current_setting('disabled_optimizers')").fetchall()[0][0] or ""
         names = [name.strip() for name in before.split(",") if name.strip()]
-        con.execute(f"set disabled_optimizers = {literal(','.join([*names, BUILD_SIDE_OPTIMIZER]))}")
+        added = [BUILD_SIDE_OPTIMIZER, *([JOIN_ORDER_OPTIMIZER] if order else [])]
+        con.execute(f"set disabled_optimizers = {literal(','.join([*names, *added]))}")
         try:
             yield
         finally:
