@@ -62,8 +62,9 @@ def joins_as_written(con, order: bool = False) -> Iterator[None]:
     which spilled once they outgrew memory_limit (a merge at 1M rows under 600MB: 1.6 GB spilled; from
     1M to 10M rows the statement grew 26x). Inner joins are still ordered by DuckDB's join order
     optimizer, unless `order`: then every join is run as written, each one's right side its build
-    side (a chain of joins whose probe side is the model's rows from the first to the last).
-    The setting is restored after, whatever happens."""
+    side (merge._first_harvest: the requests stream through the row answers and desired rows, and
+    the result is the build side of the join with the model's rows). The setting is restored after,
+    whatever happens."""
     with _AS_WRITTEN:
         before = con.execute("select current_setting('disabled_optimizers')").fetchall()[0][0] or ""
         names = [name.strip() for name in before.split(",") if name.strip()]

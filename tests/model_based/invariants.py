@@ -68,9 +68,7 @@ def after_step(
     """`reported`: requests already reported billed twice (left out, then added to). `lost`: billed
     lines lost in a kill (lost_in_a_kill): paid, never in the ledger, and not a request paid twice."""
     broken: list[str] = []
-    lost = lost or set()
-    every = emulator.billed()
-    billed = [b for n, b in enumerate(every) if n not in lost]
+    billed = [b for n, b in enumerate(emulator.billed()) if n not in (lost or set())]
     project.release_database()
     broken += billed_twice(project, billed, set() if reported is None else reported, world)
     # Harvested: stored *and settled* (harvest.py: a job is marked harvested in the transaction that
