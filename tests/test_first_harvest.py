@@ -5,10 +5,20 @@ does not cover leaves the harvest to the general merge."""
 
 from __future__ import annotations
 
+import json
 from decimal import Decimal
 
 import pytest
-from helpers import PRICES, dup_model, prompt_of, triage_model, write_rows
+from helpers import (
+    PRICES,
+    PROVIDER_MODELS,
+    TRIAGE_OUTPUT,
+    TRIAGE_SYSTEM,
+    dup_model,
+    prompt_of,
+    triage_model,
+    write_rows,
+)
 
 from dbt_llm_batch.pipeline import merge
 
@@ -218,3 +228,39 @@ def test_a_row_another_model_maps_to_these_requests_as_the_first_harvest_begins_
     assert all(d and t and abs(d - t) <= Decimal("0.000001") for d, t in zip(costs["dup"], costs["twin"], strict=True))
     assert sum(costs["dup"]) + sum(costs["twin"]) == billed_cost(emulator, "openai")
     assert len(emulator.billed()) == 6
+
+
+def test_a_first_harvest_after_a_full_re_parse_with_the_config_moved_to_yaml_is_one_insert(
+    project, emulator, one_insert
+):
+    """A CI checkout parses from scratch, and a user may move a model's config from its SQL to its
+    YAML between runs: the same config is the same model, so the batch sent before is harvested by
+    the one insert, and the table is the general merge's."""
+    emulator.auto_advance_seconds = None
+    project.dbt("seed", "-s", "support_tickets")
+    project.write("models/triage.sql", triage_model())
+    project.dbt("run", "-s", "triage")
+    emulator.complete_all()
+    project.write("models/triage.sql", triage_model().split("}}", 1)[1])  # the select, no config() call
+    project.write(
+        "models/triage.yml",
+        "version: 2\nmodels:\n  - name: triage\n    config:\n"
+        + "".join(
+            f"      {k}: {json.dumps(v)}\n"
+            for k, v in {
+                "materialized": "llm_batch",
+                "llm_provider": "openai",
+                "llm_model": PROVIDER_MODELS["openai"],
+                "unique_key": "ticket_id",
+                "llm_system": TRIAGE_SYSTEM,
+                "llm_output": TRIAGE_OUTPUT,
+                "llm_max_tokens": 200,
+            }.items()
+        ),
+    )
+    project.dbt("run", "-s", "triage", "--no-partial-parse")
+    assert len(emulator.batches()) == 1  # nothing asked again: the config is the one the batch was sent with
+    assert one_insert == [merge.Merged(6, 0, 0)], one_insert
+    rows = assert_same_as_a_rebuild(project)
+    assert [r[0] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert project.query("select llm_status, count(*) from main.triage group by all") == [("succeeded", 6)]
