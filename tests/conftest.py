@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import duckdb
@@ -180,12 +181,23 @@ def claude(emu):
 
 
 class Project:
-    """A copy of integration_project in a temp dir, with its own DuckDB file, target/ and logs/."""
+    """A copy of integration_project in a temp dir, with its own DuckDB file, target/ and logs/
+    (the profile's DuckDB file: DBT_LLM_BATCH_DUCKDB)."""
 
     def __init__(self, root: Path, monkeypatch):
         self.root = root
         self.db_path = root / "warehouse.duckdb"
         monkeypatch.setenv("DBT_LLM_BATCH_DUCKDB", str(self.db_path))
+
+    @classmethod
+    def run_from_its_directory(cls, root: Path, monkeypatch) -> Project:
+        """The project as a user runs it, from its directory, the profile naming its DuckDB file by a
+        path relative to it: the profile reads the same in every test's copy, which dbt's partial
+        parsing requires (a profile's values are part of its saved manifest's check)."""
+        project = cls(root, monkeypatch)
+        monkeypatch.chdir(root)
+        monkeypatch.setenv("DBT_LLM_BATCH_DUCKDB", project.db_path.name)
+        return project
 
     def write(self, relpath: str, text: str) -> None:
         path = self.root / relpath
@@ -230,14 +242,37 @@ def failure_messages(result) -> str:
     return "\n".join(str(r.message) for r in result.result.results if r.status in ("error", "fail"))
 
 
-@pytest.fixture
-def project(tmp_path, monkeypatch) -> Project:
-    root = tmp_path / "project"
+@pytest.fixture(scope="session")
+def parsed_integration_project(tmp_path_factory) -> Path:
+    """integration_project with this package installed (`dbt deps`: a link to this checkout) and its
+    files parsed (`dbt parse`), once per test session and xdist worker. Each test's project is a copy,
+    so its first dbt command parses only the files the test wrote (dbt's partial parsing: the saved
+    manifest in target/ is valid wherever the project lies, as it holds no absolute path dbt reads
+    back), not all of them again: about 2 s a test. A test of a parse from scratch says so
+    (`--no-partial-parse`), as a CI checkout does."""
+    root = tmp_path_factory.mktemp("integration") / "project"
     shutil.copytree(INTEGRATION, root, ignore=shutil.ignore_patterns("target", "logs", "dbt_packages", "*.duckdb*"))
     (root / "packages.yml").write_text(f"packages:\n  - local: {REPO}\n")
-    proj = Project(root, monkeypatch)
-    proj.dbt("deps")
-    return proj
+    with pytest.MonkeyPatch.context() as patch:
+        parsing = Project.run_from_its_directory(root, patch)
+        for command in ("deps", "parse"):
+            parsing.dbt(command)
+    shutil.rmtree(root / "logs", ignore_errors=True)
+    assert (root / "target" / "partial_parse.msgpack").exists() and not list(root.glob("*.duckdb*"))
+    return root
+
+
+@pytest.fixture
+def project(parsed_integration_project, tmp_path, monkeypatch) -> Iterator[Project]:
+    """A copy of the parsed integration project (its package link copied as a link). dbt-duckdb keeps
+    the database of an in-process run open for the next run with the same profile, and every copy's
+    profile reads the same (a relative path): each test's project starts and ends with it closed."""
+    root = tmp_path / "project"
+    shutil.copytree(parsed_integration_project, root, symlinks=True)
+    project = Project.run_from_its_directory(root, monkeypatch)
+    project.release_database()
+    yield project
+    project.release_database()
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ started meanwhile goes ahead as soon as the poller lets go, instead of failing.
 
 from __future__ import annotations
 
+import os
 import time
 
 import duckdb
@@ -54,7 +55,7 @@ class Plugin(BasePlugin):
                     raise RuntimeError(lock_conflict_message(path, str(exc))) from None
                 if not said:
                     AdapterLogger("llm_batch").info(
-                        f"{path} is in use by another process; waiting up to {int(left)} s for it"
+                        f"{os.path.abspath(path)} is in use by another process; waiting up to {int(left)} s for it"
                     )
                     said = True
                 time.sleep(min(delay, left))

@@ -11,6 +11,7 @@ process that died: the next run takes it over, with a warning.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -27,12 +28,13 @@ HOLDER = re.compile(r"Conflicting lock is held in (?P<program>.+?) \(PID (?P<pid
 
 def lock_conflict_message(path: str, error: str, blocked: str = "this dbt run cannot start") -> str:
     """The user-facing message for a DuckDB file another process holds (DuckDB names the holder).
-    `blocked` says what cannot happen, in the caller's words (a dbt run, a CLI command)."""
+    `blocked` says what cannot happen, in the caller's words (a dbt run, a CLI command). The file is
+    named by its absolute path: a profile's relative path is relative to where dbt was started."""
     m = HOLDER.search(error)
     holder = f"{m['program']} (PID {m['pid']})" if m else "another process"
     stop = f" If that process is stuck or forgotten, stop it (for example `kill {m['pid']}`)." if m else ""
     return (
-        f"The DuckDB file {path} is in use by {holder}. DuckDB lets only one process open a database "
+        f"The DuckDB file {os.path.abspath(path)} is in use by {holder}. DuckDB lets only one process open a database "
         f"file for writing, so {blocked}; nothing was changed. Wait for that process "
         f"(another dbt run, a notebook or a DuckDB shell) to finish or close the file, then run again."
         f"{stop} (DuckDB said: {error})"
