@@ -247,9 +247,9 @@ def parsed_integration_project(tmp_path_factory) -> Path:
     """integration_project with this package installed (`dbt deps`: a link to this checkout) and its
     files parsed (`dbt parse`), once per test session and xdist worker. Each test's project is a copy,
     so its first dbt command parses only the files the test wrote (dbt's partial parsing: the saved
-    manifest in target/ is valid wherever the project lies, as it holds no absolute path dbt reads
-    back), not all of them again: about 2 s a test. A test of a parse from scratch says so
-    (`--no-partial-parse`), as a CI checkout does."""
+    manifest in target/ holds the template's directory only as a fallback for a seed whose file is
+    missing), not all of them again: about 2 s a test (tests/test_project_fixture.py). A test of a
+    parse from scratch says so (`--no-partial-parse`), as a CI checkout does."""
     root = tmp_path_factory.mktemp("integration") / "project"
     shutil.copytree(INTEGRATION, root, ignore=shutil.ignore_patterns("target", "logs", "dbt_packages", "*.duckdb*"))
     (root / "packages.yml").write_text(f"packages:\n  - local: {REPO}\n")
